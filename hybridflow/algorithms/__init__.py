@@ -1,0 +1,74 @@
+"""Pure RL algorithm library: advantage estimators, policy/value/SFT losses, KL penalties, masked stats.
+
+Everything here is a tensor function (plus two DataProto helpers, ``compute_advantage`` and
+``apply_kl_penalty``); estimators and policy losses are looked up by name in registries that users can
+extend with ``register_adv_est`` / ``register_policy_loss``. Names and signatures follow verl's.
+"""
+
+from hybridflow.algorithms.advantages import (
+    compute_advantage,
+    compute_gae_advantage_return,
+    compute_grpo_outcome_advantage,
+    compute_reinforce_plus_plus_baseline_outcome_advantage,
+    compute_reinforce_plus_plus_outcome_advantage,
+    compute_remax_outcome_advantage,
+    compute_rloo_outcome_advantage,
+    get_adv_estimator_fn,
+    register_adv_est,
+)
+from hybridflow.algorithms.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    KLController,
+    apply_kl_penalty,
+    get_kl_controller,
+    kl_penalty,
+)
+from hybridflow.algorithms.losses import (
+    agg_loss,
+    compute_policy_loss,
+    compute_policy_loss_gspo,
+    compute_sft_loss,
+    compute_value_loss,
+    get_policy_loss_fn,
+    register_policy_loss,
+)
+from hybridflow.algorithms.utils import (
+    entropy_from_logits,
+    logprobs_from_logits,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
+
+__all__ = [
+    "AdaptiveKLController",
+    "FixedKLController",
+    "KLController",
+    "agg_loss",
+    "apply_kl_penalty",
+    "compute_advantage",
+    "compute_gae_advantage_return",
+    "compute_grpo_outcome_advantage",
+    "compute_policy_loss",
+    "compute_policy_loss_gspo",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_remax_outcome_advantage",
+    "compute_rloo_outcome_advantage",
+    "compute_sft_loss",
+    "compute_value_loss",
+    "entropy_from_logits",
+    "get_adv_estimator_fn",
+    "get_kl_controller",
+    "get_policy_loss_fn",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "register_adv_est",
+    "register_policy_loss",
+]
