@@ -11,8 +11,9 @@ a handful of lines in the driver, not index bookkeeping.  A ``DataFlow`` is a DA
 Each node runs once per ``run``, on every row that reaches it, in the original row order; when several
 paths join at a node (or at the output) their rows are merged back in the original order first, so a
 node that works on the whole batch (a batched reward model, a normalisation) sees one batch.  ``run``
-returns every row in the original order, with ``meta_info["metrics"]`` holding the route counts
-(``route/<router>/<label>/count``) and the metrics nodes put into their outputs' ``meta_info``.
+returns every row in the original order, with ``meta_info["metrics"]`` holding the input's metrics, the
+route counts (``route/<router>/<label>/count``) and the metrics nodes put into their outputs'
+``meta_info["metrics"]`` (give them distinct names: a later node's value replaces an earlier one's).
 """
 
 from __future__ import annotations

@@ -57,8 +57,8 @@ def importance_weights(probabilities: np.ndarray, indices: np.ndarray, beta: flo
 
 def _as_priorities(priorities: np.ndarray | float, n: int, what: str) -> np.ndarray:
     """Priorities for ``n`` rows as float64 ``(n,)`` (a scalar applies to all); finite and >= 0."""
-    values = np.array(np.broadcast_to(np.asarray(priorities, dtype=np.float64), (n,))) \
-        if np.ndim(priorities) == 0 else np.asarray(priorities, dtype=np.float64)
+    values = np.full(n, priorities, dtype=np.float64) if np.ndim(priorities) == 0 \
+        else np.asarray(priorities, dtype=np.float64)
     if values.shape != (n,):
         raise ValueError(f"{what}: got priorities of shape {values.shape} for {n} rows")
     bad = np.flatnonzero(~np.isfinite(values) | (values < 0))
@@ -99,8 +99,8 @@ class ReplayBuffer:
     def push(self, data: DataProto, priorities: np.ndarray | float | None = None) -> np.ndarray:
         """Copy the rows of ``data`` in; returns their ids, shape ``(len(data),)``.
 
-        ``priorities``: one per row, one for all, or ``None`` for the current maximum priority (1.0 in an
-        empty buffer), so new rows are drawn at least once soon.  When the buffer overflows, the oldest
+        ``priorities``: one per row, one for all, or ``None`` for the current maximum priority (1.0 when
+        the buffer is empty or all its priorities are 0), so new rows are likely to be drawn soon.  When the buffer overflows, the oldest
         rows leave first.  ``meta_info`` (less ``metrics``) of the latest push is kept and handed out
         with sampled batches (sampling settings such as the temperature stay available)."""
         n = len(data)
@@ -108,7 +108,7 @@ class ReplayBuffer:
             return np.zeros(0, dtype=np.int64)
         self._check_schema(data)
         if priorities is None:
-            priorities = self._priorities.max() if len(self) else 1.0
+            priorities = self._priorities.max() if len(self) and self._priorities.max() > 0 else 1.0
         new = _as_priorities(priorities, n, "push")
         self._chunks.append(DataProto(
             batch=data.batch.clone() if data.batch is not None else None,

@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from hybridflow import DataProto
 from hybridflow.dataflow import ReplayBuffer, ScheduledSampler, importance_weights, priority_probabilities
@@ -100,6 +101,10 @@ def test_new_rows_get_the_current_max_priority():
     buf.push(rows([3]))
     buf.push(rows([4, 5]), priorities=2.5)
     assert buf.priorities.tolist() == [1.0, 0.5, 4.0, 4.0, 2.5, 2.5]
+    zeros = ReplayBuffer(capacity=10)
+    zeros.push(rows([0]), priorities=0.0)
+    zeros.push(rows([1]))  # a zero maximum would make the new row undrawable
+    assert zeros.priorities.tolist() == [0.0, 1.0]
 
 
 def test_update_priorities_by_id_skips_evicted_rows():
@@ -230,6 +235,10 @@ def test_schedule_from_config_and_its_errors():
     scheduled = ScheduledSampler.from_config({"capacity": 10, "alpha": 0.9, "schedule": SCHEDULE})
     assert scheduled.params(0) == {"strategy": "uniform", "alpha": 0.9, "beta": 0.4}
     assert scheduled.params(2000)["alpha"] == 0.6
+    from_yaml = ScheduledSampler.from_config(OmegaConf.create({"strategy": "uniform", "alpha": 0.6, "beta": 0.4,
+                                                               "schedule": SCHEDULE}))
+    assert from_yaml.params(999) == {"strategy": "uniform", "alpha": 0.6, "beta": 0.4}
+    assert from_yaml.params(5000) == {"strategy": "priority", "alpha": 0.8, "beta": 0.4}
 
     with pytest.raises(ValueError, match="last schedule phase .* must omit until_step"):
         ScheduledSampler([{"until_step": 10}])
