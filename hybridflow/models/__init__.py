@@ -1,0 +1,6 @@
+"""Models hybridflow can run without downloads: tiny random test models and the embedded SmolLM2."""
+
+from hybridflow.models.default import default_model_path, resolve_model_path
+from hybridflow.models.tiny import make_tiny_model, make_tiny_tokenizer
+
+__all__ = ["default_model_path", "make_tiny_model", "make_tiny_tokenizer", "resolve_model_path"]

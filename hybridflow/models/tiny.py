@@ -1,0 +1,191 @@
+"""Tiny random Llama models with a small trained tokenizer, for tests and smoke runs.
+
+Why: the real vocabulary (49152 tokens) makes the output layer dominate every operation of a test
+model; with about 1k tokens a train step of a 2-layer model takes tens of milliseconds. The tokenizer
+is a byte-level BPE trained offline on a built-in corpus (English, arithmetic, the demo prompts), so
+it encodes any text, round-trips it exactly and needs no download. Its chat template, special
+tokens and eos/pad convention copy SmolLM2's, so code written against the tiny model runs unchanged
+on the default model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import random
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+IM_START, IM_END, END_OF_TEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+SPECIAL_TOKENS = [END_OF_TEXT, IM_START, IM_END]
+
+# ChatML, as SmolLM2 uses it (without SmolLM2's built-in system prompt).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_ENGLISH = """\
+The quick brown fox jumps over the lazy dog. A small model can learn to add two numbers when it is
+rewarded for the right answer. Reinforcement learning from human feedback trains a policy with a
+reward model, a critic and a reference model. The policy writes a response to each prompt; the reward
+tells it how good the response was, and the advantage says which tokens to make more likely.
+You are a helpful assistant. Please answer the question and show your work step by step. Let's think
+about this problem carefully. What is the answer? The answer is the number after the equals sign.
+Each number must be used exactly once. Write the final equation inside the answer tags.
+There are many ways to solve a problem, but only one correct result. If you are not sure, check your
+work again. She had five apples and gave two of them to her friend, so she has three apples left.
+He walked to the store, bought some bread and milk, and came back home before the rain started.
+The teacher asked the students to compute the sum, the difference, the product and the quotient.
+Numbers such as one, two, three, four, five, six, seven, eight, nine and ten are easy to read.
+In the morning we read a book; in the evening we wrote a letter to our family and friends.
+Training a language model takes time, data and patience. Good data makes a good model.
+This is a simple test sentence, and here is another one with different words in it.
+How many hours are in a day? There are twenty four hours in a day and seven days in a week.
+If a train travels sixty miles in one hour, how far does it travel in three hours?
+The store sells pencils for two dollars each. How much do four pencils cost in total?
+I think that the result is correct, because the numbers add up to the total.
+Please reply in the form shown in the example, and do not add anything else.
+"""
+
+
+def _arithmetic_lines(rng: random.Random, count: int) -> list[str]:
+    """Lines in the demo task's form, so digits, '+', '=' and the prompt words get merged tokens."""
+    lines = []
+    for _ in range(count):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        lines.append(f"Compute {a}+{b}. Reply in the form {a}+{b}=<answer>.\n{a}+{b}={a + b}")
+        c, d = rng.randint(1, 99), rng.randint(1, 99)
+        lines.append(f"{c} - {d} = {c - d}, {c} * {d} = {c * d}, ({c} + {d}) / 2 = {(c + d) / 2}")
+    return lines
+
+
+def _countdown_lines(rng: random.Random, count: int) -> list[str]:
+    """Lines like the countdown task's prompts and answers."""
+    lines = []
+    for _ in range(count):
+        x, y, z = (rng.randint(1, 99) for _ in range(3))
+        lines.append(
+            f"Using the numbers [{x}, {y}, {z}], create an equation that equals {x + y * z}. "
+            f"<answer>{x} + {y} * {z}</answer>"
+        )
+    return lines
+
+
+def training_corpus() -> list[str]:
+    """The built-in text the tokenizer is trained on (deterministic, about 20 kB)."""
+    rng = random.Random(0)
+    return _ENGLISH.splitlines() + _arithmetic_lines(rng, 150) + _countdown_lines(rng, 60)
+
+
+@functools.lru_cache(maxsize=4)
+def _trained_tokenizer_json(vocab_size: int) -> str:
+    """Train the byte-level BPE once per process and vocabulary size (training takes seconds)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(training_corpus(), trainer=trainer)
+    return tokenizer.to_str()
+
+
+def make_tiny_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer of at most `vocab_size` tokens with SmolLM2's special tokens.
+
+    eos = pad = `<|im_end|>` (the end of an assistant turn), bos = `<|im_start|>`, unk =
+    `<|endoftext|>`, as in SmolLM2-Instruct. The corpus bounds the number of merges, so the
+    vocabulary may come out a little smaller than asked; `len(tokenizer)` is the true size.
+    """
+    if vocab_size < 300:
+        raise ValueError(f"vocab_size={vocab_size} is too small: 256 byte tokens and 3 special tokens come first")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json(vocab_size)),
+        bos_token=IM_START,
+        eos_token=IM_END,
+        pad_token=IM_END,
+        unk_token=END_OF_TEXT,
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        model_max_length=2048,
+    )
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    vocab_size: int = 1024,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    seed: int = 0,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 2048,
+) -> str:
+    """Write a randomly initialised small LlamaForCausalLM and its tokenizer to `out_dir`.
+
+    The folder is a plain Hugging Face checkpoint (safetensors, tokenizer files, generation config
+    with eos/pad set) that `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained` load without
+    hybridflow. The model's vocabulary equals the tokenizer's, so sampling never yields an id the
+    tokenizer cannot decode. `intermediate_size` defaults to 2 * hidden_size. Returns the folder.
+    """
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
+    tokenizer = make_tiny_tokenizer(vocab_size)
+    eos_id = tokenizer.convert_tokens_to_ids(IM_END)
+    bos_id = tokenizer.convert_tokens_to_ids(IM_START)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=eos_id)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`hybridflow make-tiny-model OUT_DIR [...]`: write a tiny model folder and print its path."""
+    parser = argparse.ArgumentParser(
+        prog="hybridflow make-tiny-model",
+        description="Write a small random Llama model with a ~1k-token BPE tokenizer (for tests and smoke runs).",
+    )
+    parser.add_argument("out_dir", help="folder to write the model and tokenizer to")
+    parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    path = make_tiny_model(
+        args.out_dir,
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        seed=args.seed,
+    )
+    print(f"wrote tiny model to {path} in {time.perf_counter() - start:.1f} s")
+    return 0
