@@ -89,9 +89,35 @@ def test_logprobs_and_entropy_equal_reference_with_gradients(monkeypatch, chunk_
     assert entropy.shape == (3, 5)
 
 
+def test_logprobs_of_sliced_and_bf16_logits():
+    gen = torch.Generator().manual_seed(1)
+    full = torch.randn(2, 6, 9, generator=gen)
+    logits = full[:, :-1]  # a non-contiguous slice, as when shifting a model's output
+    labels = torch.randint(0, 9, (2, 5), generator=gen)
+    reference = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(logprobs_from_logits(logits, labels), reference)
+    # 2-D (tokens, V) input, as in padding-free layouts
+    torch.testing.assert_close(
+        logprobs_from_logits(logits.reshape(10, 9), labels.reshape(10)), reference.reshape(10)
+    )
+
+    low = logits.to(torch.bfloat16).requires_grad_(True)
+    ours = logprobs_from_logits(low, labels)
+    assert ours.dtype == torch.float32  # computed in fp32 from the bf16 values
+    ref_fp32 = low.float().log_softmax(-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(ours, ref_fp32)
+    (grad,) = torch.autograd.grad(ours.sum(), low)
+    assert grad.dtype == torch.bfloat16
+    # d/dz of log p(label) = onehot(label) - softmax(z)
+    expected = torch.nn.functional.one_hot(labels, 9) - low.float().softmax(-1)
+    torch.testing.assert_close(grad.float(), expected, atol=1e-2, rtol=1e-2)
+
+
 def test_logprobs_rejects_mismatched_labels():
     with pytest.raises(ValueError, match=r"labels shape \(3, 4\)"):
         logprobs_from_logits(torch.zeros(3, 5, 7), torch.zeros(3, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="at least one leading dimension"):
+        entropy_from_logits(torch.zeros(7))
 
 
 def test_registry_duplicates_and_unknown_names():
