@@ -55,7 +55,7 @@ def get_adv_estimator_fn(name: str) -> AdvEstimatorFn:
     return _ADV_ESTIMATORS.get(name)
 
 
-def _lambda_returns_advantage(
+def _gae_recursion(
     token_level_rewards: torch.Tensor,
     values: torch.Tensor,
     response_mask: torch.Tensor,
@@ -88,7 +88,7 @@ def _reward_to_go(
 ) -> torch.Tensor:
     """Discounted ``G_t = r_t + gamma * G_{t'}`` over response tokens: ``(bs, T) -> (bs, T)``, 0 on padding."""
     no_values = torch.zeros_like(token_level_rewards)
-    return _lambda_returns_advantage(token_level_rewards, no_values, response_mask, gamma, lam=1.0)
+    return _gae_recursion(token_level_rewards, no_values, response_mask, gamma, lam=1.0)
 
 
 @register_adv_est("gae")
@@ -106,18 +106,18 @@ def compute_gae_advantage_return(
     """
     with torch.no_grad():
         mask = response_mask.to(values.dtype)
-        advantages = _lambda_returns_advantage(token_level_rewards, values, mask, gamma, lam)
+        advantages = _gae_recursion(token_level_rewards, values, mask, gamma, lam)
         returns = (advantages + values) * mask
         return masked_whiten(advantages, mask) * mask, returns
 
 
 def _group_ids(index: Any, bs: int) -> torch.Tensor:
     """Dense group numbers ``(bs,)`` for arbitrary hashable ids, in order of first appearance."""
-    ids = np.asarray(index, dtype=object).reshape(-1)
+    ids = list(index)  # not np.asarray: tuple ids would become a 2-D array
     if len(ids) != bs:
         raise ValueError(f"index has {len(ids)} group ids but the batch has {bs} rows")
     dense: dict[Any, int] = {}
-    return torch.tensor([dense.setdefault(i, len(dense)) for i in ids.tolist()], dtype=torch.long)
+    return torch.tensor([dense.setdefault(i, len(dense)) for i in ids], dtype=torch.long)
 
 
 def _sequence_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

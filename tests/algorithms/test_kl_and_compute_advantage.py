@@ -12,6 +12,7 @@ from hybridflow.algorithms import (
     FixedKLController,
     apply_kl_penalty,
     compute_advantage,
+    compute_rloo_outcome_advantage,
     get_kl_controller,
     kl_penalty,
     register_adv_est,
@@ -179,8 +180,14 @@ def test_compute_advantage_errors_name_the_culprit():
 
 
 def test_group_index_accepts_any_hashable_ids():
+    uids = np.empty(4, dtype=object)
+    uids[:] = [("q", 1), ("q", 1), ("q", 2), ("q", 2)]  # tuple ids in a 1-D object column
     data = outcome_batch()
-    data.non_tensor_batch["uid"] = np.array([("q", 1), ("q", 1), 7, 7], dtype=object)
+    data.non_tensor_batch["uid"] = uids
     grouped = compute_advantage(data, "rloo")
     # p0 [1, 0] -> 1 - 0 = 1 and 0 - 1 = -1; p1 [2, 2] -> 0
     assert grouped.batch["advantages"][:, 0].tolist() == [1.0, -1.0, 0.0, 0.0]
+    # a plain list of ids works as well when calling an estimator directly
+    rewards, mask = data.batch["token_level_rewards"], data.batch["response_mask"]
+    direct, _ = compute_rloo_outcome_advantage(rewards, mask, [("q", 1), ("q", 1), ("q", 2), ("q", 2)])
+    torch.testing.assert_close(direct, grouped.batch["advantages"])
