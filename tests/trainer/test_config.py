@@ -1,0 +1,271 @@
+"""PPO config: packaged YAML, verl command lines, unknown keys, types, consistency checks, defaults drift."""
+
+import os
+import re
+import shlex
+import warnings
+
+import pytest
+from omegaconf import OmegaConf
+
+from hybridflow.trainer.config import (
+    DEFAULT_CONFIG_PATH,
+    ActorConfig,
+    ActorRolloutRefConfig,
+    ConfigError,
+    DataConfig,
+    IgnoredKeyWarning,
+    PPOConfig,
+    TrainerConfig,
+    load_config,
+)
+
+TRAIN = "data.train_files=train.parquet"
+
+VERL_QUICKSTART = (
+    "data.train_files=$HOME/data/gsm8k/train.parquet data.val_files=$HOME/data/gsm8k/test.parquet "
+    "data.train_batch_size=256 data.max_prompt_length=512 data.max_response_length=256 "
+    "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct actor_rollout_ref.actor.optim.lr=1e-6 "
+    "actor_rollout_ref.actor.ppo_mini_batch_size=64 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 "
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 "
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=1 actor_rollout_ref.rollout.gpu_memory_utilization=0.4 "
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4 critic.optim.lr=1e-5 "
+    "critic.model.path=Qwen/Qwen2.5-0.5B-Instruct critic.ppo_micro_batch_size_per_gpu=4 "
+    "algorithm.kl_ctrl.kl_coef=0.001 trainer.logger=console trainer.val_before_train=False "
+    "trainer.n_gpus_per_node=1 trainer.nnodes=1 trainer.save_freq=10 trainer.test_freq=10 trainer.total_epochs=15"
+)
+
+
+def _load(*overrides: str) -> PPOConfig:
+    return load_config([TRAIN, *overrides])
+
+
+def _error(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        _load(*overrides)
+    return str(info.value)
+
+
+def test_packaged_yaml_loads_resolved():
+    cfg = _load()
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1e-6
+    assert cfg.actor_rollout_ref.rollout.val_kwargs.do_sample is False
+    assert cfg.trainer.logger == ["console", "file"]
+    assert cfg.trainer.default_local_dir == "runs/hybridflow/run"  # interpolation resolved
+    assert cfg.trainer.device == "cpu" and cfg.actor_rollout_ref.model.dtype == "fp32"  # no GPU here
+    assert cfg.data.seed == 42  # from trainer.seed
+    assert cfg.critic.enable is False  # grpo needs no critic
+    assert cfg.critic.model.path == "default" and cfg.critic.ppo_mini_batch_size == 8
+    assert cfg.data.train_files == ["train.parquet"]
+
+
+def test_yaml_and_dataclass_defaults_agree():
+    """One source of truth: the YAML documents the dataclass defaults; changing either alone fails here."""
+    assert OmegaConf.to_container(OmegaConf.load(DEFAULT_CONFIG_PATH)) == PPOConfig().to_dict()
+
+
+def test_every_yaml_key_has_a_comment():
+    for number, line in enumerate(DEFAULT_CONFIG_PATH.read_text().splitlines(), 1):
+        if re.match(r"\s*[A-Za-z_]+:\s*[^\s#]", line):  # a key with a value (sections may go without)
+            assert " # " in line, f"ppo_trainer.yaml line {number} has no comment: {line!r}"
+
+
+def test_verl_quickstart_line_parses_and_gpu_keys_warn():
+    args = [os.path.expandvars(arg) for arg in shlex.split(VERL_QUICKSTART)]  # what the shell would pass
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(args)
+    ignored = sorted(str(w.message).split(":")[1].split("=")[0].strip()
+                     for w in caught if w.category is IgnoredKeyWarning)
+    # tensor_model_parallel_size=1 and nnodes=1 are the defaults: nothing is ignored there.
+    assert ignored == ["actor_rollout_ref.rollout.gpu_memory_utilization", "trainer.n_gpus_per_node"]
+    assert cfg.data.train_files == [os.path.expanduser("~/data/gsm8k/train.parquet")]
+    assert cfg.data.train_batch_size == 256 and cfg.data.max_response_length == 256
+    assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 64
+    assert cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu == 4
+    assert cfg.critic.optim.lr == 1e-5 and cfg.critic.model.path == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert cfg.trainer.logger == ["console"]  # a bare name becomes a list
+    assert cfg.trainer.val_before_train is False and cfg.trainer.total_epochs == 15
+    assert cfg.trainer.save_freq == 10 and cfg.trainer.n_gpus_per_node == 1
+
+
+def test_gpu_only_keys_outside_the_schema_are_dropped_with_a_warning():
+    with pytest.warns(IgnoredKeyWarning, match=r"ignored on this backend: actor_rollout_ref\.actor\.fsdp_config"
+                                               r"\.param_offload = True"):
+        cfg = _load("+actor_rollout_ref.actor.fsdp_config.param_offload=True")
+    assert "fsdp_config" not in cfg.to_dict()["actor_rollout_ref"]["actor"]
+
+
+def test_vllm_keys_do_not_warn_when_vllm_is_used(monkeypatch):
+    monkeypatch.setattr("hybridflow.trainer.config._cuda_available", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IgnoredKeyWarning)
+        cfg = _load("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0.4")
+    assert cfg.trainer.device == "cuda" and cfg.actor_rollout_ref.model.dtype == "bf16"
+
+
+def test_vllm_on_cpu_is_an_error():
+    assert "vLLM is CUDA-only" in _error("actor_rollout_ref.rollout.name=vllm", "trainer.device=cpu")
+
+
+@pytest.mark.parametrize(("override", "nearest"), [
+    ("actor_rollout_ref.actor.optim.learning_rate=1e-5", "actor_rollout_ref.actor.optim.lr"),
+    ("trainer.train_batch_size=4", "data.train_batch_size"),
+    ("actor_rollout_ref.actr.optim.lr=1e-5", "actor_rollout_ref.actor.optim.lr"),
+    ("actor_rollout_ref.actor.ppo_micro_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
+    ("actor_rollout_ref.rollout.temprature=0.5", "actor_rollout_ref.rollout.temperature"),
+])
+def test_unknown_key_names_the_nearest(override, nearest):
+    key = override.split("=")[0]
+    assert f"unknown config key '{key}'" in _error(override)
+    assert f"did you mean '{nearest}'?" in _error(override)
+
+
+def test_add_key_only_inside_free_form_dicts():
+    cfg = _load("+trainer.ray_kwargs.num_cpus=2", "+trainer.ray_kwargs.runtime_env.env_vars.A=x")
+    assert cfg.trainer.ray_kwargs == {"num_cpus": 2, "runtime_env": {"env_vars": {"A": "x"}}}
+    assert "add it with +trainer.ray_kwargs.num_cpus=" in _error("trainer.ray_kwargs.num_cpus=2")
+    assert "already exists; drop the '+'" in _error("+trainer.seed=3")
+    assert "unknown config key 'trainer.sed'" in _error("+trainer.sed=3")
+    assert _load("++trainer.seed=3", "++trainer.ray_kwargs.x=1").trainer.seed == 3
+
+
+def test_delete_key_of_free_form_dict():
+    cfg = _load("+trainer.ray_kwargs.num_cpus=2", "+trainer.ray_kwargs.num_gpus=0", "~trainer.ray_kwargs.num_cpus")
+    assert cfg.trainer.ray_kwargs == {"num_gpus": 0}
+    assert "cannot be deleted" in _error("~trainer.seed")
+
+
+def test_override_values_are_parsed_as_yaml():
+    cfg = _load("data.val_files=[a.parquet,b.parquet]", "actor_rollout_ref.rollout.micro_batch_size=null",
+                "actor_rollout_ref.actor.optim.betas=[0.8, 0.95]", "trainer.experiment_name=2024",
+                "critic.model.path=${trainer.project_name}/critic")
+    assert cfg.data.val_files == ["a.parquet", "b.parquet"]
+    assert cfg.actor_rollout_ref.rollout.micro_batch_size is None
+    assert cfg.actor_rollout_ref.actor.optim.betas == [0.8, 0.95]
+    assert cfg.trainer.experiment_name == "2024" and cfg.trainer.default_local_dir == "runs/hybridflow/2024"
+    assert cfg.critic.model.path == "hybridflow/critic"
+    assert "cannot parse override" in _error("just_a_word")
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("actor_rollout_ref.actor.optim.lr=abc", "actor_rollout_ref.actor.optim.lr must be float, got 'abc' (str)"),
+    ("data.train_batch_size=1.5", "data.train_batch_size must be int, got 1.5 (float)"),
+    ("data.shuffle=1", "data.shuffle must be bool, got 1 (int)"),
+    ("data.train_batch_size=null", "data.train_batch_size must be int, got null"),
+    ("data.truncation=cut", "data.truncation must be one of 'error', 'left', 'right', 'middle', got 'cut'"),
+    ("trainer.logger=[console,tensorbord]", "trainer.logger[1] must be one of 'console', 'file'"),
+    ("actor_rollout_ref.actor=3", "actor_rollout_ref.actor must be a mapping, got 3 (int)"),
+])
+def test_wrong_type_names_key_and_expected_type(override, message):
+    assert message in _error(override)
+
+
+def test_int_is_accepted_for_float():
+    assert _load("actor_rollout_ref.actor.optim.lr=1").actor_rollout_ref.actor.optim.lr == 1.0
+
+
+def test_mini_batch_larger_than_train_batch():
+    assert _error("data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=16") == (
+        "actor_rollout_ref.actor.ppo_mini_batch_size (16) is larger than data.train_batch_size (8): "
+        "a mini-batch is a slice of one step's prompts"
+    )
+
+
+def test_train_batch_not_a_multiple_of_mini_batch():
+    message = _error("data.train_batch_size=12", "actor_rollout_ref.actor.ppo_mini_batch_size=8")
+    assert "data.train_batch_size (12) is not a multiple of actor_rollout_ref.actor.ppo_mini_batch_size (8)" in message
+    assert "12 = 1 * 8 + 4" in message
+
+
+def test_sequences_must_divide_across_workers():
+    message = _error("data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "trainer.n_workers=3")
+    assert message == ("data.train_batch_size * actor_rollout_ref.rollout.n = 8 * 4 = 32 sequences do not "
+                       "divide evenly across trainer.n_workers (3)")
+
+
+def test_mini_batch_sequences_must_split_into_micro_batches():
+    # 8 prompts * 4 responses = 32 sequences per mini-batch; 2 workers * 3 per micro-batch = 6 does not divide.
+    message = _error("actor_rollout_ref.rollout.n=4", "trainer.n_workers=2",
+                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3")
+    assert ("actor_rollout_ref.actor.ppo_mini_batch_size * actor_rollout_ref.rollout.n = 8 * 4 = 32 sequences "
+            "per mini-batch is not divisible by actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu * "
+            "trainer.n_workers = 3 * 2 = 6") in message
+    assert _load("actor_rollout_ref.rollout.n=4", "trainer.n_workers=2",
+                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8").trainer.n_workers == 2
+
+
+def test_critic_batch_checks_only_when_the_critic_is_on():
+    assert _load("critic.ppo_micro_batch_size_per_gpu=3").critic.enable is False
+    message = _error("algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=3")
+    assert "critic.ppo_mini_batch_size * actor_rollout_ref.rollout.n = 8 * 1 = 8" in message
+    assert "critic.ppo_micro_batch_size_per_gpu * trainer.n_workers = 3 * 1 = 3" in message
+    assert "needs a value model" in _error("algorithm.adv_estimator=gae", "critic.enable=false")
+
+
+def test_registry_names_are_checked():
+    assert "algorithm.adv_estimator: unknown advantage estimator 'gpro'" in _error("algorithm.adv_estimator=gpro")
+    assert "rloo" in _error("algorithm.adv_estimator=gpro")  # the known names are listed
+    assert "actor_rollout_ref.actor.policy_loss.loss_mode: unknown policy loss 'clip'" in _error(
+        "actor_rollout_ref.actor.policy_loss.loss_mode=clip")
+    assert _load("algorithm.adv_estimator=rloo").algorithm.adv_estimator == "rloo"
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["algorithm.gamma=1.5"], "algorithm.gamma must be in [0, 1], got 1.5"),
+    (["actor_rollout_ref.rollout.top_p=0"], "actor_rollout_ref.rollout.top_p must be in (0, 1], got 0.0"),
+    (["trainer.save_freq=0"], "trainer.save_freq must be -1 (never) or >= 1, got 0"),
+    (["actor_rollout_ref.actor.optim.betas=[0.9]"], "actor_rollout_ref.actor.optim.betas must be two numbers"),
+    (["trainer.resume_mode=resume_path"], "trainer.resume_mode 'resume_path' needs trainer.resume_from_path"),
+    (["trainer.resume_from_path=/x"], "set trainer.resume_mode=resume_path"),
+    (["reward_model.enable=true"], "reward_model.enable=true needs reward_model.model.path"),
+    (["trainer.device=cuda"], "trainer.device is 'cuda' but torch.cuda.is_available() is false"),
+    (["replay_buffer.schedule=[{until_step: 5, strategy: a}, {until_step: 5, strategy: b}]"],
+     "until_step values must strictly increase, got [5, 5]"),
+    (["replay_buffer.schedule=[{strategy: a}]"], "replay_buffer.schedule[0].until_step is required"),
+])
+def test_value_checks(overrides, message):
+    assert message in _error(*overrides)
+
+
+def test_train_files_are_required():
+    with pytest.raises(ConfigError, match="data.train_files is required"):
+        load_config([])
+
+
+def test_user_yaml_merges_over_defaults(tmp_path):
+    user = tmp_path / "mine.yaml"
+    user.write_text("data:\n  train_files: ~/prompts.parquet\n  train_batch_size: 4\n"
+                    "actor_rollout_ref:\n  actor:\n    ppo_mini_batch_size: 2\n    ppo_micro_batch_size_per_gpu: 2\n    optim:\n      lr: 3e-6\n"
+                    "trainer:\n  experiment_name: mine\n  logger: [console, tensorboard]\n")
+    cfg = load_config(["trainer.seed=7"], config_path=user)
+    assert cfg.data.train_files == [os.path.expanduser("~/prompts.parquet")]
+    assert cfg.actor_rollout_ref.actor.optim.lr == 3e-6
+    assert cfg.actor_rollout_ref.actor.optim.weight_decay == 0.01  # untouched defaults stay
+    assert cfg.data.max_prompt_length == 512
+    assert cfg.trainer.default_local_dir == "runs/hybridflow/mine" and cfg.trainer.seed == 7
+
+    user.write_text("trainer:\n  experiment_nam: typo\n")
+    with pytest.raises(ConfigError, match=rf"unknown config key 'trainer.experiment_nam' in config file {user}; "
+                                          r"did you mean 'trainer.experiment_name'\?"):
+        load_config([TRAIN], config_path=user)
+
+
+def test_python_construction_resolve_and_round_trip():
+    cfg = PPOConfig(data=DataConfig(train_files=["a.parquet"], train_batch_size=4),
+                    actor_rollout_ref=ActorRolloutRefConfig(actor=ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=2)),
+                    trainer=TrainerConfig(experiment_name="py"))
+    cfg.validate()
+    resolved = cfg.resolve()
+    assert cfg.trainer.default_local_dir.startswith("runs/${")  # resolve() returns a copy
+    assert resolved.trainer.default_local_dir == "runs/hybridflow/py"
+    assert resolved.critic.ppo_mini_batch_size == 2 and resolved.data.seed == 42
+    assert resolved.critic.enable is False and resolved.trainer.device == "cpu"
+    assert resolved.resolve() == resolved
+    assert PPOConfig.from_dict(resolved.to_dict()) == resolved
+    partial = PPOConfig.from_dict({"data": {"train_files": "x.parquet"}, "algorithm": {"gamma": 0.99}})
+    assert partial.data.train_files == ["x.parquet"] and partial.algorithm.gamma == 0.99
+    assert partial.data.train_batch_size == 8
+    with pytest.raises(ConfigError, match="did you mean 'algorithm.gamma'"):
+        PPOConfig.from_dict({"algorithm": {"gama": 0.99}})
+    assert PPOConfig.from_overrides([TRAIN, "algorithm.lam=0.9"]).algorithm.lam == 0.9
