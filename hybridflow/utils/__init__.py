@@ -1,0 +1,1 @@
+"""Small utilities shared across layers (no imports of workers or trainer)."""

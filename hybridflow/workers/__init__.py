@@ -1,0 +1,11 @@
+"""Workers: the heavy state (models, optimisers, rollout engines) that worker groups drive.
+
+``ActorRolloutRefWorker`` (policy: actor / rollout / reference in any combination), ``CriticWorker``
+(value model) and ``RewardModelWorker`` (a sequence-classification reward model, or a dummy one).
+"""
+
+from hybridflow.workers.actor import ActorRolloutRefWorker
+from hybridflow.workers.critic import CriticWorker
+from hybridflow.workers.reward_model import RewardModelWorker
+
+__all__ = ["ActorRolloutRefWorker", "CriticWorker", "RewardModelWorker"]

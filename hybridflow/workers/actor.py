@@ -1,0 +1,190 @@
+"""``ActorRolloutRefWorker``: the policy in any combination of roles: actor, rollout, reference.
+
+With ``role="actor_rollout"`` (the hybrid engine) the rollout samples from the very module the actor
+trains: one copy of the weights, no synchronisation step. The reference policy is a second, frozen copy,
+loaded only when the role includes ``ref``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from hybridflow.algorithms import agg_loss, compute_sft_loss, get_policy_loss_fn, kl_penalty, masked_mean
+from hybridflow.protocol import DataProto
+from hybridflow.single_controller import Dispatch, Worker, register
+from hybridflow.workers.checkpointing import load_worker_state, save_worker_state
+from hybridflow.workers.engine import TrainingEngine
+from hybridflow.workers.modeling import batched, load_model, load_tokenizer, response_log_probs
+from hybridflow.workers.rollout import build_rollout
+
+ROLES = ("actor", "rollout", "ref")
+
+
+def logprob_diff_metrics(rollout_log_probs: torch.Tensor, log_probs: torch.Tensor,
+                         response_mask: torch.Tensor) -> dict[str, float]:
+    """How far the rollout engine's log-probs are from the trainer's for the same weights and tokens:
+    a numerical mismatch (KV cache, kernels, another engine) that quietly biases PPO's ratio."""
+    diff = (rollout_log_probs - log_probs).abs()
+    return {"rollout/logprob_diff": float(masked_mean(diff, response_mask)),
+            "rollout/logprob_diff_max": float((diff * response_mask).max())}
+
+
+def _scalar(value: torch.Tensor | float) -> float:
+    return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+
+
+class ActorRolloutRefWorker(Worker):
+    """``config``: the ``actor_rollout_ref`` config section; ``role``: roles joined by ``_``
+    (``actor_rollout``, ``actor_rollout_ref``, ``ref``, ``rollout``...)."""
+
+    def __init__(self, config: Any, role: str = "actor_rollout", response_length: int = 64, seed: int = 0) -> None:
+        super().__init__()
+        unknown = [r for r in role.split("_") if r not in ROLES]
+        if unknown:
+            raise ValueError(f"unknown role part(s) {unknown} in {role!r}; roles combine {ROLES}")
+        self.config, self.role = config, role
+        self._is_actor, self._is_rollout, self._is_ref = (r in role.split("_") for r in ROLES)
+        self.response_length, self.seed = response_length, seed
+        self.module = self.ref_module = self.engine = self.rollout = None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        torch.manual_seed(self.seed + self.rank)
+        self.init_process_group()
+        model_cfg = self.config.model
+        self.tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
+        if self._is_actor or self._is_rollout:
+            self.module = load_model(model_cfg.path, self.device, model_cfg.dtype,
+                                     trust_remote_code=model_cfg.trust_remote_code,
+                                     gradient_checkpointing=self._is_actor and model_cfg.enable_gradient_checkpointing)
+        if self._is_actor:
+            actor = self.config.actor
+            self.engine = TrainingEngine(self.module, actor.optim, actor.grad_clip, "actor", self.world_size)
+        if self._is_rollout:
+            self.rollout = build_rollout(self.config.rollout, self.module, self.tokenizer, self.response_length)
+        if self._is_ref:
+            self.ref_module = load_model(model_cfg.path, self.device, model_cfg.dtype,
+                                         trust_remote_code=model_cfg.trust_remote_code).eval()
+            self.ref_module.requires_grad_(False)
+
+    # ---------------------------------------------------------------- rollout
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        self._require(self.rollout, "rollout", "generate_sequences")
+        return self.rollout.generate_sequences(prompts)
+
+    # ---------------------------------------------------------------- log-probs
+    def _log_probs(self, module: torch.nn.Module, data: DataProto, with_entropy: bool) -> tuple[torch.Tensor, Any]:
+        was_training = module.training
+        module.eval()
+        micro = self.config.rollout.log_prob_micro_batch_size_per_gpu or len(data)
+        temperature = self.config.rollout.temperature
+        parts = batched(lambda d: response_log_probs(module, d, temperature, with_entropy), data, micro)
+        module.train(was_training)
+        log_probs = torch.cat([lp for lp, _ in parts])
+        return log_probs, torch.cat([e for _, e in parts]) if with_entropy else None
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """``old_log_probs`` and ``entropys`` ``(bs, L)`` under the current policy."""
+        self._require(self.module, "actor", "compute_log_prob")
+        log_probs, entropy = self._log_probs(self.module, data, with_entropy=True)
+        metrics = {}
+        if "rollout_log_probs" in data.batch.keys() and data.batch["rollout_log_probs"].abs().sum() > 0:
+            metrics = logprob_diff_metrics(data.batch["rollout_log_probs"], log_probs, data.batch["response_mask"])
+        return DataProto.from_dict({"old_log_probs": log_probs, "entropys": entropy},
+                                   meta_info={"metrics": metrics})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """``ref_log_prob`` ``(bs, L)`` under the frozen reference policy."""
+        self._require(self.ref_module, "ref", "compute_ref_log_prob")
+        log_probs, _ = self._log_probs(self.ref_module, data, with_entropy=False)
+        return DataProto.from_dict({"ref_log_prob": log_probs})
+
+    # ---------------------------------------------------------------- training
+    def _policy_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
+        """Policy-gradient loss (+ KL to the reference, - entropy bonus, + supervised NLL on SFT rows)."""
+        actor = self.config.actor
+        mask = micro.batch["response_mask"].float()
+        entropy_coeff = actor.entropy_coeff or 0.0
+        log_prob, entropy = response_log_probs(self.module, micro, self.config.rollout.temperature,
+                                               with_entropy=True, entropy_grad=entropy_coeff != 0)
+        # On-policy shortcut: with one pass over the data the old policy *is* the current one, so the
+        # driver may skip the extra forward pass and let the ratio start at exactly 1.
+        old = micro.batch["old_log_probs"] if "old_log_probs" in micro.batch.keys() else log_prob.detach()
+        pg_loss, clipfrac, ppo_kl, clipfrac_lower = get_policy_loss_fn(actor.policy_loss.loss_mode)(
+            old_log_prob=old, log_prob=log_prob, advantages=micro.batch["advantages"], response_mask=mask,
+            loss_agg_mode=actor.loss_agg_mode, cliprange=actor.clip_ratio, cliprange_low=actor.clip_ratio_low,
+            cliprange_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c)
+        entropy_loss = agg_loss(entropy, mask, actor.loss_agg_mode)
+        loss = pg_loss - entropy_coeff * entropy_loss
+        metrics = {"actor/pg_loss": pg_loss.item(), "actor/pg_clipfrac": _scalar(clipfrac),
+                   "actor/ppo_kl": _scalar(ppo_kl), "actor/pg_clipfrac_lower": _scalar(clipfrac_lower),
+                   "actor/entropy": entropy_loss.item()}
+        if actor.use_kl_loss:
+            kl = kl_penalty(log_prob, micro.batch["ref_log_prob"], actor.kl_loss_type)
+            kl_loss = agg_loss(kl, mask, actor.loss_agg_mode)
+            loss = loss + actor.kl_loss_coef * kl_loss
+            metrics.update({"actor/kl_loss": kl_loss.item(), "actor/kl_coef": actor.kl_loss_coef})
+        if "rollout_log_probs" in micro.batch.keys() and "old_log_probs" not in micro.batch.keys():
+            metrics.update(logprob_diff_metrics(micro.batch["rollout_log_probs"], log_prob.detach(), mask))
+        return loss, metrics
+
+    def _sft_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
+        """Supervised NLL on demonstration responses (prompt tokens masked out)."""
+        log_prob, _ = response_log_probs(self.module, micro, temperature=1.0)
+        loss = compute_sft_loss(log_prob, micro.batch["response_mask"].float(), self.config.actor.loss_agg_mode)
+        return loss, {"actor/sft_loss": loss.item()}
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_actor(self, data: DataProto, sft_data: DataProto | None = None) -> DataProto:
+        """PPO epochs over mini-batches of this rank's shard; metrics come back in ``meta_info``.
+
+        ``sft_data`` (demonstrations laid out like rollouts: ``input_ids``, ``responses``,
+        ``response_mask``...) adds ``sft_data.meta_info["loss_coef"]`` x its NLL to every optimiser step."""
+        self._require(self.engine, "actor", "update_actor")
+        actor = self.config.actor
+        mini_batch = actor.ppo_mini_batch_size * self.config.rollout.n // self.world_size
+        keys = [k for k in ("responses", "response_mask", "input_ids", "attention_mask", "position_ids",
+                            "advantages", "old_log_probs", "ref_log_prob", "rollout_log_probs")
+                if k in data.batch.keys()]
+        data = data.select(batch_keys=keys, non_tensor_batch_keys=[], meta_info_keys=[])
+        self.module.train()
+        extra = []
+        if sft_data is not None and len(sft_data):
+            extra = [(sft_data, self._sft_loss, float(sft_data.meta_info.get("loss_coef", 1.0)))]
+        metrics: dict[str, list[float]] = {}
+        for mini in data.make_iterator(mini_batch, epochs=actor.ppo_epochs, shuffle=actor.shuffle, seed=self.seed):
+            step_metrics = self.engine.train_mini_batch(mini, actor.ppo_micro_batch_size_per_gpu,
+                                                        self._policy_loss, actor.loss_agg_mode, extra)
+            for key, value in step_metrics.items():
+                metrics.setdefault(key, []).append(value)
+        metrics["actor/lr"] = [self.engine.lr]
+        self.engine.finish_update()
+        return DataProto(meta_info={"metrics": metrics})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def scale_lr(self, scale: float) -> float:
+        self._require(self.engine, "actor", "scale_lr")
+        return self.engine.scale_lr(scale)
+
+    # ---------------------------------------------------------------- checkpoints
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        """``path/huggingface`` (a plain HF model folder) plus optimiser, schedule and RNG state."""
+        self._require(self.engine, "actor", "save_checkpoint")
+        save_worker_state(path, self.module, self.tokenizer, self.engine, self.rank)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        self._require(self.engine, "actor", "load_checkpoint")
+        load_worker_state(path, self.module, self.engine, self.rank)
+
+    def _require(self, part: Any, role: str, method: str) -> None:
+        if part is None:
+            raise RuntimeError(f"{method} needs the {role!r} role, but this worker was built with role "
+                               f"{self.role!r} (pid {os.getpid()}); call init_model first if you did not")

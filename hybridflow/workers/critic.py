@@ -1,0 +1,84 @@
+"""``CriticWorker``: a value head on a causal LM, trained with the clipped value loss.
+
+The model is ``AutoModelForTokenClassification`` with one label: the causal LM's backbone plus a fresh
+linear head, so the critic starts from the policy's (or any) checkpoint and saves as a Hugging Face folder.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AutoModelForTokenClassification
+
+from hybridflow.algorithms import compute_value_loss, masked_mean
+from hybridflow.protocol import DataProto
+from hybridflow.single_controller import Dispatch, Worker, register
+from hybridflow.workers.checkpointing import load_worker_state, save_worker_state
+from hybridflow.workers.engine import TrainingEngine
+from hybridflow.workers.modeling import batched, load_model, load_tokenizer, response_values
+
+
+class CriticWorker(Worker):
+    """``config``: the ``critic`` config section (its ``model.path`` already resolved by the trainer);
+    ``rollout_n``: samples per prompt, since ``ppo_mini_batch_size`` counts prompts."""
+
+    def __init__(self, config: Any, rollout_n: int = 1, seed: int = 0) -> None:
+        super().__init__()
+        self.config, self.rollout_n, self.seed = config, rollout_n, seed
+        self.module = self.engine = self.tokenizer = None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        torch.manual_seed(self.seed)  # the same fresh value head on every rank
+        self.init_process_group()
+        model_cfg = self.config.model
+        self.tokenizer = load_tokenizer(model_cfg.path)
+        self.module = load_model(model_cfg.path, self.device, getattr(model_cfg, "dtype", "auto"),
+                                 auto_cls=AutoModelForTokenClassification, num_labels=1,
+                                 gradient_checkpointing=model_cfg.enable_gradient_checkpointing)
+        self.module.config.pad_token_id = self.tokenizer.pad_token_id
+        self.engine = TrainingEngine(self.module, self.config.optim, self.config.grad_clip, "critic",
+                                     self.world_size)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_values(self, data: DataProto) -> DataProto:
+        """``values`` ``(bs, L)``, zero outside the response mask."""
+        self.module.eval()
+        micro = self.config.ppo_micro_batch_size_per_gpu or len(data)
+        values = torch.cat(batched(lambda d: response_values(self.module, d), data, micro))
+        self.module.train()
+        return DataProto.from_dict({"values": values * data.batch["response_mask"]})
+
+    def _value_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
+        mask = micro.batch["response_mask"].float()
+        vpreds = response_values(self.module, micro)
+        vf_loss, clipfrac = compute_value_loss(vpreds, micro.batch["returns"], micro.batch["values"], mask,
+                                               self.config.cliprange_value, self.config.loss_agg_mode)
+        return vf_loss, {"critic/vf_loss": vf_loss.item(), "critic/vf_clipfrac": float(clipfrac.detach()),
+                         "critic/vpred_mean": float(masked_mean(vpreds.detach(), mask))}
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_critic(self, data: DataProto) -> DataProto:
+        cfg = self.config
+        mini_batch = cfg.ppo_mini_batch_size * self.rollout_n // self.world_size
+        keys = ["responses", "response_mask", "input_ids", "attention_mask", "position_ids", "values", "returns"]
+        data = data.select(batch_keys=keys, non_tensor_batch_keys=[], meta_info_keys=[])
+        self.module.train()
+        metrics: dict[str, list[float]] = {}
+        for mini in data.make_iterator(mini_batch, epochs=cfg.ppo_epochs, shuffle=False, seed=self.seed):
+            step = self.engine.train_mini_batch(mini, cfg.ppo_micro_batch_size_per_gpu, self._value_loss,
+                                                cfg.loss_agg_mode)
+            for key, value in step.items():
+                metrics.setdefault(key, []).append(value)
+        metrics["critic/lr"] = [self.engine.lr]
+        self.engine.finish_update()
+        return DataProto(meta_info={"metrics": metrics})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        save_worker_state(path, self.module, self.tokenizer, self.engine, self.rank)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        load_worker_state(path, self.module, self.engine, self.rank)

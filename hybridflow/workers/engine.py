@@ -1,0 +1,148 @@
+"""``TrainingEngine``: the optimisation machinery the actor and the critic share.
+
+One engine owns one model's optimiser (AdamW), learning-rate schedule (warmup, then constant or cosine,
+times a user scale that callbacks may change), micro-batch gradient accumulation, data-parallel gradient
+averaging and gradient clipping, and the model's checkpoint state.
+
+Data parallelism is DDP-style: every rank holds the whole model, computes gradients on its shard, and one
+all-reduce sums them before the step. Each micro-batch's loss is weighted by its share of the *global*
+mini-batch (tokens for ``token-mean``, sequences otherwise), so an update on 2 ranks equals the update on
+1 rank over the same global batch, up to float rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.protocol import DataProto
+
+LossFn = Callable[[DataProto], tuple[torch.Tensor, dict[str, float]]]
+
+
+def _cfg(obj: Any, key: str, default: Any) -> Any:
+    value = getattr(obj, key, default)
+    return default if value is None else value
+
+
+class TrainingEngine:
+    """Optimises ``module``; ``name`` (e.g. ``actor``) prefixes error messages and metrics."""
+
+    def __init__(self, module: torch.nn.Module, optim_config: Any, grad_clip: float | None, name: str,
+                 world_size: int = 1) -> None:
+        self.module = module
+        self.name = name
+        self.grad_clip = grad_clip
+        self.world_size = world_size if dist.is_initialized() else 1
+        if self.world_size > 1:  # identical starting weights on every rank (a fresh value head is random)
+            for param in module.state_dict().values():
+                dist.broadcast(param, src=0)
+        betas = tuple(_cfg(optim_config, "betas", (0.9, 0.999)))
+        self.optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad],
+                                           lr=optim_config.lr, betas=betas,
+                                           weight_decay=_cfg(optim_config, "weight_decay", 0.0))
+        self.lr_scale = 1.0
+        total = int(_cfg(optim_config, "total_training_steps", -1))
+        warmup = int(_cfg(optim_config, "lr_warmup_steps", -1))
+        if warmup < 0:
+            warmup = int(_cfg(optim_config, "lr_warmup_steps_ratio", 0.0) * max(total, 0))
+        self._warmup, self._total = warmup, total
+        self._style = _cfg(optim_config, "warmup_style", "constant")
+        self._min_lr_ratio = _cfg(optim_config, "min_lr_ratio", 0.0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+
+    def _lr_factor(self, step: int) -> float:
+        """Warmup then constant or cosine decay to ``min_lr_ratio``, times the callbacks' ``lr_scale``."""
+        if step < self._warmup:
+            factor = (step + 1) / self._warmup
+        elif self._style == "cosine" and self._total > self._warmup:
+            progress = min(1.0, (step - self._warmup) / (self._total - self._warmup))
+            factor = self._min_lr_ratio + (1 - self._min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        else:
+            factor = 1.0
+        return factor * self.lr_scale
+
+    def scale_lr(self, scale: float) -> float:
+        """Multiply the learning rate by ``scale`` from the next update on; returns the new lr."""
+        self.lr_scale *= scale
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * self._lr_factor(self.scheduler.last_epoch)
+        return self.optimizer.param_groups[0]["lr"]
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def _global_sum(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t.item())
+
+    def train_mini_batch(self, mini_batch: DataProto, micro_batch_size: int, loss_fn: LossFn,
+                         loss_agg_mode: str = "token-mean",
+                         extra_terms: list[tuple[DataProto, LossFn, float]] = ()) -> dict[str, float]:
+        """One optimiser step over ``mini_batch`` (this rank's shard), accumulating micro-batches.
+
+        ``loss_fn(micro)`` returns the micro-batch loss aggregated with ``loss_agg_mode`` and its metrics;
+        the engine reweights it by the micro-batch's share of the global mini-batch. ``extra_terms``
+        adds ``coef * loss`` over other data to the same step (supervised data mixed into RL)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics: dict[str, list[float]] = {}
+        for data, fn, coef in [(mini_batch, loss_fn, 1.0), *extra_terms]:
+            self._accumulate(data, micro_batch_size, fn, loss_agg_mode, coef, metrics)
+        grad_norm = self._reduce_and_clip()
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"{self.name}: the gradient norm is {grad_norm}; no update was applied. "
+                                     "Lower the learning rate or check the inputs for NaN.")
+        self.optimizer.step()
+        out = {key: sum(values) / len(values) for key, values in metrics.items()}
+        out[f"{self.name}/grad_norm"] = grad_norm
+        return out
+
+    def _accumulate(self, data: DataProto, micro_batch_size: int, loss_fn: LossFn, loss_agg_mode: str,
+                    coef: float, metrics: dict[str, list[float]]) -> None:
+        """Backward every micro-batch's loss, weighted by its share of the global batch."""
+        by_tokens = loss_agg_mode == "token-mean"
+        weight = (lambda d: float(d.batch["response_mask"].sum())) if by_tokens else (lambda d: float(len(d)))
+        total_weight = self._global_sum(weight(data))
+        for micro in data.split(micro_batch_size):
+            loss, micro_metrics = loss_fn(micro)
+            if not torch.isfinite(loss):
+                details = ", ".join(f"{k}={v:.4g}" for k, v in micro_metrics.items())
+                raise FloatingPointError(f"{self.name}: the loss is {loss.item()} ({details}); no update was "
+                                         "applied. Lower the learning rate or check the rewards for NaN.")
+            (loss * (coef * weight(micro) / max(total_weight, 1e-8))).backward()
+            for key, value in micro_metrics.items():
+                metrics.setdefault(key, []).append(value)
+
+    def _reduce_and_clip(self) -> float:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if self.world_size > 1:
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat)
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset:offset + p.grad.numel()].view_as(p.grad))
+                offset += p.grad.numel()
+        max_norm = self.grad_clip if self.grad_clip and self.grad_clip > 0 else float("inf")
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def finish_update(self) -> None:
+        """Advance the learning-rate schedule once per training step (not per mini-batch)."""
+        self.scheduler.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "lr_scale": self.lr_scale}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scale = state["lr_scale"]
+        self.scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,96 @@
+"""Loading Hugging Face models for the workers, and the forward passes they share.
+
+Every role (actor, reference, critic, reward model) reads ``(bs, prompt_length + response_length)``
+sequences laid out the same way: left-padded prompt, then the response, right-padded. The functions here
+turn such a batch into per-response-token quantities, micro-batch by micro-batch, and compute the output
+layer only over the response positions (``logits_to_keep``): on a 49k-token vocabulary the output layer is
+a fifth of the model's arithmetic, and the prompt positions' logits are never needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
+from hybridflow.models import resolve_model_path
+from hybridflow.protocol import DataProto
+
+# Per-load progress bars from transformers would drown the trainer's own progress line.
+hf_logging.disable_progress_bar()
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    """``auto``: fp32 on CPU (bf16 is about 11x slower on these CPUs), bf16 on CUDA."""
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+             "fp16": torch.float16, "float16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"model.dtype must be one of auto, {', '.join(names)}; got {dtype!r}")
+    return names[dtype]
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(path), trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path: str, device: torch.device, dtype: str | None = "auto", auto_cls: Any = AutoModelForCausalLM,
+               trust_remote_code: bool = False, gradient_checkpointing: bool = False,
+               **kwargs: Any) -> PreTrainedModel:
+    """A Hugging Face model on ``device``; ``path`` may be ``default`` (the embedded SmolLM2)."""
+    model = auto_cls.from_pretrained(resolve_model_path(path), dtype=resolve_dtype(dtype, device),
+                                     trust_remote_code=trust_remote_code, **kwargs).to(device)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _forward_inputs(data: DataProto, device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: data.batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")}
+
+
+def response_log_probs(model: PreTrainedModel, data: DataProto, temperature: float = 1.0,
+                       with_entropy: bool = False,
+                       entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities of ``responses`` under ``model`` (logits divided by the sampling temperature,
+    so they match what the rollout sampled from).
+
+    ``data.batch``: ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, T)`` and ``responses``
+    ``(bs, L)``. Returns ``(log_probs (bs, L), entropy (bs, L) or None)``; gradients flow if enabled, and
+    through the entropy only with ``entropy_grad`` (an entropy bonus): a metric-only entropy keeps no graph."""
+    responses = data.batch["responses"]
+    device = next(model.parameters()).device
+    length = responses.shape[1]
+    logits = model(**_forward_inputs(data, device), logits_to_keep=length + 1, use_cache=False).logits
+    logits = logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_probs = logprobs_from_logits(logits, responses.to(device))
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits)
+    return log_probs, entropy
+
+
+def response_values(model: PreTrainedModel, data: DataProto) -> torch.Tensor:
+    """Values ``(bs, L)`` of a token-classification (value-head) model: the value at each position is
+    predicted from the state *before* the response token there, as GAE expects."""
+    length = data.batch["responses"].shape[1]
+    device = next(model.parameters()).device
+    values = model(**_forward_inputs(data, device), use_cache=False).logits.squeeze(-1).float()
+    return values[:, -length - 1:-1]
+
+
+@torch.no_grad()
+def batched(fn: Callable[[DataProto], Any], data: DataProto, micro_batch_size: int) -> list[Any]:
+    """``fn(micro_batch)`` over micro-batches without gradients (log-prob and value passes)."""
+    return [fn(micro) for micro in data.split(max(1, micro_batch_size))]

@@ -1,0 +1,20 @@
+"""Rollout engines: ``hf`` (Hugging Face ``generate``, runs anywhere torch does)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from hybridflow.workers.rollout.hf_rollout import HFRollout, SamplingParams, response_mask_from
+
+__all__ = ["HFRollout", "SamplingParams", "build_rollout", "response_mask_from"]
+
+
+def build_rollout(config: Any, module: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                  response_length: int) -> HFRollout:
+    """The engine named by ``config.name``, sampling from ``module`` (shared with the actor)."""
+    name = getattr(config, "name", "hf") or "hf"
+    if name == "hf":
+        return HFRollout(module, tokenizer, config, response_length)
+    raise ValueError(f"unknown rollout engine {name!r}; known: hf")

@@ -1,0 +1,115 @@
+"""Rollout with Hugging Face ``generate``: the portable engine that runs anywhere torch does.
+
+In the hybrid engine the rollout holds the *same module* the actor trains, so it always samples from the
+current weights and no second copy of the model exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from hybridflow.protocol import DataProto
+
+SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "n", "response_length")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample; the rollout config gives the defaults, ``meta_info`` may override any of them."""
+
+    response_length: int
+    n: int = 1
+    do_sample: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+    @classmethod
+    def from_config(cls, config: Any, response_length: int, overrides: dict | None = None) -> SamplingParams:
+        values = {k: getattr(config, k) for k in SAMPLING_KEYS if getattr(config, k, None) is not None}
+        values.setdefault("response_length", response_length)
+        values.update({k: v for k, v in (overrides or {}).items() if k in SAMPLING_KEYS and v is not None})
+        params = cls(**values)
+        if params.temperature <= 0:  # temperature 0 means greedy, as in vLLM
+            params.do_sample, params.temperature = False, 1.0
+        return params
+
+
+def response_mask_from(responses: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
+    """1 on every response token up to and including the first EOS, 0 after it. ``(bs, L)`` int64."""
+    is_eos = torch.isin(responses, torch.tensor(eos_token_ids, device=responses.device))
+    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
+    return (eos_before == 0).long()
+
+
+class HFRollout:
+    """``generate_sequences`` over left-padded prompts with ``model.generate``."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: Any,
+                 response_length: int) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.response_length = response_length
+        eos = model.generation_config.eos_token_id
+        eos = eos if eos is not None else tokenizer.eos_token_id
+        self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
+        self.pad_token_id = tokenizer.pad_token_id
+
+    @torch.no_grad()
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Sample ``n`` responses per prompt.
+
+        In: ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, P)``, left-padded. Out: ``bs * n``
+        rows (every input column repeated, interleaved) plus ``prompts (bs*n, P)``, ``responses``,
+        ``response_mask``, ``rollout_log_probs`` ``(bs*n, L)`` (zero when greedy), and ``input_ids``,
+        ``attention_mask``, ``position_ids`` ``(bs*n, P + L)`` for the whole sequence."""
+        params = SamplingParams.from_config(self.config, self.response_length, prompts.meta_info)
+        micro = getattr(self.config, "micro_batch_size", None) or len(prompts)
+        parts = [self._generate(part, params) for part in prompts.split(micro)]
+        return DataProto.concat(parts) if len(parts) > 1 else parts[0]
+
+    def _generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
+        device = next(self.model.parameters()).device
+        input_ids = prompts.batch["input_ids"].to(device)
+        attention_mask = prompts.batch["attention_mask"].to(device)
+        sampling = {"temperature": params.temperature, "top_p": params.top_p,
+                    "top_k": params.top_k if params.top_k > 0 else None} if params.do_sample else {}
+        was_training = self.model.training
+        self.model.eval()
+        out = self.model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, do_sample=params.do_sample,
+            max_new_tokens=params.response_length, num_return_sequences=params.n,
+            eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
+            output_logits=params.do_sample, return_dict_in_generate=True, **sampling)
+        self.model.train(was_training)
+        prompt_len = input_ids.shape[1]
+        generated = out.sequences[:, prompt_len:]
+        responses = torch.full((generated.shape[0], params.response_length), self.pad_token_id,
+                               dtype=generated.dtype, device=device)
+        responses[:, :generated.shape[1]] = generated
+        response_mask = response_mask_from(responses, self.eos_token_ids)
+        responses = torch.where(response_mask.bool(), responses, self.pad_token_id)
+        rollout_log_probs = torch.zeros(responses.shape, dtype=torch.float32, device=device)
+        if params.do_sample and out.logits:
+            logits = torch.stack(out.logits, dim=1).float() / params.temperature
+            chosen = logits.gather(-1, generated.unsqueeze(-1)).squeeze(-1)
+            rollout_log_probs[:, :generated.shape[1]] = chosen - torch.logsumexp(logits, dim=-1)
+            rollout_log_probs *= response_mask
+        expanded = prompts.repeat(params.n, interleave=True)
+        prompt_ids = expanded.batch["input_ids"]
+        prompt_positions = expanded.batch["position_ids"]
+        response_positions = prompt_positions[:, -1:] + torch.arange(1, params.response_length + 1)
+        responses, response_mask = responses.cpu(), response_mask.cpu()
+        expanded.batch["prompts"] = prompt_ids
+        expanded.batch["responses"] = responses
+        expanded.batch["response_mask"] = response_mask
+        expanded.batch["rollout_log_probs"] = rollout_log_probs.cpu()
+        expanded.batch["input_ids"] = torch.cat([prompt_ids, responses], dim=1)
+        expanded.batch["attention_mask"] = torch.cat([expanded.batch["attention_mask"], response_mask], dim=1)
+        expanded.batch["position_ids"] = torch.cat([prompt_positions, response_positions], dim=1)
+        return expanded

@@ -1,0 +1,58 @@
+"""Fixtures shared by every test directory: a tiny model folder, prompt batches and a Ray session."""
+
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+
+from hybridflow import DataProto
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory) -> str:
+    """A random 2-layer Llama with a ~1k-token tokenizer (ChatML, eos = pad = <|im_end|>)."""
+    from hybridflow.models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def _chat_prompts(tokenizer, questions: list[str], uids: list[str] | None = None) -> DataProto:
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                           add_generation_prompt=True) for q in questions]
+    tokenizer.padding_side = "left"
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    position_ids = (enc.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return DataProto.from_dict(
+        {"input_ids": enc.input_ids, "attention_mask": enc.attention_mask, "position_ids": position_ids},
+        {"uid": uids or [f"p{i}" for i in range(len(questions))],
+         "raw_prompt": [[{"role": "user", "content": q}] for q in questions]})
+
+
+@pytest.fixture(scope="session")
+def chat_prompts():
+    """``chat_prompts(tokenizer, questions, uids=None)``: left-padded chat prompts as the dataset's
+    collate would build them."""
+    return _chat_prompts
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """Ray on 2 CPUs with its session files in a short temporary folder; shut down only if started here."""
+    import ray
+
+    from hybridflow.single_controller.ray import init_ray
+
+    if ray.is_initialized():
+        yield
+        return
+    temp_dir = tempfile.mkdtemp(prefix="hfray-")  # short: Ray's socket paths inside must stay < 107 chars
+    started = init_ray(num_cpus=2, _temp_dir=temp_dir)
+    yield
+    if started:
+        ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)

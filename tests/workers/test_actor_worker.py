@@ -1,0 +1,133 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hybridflow.algorithms import compute_advantage
+from hybridflow.single_controller import ClassWithInitArgs, LocalWorkerGroup
+from hybridflow.trainer.config import PPOConfig
+from hybridflow.workers import ActorRolloutRefWorker
+from hybridflow.workers.rollout import response_mask_from
+
+
+def actor_config(path: str, **actor_overrides):
+    cfg = PPOConfig()
+    arr = cfg.actor_rollout_ref
+    arr.model.path = path
+    arr.rollout.n = 2
+    arr.actor.ppo_mini_batch_size = 2
+    arr.actor.ppo_micro_batch_size_per_gpu = 2
+    arr.actor.optim.lr = 1e-2
+    for key, value in actor_overrides.items():
+        setattr(arr.actor, key, value)
+    return cfg.resolve().actor_rollout_ref
+
+
+@pytest.fixture(scope="module")
+def actor_group(tiny_model_path):
+    group = LocalWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, actor_config(tiny_model_path),
+                                               role="actor_rollout_ref", response_length=6))
+    group.init_model()
+    return group
+
+
+def test_response_mask_ends_at_first_eos():
+    responses = torch.tensor([[5, 7, 2, 9, 2], [2, 4, 4, 4, 4], [3, 3, 3, 3, 3]])
+    assert response_mask_from(responses, [2]).tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
+
+
+def test_generate_sequences_layout(actor_group, chat_prompts):
+    worker = actor_group.workers[0]
+    prompts = chat_prompts(worker.tokenizer, ["Compute 1+2.", "Say hello to the world please."])
+    prompt_len = prompts.batch["input_ids"].shape[1]
+    out = actor_group.generate_sequences(prompts)  # n=2 from the rollout config
+    assert len(out) == 4 and out.non_tensor_batch["uid"].tolist() == ["p0", "p0", "p1", "p1"]
+    assert out.batch["responses"].shape == (4, 6) and out.batch["input_ids"].shape == (4, prompt_len + 6)
+    assert torch.equal(out.batch["input_ids"][:, :prompt_len], prompts.batch["input_ids"].repeat_interleave(2, 0))
+    mask = out.batch["response_mask"]
+    assert torch.equal(out.batch["attention_mask"][:, prompt_len:], mask)
+    # positions continue after the prompt's last position
+    last = prompts.batch["position_ids"][:, -1].repeat_interleave(2)
+    assert torch.equal(out.batch["position_ids"][:, prompt_len:], last[:, None] + torch.arange(1, 7))
+    # the rollout's own log-probs agree with a fresh forward pass of the trainer
+    lp = actor_group.compute_log_prob(out)
+    assert lp.batch["old_log_probs"].shape == (4, 6) and lp.batch["entropys"].shape == (4, 6)
+    diff = (lp.batch["old_log_probs"] - out.batch["rollout_log_probs"]).abs() * mask
+    assert diff.max() < 1e-4
+    assert lp.meta_info["metrics"]["rollout/logprob_diff"][0] < 1e-4  # one entry per rank
+
+
+def test_greedy_generation_matches_transformers(actor_group, chat_prompts, tiny_model_path):
+    worker = actor_group.workers[0]
+    prompts = chat_prompts(worker.tokenizer, ["What is 12+7?"])
+    prompts.meta_info.update(do_sample=False, n=1)
+    out = actor_group.generate_sequences(prompts)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    # The worker's weights may have been trained by another test: compare against its own module.
+    reference.load_state_dict(worker.module.state_dict())
+    expected = reference.generate(prompts.batch["input_ids"], attention_mask=prompts.batch["attention_mask"],
+                                  do_sample=False, max_new_tokens=6, pad_token_id=worker.tokenizer.pad_token_id)
+    n = int(out.batch["response_mask"].sum())
+    assert out.batch["responses"][0, :n].tolist() == expected[0, prompts.batch["input_ids"].shape[1]:][:n].tolist()
+
+
+def test_update_actor_raises_log_prob_of_rewarded_response(actor_group, chat_prompts):
+    worker = actor_group.workers[0]
+    torch.manual_seed(0)
+    out = actor_group.generate_sequences(chat_prompts(worker.tokenizer, ["Compute 3+4."]))
+    out = out.union(actor_group.compute_ref_log_prob(out))
+    scores = torch.zeros(2, 6)
+    last = out.batch["response_mask"].sum(-1) - 1
+    scores[0, last[0]] = 1.0  # the first sample is good, the second bad
+    out.batch["token_level_rewards"] = scores
+    out = compute_advantage(out, "grpo")
+    before = actor_group.compute_log_prob(out).batch["old_log_probs"]
+    metrics = actor_group.update_actor(out).meta_info["metrics"]
+    after = actor_group.compute_log_prob(out).batch["old_log_probs"]
+    mask = out.batch["response_mask"].float()
+    gain = ((after - before) * mask).sum(-1)
+    assert gain[0] > 0 > gain[1]
+    assert metrics["actor/lr"] == [1e-2] and metrics["actor/grad_norm"][0] > 0
+    assert metrics["actor/ppo_kl"][0] == pytest.approx(0.0, abs=1e-6)  # on-policy shortcut: ratio starts at 1
+
+
+def test_nan_advantages_stop_with_a_clear_error(actor_group, chat_prompts):
+    worker = actor_group.workers[0]
+    out = actor_group.generate_sequences(chat_prompts(worker.tokenizer, ["Compute 1+1."]))
+    out.batch["advantages"] = torch.full((2, 6), float("nan"))
+    weights = {k: v.clone() for k, v in worker.module.state_dict().items()}
+    with pytest.raises(Exception, match=r"actor: the loss is nan .*no update was applied"):
+        actor_group.update_actor(out)
+    assert all(torch.equal(weights[k], v) for k, v in worker.module.state_dict().items())
+
+
+def test_checkpoint_is_a_plain_hf_folder_and_restores_state(actor_group, tmp_path):
+    worker = actor_group.workers[0]
+    actor_group.save_checkpoint(str(tmp_path / "actor"))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "actor" / "huggingface")
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, worker.module.state_dict()[key]), key
+    saved = {k: v.clone() for k, v in worker.module.state_dict().items()}
+    lr_scale = worker.engine.lr_scale
+    with torch.no_grad():
+        for p in worker.module.parameters():
+            p.add_(1.0)
+    actor_group.scale_lr(0.5)
+    actor_group.load_checkpoint(str(tmp_path / "actor"))
+    assert all(torch.equal(saved[k], v) for k, v in worker.module.state_dict().items())
+    assert worker.engine.lr_scale == lr_scale
+
+
+def test_scale_lr_halves_the_learning_rate(tiny_model_path):
+    group = LocalWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, actor_config(tiny_model_path), role="actor"))
+    group.init_model()
+    assert group.scale_lr(0.5) == [pytest.approx(5e-3)]
+    assert group.workers[0].engine.lr == pytest.approx(5e-3)
+
+
+def test_missing_role_is_a_clear_error(tiny_model_path, chat_prompts):
+    group = LocalWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, actor_config(tiny_model_path), role="ref"))
+    group.init_model()
+    with pytest.raises(Exception, match="generate_sequences needs the 'rollout' role"):
+        group.generate_sequences(chat_prompts(group.workers[0].tokenizer, ["hi"]))
+    with pytest.raises(ValueError, match=r"unknown role part\(s\) \['critic'\]"):
+        ActorRolloutRefWorker(actor_config(tiny_model_path), role="actor_critic")
