@@ -1,0 +1,6 @@
+"""Prompt data: verl-format datasets, DataProto batching with a resumable loader, demo task generators."""
+
+from hybridflow.data.dataset import RLHFDataset
+from hybridflow.data.loader import PromptLoader, collate_fn
+
+__all__ = ["PromptLoader", "RLHFDataset", "collate_fn"]

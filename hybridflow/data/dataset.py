@@ -1,0 +1,214 @@
+"""Prompt datasets in verl's row format, read from parquet or JSONL files.
+
+A row: `data_source` (str, picks the reward function), `prompt` (a list of chat messages
+`{"role", "content"}`, or a plain string taken as one user message), `ability`, `reward_model`
+(`{"style", "ground_truth"}`), `extra_info` (dict, optional). Every row is validated and tokenized
+when the dataset is built, so a malformed file fails at once with the file, row and field named,
+not halfway through training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import Dataset
+
+logger = logging.getLogger(__name__)
+
+TRUNCATION_MODES = ("error", "left", "right")
+
+
+@dataclass
+class PromptRow:
+    """One validated row. `row` is its 0-based position in `file` (blank JSONL lines not counted);
+    `position` its position over all the dataset's files, before filtering."""
+
+    file: str
+    row: int
+    position: int
+    messages: list[dict[str, str]]
+    data_source: str | None
+    ground_truth: Any
+    extra_info: dict
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """All rows of one parquet (`.parquet`) or JSON-lines (`.jsonl`, `.json`) file, as dicts."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file not found: {path}")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return pq.read_table(path).to_pylist()
+    if suffix in (".jsonl", ".json"):
+        rows = []
+        with path.open(encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}: line {line_no} is not valid JSON: {e}") from e
+        return rows
+    raise ValueError(f"{path}: unknown data file type {suffix!r}; expected .parquet or .jsonl")
+
+
+def _messages(value: Any, where: str) -> list[dict[str, str]]:
+    """The prompt as chat messages; a plain string becomes one user message."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where}: must be a string or a non-empty list of chat messages, got {value!r:.200}")
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(
+            message.get("content"), str
+        ):
+            raise ValueError(f"{where}[{i}]: a chat message needs string 'role' and 'content', got {message!r:.200}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def parse_row(raw: Any, file: str, row: int, position: int, prompt_key: str = "prompt") -> PromptRow:
+    """Validate one raw row; every error names the file, the row and the field."""
+    where = f"{file}: row {row}"
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: a row must be an object, got {type(raw).__name__}")
+    if raw.get(prompt_key) is None:
+        raise ValueError(f"{where}: field {prompt_key!r} is missing")
+    messages = _messages(raw[prompt_key], f"{where}: field {prompt_key!r}")
+    data_source = raw.get("data_source")
+    if data_source is not None and not isinstance(data_source, str):
+        raise ValueError(f"{where}: field 'data_source' must be a string, got {data_source!r:.200}")
+    reward_model = raw.get("reward_model") or {}
+    if not isinstance(reward_model, dict):
+        raise ValueError(f"{where}: field 'reward_model' must be an object with 'ground_truth', got {reward_model!r:.200}")
+    extra_info = raw.get("extra_info") or {}
+    if not isinstance(extra_info, dict):
+        raise ValueError(f"{where}: field 'extra_info' must be an object, got {extra_info!r:.200}")
+    return PromptRow(file, row, position, messages, data_source, reward_model.get("ground_truth"), extra_info)
+
+
+def left_pad(ids: Sequence[int], length: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Left-pad one prompt to `length`: input_ids, attention_mask and position_ids, each `(length,)`.
+
+    Left padding puts every prompt's last token at the same column, where generation continues.
+    Position ids count real tokens only (cumsum of the mask - 1, clipped at 0 on the padding), as
+    Hugging Face generation does for left-padded batches.
+    """
+    n = len(ids)
+    input_ids = torch.full((length,), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(length, dtype=torch.long)
+    if n:
+        input_ids[length - n :] = torch.as_tensor(list(ids), dtype=torch.long)
+        attention_mask[length - n :] = 1
+    position_ids = (attention_mask.cumsum(0) - 1).clamp(min=0)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+
+
+class RLHFDataset(Dataset):
+    """Chat prompts from one or more parquet/JSONL files, tokenized and left-padded to `max_prompt_length`.
+
+    `apply_chat_template=True` renders the messages with the tokenizer's chat template and the
+    assistant generation prompt; `False` joins the message contents with newlines (for base models
+    without a template). Prompts longer than `max_prompt_length` tokens are dropped when
+    `filter_overlong_prompts` (their number is `num_filtered`), otherwise handled by `truncation`:
+    "error" raises naming the file and row, "left" keeps the last tokens, "right" the first.
+    `chat_template_kwargs` go to `apply_chat_template` (e.g. a model's `enable_thinking`).
+    """
+
+    def __init__(
+        self,
+        data_files: str | Path | Sequence[str | Path],
+        tokenizer,
+        max_prompt_length: int = 512,
+        prompt_key: str = "prompt",
+        truncation: str = "error",
+        filter_overlong_prompts: bool = True,
+        apply_chat_template: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> None:
+        if truncation not in TRUNCATION_MODES:
+            raise ValueError(f"truncation={truncation!r}; expected one of {TRUNCATION_MODES}")
+        if max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be positive, got {max_prompt_length}")
+        if tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos token)")
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        self.truncation = truncation
+        self.apply_chat_template = apply_chat_template
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        files = [data_files] if isinstance(data_files, str | Path) else list(data_files)
+        if not files:
+            raise ValueError("RLHFDataset needs at least one data file")
+        raw_rows = [(str(path), i, raw) for path in files for i, raw in enumerate(read_rows(path))]
+        rows = [parse_row(raw, path, i, pos, prompt_key) for pos, (path, i, raw) in enumerate(raw_rows)]
+        token_ids = self._tokenize([r.messages for r in rows])
+        self.rows, self.prompt_ids, self.num_filtered = self._fit(rows, token_ids, filter_overlong_prompts)
+        if not self.rows:
+            raise ValueError(f"no prompts left in {files}: all {len(rows)} are longer than {max_prompt_length} tokens")
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text the model sees for these messages."""
+        if self.apply_chat_template:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
+            )
+        return "\n".join(m["content"] for m in messages)
+
+    def _tokenize(self, all_messages: list[list[dict[str, str]]]) -> list[list[int]]:
+        texts = [self.render(m) for m in all_messages]
+        return self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+
+    def _fit(
+        self, rows: list[PromptRow], token_ids: list[list[int]], filter_overlong: bool
+    ) -> tuple[list[PromptRow], list[list[int]], int]:
+        """Drop or truncate prompts longer than max_prompt_length; returns kept rows, their ids, #dropped."""
+        limit = self.max_prompt_length
+        kept_rows, kept_ids, dropped = [], [], []
+        for row, ids in zip(rows, token_ids):
+            if len(ids) > limit:
+                if filter_overlong:
+                    dropped.append(row)
+                    continue
+                if self.truncation == "error":
+                    raise ValueError(
+                        f"{row.file}: row {row.row}: prompt has {len(ids)} tokens, more than "
+                        f"max_prompt_length={limit}; raise it, set truncation to 'left'/'right' "
+                        f"or filter_overlong_prompts=True"
+                    )
+                ids = ids[-limit:] if self.truncation == "left" else ids[:limit]
+            kept_rows.append(row)
+            kept_ids.append(ids)
+        if dropped:
+            shown = ", ".join(f"{r.file}:{r.row}" for r in dropped[:5])
+            logger.warning(
+                "dropped %d of %d prompts longer than max_prompt_length=%d (first: %s)",
+                len(dropped), len(rows), limit, shown,
+            )
+        return kept_rows, kept_ids, len(dropped)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        """One prompt: `input_ids`, `attention_mask`, `position_ids` (each `(max_prompt_length,)`, left
+        padded) plus `raw_prompt` (the messages), `data_source`, `ground_truth`, `extra_info` and `index`
+        (extra_info["index"] when the row has one, else the row's position over all files)."""
+        row = self.rows[idx]
+        item: dict[str, Any] = left_pad(self.prompt_ids[idx], self.max_prompt_length, self.tokenizer.pad_token_id)
+        item.update(
+            raw_prompt=row.messages,
+            data_source=row.data_source,
+            ground_truth=row.ground_truth,
+            extra_info=row.extra_info,
+            index=row.extra_info.get("index", row.position),
+        )
+        return item
