@@ -1,0 +1,11 @@
+"""The Ray backend of the single controller: one actor per rank, placed on resource pools.
+
+Only this subpackage imports Ray; driver code switches from ``LocalWorkerGroup`` to ``RayWorkerGroup``
+and nothing else changes.
+"""
+
+from hybridflow.single_controller.ray.resource_pool import RayResourcePool, ResourcePoolManager
+from hybridflow.single_controller.ray.runtime import init_ray
+from hybridflow.single_controller.ray.worker_group import RayWorkerGroup
+
+__all__ = ["RayResourcePool", "RayWorkerGroup", "ResourcePoolManager", "init_ray"]

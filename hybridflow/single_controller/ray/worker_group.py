@@ -1,0 +1,194 @@
+"""``RayWorkerGroup``: one Ray actor per rank, placed on a ``RayResourcePool``.
+
+Each actor is a small host (``_WorkerHost``) that builds the user's worker once its environment is set,
+then runs ``execute(method, *args)`` for every call. Starting a group takes two steps: rank 0's host
+finds its node IP and a free port (the rendezvous of ``torch.distributed``), then every host gets its
+environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and builds its worker, all at once,
+since a worker may form its process group in ``__init__`` and that blocks until every rank has joined.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from ray import cloudpickle
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from hybridflow.protocol import DataProto
+from hybridflow.single_controller.decorator import Shards
+from hybridflow.single_controller.ray.resource_pool import Placement, RayResourcePool
+from hybridflow.single_controller.worker import SIMULATED_RANKS_ENV, ClassWithInitArgs
+from hybridflow.single_controller.worker_group import WorkerDiedError, WorkerError, WorkerGroup
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# Arguments worth storing once in the object store when several ranks get the very same object.
+_SHAREABLE = (DataProto, np.ndarray, torch.Tensor)
+
+
+class _WorkerHost:
+    """The body of each Ray actor: holds one rank's worker and runs its methods by name."""
+
+    def __init__(self) -> None:
+        self._worker: Any = None
+
+    def master_address(self) -> tuple[str, int]:
+        """This node's IP and a port free right now, for rank 0 to host the process-group rendezvous."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def build(self, env: dict[str, str], sys_path: list[str], cls_with_init: bytes, set_torch_threads: bool) -> None:
+        """Set the rank's environment, share the node's CPUs among its processes, construct the worker.
+
+        The worker class arrives pickled and is loaded only after the driver's import path is added to
+        ours: Ray pickles a class from an importable module by reference, and modules importable in the
+        driver (a test folder put on ``sys.path`` by pytest, a project folder) are not always importable
+        here."""
+        sys.path.extend(path for path in sys_path if path not in sys.path)
+        os.environ.update(env)
+        if set_torch_threads:  # Ray sets OMP_NUM_THREADS=1 for fractional-CPU actors; give each its share
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(env["LOCAL_WORLD_SIZE"])))
+        self._worker = cloudpickle.loads(cls_with_init)()
+
+    def execute(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._worker, method)(*args, **kwargs)
+
+
+_RemoteHost = ray.remote(_WorkerHost)
+
+
+class RayWorkerGroup(WorkerGroup):
+    """``resource_pool.world_size`` Ray actors, each building one worker from ``cls_with_init``.
+
+    ``name_prefix`` names the group in errors (default: the worker class name). ``set_torch_threads``
+    gives each worker ``cpus_on_node // processes_on_node`` torch threads. ``call_timeout_s`` bounds how
+    long a call may wait for its answers (None: no limit; a dead actor is reported at once either way).
+    ``start_timeout_s`` bounds the wait for the actors to be placed.
+    """
+
+    def __init__(self, resource_pool: RayResourcePool, cls_with_init: ClassWithInitArgs,
+                 name_prefix: str | None = None, set_torch_threads: bool = True,
+                 call_timeout_s: float | None = None, start_timeout_s: float = 120.0) -> None:
+        name = name_prefix or cls_with_init.cls.__name__
+        resource_pool.acquire(name)
+        try:
+            backend = _RayBackend.start(resource_pool, cls_with_init, name, set_torch_threads,
+                                        call_timeout_s, start_timeout_s)
+        except BaseException:
+            resource_pool.release(name)
+            raise
+        self._resource_pool = resource_pool
+        super().__init__(backend, cls_with_init.cls, name)
+
+    def shutdown(self) -> None:
+        """Kill the actors and free the group's share of its pool (the pool's bundles stay reserved)."""
+        self._backend.kill()
+        self._resource_pool.release(self.name)
+
+
+class _RayBackend:
+    """Submits calls to the host actors and waits for them, turning Ray's errors into ``WorkerError``."""
+
+    def __init__(self, actors: list, call_timeout_s: float | None) -> None:
+        self._actors = actors
+        self._call_timeout_s = call_timeout_s
+
+    @classmethod
+    def start(cls, pool: RayResourcePool, cls_with_init: ClassWithInitArgs, group: str,
+              set_torch_threads: bool, call_timeout_s: float | None, start_timeout_s: float) -> _RayBackend:
+        placements = pool.placements()
+        resources = pool.actor_resources()
+        backend = cls([_RemoteHost.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(p.group, placement_group_bundle_index=p.bundle_index),
+            **resources).remote() for p in placements], call_timeout_s)
+        try:
+            [(addr, port)] = backend.wait([backend._actors[0].master_address.remote()], group,
+                                          "start (placing the actors)", start_timeout_s)
+            payload = cloudpickle.dumps(cls_with_init)
+            builds = [actor.build.remote(_rank_env(rank, p, len(placements), addr, port), sys.path, payload,
+                                         set_torch_threads)
+                      for rank, (actor, p) in enumerate(zip(backend._actors, placements))]
+            backend.wait(builds, group, "__init__", None)
+        except BaseException:
+            backend.kill()
+            raise
+        return backend
+
+    @property
+    def world_size(self) -> int:
+        return len(self._actors)
+
+    @property
+    def workers(self) -> list:
+        return list(self._actors)
+
+    def submit(self, method: str, shards: Shards, group: str, label: str) -> list:
+        shards = _put_repeated(shards)
+        return [self._actors[rank].execute.remote(method, *args, **kwargs)
+                for rank, (args, kwargs) in enumerate(zip(shards.args, shards.kwargs))]
+
+    def fetch(self, handles: list, group: str, label: str, timeout_s: float | None = None) -> list:
+        return self.wait(handles, group, label, self._call_timeout_s if timeout_s is None else timeout_s)
+
+    def wait(self, refs: list, group: str, label: str, timeout_s: float | None) -> list:
+        """Results of ``refs`` (one per rank); the first failure is raised at once, naming its rank."""
+        try:
+            return ray.get(refs, timeout=timeout_s)
+        except GetTimeoutError:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            late = [rank for rank, ref in enumerate(refs) if ref not in ready]
+            raise WorkerError(group, late[0], label, f"no answer within {timeout_s} s from ranks {late}") from None
+        except RayError as error:
+            rank, error = _first_failure(refs, error)
+            kind = WorkerDiedError if isinstance(error, RayActorError) else WorkerError
+            raise kind(group, rank, label, _ANSI.sub("", str(error))) from None
+
+    def kill(self) -> None:
+        for actor in self._actors:
+            ray.kill(actor, no_restart=True)
+
+
+def _rank_env(rank: int, placement: Placement, world_size: int, master_addr: str, master_port: int) -> dict[str, str]:
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(placement.local_rank),
+            "LOCAL_WORLD_SIZE": str(placement.local_world_size), "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port), SIMULATED_RANKS_ENV: "0"}
+
+
+def _first_failure(refs: list, fallback: RayError) -> tuple[int, RayError]:
+    """The lowest rank whose answer is an error (``ray.get`` of a list does not say which one failed)."""
+    for rank, ref in enumerate(refs):
+        if ray.wait([ref], timeout=0)[0]:
+            try:
+                ray.get(ref)
+            except RayError as error:
+                return rank, error
+    return -1, fallback
+
+
+def _put_repeated(shards: Shards) -> Shards:
+    """Store a large argument that several ranks receive (the very same object) once in the object
+    store, instead of serialising it once per rank; Ray hands each actor the stored value."""
+    if len(shards) < 2:
+        return shards
+    counts = Counter(id(v) for args, kwargs in zip(shards.args, shards.kwargs) for v in (*args, *kwargs.values()))
+    stored: dict[int, ray.ObjectRef] = {}
+
+    def share(value: Any) -> Any:
+        if counts[id(value)] < 2 or not isinstance(value, _SHAREABLE):
+            return value
+        if id(value) not in stored:
+            stored[id(value)] = ray.put(value)
+        return stored[id(value)]
+
+    return Shards([tuple(share(v) for v in args) for args in shards.args],
+                  [{k: share(v) for k, v in kwargs.items()} for kwargs in shards.kwargs], shards.pad_size)

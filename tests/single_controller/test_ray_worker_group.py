@@ -1,0 +1,103 @@
+"""What only real Ray actors can show: process groups, separate processes, dead actors, resource checks."""
+
+import os
+import re
+import time
+
+import pytest
+import ray
+import torch
+from toy_workers import ActorPart, CriticPart
+
+from hybridflow import DataProto
+from hybridflow.single_controller import (
+    ClassWithInitArgs,
+    Role,
+    WorkerDiedError,
+    WorkerError,
+    create_colocated_worker_cls,
+)
+from hybridflow.single_controller.ray import RayResourcePool, RayWorkerGroup, ResourcePoolManager
+
+
+def test_two_ray_workers_form_a_gloo_group_and_all_reduce(ray_toy_group):
+    infos = ray_toy_group.info()
+    assert [i["formed_group"] for i in infos] == [True, True]
+    pids = {i["pid"] for i in infos}
+    assert len(pids) == 2 and os.getpid() not in pids
+    assert ray_toy_group.all_reduce(1.5) == [4.5, 4.5]  # 1.5 * 1 + 1.5 * 2 on both ranks
+
+
+def test_non_blocking_call_returns_before_the_workers_finish(ray_toy_group):
+    start = time.monotonic()
+    future = ray_toy_group.sleep(0.5)
+    assert time.monotonic() - start < 0.3
+    assert future.get() == [0, 1]
+    assert time.monotonic() - start >= 0.5
+
+
+def test_future_wait_can_time_out_and_be_retried(ray_toy_group):
+    future = ray_toy_group.sleep(0.8)
+    with pytest.raises(WorkerError, match=re.escape("method 'sleep' failed:\nno answer within 0.1 s from ranks [0, 1]")):
+        future.get(timeout_s=0.1)
+    assert future.get() == [0, 1]
+
+
+def test_colocated_roles_share_a_process_and_a_killed_actor_is_reported(ray_session):
+    pool = RayResourcePool([1], cpus_per_process=0.25, name="colocated")  # one rank: actor starts are costly
+    init = create_colocated_worker_cls({"actor": ClassWithInitArgs(ActorPart, lr=0.5),
+                                        Role.CRITIC: ClassWithInitArgs(CriticPart)})
+    group = RayWorkerGroup(pool, init, name_prefix="hybrid")
+    try:
+        roles = group.spawn({"actor", Role.CRITIC})
+        actor, critic = roles["actor"], roles[Role.CRITIC]
+        [pid] = actor.pid()
+        assert critic.pid() == [pid] and pid != os.getpid()
+        # set_torch_threads: the only process on its node gets every CPU (Ray alone would give it 1 thread)
+        assert critic.torch_threads() == [len(os.sched_getaffinity(0))]
+        data = DataProto.from_dict({"x": torch.arange(5)})
+        assert actor.act(data).batch["scaled"].tolist() == [0.0, 0.5, 1.0, 1.5, 2.0]
+        assert critic.value(data).batch["value"].tolist() == [1, 2, 3, 4, 5]
+        assert not hasattr(actor, "value") and not hasattr(critic, "act")
+
+        ray.kill(group.workers[0])
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError) as info:
+            critic.value(data)
+        assert time.monotonic() - start < 30
+        assert (info.value.group, info.value.rank, info.value.method) == ("hybrid/critic", 0, "value")
+        assert "killed by `ray.kill`" in str(info.value)
+    finally:
+        group.shutdown()
+        pool.remove()
+
+
+def test_resource_pool_manager_says_which_resources_are_missing(ray_session):
+    manager = ResourcePoolManager({"big": [64]}, {Role.ACTOR_ROLLOUT: "big"})
+    available = ray.available_resources().get("CPU", 0.0)
+    with pytest.raises(RuntimeError, match=re.escape(f"CPU: need 64, available {available:g}")):
+        manager.create_resource_pool()
+
+
+def test_resource_pool_manager_maps_roles_to_shared_pools(ray_session):
+    manager = ResourcePoolManager({"shared": [1], "solo": [1]},
+                                  {Role.ACTOR_ROLLOUT: "shared", "ref": "shared", Role.CRITIC: "solo"},
+                                  cpus_per_process=0.1)
+    pools = manager.create_resource_pool()
+    try:
+        assert manager.get_resource_pool("actor_rollout") is manager.get_resource_pool(Role.REF) is pools["shared"]
+        assert manager.get_resource_pool("critic") is pools["solo"]
+        assert (pools["shared"].max_colocate_count, pools["solo"].max_colocate_count) == (2, 1)
+        with pytest.raises(KeyError, match="'reward_model' has no resource pool"):
+            manager.get_resource_pool(Role.REWARD_MODEL)
+        pools["solo"].acquire("critic_wg")
+        with pytest.raises(RuntimeError, match=re.escape("already holds ['critic_wg'] (max_colocate_count=1)")):
+            pools["solo"].acquire("other_wg")
+    finally:
+        for pool in pools.values():
+            pool.remove()
+
+
+def test_resource_pool_manager_rejects_undefined_pools():
+    with pytest.raises(KeyError, match="undefined pools {'critic': 'gpu'}"):
+        ResourcePoolManager({"cpu": [1]}, {Role.CRITIC: "gpu"})
