@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 COMPLETE_MARKER = "COMPLETE"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -165,6 +164,8 @@ def save_rng_state() -> dict[str, Any]:
 
     Holds only ints, lists and tensors, so ``torch.load(..., weights_only=True)`` can read it back.
     """
+    import torch  # here, not at the top: the folder mechanics stay importable without torch
+
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),
@@ -178,6 +179,8 @@ def save_rng_state() -> dict[str, Any]:
 
 def load_rng_state(state: dict[str, Any]) -> None:
     """Restore what ``save_rng_state`` captured (CUDA states only where CUDA is available)."""
+    import torch
+
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy"]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from hybridflow.trainer import checkpoint
 from hybridflow.trainer.checkpoint import (
     COMPLETE_MARKER,
     LATEST_FILE,
@@ -89,10 +90,13 @@ def test_manager_commits_records_latest_and_prunes(tmp_path):
     assert manager.latest() == manager.path(30) and (tmp_path / "run" / LATEST_FILE).read_text() == "30\n"
 
 
+# Loads checkpoint.py by file path: importing the hybridflow package (torch, transformers) would take seconds.
 _SLOW_SAVER = textwrap.dedent("""
-    import sys, time
-    from hybridflow.trainer.checkpoint import atomic_directory
-    with atomic_directory(sys.argv[1]) as folder:
+    import importlib.util, sys, time
+    spec = importlib.util.spec_from_file_location("checkpoint", sys.argv[2])
+    checkpoint = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(checkpoint)
+    with checkpoint.atomic_directory(sys.argv[1]) as folder:
         with open(folder / "model.bin", "wb") as f:
             for _ in range(1000):  # 1000 x 64 KiB, slowly: the parent kills us half-way
                 f.write(b"x" * 65536)
@@ -103,7 +107,7 @@ _SLOW_SAVER = textwrap.dedent("""
 
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint_latest(tmp_path):
     _save(tmp_path, 1, "good")
-    saver = subprocess.Popen([sys.executable, "-c", _SLOW_SAVER, str(checkpoint_dir(tmp_path, 2))])
+    saver = subprocess.Popen([sys.executable, "-c", _SLOW_SAVER, str(checkpoint_dir(tmp_path, 2)), checkpoint.__file__])
     partial = tmp_path / f".tmp-global_step_2-{saver.pid}" / "model.bin"
     deadline = time.monotonic() + 60
     while not (partial.exists() and partial.stat().st_size > 4 * 65536):
