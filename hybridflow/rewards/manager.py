@@ -1,0 +1,112 @@
+"""Turning decoded responses into token-level scores with a rule (or user) reward function."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hybridflow.protocol import DataProto
+from hybridflow.rewards.registry import Score, default_compute_score
+
+
+def _function_name(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
+    """Per row of a `(bs, response_length)` 0/1 mask, the column of its last 1 (0 for an all-zero row)."""
+    columns = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), columns, torch.zeros_like(columns)).max(dim=1).values
+
+
+class RewardManager:
+    """Scores a batch of responses: decode, call `compute_score`, put each score on its last token.
+
+    `compute_score(data_source, solution_str, ground_truth, extra_info)` returns a float or a dict
+    with a "score" key (every key of the dict is also collected into `reward_extra_info`, e.g. an
+    accuracy to log next to a shaped score). It defaults to the rule scorers of
+    `default_compute_score`. The first `num_examine` responses of each data source are printed, to
+    eyeball what the model writes and how it is graded.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        compute_score: Callable[..., Score] | None = None,
+        num_examine: int = 0,
+        reward_fn_key: str = "data_source",
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.compute_score = compute_score or default_compute_score
+        self.num_examine = num_examine
+        self.reward_fn_key = reward_fn_key
+
+    def response_mask(self, data: DataProto) -> torch.Tensor:
+        """`(bs, response_length)` mask of real response tokens: `response_mask`, else the tail of `attention_mask`."""
+        if "response_mask" in data.batch.keys():
+            return data.batch["response_mask"]
+        return data.batch["attention_mask"][:, -data.batch["responses"].shape[1] :]
+
+    def _score_one(self, i: int, data_source: Any, text: str, ground_truth: Any, extra_info: Any) -> dict[str, Any]:
+        name = _function_name(self.compute_score)
+        try:
+            result = self.compute_score(data_source, text, ground_truth, extra_info)
+        except Exception as e:
+            raise RuntimeError(
+                f"reward function {name} failed on sample {i} (data_source {data_source!r}): {type(e).__name__}: {e}"
+            ) from e
+        result = dict(result) if isinstance(result, dict) else {"score": result}
+        if "score" not in result:
+            raise ValueError(f"reward function {name} returned a dict without 'score' for sample {i}: {sorted(result)}")
+        score = float(result["score"])
+        if not math.isfinite(score):
+            raise ValueError(f"reward function {name} returned score {score} for sample {i} (data_source {data_source!r})")
+        result["score"] = score
+        return result
+
+    def __call__(self, data: DataProto, return_dict: bool = False) -> torch.Tensor | dict[str, Any]:
+        """`token_level_scores` `(bs, response_length)` float32, zero except each row's last valid token.
+
+        With `return_dict=True`: {"reward_tensor": that tensor, "reward_extra_info": {key: list of bs
+        values}} where a sample whose scorer did not return a key has None there.
+        """
+        responses = data.batch["responses"]
+        mask = self.response_mask(data).bool()
+        texts = self.tokenizer.batch_decode(
+            [row[m].tolist() for row, m in zip(responses, mask)], skip_special_tokens=True
+        )
+        columns = data.non_tensor_batch
+        for key in (self.reward_fn_key, "ground_truth"):
+            if key not in columns:
+                raise KeyError(f"RewardManager needs non_tensor_batch[{key!r}]; the batch has {sorted(columns)}")
+        extra_infos = columns.get("extra_info", [None] * len(texts))
+        results = [
+            self._score_one(i, columns[self.reward_fn_key][i], text, columns["ground_truth"][i], extra_infos[i])
+            for i, text in enumerate(texts)
+        ]
+        reward = torch.zeros(responses.shape, dtype=torch.float32)
+        rows = torch.arange(len(results))
+        reward[rows, last_valid_index(mask).cpu()] = torch.tensor([r["score"] for r in results], dtype=torch.float32)
+        self._print_examples(data, texts, results)
+        if not return_dict:
+            return reward
+        keys = dict.fromkeys(k for r in results for k in r)
+        return {"reward_tensor": reward, "reward_extra_info": {k: [r.get(k) for r in results] for k in keys}}
+
+    def _print_examples(self, data: DataProto, texts: list[str], results: list[dict[str, Any]]) -> None:
+        """Print the first `num_examine` (prompt,) response, ground truth and score of each data source."""
+        shown: dict[Any, int] = defaultdict(int)
+        columns = data.non_tensor_batch
+        for i, (text, result) in enumerate(zip(texts, results)):
+            source = columns[self.reward_fn_key][i]
+            if shown[source] >= self.num_examine:
+                continue
+            shown[source] += 1
+            if "raw_prompt" in columns:
+                print(f"[reward {source} #{i}] prompt: {columns['raw_prompt'][i]!r}")
+            print(f"[reward {source} #{i}] response: {text!r}")
+            print(f"[reward {source} #{i}] ground truth: {columns['ground_truth'][i]!r} -> {result}")
