@@ -1,11 +1,26 @@
 """hybridflow: RL post-training of LLMs on the HybridFlow model.
 
 One driver writes the algorithm as plain Python; each call fans out to a worker group and comes back
-as one ``DataProto``.
+as one ``DataProto``. ``PPOConfig``, ``PPOTrainer`` and ``load_trained_actor`` are imported on first use,
+so ``import hybridflow`` stays light.
 """
+
+from typing import Any
 
 from hybridflow.protocol import DataProto, DataProtoItem, pad_dataproto_to_divisor, unpad_dataproto
 
 __version__ = "0.1.0"
 
-__all__ = ["DataProto", "DataProtoItem", "pad_dataproto_to_divisor", "unpad_dataproto", "__version__"]
+_LAZY = {"PPOConfig": "hybridflow.trainer", "PPOTrainer": "hybridflow.trainer",
+         "load_trained_actor": "hybridflow.trainer.inference"}
+
+__all__ = ["DataProto", "DataProtoItem", "PPOConfig", "PPOTrainer", "load_trained_actor",
+           "pad_dataproto_to_divisor", "unpad_dataproto", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hybridflow' has no attribute {name!r}")

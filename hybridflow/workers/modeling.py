@@ -9,6 +9,7 @@ a fifth of the model's arithmetic, and the prompt positions' logits are never ne
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -35,8 +36,18 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return names[dtype]
 
 
+def model_location(path: str) -> str:
+    """``default`` -> the embedded model's folder; a path that looks local must exist (else transformers
+    would take it for a hub id and fail with an unrelated message)."""
+    resolved = resolve_model_path(path)
+    looks_local = resolved.startswith((".", "/", "~")) or resolved.count("/") > 1
+    if looks_local and not os.path.isdir(os.path.expanduser(resolved)):
+        raise FileNotFoundError(f"model folder not found: {resolved}")
+    return os.path.expanduser(resolved)
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(path), trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(model_location(path), trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -46,7 +57,7 @@ def load_model(path: str, device: torch.device, dtype: str | None = "auto", auto
                trust_remote_code: bool = False, gradient_checkpointing: bool = False,
                **kwargs: Any) -> PreTrainedModel:
     """A Hugging Face model on ``device``; ``path`` may be ``default`` (the embedded SmolLM2)."""
-    model = auto_cls.from_pretrained(resolve_model_path(path), dtype=resolve_dtype(dtype, device),
+    model = auto_cls.from_pretrained(model_location(path), dtype=resolve_dtype(dtype, device),
                                      trust_remote_code=trust_remote_code, **kwargs).to(device)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -1,0 +1,65 @@
+"""The ``hybridflow`` command: ``train``, ``prepare-data``, ``make-tiny-model``, ``generate``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+
+def _generate(argv: list[str]) -> int:
+    from hybridflow.trainer.inference import chat, load_trained_actor
+
+    parser = argparse.ArgumentParser(prog="hybridflow generate",
+                                     description="Answer prompts with a trained actor (or any HF model).")
+    parser.add_argument("--model", required=True, help="run folder, global_step_N folder, model folder or 'default'")
+    parser.add_argument("--prompt", action="append", required=True, help="a user message (repeatable)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    args = parser.parse_args(argv)
+    model, tokenizer = load_trained_actor(args.model)
+    for prompt in args.prompt:
+        print(f">>> {prompt}\n{chat(model, tokenizer, prompt, args.max_new_tokens, args.temperature)}")
+    return 0
+
+
+def _train(argv: list[str]) -> int:
+    from hybridflow.trainer.main_ppo import main
+
+    return main(argv)
+
+
+def _prepare_data(argv: list[str]) -> int:
+    from hybridflow.data.prepare import main
+
+    return main(argv)
+
+
+def _make_tiny_model(argv: list[str]) -> int:
+    from hybridflow.models.tiny import main
+
+    return main(argv)
+
+
+COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "train": (_train, "run PPO/GRPO/... training: hybridflow train key=value ..."),
+    "prepare-data": (_prepare_data, "write train/test parquet for a task: hybridflow prepare-data TASK OUT_DIR"),
+    "make-tiny-model": (_make_tiny_model, "save a tiny random model + tokenizer for tests and examples"),
+    "generate": (_generate, "answer prompts with a checkpoint: hybridflow generate --model PATH --prompt ..."),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        lines = "\n".join(f"  {name:<16} {help_}" for name, (_, help_) in COMMANDS.items())
+        print(f"usage: hybridflow COMMAND [ARGS]\n\ncommands:\n{lines}")
+        known = not argv or argv[0] in ("-h", "--help")
+        if not known:
+            print(f"\nunknown command {argv[0]!r}", file=sys.stderr)
+        return 0 if known else 2
+    return COMMANDS[argv[0]][0](argv[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,42 @@
+"""Looking at what a trained actor answers: load a checkpoint as plain Hugging Face objects, and chat."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from hybridflow.models import resolve_model_path
+from hybridflow.trainer.checkpoint import find_latest_checkpoint
+
+
+def actor_folder(path: str | Path) -> Path:
+    """The Hugging Face folder behind ``path``: a run folder (its newest complete checkpoint), a
+    ``global_step_N`` folder, or a model folder (``default`` for the embedded SmolLM2)."""
+    path = Path(resolve_model_path(str(path)))
+    if (path / "config.json").exists():
+        return path
+    step = path if (path / "actor").exists() else find_latest_checkpoint(path)
+    if step is None or not (Path(step) / "actor" / "huggingface" / "config.json").exists():
+        raise FileNotFoundError(f"{path} is neither a model folder, a checkpoint, nor a run folder with a "
+                                "complete checkpoint")
+    return Path(step) / "actor" / "huggingface"
+
+
+def load_trained_actor(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``(model, tokenizer)`` of a trained actor, loaded by plain transformers."""
+    folder = actor_folder(path)
+    return AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+
+
+@torch.no_grad()
+def chat(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str, max_new_tokens: int = 64,
+         temperature: float = 0.0) -> str:
+    """One user turn through the chat template; greedy unless ``temperature > 0``."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)

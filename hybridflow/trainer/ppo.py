@@ -1,0 +1,271 @@
+"""``PPOTrainer``: the driver. ``fit()`` reads like the algorithm, one screen per step.
+
+The trainer only talks to worker groups (``generate_sequences``, ``compute_log_prob``,
+``compute_ref_log_prob``, ``compute_values``, ``update_critic``, ``update_actor``), so the same loop runs on
+a ``LocalWorkerGroup`` in this process and on a ``RayWorkerGroup`` across machines. Advantages are computed
+here, on the driver, by any estimator registered in ``hybridflow.algorithms``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from hybridflow.algorithms import apply_kl_penalty, compute_advantage, get_kl_controller
+from hybridflow.data import PromptLoader, RLHFDataset
+from hybridflow.data.sft import SFTDataset
+from hybridflow.protocol import DataProto
+from hybridflow.rewards import RewardManager, default_compute_score, load_custom_reward_function
+from hybridflow.trainer.checkpoint import CheckpointManager
+from hybridflow.trainer.config import PPOConfig
+from hybridflow.trainer.hooks import Hook, HookRegistry
+from hybridflow.trainer.metrics import compute_data_metrics, compute_throughput_metrics, reduce_metrics, timer
+from hybridflow.trainer.tracking import Tracking
+from hybridflow.trainer.validation import validation_metrics
+from hybridflow.trainer.worker_groups import WorkerGroups, build_worker_groups
+from hybridflow.workers.modeling import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class PPOTrainer:
+    """PPO-family training (GRPO, RLOO, REINFORCE++, ReMax, PPO with a critic...) from one config.
+
+    Everything is built from ``config`` unless given: ``worker_groups`` (e.g. your own Ray groups),
+    ``reward_fn`` (``DataProto -> {"reward_tensor", "reward_extra_info"}``, like ``RewardManager``)."""
+
+    def __init__(self, config: PPOConfig, *, worker_groups: WorkerGroups | None = None,
+                 reward_fn: Any = None, val_reward_fn: Any = None) -> None:
+        config.validate()
+        self.config = config = config.resolve()
+        self.tokenizer = load_tokenizer(config.actor_rollout_ref.model.path,
+                                        config.actor_rollout_ref.model.trust_remote_code)
+        data = config.data
+        self.train_loader = PromptLoader(self._dataset(data.train_files), data.train_batch_size,
+                                         shuffle=data.shuffle, seed=data.seed)
+        self.val_dataset = self._dataset(data.val_files) if data.val_files else None
+        self.sft_loader = self._sft_loader(data) if data.sft.files else None
+        steps = len(self.train_loader) * config.trainer.total_epochs
+        self.total_steps = config.trainer.total_training_steps or steps
+        for optim in (config.actor_rollout_ref.actor.optim, config.critic.optim):
+            optim.total_training_steps = self.total_steps
+        score_fn = default_compute_score
+        if config.custom_reward_function.path:
+            score_fn = load_custom_reward_function(config.custom_reward_function.path,
+                                                   config.custom_reward_function.name)
+        self.reward_fn = reward_fn or RewardManager(self.tokenizer, score_fn)
+        self.val_reward_fn = val_reward_fn or self.reward_fn
+        alg = config.algorithm
+        self.kl_ctrl = get_kl_controller(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl,
+                                         alg.kl_ctrl.horizon)
+        self.hooks = HookRegistry()
+        self.checkpoints = CheckpointManager(config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep)
+        self.global_step = 0
+        self.wg = worker_groups
+
+    def _dataset(self, files: list[str]) -> RLHFDataset:
+        d = self.config.data
+        return RLHFDataset(files, self.tokenizer, max_prompt_length=d.max_prompt_length, prompt_key=d.prompt_key,
+                           truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts)
+
+    def _sft_loader(self, data: Any) -> PromptLoader:
+        sft = SFTDataset(data.sft.files, self.tokenizer, max_prompt_length=data.max_prompt_length,
+                         max_response_length=data.max_response_length, prompt_key=data.sft.prompt_key,
+                         response_key=data.sft.response_key)
+        return PromptLoader(sft, data.sft.batch_size, shuffle=True, seed=data.seed)
+
+    # ------------------------------------------------------------------ user API
+    def register_hook(self, event: str, fn: Hook) -> None:
+        """Call ``fn(trainer, step, metrics, batch)`` on ``event`` (see ``hooks.EVENTS``)."""
+        self.hooks.register(event, fn)
+
+    def adapt_lr(self, scale: float) -> float:
+        """Multiply the actor's learning rate by ``scale`` from the next update on; returns the new lr."""
+        return self.wg.actor_rollout.scale_lr(scale)[0]
+
+    def init_workers(self) -> None:
+        if self.wg is None:
+            self.wg = build_worker_groups(self.config)
+
+    # ------------------------------------------------------------------ one step, stage by stage
+    def compute_reward(self, batch: DataProto) -> DataProto:
+        """``token_level_scores``: the reward model's when there is one, else the rule/custom scorer's."""
+        if self.wg.reward_model is not None:
+            batch = batch.union(self.wg.reward_model.compute_rm_score(batch))
+        if "rm_scores" in batch.batch.keys():
+            scores, extra = batch.batch["rm_scores"], {}
+        else:
+            result = self.reward_fn(batch, return_dict=True)
+            scores, extra = result["reward_tensor"], result.get("reward_extra_info", {})
+        batch.batch["token_level_scores"] = scores
+        for key, values in extra.items():
+            batch.non_tensor_batch[f"reward_extra/{key}"] = _column(values)
+        return batch
+
+    def _needs_old_log_prob(self) -> bool:
+        """A separate old-policy pass is only needed when the policy changes before the data is used up."""
+        actor, d = self.config.actor_rollout_ref.actor, self.config.data
+        return (actor.ppo_epochs > 1 or actor.ppo_mini_batch_size < d.train_batch_size
+                or self.config.algorithm.use_kl_in_reward)
+
+    def train_step(self, batch: DataProto, metrics: dict[str, float]) -> DataProto:
+        """One PPO iteration on a batch of prompts; returns the batch with everything computed."""
+        cfg, wg, t = self.config, self.wg, {}
+        use_critic = wg.critic is not None
+        with timer("step", t):
+            self.hooks.emit("on_step_start", self, self.global_step, metrics, batch)
+            with timer("gen", t):
+                batch.meta_info["n"] = cfg.actor_rollout_ref.rollout.n
+                batch = wg.actor_rollout.generate_sequences(batch)
+            self.hooks.emit("after_generate", self, self.global_step, metrics, batch)
+            with timer("reward", t):
+                batch = self.compute_reward(batch)
+            self.hooks.emit("after_reward", self, self.global_step, metrics, batch)
+            if self._needs_old_log_prob():
+                with timer("old_log_prob", t):
+                    batch = self._union_with_metrics(batch, wg.actor_rollout.compute_log_prob(batch), metrics)
+            if wg.ref is not None:
+                with timer("ref", t):
+                    batch = batch.union(wg.ref.compute_ref_log_prob(batch))
+            if use_critic:
+                with timer("values", t):
+                    batch = batch.union(wg.critic.compute_values(batch))
+            with timer("adv", t):
+                if cfg.algorithm.use_kl_in_reward:
+                    batch, kl_metrics = apply_kl_penalty(batch, self.kl_ctrl, cfg.algorithm.kl_penalty)
+                    metrics.update(kl_metrics)
+                else:
+                    batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+                batch = compute_advantage(batch, cfg.algorithm.adv_estimator, gamma=cfg.algorithm.gamma,
+                                          lam=cfg.algorithm.lam,
+                                          norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo)
+            self.hooks.emit("after_advantage", self, self.global_step, metrics, batch)
+            if use_critic:
+                with timer("update_critic", t):
+                    metrics.update(reduce_metrics(wg.critic.update_critic(batch).meta_info["metrics"]))
+            if self.global_step >= cfg.trainer.critic_warmup:
+                with timer("update_actor", t):
+                    sft = self._next_sft_batch()
+                    out = wg.actor_rollout.update_actor(batch, sft) if sft is not None else \
+                        wg.actor_rollout.update_actor(batch)
+                    metrics.update(reduce_metrics(out.meta_info["metrics"]))
+        metrics.update(compute_data_metrics(batch, use_critic))
+        metrics.update({f"timing_s/{k}": v for k, v in t.items()})
+        metrics.update(compute_throughput_metrics(batch, t, wg.actor_rollout.world_size))
+        return batch
+
+    def _union_with_metrics(self, batch: DataProto, out: DataProto, metrics: dict) -> DataProto:
+        metrics.update(reduce_metrics(out.meta_info.pop("metrics", {})))
+        return batch.union(out)
+
+    def _next_sft_batch(self) -> DataProto | None:
+        sft = self.config.data.sft
+        if self.sft_loader is None or self.global_step % sft.every_n_steps:
+            return None
+        batch = next(self._sft_batches)
+        batch.meta_info["loss_coef"] = sft.loss_coef
+        return batch
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> dict[str, float]:
+        """Generate on the validation set with ``rollout.val_kwargs``; ``val/<source>/...`` metrics."""
+        if self.val_dataset is None:
+            return {}
+        kw = self.config.actor_rollout_ref.rollout.val_kwargs
+        size = self.config.data.val_batch_size or len(self.val_dataset)
+        rows = []
+        for batch in PromptLoader(self.val_dataset, size, shuffle=False, drop_last=False):
+            batch.meta_info.update(n=kw.n, temperature=kw.temperature, top_p=kw.top_p, top_k=kw.top_k,
+                                   do_sample=kw.do_sample)
+            out = self.wg.actor_rollout.generate_sequences(batch)
+            result = self.val_reward_fn(out, return_dict=True)
+            rows.append((out, result))
+        metrics = validation_metrics(rows, kw.n)
+        self.hooks.emit("on_validation_end", self, self.global_step, metrics, None)
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        with self.checkpoints.saving(self.global_step) as folder:
+            self.wg.actor_rollout.save_checkpoint(str(folder / "actor"))
+            if self.wg.critic is not None:
+                self.wg.critic.save_checkpoint(str(folder / "critic"))
+            torch.save({"global_step": self.global_step, "loader": self.train_loader.state_dict(),
+                        "sft_loader": self.sft_loader.state_dict() if self.sft_loader else None,
+                        "kl_coef": self.kl_ctrl.value}, folder / "trainer_state.pt")
+        self.hooks.emit("on_checkpoint", self, self.global_step, {}, None)
+        return self.checkpoints.path(self.global_step)
+
+    def load_checkpoint(self) -> None:
+        tr = self.config.trainer
+        if tr.resume_mode == "disable":
+            return
+        folder = self.checkpoints.latest() if tr.resume_mode == "auto" else Path(tr.resume_from_path)
+        if folder is None:
+            return
+        state = torch.load(folder / "trainer_state.pt", weights_only=False)
+        self.wg.actor_rollout.load_checkpoint(str(folder / "actor"))
+        if self.wg.critic is not None:
+            self.wg.critic.load_checkpoint(str(folder / "critic"))
+        self.global_step = state["global_step"]
+        self.train_loader.load_state_dict(state["loader"])
+        if self.sft_loader and state["sft_loader"]:
+            self.sft_loader.load_state_dict(state["sft_loader"])
+        self.kl_ctrl.value = state["kl_coef"]
+        logger.info("resumed from %s at step %d", folder, self.global_step)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict[str, float]:
+        """Train for ``total_training_steps``; returns the last step's metrics (validation included)."""
+        self.init_workers()
+        tr = self.config.trainer
+        tracker = Tracking(tr.project_name, tr.experiment_name, tr.logger, tr.default_local_dir,
+                           self.config.to_dict())
+        self.load_checkpoint()
+        self.hooks.emit("on_fit_start", self, self.global_step, {}, None)
+        metrics: dict[str, float] = {}
+        if self.val_dataset is not None and (tr.val_before_train or tr.val_only) and self.global_step == 0:
+            metrics = self.validate()
+            tracker.log(metrics, step=self.global_step)
+        if tr.val_only:
+            return metrics
+        train_batches = _endless(self.train_loader)
+        self._sft_batches = _endless(self.sft_loader) if self.sft_loader else None
+        bar = tqdm(total=self.total_steps, initial=self.global_step, desc="training", unit="step")
+        while self.global_step < self.total_steps:
+            metrics = {}
+            batch = next(train_batches)
+            batch = self.train_step(batch, metrics)
+            self.global_step += 1
+            last = self.global_step == self.total_steps
+            if self.val_dataset is not None and (last or (tr.test_freq > 0 and self.global_step % tr.test_freq == 0)):
+                metrics.update(self.validate())
+            metrics["training/global_step"] = self.global_step
+            metrics["training/kl_coef"] = self.kl_ctrl.value
+            tracker.log(metrics, step=self.global_step)
+            self.hooks.emit("on_step_end", self, self.global_step, metrics, batch)
+            if last or (tr.save_freq > 0 and self.global_step % tr.save_freq == 0):
+                self.save_checkpoint()
+            bar.update(1)
+        bar.close()
+        tracker.finish()
+        self.hooks.emit("on_fit_end", self, self.global_step, metrics, None)
+        return metrics
+
+
+def _endless(loader: PromptLoader) -> Iterator[DataProto]:
+    """Batches across epochs; each pass over the loader continues from its (resumable) position."""
+    while True:
+        yield from loader
+
+
+def _column(values: Any) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    out[:] = list(values)
+    return out

@@ -1,0 +1,40 @@
+"""Validation metrics: per data source, the mean reward over ``n`` samples and pass@n.
+
+A sample counts as correct when its scorer reports ``acc`` (truthy), else when its score is positive;
+pass@n is the fraction of prompts with at least one correct sample among their ``n``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from hybridflow.protocol import DataProto
+
+
+def validation_metrics(rows: list[tuple[DataProto, dict[str, Any]]], n: int) -> dict[str, float]:
+    """``rows``: ``(generated batch, reward result)`` pairs; the batch carries ``uid`` and ``data_source``."""
+    scores: dict[str, list[float]] = defaultdict(list)
+    accs: dict[str, list[float]] = defaultdict(list)
+    correct_by_prompt: dict[tuple[str, str], bool] = {}
+    for batch, result in rows:
+        seq_scores = result["reward_tensor"].sum(-1).tolist()
+        acc = result.get("reward_extra_info", {}).get("acc")
+        for i, score in enumerate(seq_scores):
+            source = str(batch.non_tensor_batch["data_source"][i])
+            correct = bool(acc[i]) if acc is not None else score > 0
+            scores[source].append(score)
+            if acc is not None:
+                accs[source].append(float(acc[i]))
+            key = (source, str(batch.non_tensor_batch["uid"][i]))
+            correct_by_prompt[key] = correct_by_prompt.get(key, False) or correct
+    metrics = {}
+    for source, values in scores.items():
+        metrics[f"val/{source}/reward/mean@{n}"] = float(np.mean(values))
+        if accs[source]:
+            metrics[f"val/{source}/acc/mean@{n}"] = float(np.mean(accs[source]))
+        prompts = [ok for (s, _), ok in correct_by_prompt.items() if s == source]
+        metrics[f"val/{source}/pass@{n}"] = float(np.mean(prompts))
+    return metrics

@@ -1,0 +1,73 @@
+"""Building the worker groups a PPO run needs, on the local or the Ray backend.
+
+Every role a run needs (actor + rollout, reference, critic, reward model) is colocated in one process per
+rank (the hybrid engine: the roles share the devices instead of each taking its own), then split back
+into one group view per role. Only the backend differs between a laptop and a cluster: a
+``LocalWorkerGroup`` of one rank in the driver's process, or a ``RayWorkerGroup`` of ``n_workers`` ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hybridflow.single_controller import (
+    ClassWithInitArgs,
+    LocalWorkerGroup,
+    Role,
+    WorkerGroup,
+    create_colocated_worker_cls,
+)
+from hybridflow.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
+
+
+@dataclass
+class WorkerGroups:
+    """One group per role; ``None`` for a role the run does not use."""
+
+    actor_rollout: WorkerGroup
+    ref: WorkerGroup | None = None
+    critic: WorkerGroup | None = None
+    reward_model: WorkerGroup | None = None
+
+
+def needs_ref(config: Any) -> bool:
+    """A reference policy is only loaded when a KL term (in the loss or in the reward) uses it."""
+    return bool(config.actor_rollout_ref.actor.use_kl_loss or config.algorithm.use_kl_in_reward)
+
+
+def role_inits(config: Any) -> dict[Role, ClassWithInitArgs]:
+    """The deferred constructor of each role's worker for this config."""
+    arr = config.actor_rollout_ref
+    response_length, seed = config.data.max_response_length, config.trainer.seed
+    inits = {Role.ACTOR_ROLLOUT: ClassWithInitArgs(ActorRolloutRefWorker, arr, role="actor_rollout",
+                                                   response_length=response_length, seed=seed)}
+    if needs_ref(config):
+        inits[Role.REF] = ClassWithInitArgs(ActorRolloutRefWorker, arr, role="ref",
+                                            response_length=response_length, seed=seed)
+    if config.critic.enable:
+        inits[Role.CRITIC] = ClassWithInitArgs(CriticWorker, config.critic, rollout_n=arr.rollout.n, seed=seed)
+    if config.reward_model.enable:
+        inits[Role.REWARD_MODEL] = ClassWithInitArgs(RewardModelWorker, config.reward_model,
+                                                     policy_tokenizer_path=arr.model.path)
+    return inits
+
+
+def build_worker_groups(config: Any) -> WorkerGroups:
+    """Start the workers (``trainer.backend``: ``local`` or ``ray``) and load their models."""
+    inits = role_inits(config)
+    fused = create_colocated_worker_cls(inits)
+    trainer = config.trainer
+    if trainer.backend == "ray":
+        from hybridflow.single_controller.ray import RayResourcePool, RayWorkerGroup, init_ray
+
+        init_ray(**dict(trainer.ray_kwargs))
+        pool = RayResourcePool(process_on_nodes=[trainer.n_workers] * trainer.nnodes,
+                               use_gpu=trainer.device == "cuda", max_colocate_count=1)
+        group: WorkerGroup = RayWorkerGroup(pool, fused, name_prefix="hybridflow")
+    else:
+        group = LocalWorkerGroup(fused, world_size=1, name_prefix="hybridflow")
+    views = group.spawn(prefix_set=[str(role) for role in inits])
+    for view in views.values():
+        view.init_model()
+    return WorkerGroups(**{role: view for role, view in views.items()})
