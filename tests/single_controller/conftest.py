@@ -22,27 +22,3 @@ def ray_session():
     if started:
         ray.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-@pytest.fixture(scope="session")
-def ray_pool(ray_session):
-    """2 processes of half a CPU on one node, shared by the session's Ray groups (up to 4 at once); the
-    other CPU stays free for the resource-pool tests."""
-    from hybridflow.single_controller.ray import RayResourcePool
-
-    pool = RayResourcePool([2], max_colocate_count=4, cpus_per_process=0.5, name="tests")
-    yield pool
-    pool.remove()
-
-
-@pytest.fixture(scope="session")
-def ray_toy_group(ray_pool):
-    """The 2-rank Ray group of ToyWorker shared by the test files (each Ray group costs seconds to start)."""
-    from toy_workers import ToyWorker
-
-    from hybridflow.single_controller import ClassWithInitArgs
-    from hybridflow.single_controller.ray import RayWorkerGroup
-
-    group = RayWorkerGroup(ray_pool, ClassWithInitArgs(ToyWorker, offset=3), name_prefix="toy")
-    yield group
-    group.shutdown()

@@ -1,4 +1,4 @@
-"""What only real Ray actors can show: process groups, separate processes, dead actors, resource checks."""
+"""Ray-only behaviour outside the toy group: colocated roles in one actor process, a killed actor, resource pools."""
 
 import os
 import re
@@ -14,33 +14,10 @@ from hybridflow.single_controller import (
     ClassWithInitArgs,
     Role,
     WorkerDiedError,
-    WorkerError,
     create_colocated_worker_cls,
 )
 from hybridflow.single_controller.ray import RayResourcePool, RayWorkerGroup, ResourcePoolManager
-
-
-def test_two_ray_workers_form_a_gloo_group_and_all_reduce(ray_toy_group):
-    infos = ray_toy_group.info()
-    assert [i["formed_group"] for i in infos] == [True, True]
-    pids = {i["pid"] for i in infos}
-    assert len(pids) == 2 and os.getpid() not in pids
-    assert ray_toy_group.all_reduce(1.5) == [4.5, 4.5]  # 1.5 * 1 + 1.5 * 2 on both ranks
-
-
-def test_non_blocking_call_returns_before_the_workers_finish(ray_toy_group):
-    start = time.monotonic()
-    future = ray_toy_group.sleep(0.5)
-    assert time.monotonic() - start < 0.3
-    assert future.get() == [0, 1]
-    assert time.monotonic() - start >= 0.5
-
-
-def test_future_wait_can_time_out_and_be_retried(ray_toy_group):
-    future = ray_toy_group.sleep(0.8)
-    with pytest.raises(WorkerError, match=re.escape("method 'sleep' failed:\nno answer within 0.1 s from ranks [0, 1]")):
-        future.get(timeout_s=0.1)
-    assert future.get() == [0, 1]
+from hybridflow.single_controller.ray.worker_group import usable_cpus
 
 
 def test_colocated_roles_share_a_process_and_a_killed_actor_is_reported(ray_session):
@@ -54,7 +31,7 @@ def test_colocated_roles_share_a_process_and_a_killed_actor_is_reported(ray_sess
         [pid] = actor.pid()
         assert critic.pid() == [pid] and pid != os.getpid()
         # set_torch_threads: the only process on its node gets every CPU (Ray alone would give it 1 thread)
-        assert critic.torch_threads() == [len(os.sched_getaffinity(0))]
+        assert critic.torch_threads() == [usable_cpus()]
         data = DataProto.from_dict({"x": torch.arange(5)})
         assert actor.act(data).batch["scaled"].tolist() == [0.0, 0.5, 1.0, 1.5, 2.0]
         assert critic.value(data).batch["value"].tolist() == [1, 2, 3, 4, 5]

@@ -57,7 +57,7 @@ class _WorkerHost:
         sys.path.extend(path for path in sys_path if path not in sys.path)
         os.environ.update(env)
         if set_torch_threads:  # Ray sets OMP_NUM_THREADS=1 for fractional-CPU actors; give each its share
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(env["LOCAL_WORLD_SIZE"])))
+            torch.set_num_threads(max(1, usable_cpus() // int(env["LOCAL_WORLD_SIZE"])))
         self._worker = cloudpickle.loads(cls_with_init)()
 
     def execute(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -65,6 +65,11 @@ class _WorkerHost:
 
 
 _RemoteHost = ray.remote(_WorkerHost)
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity where the OS has one, e.g. Linux; else all)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class RayWorkerGroup(WorkerGroup):

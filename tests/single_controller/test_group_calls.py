@@ -1,6 +1,12 @@
-"""Every dispatch mode gives the same, hand-computed answers on a 2-rank LocalWorkerGroup and on 2 Ray actors."""
+"""Calls on a 2-rank ToyWorker group: every dispatch mode gives the same hand-computed answers on a
+LocalWorkerGroup and on 2 Ray actors; then what only the Ray actors can show (process group, overlap).
+
+The Ray group is module-scoped: starting actors costs seconds, and its resources go back to the cluster
+when this file is done (other test folders share the Ray session)."""
 
 import inspect
+import os
+import re
 import time
 
 import numpy as np
@@ -12,10 +18,22 @@ from hybridflow import DataProto
 from hybridflow.single_controller import ClassWithInitArgs, LocalWorkerGroup, WorkerError, WorkerFuture
 
 
+@pytest.fixture(scope="module")
+def ray_group(ray_session):
+    """2 ranks of half a CPU each; the other CPU of the 2-CPU session stays free for other tests."""
+    from hybridflow.single_controller.ray import RayResourcePool, RayWorkerGroup
+
+    pool = RayResourcePool([2], cpus_per_process=0.5, name="toy")
+    group = RayWorkerGroup(pool, ClassWithInitArgs(ToyWorker, offset=3), name_prefix="toy")
+    yield group
+    group.shutdown()
+    pool.remove()
+
+
 @pytest.fixture(scope="module", params=["local", "ray"])
 def group(request):
     if request.param == "ray":
-        return request.getfixturevalue("ray_toy_group")
+        return request.getfixturevalue("ray_group")
     return LocalWorkerGroup(ClassWithInitArgs(ToyWorker, offset=3), world_size=2, name_prefix="toy")
 
 
@@ -95,3 +113,27 @@ def test_dataproto_argument_is_not_resized_for_the_caller(group):
     data = five_rows()
     group.tag_rows(data)
     assert len(data) == 5 and np.array_equal(data.batch["x"].numpy(), np.arange(5))
+
+
+# ----------------------------------------------------------------------------------------- Ray only
+def test_two_ray_workers_form_a_gloo_group_and_all_reduce(ray_group):
+    infos = ray_group.info()
+    assert [i["formed_group"] for i in infos] == [True, True]
+    pids = {i["pid"] for i in infos}
+    assert len(pids) == 2 and os.getpid() not in pids
+    assert ray_group.all_reduce(1.5) == [4.5, 4.5]  # 1.5 * 1 + 1.5 * 2 on both ranks
+
+
+def test_non_blocking_call_returns_before_the_workers_finish(ray_group):
+    start = time.monotonic()
+    future = ray_group.sleep(0.5)
+    assert time.monotonic() - start < 0.3
+    assert future.get() == [0, 1]
+    assert time.monotonic() - start >= 0.5
+
+
+def test_future_wait_can_time_out_and_be_retried(ray_group):
+    future = ray_group.sleep(0.8)
+    with pytest.raises(WorkerError, match=re.escape("method 'sleep' failed:\nno answer within 0.1 s from ranks [0, 1]")):
+        future.get(timeout_s=0.1)
+    assert future.get() == [0, 1]
