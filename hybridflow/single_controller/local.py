@@ -23,7 +23,8 @@ class LocalWorkerGroup(WorkerGroup):
     """``world_size`` workers built from ``cls_with_init`` in this process.
 
     Non-blocking methods run at once and return an already resolved ``WorkerFuture``, so driver code is
-    the same as with ``RayWorkerGroup``. Workers receive the driver's objects themselves, not copies.
+    the same as with ``RayWorkerGroup`` (a failure is raised by the call itself, not by ``get``). Workers
+    receive the driver's objects themselves, not copies.
     """
 
     def __init__(self, cls_with_init: ClassWithInitArgs, world_size: int = 1, name_prefix: str | None = None) -> None:
