@@ -66,12 +66,18 @@ def _messages(value: Any, where: str) -> list[dict[str, str]]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
-        raise ValueError(f"{where}: must be a string or a non-empty list of chat messages, got {value!r:.200}")
+        raise ValueError(
+            f"{where}: must be a string or a non-empty list of chat messages, got {value!r:.200}"
+        )
     for i, message in enumerate(value):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(
-            message.get("content"), str
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
         ):
-            raise ValueError(f"{where}[{i}]: a chat message needs string 'role' and 'content', got {message!r:.200}")
+            raise ValueError(
+                f"{where}[{i}]: a chat message needs string 'role' and 'content', got {message!r:.200}"
+            )
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
@@ -88,7 +94,9 @@ def parse_row(raw: Any, file: str, row: int, position: int, prompt_key: str = "p
         raise ValueError(f"{where}: field 'data_source' must be a string, got {data_source!r:.200}")
     reward_model = raw.get("reward_model") or {}
     if not isinstance(reward_model, dict):
-        raise ValueError(f"{where}: field 'reward_model' must be an object with 'ground_truth', got {reward_model!r:.200}")
+        raise ValueError(
+            f"{where}: field 'reward_model' must be an object with 'ground_truth', got {reward_model!r:.200}"
+        )
     extra_info = raw.get("extra_info") or {}
     if not isinstance(extra_info, dict):
         raise ValueError(f"{where}: field 'extra_info' must be an object, got {extra_info!r:.200}")
@@ -139,7 +147,9 @@ class RLHFDataset(Dataset):
         if max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be positive, got {max_prompt_length}")
         if tokenizer.pad_token_id is None:
-            raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos token)")
+            raise ValueError(
+                "the tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos token)"
+            )
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.truncation = truncation
@@ -153,7 +163,9 @@ class RLHFDataset(Dataset):
         token_ids = self._tokenize([r.messages for r in rows])
         self.rows, self.prompt_ids, self.num_filtered = self._fit(rows, token_ids, filter_overlong_prompts)
         if not self.rows:
-            raise ValueError(f"no prompts left in {files}: all {len(rows)} are longer than {max_prompt_length} tokens")
+            raise ValueError(
+                f"no prompts left in {files}: all {len(rows)} are longer than {max_prompt_length} tokens"
+            )
 
     def render(self, messages: list[dict[str, str]]) -> str:
         """The prompt text the model sees for these messages."""
@@ -191,7 +203,10 @@ class RLHFDataset(Dataset):
             shown = ", ".join(f"{r.file}:{r.row}" for r in dropped[:5])
             logger.warning(
                 "dropped %d of %d prompts longer than max_prompt_length=%d (first: %s)",
-                len(dropped), len(rows), limit, shown,
+                len(dropped),
+                len(rows),
+                limit,
+                shown,
             )
         return kept_rows, kept_ids, len(dropped)
 
@@ -203,7 +218,9 @@ class RLHFDataset(Dataset):
         padded) plus `raw_prompt` (the messages), `data_source`, `ground_truth`, `extra_info` and `index`
         (extra_info["index"] when the row has one, else the row's position over all files)."""
         row = self.rows[idx]
-        item: dict[str, Any] = left_pad(self.prompt_ids[idx], self.max_prompt_length, self.tokenizer.pad_token_id)
+        item: dict[str, Any] = left_pad(
+            self.prompt_ids[idx], self.max_prompt_length, self.tokenizer.pad_token_id
+        )
         item.update(
             raw_prompt=row.messages,
             data_source=row.data_source,

@@ -32,7 +32,9 @@ def collate_fn(items: Sequence[dict[str, Any]]) -> DataProto:
     for i, item in enumerate(items):
         if list(item) != keys:
             raise ValueError(f"collate_fn: item {i} has keys {sorted(item)}, item 0 has {sorted(keys)}")
-    tensors = {k: torch.stack([item[k] for item in items]) for k in keys if isinstance(items[0][k], torch.Tensor)}
+    tensors = {
+        k: torch.stack([item[k] for item in items]) for k in keys if isinstance(items[0][k], torch.Tensor)
+    }
     non_tensors = {k: [item[k] for item in items] for k in keys if k not in tensors}
     non_tensors["uid"] = [str(uuid.uuid4()) for _ in items]
     return DataProto.from_dict(tensors, non_tensors)
@@ -97,7 +99,9 @@ class PromptLoader:
         for key in ("seed", "shuffle", "batch_size", "num_rows"):
             mine = self.state_dict()[key]
             if state.get(key) != mine:
-                raise ValueError(f"loader state has {key}={state.get(key)!r} but this loader has {key}={mine!r}")
+                raise ValueError(
+                    f"loader state has {key}={state.get(key)!r} but this loader has {key}={mine!r}"
+                )
         if not 0 <= state["position"] <= len(self):
             raise ValueError(f"loader state position {state['position']} is outside 0..{len(self)}")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])

@@ -28,7 +28,9 @@ Row = dict[str, Any]
 ONE_SHOT = (14, 27)
 
 
-def make_row(data_source: str, messages: list[dict[str, str]], ability: str, ground_truth: str, extra: dict) -> Row:
+def make_row(
+    data_source: str, messages: list[dict[str, str]], ability: str, ground_truth: str, extra: dict
+) -> Row:
     """One row in verl's format."""
     return {
         "data_source": data_source,
@@ -50,7 +52,9 @@ def _sizes_fit(train_size: int, test_size: int, available: int, what: str) -> No
     if train_size < 0 or test_size < 0:
         raise ValueError(f"sizes must be non-negative, got train {train_size}, test {test_size}")
     if train_size + test_size > available:
-        raise ValueError(f"asked for {train_size}+{test_size} {what} but only {available} distinct ones exist")
+        raise ValueError(
+            f"asked for {train_size}+{test_size} {what} but only {available} distinct ones exist"
+        )
 
 
 # ---------------------------------------------------------------------------------------- arithmetic
@@ -74,7 +78,9 @@ def arithmetic_splits(
     """Distinct (a, b) pairs from [min_operand, max_operand]^2 (the one-shot pair excluded), split in two."""
     pairs = [(a, b) for a in range(min_operand, max_operand + 1) for b in range(min_operand, max_operand + 1)]
     pairs = [p for p in pairs if p != ONE_SHOT]
-    _sizes_fit(train_size, test_size, len(pairs), f"addition problems with operands in {min_operand}..{max_operand}")
+    _sizes_fit(
+        train_size, test_size, len(pairs), f"addition problems with operands in {min_operand}..{max_operand}"
+    )
     chosen = random.Random(seed).sample(pairs, train_size + test_size)
     rows = [
         make_row("arithmetic", arithmetic_messages(a, b), "arithmetic", str(a + b), {"a": a, "b": b})
@@ -131,7 +137,12 @@ def countdown_messages(numbers: list[int], target: int) -> list[dict[str, str]]:
 
 
 def countdown_splits(
-    train_size: int, test_size: int, seed: int, num_numbers: int = 3, max_number: int = 30, max_target: int = 100
+    train_size: int,
+    test_size: int,
+    seed: int,
+    num_numbers: int = 3,
+    max_number: int = 30,
+    max_target: int = 100,
 ) -> tuple[list[Row], list[Row]]:
     """Distinct (numbers, target) problems; the known solution is kept in extra_info for debugging."""
     rng = random.Random(seed)
@@ -145,7 +156,9 @@ def countdown_splits(
         seen.add(key)
         numbers, target, solution = problem
         truth = json.dumps({"target": target, "numbers": numbers})
-        rows.append(make_row("countdown", countdown_messages(numbers, target), "math", truth, {"solution": solution}))
+        rows.append(
+            make_row("countdown", countdown_messages(numbers, target), "math", truth, {"solution": solution})
+        )
     _sizes_fit(train_size, test_size, len(rows), "countdown problems (generator ran out of new ones)")
     return _label(rows[:train_size], "train"), _label(rows[train_size:], "test")
 
@@ -160,7 +173,9 @@ def gsm8k_rows(path: str | Path) -> list[Row]:
     for i, raw in enumerate(read_rows(path)):
         question, answer = raw.get("question"), raw.get("answer")
         if not isinstance(question, str) or not isinstance(answer, str) or "####" not in answer:
-            raise ValueError(f"{path}: row {i}: needs string fields 'question' and 'answer' with '#### N' at the end")
+            raise ValueError(
+                f"{path}: row {i}: needs string fields 'question' and 'answer' with '#### N' at the end"
+            )
         truth = answer.rsplit("####", 1)[1].strip().replace(",", "")
         messages = [{"role": "user", "content": f"{question} {GSM8K_INSTRUCTION}"}]
         extra = {"question": question, "answer": answer}
@@ -169,8 +184,12 @@ def gsm8k_rows(path: str | Path) -> list[Row]:
 
 
 def gsm8k_splits(
-    source: str, test_source: str | None, test_fraction: float, seed: int,
-    train_size: int | None = None, test_size: int | None = None,
+    source: str,
+    test_source: str | None,
+    test_fraction: float,
+    seed: int,
+    train_size: int | None = None,
+    test_size: int | None = None,
 ) -> tuple[list[Row], list[Row]]:
     """Train/test from `source` (shuffled, `test_fraction` held out) or from two files; optional size caps."""
     rows = gsm8k_rows(source)
@@ -199,7 +218,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridflow prepare-data", description=__doc__.split("\n")[0])
     tasks = parser.add_subparsers(dest="task", required=True, metavar="TASK")
 
-    arith = tasks.add_parser("arithmetic", parents=[common], help="two-digit addition, one-shot (the demo task)")
+    arith = tasks.add_parser(
+        "arithmetic", parents=[common], help="two-digit addition, one-shot (the demo task)"
+    )
     arith.add_argument("--train-size", type=int, default=1000)
     arith.add_argument("--test-size", type=int, default=100)
     arith.add_argument("--min-operand", type=int, default=10)
@@ -222,11 +243,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _BUILDERS: dict[str, Callable[[argparse.Namespace], tuple[list[Row], list[Row]]]] = {
-    "arithmetic": lambda a: arithmetic_splits(a.train_size, a.test_size, a.seed, a.min_operand, a.max_operand),
+    "arithmetic": lambda a: arithmetic_splits(
+        a.train_size, a.test_size, a.seed, a.min_operand, a.max_operand
+    ),
     "countdown": lambda a: countdown_splits(
         a.train_size, a.test_size, a.seed, a.num_numbers, a.max_number, a.max_target
     ),
-    "gsm8k": lambda a: gsm8k_splits(a.source, a.test_source, a.test_fraction, a.seed, a.train_size, a.test_size),
+    "gsm8k": lambda a: gsm8k_splits(
+        a.source, a.test_source, a.test_fraction, a.seed, a.train_size, a.test_size
+    ),
 }
 
 

@@ -42,12 +42,14 @@ def gguf_folder() -> Path:
         )
     folder = Path(spec.submodule_search_locations[0])
     if not (folder / GGUF_FILE).is_file():
-        raise FileNotFoundError(f"{folder / GGUF_FILE} is missing; reinstall with: {INSTALL_HINT} --force-reinstall")
+        raise FileNotFoundError(
+            f"{folder / GGUF_FILE} is missing; reinstall with: {INSTALL_HINT} --force-reinstall"
+        )
     return folder
 
 
 def _convert(dest: Path) -> None:
-    """Load the GGUF model and tokenizer, check a saved copy, and write it to `dest` (which must not exist)."""
+    """Load the GGUF model and tokenizer, check a saved copy, move it to `dest` (must not exist)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = gguf_folder()
@@ -76,14 +78,17 @@ def _check_same_logits(model: torch.nn.Module, tokenizer, saved: Path) -> None:
     """Raise unless the saved folder reloads into a model with exactly the in-memory model's logits."""
     from transformers import AutoModelForCausalLM
 
-    ids = tokenizer.apply_chat_template(_CHECK_MESSAGES, add_generation_prompt=True, return_tensors="pt",
-                                        return_dict=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(
+        _CHECK_MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
     reloaded = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
     with torch.no_grad():
         expected, got = model(ids).logits, reloaded(ids).logits
     if not torch.equal(expected, got):
         diff = (expected - got).abs().max().item()
-        raise RuntimeError(f"converted SmolLM2 in {saved} differs from the GGUF model (max |logit diff| {diff})")
+        raise RuntimeError(
+            f"converted SmolLM2 in {saved} differs from the GGUF model (max |logit diff| {diff})"
+        )
 
 
 def default_model_path(cache_dir: str | Path | None = None) -> str:

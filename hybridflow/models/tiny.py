@@ -108,7 +108,9 @@ def make_tiny_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast:
     vocabulary may come out a little smaller than asked; `len(tokenizer)` is the true size.
     """
     if vocab_size < 300:
-        raise ValueError(f"vocab_size={vocab_size} is too small: 256 byte tokens and 3 special tokens come first")
+        raise ValueError(
+            f"vocab_size={vocab_size} is too small: 256 byte tokens and 3 special tokens come first"
+        )
     return PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json(vocab_size)),
         bos_token=IM_START,
@@ -171,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     """`hybridflow make-tiny-model OUT_DIR [...]`: write a tiny model folder and print its path."""
     parser = argparse.ArgumentParser(
         prog="hybridflow make-tiny-model",
-        description="Write a small random Llama model with a ~1k-token BPE tokenizer (for tests and smoke runs).",
+        description="Write a small random Llama model and a ~1k-token BPE tokenizer (tests, smoke runs).",
     )
     parser.add_argument("out_dir", help="folder to write the model and tokenizer to")
     parser.add_argument("--vocab-size", type=int, default=1024)

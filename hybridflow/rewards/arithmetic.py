@@ -15,7 +15,7 @@ _AFTER_EQUALS = re.compile(r"\s*(-?\d+)")
 
 
 def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict[str, float]:
-    """{"score": 1.0 / 0.5 / 0.0, "acc": 1.0 or 0.0}; `extra_info` {"a", "b"} pins the operands of the form."""
+    """{"score": 1.0 / 0.5 / 0.0, "acc": 1.0 or 0.0}; `extra_info` {"a", "b"} pins the form's operands."""
     truth = str(ground_truth).strip()
     _, equals, rest = solution_str.partition("=")
     leading = _AFTER_EQUALS.match(rest) if equals else None

@@ -17,7 +17,12 @@ from fractions import Fraction
 CORRECT_SCORE, FORMAT_SCORE = 1.0, 0.1
 MAX_EQUATION_CHARS = 500
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_OPS = {ast.Add: Fraction.__add__, ast.Sub: Fraction.__sub__, ast.Mult: Fraction.__mul__, ast.Div: Fraction.__truediv__}
+_OPS = {
+    ast.Add: Fraction.__add__,
+    ast.Sub: Fraction.__sub__,
+    ast.Mult: Fraction.__mul__,
+    ast.Div: Fraction.__truediv__,
+}
 
 
 def extract_equation(solution_str: str) -> str | None:

@@ -46,51 +46,66 @@ class RewardManager:
         self.reward_fn_key = reward_fn_key
 
     def response_mask(self, data: DataProto) -> torch.Tensor:
-        """`(bs, response_length)` mask of real response tokens: `response_mask`, else the tail of `attention_mask`."""
+        """`(bs, response_length)` mask of real response tokens: `response_mask`, else the tail of
+        `attention_mask` (which spans prompt + response)."""
         if "response_mask" in data.batch.keys():
             return data.batch["response_mask"]
         return data.batch["attention_mask"][:, -data.batch["responses"].shape[1] :]
 
-    def _score_one(self, i: int, data_source: Any, text: str, ground_truth: Any, extra_info: Any) -> dict[str, Any]:
+    def _score_one(
+        self, i: int, data_source: Any, text: str, ground_truth: Any, extra_info: Any
+    ) -> dict[str, Any]:
         name = _function_name(self.compute_score)
         try:
             result = self.compute_score(data_source, text, ground_truth, extra_info)
         except Exception as e:
             raise RuntimeError(
-                f"reward function {name} failed on sample {i} (data_source {data_source!r}): {type(e).__name__}: {e}"
+                f"reward function {name} failed on sample {i} (data_source {data_source!r}): "
+                f"{type(e).__name__}: {e}"
             ) from e
         result = dict(result) if isinstance(result, dict) else {"score": result}
         if "score" not in result:
-            raise ValueError(f"reward function {name} returned a dict without 'score' for sample {i}: {sorted(result)}")
+            raise ValueError(
+                f"reward function {name} returned a dict without 'score' for sample {i}: {sorted(result)}"
+            )
         score = float(result["score"])
         if not math.isfinite(score):
-            raise ValueError(f"reward function {name} returned score {score} for sample {i} (data_source {data_source!r})")
+            raise ValueError(
+                f"reward function {name} returned score {score} for sample {i} (data_source {data_source!r})"
+            )
         result["score"] = score
         return result
 
     def __call__(self, data: DataProto, return_dict: bool = False) -> torch.Tensor | dict[str, Any]:
-        """`token_level_scores` `(bs, response_length)` float32, zero except each row's last valid token.
+        """`token_level_scores` `(bs, response_length)` float32 on the CPU, zero except each row's last
+        valid token (column 0 for an empty response, so sequence-level sums still see the score).
 
         With `return_dict=True`: {"reward_tensor": that tensor, "reward_extra_info": {key: list of bs
         values}} where a sample whose scorer did not return a key has None there.
         """
-        responses = data.batch["responses"]
-        mask = self.response_mask(data).bool()
-        texts = self.tokenizer.batch_decode(
-            [row[m].tolist() for row, m in zip(responses, mask)], skip_special_tokens=True
-        )
         columns = data.non_tensor_batch
         for key in (self.reward_fn_key, "ground_truth"):
             if key not in columns:
-                raise KeyError(f"RewardManager needs non_tensor_batch[{key!r}]; the batch has {sorted(columns)}")
+                raise KeyError(
+                    f"RewardManager needs non_tensor_batch[{key!r}]; the batch has {sorted(columns)}"
+                )
+        responses = data.batch["responses"].cpu()
+        mask = self.response_mask(data).bool().cpu()
+        texts = self.tokenizer.batch_decode(
+            [row[m].tolist() for row, m in zip(responses, mask)], skip_special_tokens=True
+        )
         extra_infos = columns.get("extra_info", [None] * len(texts))
         results = [
-            self._score_one(i, columns[self.reward_fn_key][i], text, columns["ground_truth"][i], extra_infos[i])
+            self._score_one(
+                i, columns[self.reward_fn_key][i], text, columns["ground_truth"][i], extra_infos[i]
+            )
             for i, text in enumerate(texts)
         ]
         reward = torch.zeros(responses.shape, dtype=torch.float32)
         rows = torch.arange(len(results))
-        reward[rows, last_valid_index(mask).cpu()] = torch.tensor([r["score"] for r in results], dtype=torch.float32)
+        reward[rows, last_valid_index(mask)] = torch.tensor(
+            [r["score"] for r in results], dtype=torch.float32
+        )
         self._print_examples(data, texts, results)
         if not return_dict:
             return reward

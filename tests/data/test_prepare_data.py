@@ -15,13 +15,21 @@ def read(path):
     return pq.read_table(path).to_pylist()
 
 
+def operand_pairs(rows):
+    return {(r["extra_info"]["a"], r["extra_info"]["b"]) for r in rows}
+
+
+def countdown_problems(rows):
+    truths = [json.loads(r["reward_model"]["ground_truth"]) for r in rows]
+    return {(tuple(sorted(t["numbers"])), t["target"]) for t in truths}
+
+
 def test_arithmetic_parquet_loads_and_splits_are_disjoint(tmp_path, capsys):
     assert main(["arithmetic", str(tmp_path), "--train-size", "300", "--test-size", "50", "--seed", "3"]) == 0
     assert "wrote 300 train and 50 test rows" in capsys.readouterr().out
     train, test = read(tmp_path / "train.parquet"), read(tmp_path / "test.parquet")
     assert (len(train), len(test)) == (300, 50)
-    pairs = lambda rows: {(r["extra_info"]["a"], r["extra_info"]["b"]) for r in rows}  # noqa: E731
-    assert len(pairs(train)) == 300 and not pairs(train) & pairs(test)
+    assert len(operand_pairs(train)) == 300 and not operand_pairs(train) & operand_pairs(test)
     r = test[0]
     a, b = r["extra_info"]["a"], r["extra_info"]["b"]
     assert 10 <= a <= 99 and 10 <= b <= 99
@@ -48,14 +56,13 @@ def test_generation_is_deterministic_per_seed():
 
 def test_countdown_targets_are_reachable_and_splits_disjoint():
     train, test = countdown_splits(200, 40, seed=0)
-    key = lambda r: (tuple(sorted(json.loads(r["reward_model"]["ground_truth"])["numbers"])),  # noqa: E731
-                     json.loads(r["reward_model"]["ground_truth"])["target"])
-    assert not {key(r) for r in train} & {key(r) for r in test}
+    assert not countdown_problems(train) & countdown_problems(test)
     for r in train + test:
         truth = json.loads(r["reward_model"]["ground_truth"])
         assert len(truth["numbers"]) == 3 and 1 <= truth["target"] <= 100
-        assert f"Using the numbers {truth['numbers']}, create an equation that equals {truth['target']}." in (
-            r["prompt"][0]["content"]
+        assert (
+            f"Using the numbers {truth['numbers']}, create an equation that equals {truth['target']}."
+            in (r["prompt"][0]["content"])
         )
         # The generator's own solution must earn full marks from the countdown scorer.
         solution = f"<answer>{r['extra_info']['solution']}</answer>"
@@ -64,9 +71,11 @@ def test_countdown_targets_are_reachable_and_splits_disjoint():
 
 def test_gsm8k_from_local_jsonl(tmp_path):
     src = tmp_path / "gsm.jsonl"
-    src.write_text("".join(
-        json.dumps({"question": f"Q{i}?", "answer": f"work\n#### {1000 + i:,}"}) + "\n" for i in range(10)
-    ))
+    src.write_text(
+        "".join(
+            json.dumps({"question": f"Q{i}?", "answer": f"work\n#### {1000 + i:,}"}) + "\n" for i in range(10)
+        )
+    )
     assert main(["gsm8k", str(tmp_path / "out"), "--source", str(src), "--test-fraction", "0.2"]) == 0
     train, test = read(tmp_path / "out" / "train.parquet"), read(tmp_path / "out" / "test.parquet")
     assert (len(train), len(test)) == (8, 2)
@@ -76,8 +85,21 @@ def test_gsm8k_from_local_jsonl(tmp_path):
     assert r["reward_model"]["ground_truth"] == "1003" and r["data_source"] == "openai/gsm8k"
     assert r["prompt"][0]["content"].startswith("Q3? ") and "####" in r["prompt"][0]["content"]
 
-    assert main(["gsm8k", str(tmp_path / "two"), "--source", str(src), "--test-source", str(src),
-                 "--train-size", "4"]) == 0
+    assert (
+        main(
+            [
+                "gsm8k",
+                str(tmp_path / "two"),
+                "--source",
+                str(src),
+                "--test-source",
+                str(src),
+                "--train-size",
+                "4",
+            ]
+        )
+        == 0
+    )
     assert len(read(tmp_path / "two" / "train.parquet")) == 4
     assert len(read(tmp_path / "two" / "test.parquet")) == 10
 

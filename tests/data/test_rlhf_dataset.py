@@ -47,7 +47,9 @@ def test_left_pad_by_hand():
 
 
 def test_parquet_and_jsonl_with_chat_template(tmp_path, tok):
-    pq_file = write_parquet(tmp_path / "a.parquet", [row("Compute 1+2.", "3", a=1, b=2), row("Hi", "x", a=0, b=0)])
+    pq_file = write_parquet(
+        tmp_path / "a.parquet", [row("Compute 1+2.", "3", a=1, b=2), row("Hi", "x", a=0, b=0)]
+    )
     jl_file = write_jsonl(tmp_path / "b.jsonl", [row("Compute 3+4.", "7", "countdown")])
     ds = RLHFDataset([pq_file, jl_file], tok, max_prompt_length=32)
     assert len(ds) == 3
@@ -82,10 +84,16 @@ def test_plain_string_prompt_and_no_chat_template(tmp_path, tok):
 def test_truncation_modes(tmp_path, tok):
     long_q = "one two three four five six seven eight nine ten " * 3
     f = write_jsonl(tmp_path / "long.jsonl", [row("short", "1"), row(long_q, "2")])
-    full = tok(tok.apply_chat_template([{"role": "user", "content": long_q}], add_generation_prompt=True,
-                                       tokenize=False), add_special_tokens=False)["input_ids"]
+    full = tok(
+        tok.apply_chat_template(
+            [{"role": "user", "content": long_q}], add_generation_prompt=True, tokenize=False
+        ),
+        add_special_tokens=False,
+    )["input_ids"]
     assert len(full) > 20
-    with pytest.raises(ValueError, match=r"long\.jsonl: row 1: prompt has \d+ tokens, more than max_prompt_length=20"):
+    with pytest.raises(
+        ValueError, match=r"long\.jsonl: row 1: prompt has \d+ tokens, more than max_prompt_length=20"
+    ):
         RLHFDataset(f, tok, max_prompt_length=20, filter_overlong_prompts=False, truncation="error")
     left = RLHFDataset(f, tok, max_prompt_length=20, filter_overlong_prompts=False, truncation="left")
     right = RLHFDataset(f, tok, max_prompt_length=20, filter_overlong_prompts=False, truncation="right")
@@ -98,7 +106,9 @@ def test_truncation_modes(tmp_path, tok):
 
 def test_filter_overlong_counts_and_logs(tmp_path, tok, caplog):
     long_q = "word " * 40
-    f = write_parquet(tmp_path / "mix.parquet", [row("a", "1"), row(long_q, "2"), row("b", "3"), row(long_q, "4")])
+    f = write_parquet(
+        tmp_path / "mix.parquet", [row("a", "1"), row(long_q, "2"), row("b", "3"), row(long_q, "4")]
+    )
     with caplog.at_level(logging.WARNING, logger="hybridflow.data.dataset"):
         ds = RLHFDataset(f, tok, max_prompt_length=24)
     assert ds.num_filtered == 2 and len(ds) == 2
@@ -114,7 +124,10 @@ def test_filter_overlong_counts_and_logs(tmp_path, tok, caplog):
     [
         ({"data_source": "x"}, r"row 1: field 'prompt' is missing"),
         ({"prompt": 7}, r"row 1: field 'prompt': must be a string or a non-empty list"),
-        ({"prompt": [{"role": "user"}]}, r"row 1: field 'prompt'\[0\]: a chat message needs string 'role' and 'content'"),
+        (
+            {"prompt": [{"role": "user"}]},
+            r"row 1: field 'prompt'\[0\]: a chat message needs string 'role' and 'content'",
+        ),
         ({"prompt": "hi", "reward_model": "42"}, r"row 1: field 'reward_model' must be an object"),
         ({"prompt": "hi", "extra_info": [1]}, r"row 1: field 'extra_info' must be an object"),
     ],

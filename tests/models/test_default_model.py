@@ -53,5 +53,7 @@ def test_default_model_converts_once_with_gguf_logits(tmp_path, monkeypatch):
     torch.testing.assert_close(top.values, torch.tensor(GGUF_TOP3[1]), atol=1e-3, rtol=0)
     assert tok.eos_token == tok.pad_token == "<|im_end|>"
     assert model.generation_config.eos_token_id == tok.eos_token_id == 2
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")

@@ -6,6 +6,7 @@ import torch
 from hybridflow.models import make_tiny_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RewardManager, load_custom_reward_function
+from hybridflow.rewards.manager import last_valid_index
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +34,13 @@ def batch(tok, replies, sources, truths, extra=None, length=12, mask_key="respon
 
 def test_score_sits_on_last_valid_token(tok):
     replies = ["86+88=174", "86+88=174 yes", "#### 12"]
-    data = batch(tok, replies, ["arithmetic", "arithmetic", "openai/gsm8k"], ["174", "174", "13"],
-                 [{"a": 86, "b": 88}, {"a": 86, "b": 88}, {}])
+    data = batch(
+        tok,
+        replies,
+        ["arithmetic", "arithmetic", "openai/gsm8k"],
+        ["174", "174", "13"],
+        [{"a": 86, "b": 88}, {"a": 86, "b": 88}, {}],
+    )
     out = RewardManager(tok)(data, return_dict=True)
     reward = out["reward_tensor"]
     assert reward.shape == (3, 12) and reward.dtype == torch.float32
@@ -46,12 +52,19 @@ def test_score_sits_on_last_valid_token(tok):
     assert out["reward_extra_info"] == {"score": [1.0, 0.5, 0.0], "acc": [1.0, 1.0, None]}
 
 
+def test_last_valid_index_by_hand():
+    mask = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 1, 0], [1, 1, 1, 1]])
+    assert last_valid_index(mask).tolist() == [1, 0, 2, 3]
+
+
 def test_hand_built_mask_and_attention_mask_fallback(tok):
     ids = tok("1+2=3", add_special_tokens=False)["input_ids"]
     responses = torch.tensor([ids + [0] * (8 - len(ids))])
     mask = torch.tensor([[1] * len(ids) + [0] * (8 - len(ids))])
-    data = DataProto.from_dict({"responses": responses, "response_mask": mask},
-                               {"data_source": ["arithmetic"], "ground_truth": ["3"]})
+    data = DataProto.from_dict(
+        {"responses": responses, "response_mask": mask},
+        {"data_source": ["arithmetic"], "ground_truth": ["3"]},
+    )
     reward = RewardManager(tok)(data)
     assert reward[0].tolist() == [1.0 if j == len(ids) - 1 else 0.0 for j in range(8)]
 
@@ -72,8 +85,11 @@ def test_custom_function_from_file(tmp_path, tok):
     assert out["reward_tensor"].sum(dim=1).tolist() == pytest.approx([0.4, 0.2])
     assert out["reward_extra_info"]["source_ok"] == [True, False]
 
-    with pytest.raises(AttributeError, match=r"my_reward.py has no function 'compute_score'; it defines \['helper', "
-                                             r"'length_reward'\]"):
+    with pytest.raises(
+        AttributeError,
+        match=r"my_reward.py has no function 'compute_score'; it defines \['helper', "
+        r"'length_reward'\]",
+    ):
         load_custom_reward_function(f)
     with pytest.raises(FileNotFoundError, match="missing.py"):
         load_custom_reward_function(tmp_path / "missing.py")
@@ -86,7 +102,9 @@ def test_raising_function_names_sample_source_and_function(tok):
         return 1.0
 
     data = batch(tok, ["a", "b", "c"], ["s0", "s1", "s2"], ["ok", "boom", "ok"])
-    with pytest.raises(RuntimeError, match=r"picky_score failed on sample 1 \(data_source 's1'\): KeyError") as err:
+    with pytest.raises(
+        RuntimeError, match=r"picky_score failed on sample 1 \(data_source 's1'\): KeyError"
+    ) as err:
         RewardManager(tok, compute_score=picky_score)(data)
     assert isinstance(err.value.__cause__, KeyError)
 
@@ -100,8 +118,13 @@ def test_non_finite_score_and_missing_columns(tok):
 
     with pytest.raises(ValueError, match=r"nan_score returned score nan for sample 1"):
         RewardManager(tok, compute_score=nan_score)(batch(tok, ["a", "b"], ["x", "x"], ["", ""]))
-    data = DataProto.from_dict({"responses": torch.zeros(1, 2, dtype=torch.long),
-                                "response_mask": torch.ones(1, 2, dtype=torch.long)}, {"data_source": ["x"]})
+    data = DataProto.from_dict(
+        {
+            "responses": torch.zeros(1, 2, dtype=torch.long),
+            "response_mask": torch.ones(1, 2, dtype=torch.long),
+        },
+        {"data_source": ["x"]},
+    )
     with pytest.raises(KeyError, match=r"needs non_tensor_batch\['ground_truth'\]"):
         RewardManager(tok, compute_score=nan_score)(data)
 

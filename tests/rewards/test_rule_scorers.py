@@ -98,8 +98,14 @@ def test_dispatch_by_data_source():
     assert default_compute_score("openai/gsm8k", "#### 5", "5") == 1.0
     assert default_compute_score("DigitalLearningGmbH/MATH-lighteval", "\\boxed{5}", "5") == 1.0
     assert default_compute_score("arithmetic", "1+2=3", "3", {"a": 1, "b": 2}) == {"score": 1.0, "acc": 1.0}
-    assert default_compute_score("countdown", "<answer>3 * 7 - 12</answer>", json.dumps(
-        {"target": 9, "numbers": [12, 3, 7]})) == 1.0
+    assert (
+        default_compute_score(
+            "countdown", "<answer>3 * 7 - 12</answer>", json.dumps({"target": 9, "numbers": [12, 3, 7]})
+        )
+        == 1.0
+    )
     assert {"gsm8k", "math", "lighteval/MATH"} <= set(RULE_SCORERS)
-    with pytest.raises(NotImplementedError, match=r"data_source 'my/task'; known: \[.*'arithmetic'.*'openai/gsm8k'"):
+    with pytest.raises(
+        NotImplementedError, match=r"data_source 'my/task'; known: \[.*'arithmetic'.*'openai/gsm8k'"
+    ):
         default_compute_score("my/task", "x", "y")
