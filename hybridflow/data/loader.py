@@ -22,7 +22,8 @@ from hybridflow.protocol import DataProto
 def collate_fn(items: Sequence[dict[str, Any]]) -> DataProto:
     """Stack dataset items into one DataProto.
 
-    Tensors (each `(max_prompt_length,)`) become `(bs, max_prompt_length)` entries of `batch`;
+    Tensors (each `(max_prompt_length,)`) become `(bs, P)` entries of `batch`, P the longest prompt
+    of this batch (columns that are padding in every row are dropped: every later pass pays for them);
     everything else becomes a numpy object array in `non_tensor_batch`. Each prompt also gets a
     fresh `uid` (uuid4 string) that groups its sampled responses, e.g. for GRPO's group baseline.
     """
@@ -35,9 +36,24 @@ def collate_fn(items: Sequence[dict[str, Any]]) -> DataProto:
     tensors = {
         k: torch.stack([item[k] for item in items]) for k in keys if isinstance(items[0][k], torch.Tensor)
     }
+    tensors = _trim_left_padding(tensors)
     non_tensors = {k: [item[k] for item in items] for k in keys if k not in tensors}
     non_tensors["uid"] = [str(uuid.uuid4()) for _ in items]
     return DataProto.from_dict(tensors, non_tensors)
+
+
+def _trim_left_padding(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop the leading columns that are padding in every row of the batch.
+
+    Prompts are left-padded to max_prompt_length, but every later pass (generation, log-probs,
+    training) pays for each column: a batch whose longest prompt is 80 tokens should be 80 wide,
+    not 512. Position ids are unaffected (padding sits at position 0)."""
+    mask = tensors.get("attention_mask")
+    if mask is None or mask.dim() != 2 or not mask.any():
+        return tensors
+    first = int(mask.any(dim=0).int().argmax())
+    width = mask.shape[1]
+    return {k: v[:, first:] if v.dim() == 2 and v.shape[1] == width else v for k, v in tensors.items()}
 
 
 class PromptLoader:

@@ -156,8 +156,13 @@ def test_collate_builds_dataproto(tmp_path, tok):
     batch = collate_fn([ds[2], ds[0]])
     assert isinstance(batch, DataProto) and len(batch) == 2
     assert sorted(batch.batch.keys()) == ["attention_mask", "input_ids", "position_ids"]
-    assert batch.batch["input_ids"].shape == (2, 16) and batch.batch["input_ids"].dtype == torch.long
-    assert torch.equal(batch.batch["input_ids"][0], ds[2]["input_ids"])
+    # padded to 16, but the batch keeps only as many columns as its longest prompt needs
+    longest = max(int(ds[i]["attention_mask"].sum()) for i in (2, 0))
+    assert longest < 16
+    assert batch.batch["input_ids"].shape == (2, longest) and batch.batch["input_ids"].dtype == torch.long
+    assert torch.equal(batch.batch["input_ids"][0], ds[2]["input_ids"][-longest:])
+    assert batch.batch["attention_mask"].any(dim=0).all()  # no column is padding in every row
+    assert torch.equal(batch.batch["position_ids"][1], ds[0]["position_ids"][-longest:])
     nt = batch.non_tensor_batch
     assert sorted(nt) == ["data_source", "extra_info", "ground_truth", "index", "raw_prompt", "uid"]
     assert all(v.dtype == object and v.shape == (2,) for v in nt.values())
