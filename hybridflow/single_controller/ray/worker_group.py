@@ -78,12 +78,13 @@ class RayWorkerGroup(WorkerGroup):
     ``name_prefix`` names the group in errors (default: the worker class name). ``set_torch_threads``
     gives each worker ``cpus_on_node // processes_on_node`` torch threads. ``call_timeout_s`` bounds how
     long a call may wait for its answers (None: no limit; a dead actor is reported at once either way).
-    ``start_timeout_s`` bounds the wait for the actors to be placed.
+    ``start_timeout_s`` bounds the wait for the actors to start (importing torch in a new process can take
+    a minute on a loaded 2-core machine; missing resources are reported by the pool before that).
     """
 
     def __init__(self, resource_pool: RayResourcePool, cls_with_init: ClassWithInitArgs,
                  name_prefix: str | None = None, set_torch_threads: bool = True,
-                 call_timeout_s: float | None = None, start_timeout_s: float = 120.0) -> None:
+                 call_timeout_s: float | None = None, start_timeout_s: float = 600.0) -> None:
         name = name_prefix or cls_with_init.cls.__name__
         resource_pool.acquire(name)
         try:

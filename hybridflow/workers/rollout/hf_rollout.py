@@ -6,6 +6,7 @@ current weights and no second copy of the model exists.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,9 @@ class HFRollout:
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
         self.pad_token_id = tokenizer.pad_token_id
+        # transformers renamed `past_key_values` to `cache` (5.2x); use whichever this version takes
+        forward_params = inspect.signature(type(model).forward).parameters
+        self._cache_key = "cache" if "cache" in forward_params else "past_key_values"
 
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -73,6 +77,20 @@ class HFRollout:
         parts = [self._generate(part, params) for part in prompts.split(micro)]
         return DataProto.concat(parts) if len(parts) > 1 else parts[0]
 
+    def _shared_prefix_cache(self, prompts: DataProto, n: int, device: torch.device) -> dict[str, Any]:
+        """Run each prompt through the model once and copy its KV cache for the ``n`` samples.
+
+        ``generate(num_return_sequences=n)`` would process every prompt ``n`` times; on a CPU the
+        prompt pass is the larger part of a short rollout. The last prompt token is left out so that
+        ``generate`` computes the first sampling step itself."""
+        out = self.model(input_ids=prompts.batch["input_ids"][:, :-1].to(device),
+                         attention_mask=prompts.batch["attention_mask"][:, :-1].to(device),
+                         position_ids=prompts.batch["position_ids"][:, :-1].to(device), use_cache=True,
+                         logits_to_keep=1)
+        cache = out[self._cache_key]
+        cache.batch_repeat_interleave(n)
+        return {self._cache_key: cache}
+
     def _generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
         device = next(self.model.parameters()).device
         input_ids = prompts.batch["input_ids"].to(device)
@@ -81,10 +99,12 @@ class HFRollout:
                     "top_k": params.top_k if params.top_k > 0 else None} if params.do_sample else {}
         was_training = self.model.training
         self.model.eval()
+        cache = self._shared_prefix_cache(prompts, params.n, device) if params.n > 1 else {}
+        input_ids = input_ids.repeat_interleave(params.n, dim=0)
+        attention_mask = attention_mask.repeat_interleave(params.n, dim=0)
         out = self.model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, do_sample=params.do_sample,
-            max_new_tokens=params.response_length, num_return_sequences=params.n,
-            eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
+            input_ids=input_ids, attention_mask=attention_mask, **cache, do_sample=params.do_sample,
+            max_new_tokens=params.response_length, eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
             output_logits=params.do_sample, return_dict_in_generate=True, **sampling)
         self.model.train(was_training)
         prompt_len = input_ids.shape[1]

@@ -1,0 +1,66 @@
+"""Data parallelism: one actor update on 2 Ray ranks equals the 1-rank update on the same global batch."""
+
+import pytest
+import torch
+
+from hybridflow.algorithms import compute_advantage
+from hybridflow.single_controller import ClassWithInitArgs, Dispatch, LocalWorkerGroup, register
+from hybridflow.trainer.config import PPOConfig
+from hybridflow.workers import ActorRolloutRefWorker
+
+
+class GradProbe(ActorRolloutRefWorker):
+    """The actor, plus a look at the gradients it applied in its last update (all-reduced across ranks)."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def applied_grads(self) -> dict[str, torch.Tensor]:
+        return {name: p.grad.clone() for name, p in self.module.named_parameters() if p.grad is not None}
+
+
+def config(path: str):
+    cfg = PPOConfig()
+    arr = cfg.actor_rollout_ref
+    arr.model.path = path
+    arr.rollout.n = 2
+    arr.actor.ppo_mini_batch_size = 5  # prompts: the whole batch of 10 rows is one optimiser step
+    arr.actor.ppo_micro_batch_size_per_gpu = 2  # several micro-batches accumulate on each rank
+    arr.actor.optim.lr = 1e-3
+    arr.actor.use_kl_loss = True
+    arr.actor.entropy_coeff = 0.01
+    return cfg.resolve().actor_rollout_ref
+
+
+def test_two_rank_update_equals_one_rank_update(tiny_model_path, chat_prompts, ray_session):
+    from hybridflow.single_controller.ray import RayResourcePool, RayWorkerGroup
+
+    init = ClassWithInitArgs(GradProbe, config(tiny_model_path), role="actor_rollout_ref", response_length=5)
+    single = LocalWorkerGroup(init)
+    single.init_model()
+    torch.manual_seed(0)
+    questions = ["Compute 1+2.", "Compute 30+4.", "Say hi.", "Compute 7+7.", "Name a color."]
+    batch = single.generate_sequences(chat_prompts(single.workers[0].tokenizer, questions))
+    batch = batch.union(single.compute_ref_log_prob(batch))
+    lengths = batch.batch["response_mask"].sum(-1)
+    scores = torch.zeros(batch.batch["responses"].shape)
+    scores[torch.arange(10), lengths - 1] = torch.arange(10, dtype=torch.float32) % 3
+    batch.batch["token_level_rewards"] = scores
+    batch = compute_advantage(batch, "grpo")
+
+    pool = RayResourcePool([2], cpus_per_process=1.0, name="dp")
+    group = RayWorkerGroup(pool, init, name_prefix="dp")
+    try:
+        group.init_model()
+        two = group.update_actor(batch).meta_info["metrics"]
+        two_grads = group.applied_grads()
+    finally:
+        group.shutdown()
+        pool.remove()
+    one = single.update_actor(batch).meta_info["metrics"]
+    one_grads = single.applied_grads()[0]
+
+    # both ranks applied the same (all-reduced) gradient, equal to the single rank's
+    for name, grad in one_grads.items():
+        torch.testing.assert_close(two_grads[0][name], two_grads[1][name], rtol=0, atol=0)
+        torch.testing.assert_close(two_grads[0][name], grad, rtol=1e-4, atol=1e-7, msg=name)
+    assert two["actor/grad_norm"][0] == pytest.approx(one["actor/grad_norm"][0], rel=1e-5)
+    assert two["actor/grad_norm"][0] == two["actor/grad_norm"][1]
