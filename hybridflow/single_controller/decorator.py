@@ -167,13 +167,13 @@ def split_lists(world_size: int, args: tuple, kwargs: dict) -> Shards:
 
 def split_dataprotos(world_size: int, args: tuple, kwargs: dict) -> Shards:
     """Pad every DataProto argument to a multiple of ``world_size`` (``pad_dataproto_to_divisor``) and give
-    rank ``i`` chunk ``i``; other arguments go unchanged to every rank. DataProto arguments must have the
-    same length ``N``; each rank gets ``ceil(N / world_size)`` rows."""
+    rank ``i`` chunk ``i``; other arguments go unchanged to every rank. Each DataProto of ``N`` rows gives
+    every rank ``ceil(N / world_size)`` rows. They may differ in length (a batch plus a side batch, such as
+    the SFT demonstrations of ``update_actor``, each shared out over the ranks); the result's rows follow
+    the first DataProto argument, whose padding the collect function removes."""
     lengths = {label: len(v) for label, v in _labelled(args, kwargs) if isinstance(v, DataProto)}
     if not lengths:
         raise ValueError("DP_COMPUTE_PROTO / DP_COMPUTE_METRIC need at least one DataProto argument")
-    if len(set(lengths.values())) != 1:
-        raise ValueError(f"DataProto arguments must have the same length to be split together, got {lengths}")
 
     def chunks(value: Any) -> list:
         if not isinstance(value, DataProto):
