@@ -292,13 +292,20 @@ class ScheduledSampler:
     def from_config(cls, cfg: Mapping[str, Any] | Any) -> ScheduledSampler:
         """From a replay-buffer config (dict, DictConfig or dataclass) with keys ``strategy``, ``alpha``,
         ``beta`` and ``schedule``; a missing or null ``schedule`` gives one constant phase.  Other keys
-        (``capacity``, ...) are ignored: they belong to the buffer."""
+        (``capacity``, ...) are ignored: they belong to the buffer.
+
+        Config phases may be dataclasses, and a null value counts as omitted.  When the last phase has an
+        ``until_step`` (as every entry of ``PPOConfig.replay_buffer.schedule`` does), the top-level
+        ``strategy``/``alpha``/``beta`` cover the steps after it."""
         def get(key: str, default: Any) -> Any:
             value = cfg.get(key, default) if isinstance(cfg, Mapping) else getattr(cfg, key, default)
             return default if value is None else value
 
-        return cls([dict(p) for p in get("schedule", [{}])], strategy=get("strategy", "uniform"),
-                   alpha=float(get("alpha", 0.6)), beta=float(get("beta", 0.4)))
+        phases = [_phase_dict(p) for p in get("schedule", [])]
+        if not phases or "until_step" in phases[-1]:
+            phases.append({})
+        return cls(phases, strategy=get("strategy", "uniform"), alpha=float(get("alpha", 0.6)),
+                   beta=float(get("beta", 0.4)))
 
     def params(self, step: int) -> dict[str, Any]:
         """``{"strategy", "alpha", "beta"}`` in force at ``step``."""
@@ -309,6 +316,12 @@ class ScheduledSampler:
                replace: bool = True) -> tuple[DataProto, np.ndarray, np.ndarray]:
         """``buffer.sample`` with the parameters in force at ``step``."""
         return buffer.sample(n, replace=replace, **self.params(step))
+
+
+def _phase_dict(phase: Mapping[str, Any] | Any) -> dict[str, Any]:
+    """A config phase (mapping or dataclass) as a dict without its null values."""
+    items = dataclasses.asdict(phase) if dataclasses.is_dataclass(phase) else dict(phase)
+    return {k: v for k, v in items.items() if v is not None}
 
 
 def _parse_phase(index: int, phase: Mapping[str, Any], defaults: dict[str, Any], last: bool) -> _Phase:
