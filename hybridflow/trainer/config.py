@@ -261,9 +261,10 @@ class ReplayScheduleEntry:
 
 @dataclass
 class ReplayBufferConfig:
-    """A replay buffer for custom dataflows (hybridflow extension)."""
+    """Past rollouts replayed in the actor update (hybridflow extension; ``hybridflow.trainer.replay``)."""
     enable: bool = False
     capacity: int = 1024
+    sample_size: int = 0
     strategy: str = "uniform"
     alpha: float = 0.6
     beta: float = 0.4
@@ -766,7 +767,8 @@ _RANGES: dict[str, tuple] = {
     "reward_model.two_stage.unselected_scale": _NON_NEGATIVE,
     "algorithm.gamma": _UNIT, "algorithm.lam": _UNIT, "algorithm.kl_ctrl.kl_coef": _NON_NEGATIVE,
     "algorithm.kl_ctrl.horizon": _POSITIVE, "algorithm.kl_ctrl.target_kl": _GREATER_THAN_0,
-    "replay_buffer.capacity": _POSITIVE, "replay_buffer.alpha": _NON_NEGATIVE, "replay_buffer.beta": _UNIT,
+    "replay_buffer.capacity": _POSITIVE, "replay_buffer.sample_size": _NON_NEGATIVE,
+    "replay_buffer.alpha": _NON_NEGATIVE, "replay_buffer.beta": _UNIT,
     **{f"trainer.{k}": _POSITIVE for k in ("total_epochs", "total_training_steps", "n_workers",
                                            "max_ckpt_to_keep", "nnodes")},
     **{f"trainer.{k}": _NON_NEGATIVE for k in ("log_val_generations", "n_gpus_per_node", "critic_warmup")},
