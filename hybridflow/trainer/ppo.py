@@ -26,7 +26,9 @@ from hybridflow.trainer.checkpoint import CheckpointManager
 from hybridflow.trainer.config import PPOConfig
 from hybridflow.trainer.hooks import Hook, HookRegistry
 from hybridflow.trainer.metrics import compute_data_metrics, compute_throughput_metrics, reduce_metrics, timer
+from hybridflow.trainer.replay import ActorReplay
 from hybridflow.trainer.tracking import Tracking
+from hybridflow.trainer.two_stage_reward import TwoStageRewardFn
 from hybridflow.trainer.validation import validation_metrics
 from hybridflow.trainer.worker_groups import WorkerGroups, build_worker_groups
 from hybridflow.workers.modeling import load_tokenizer
@@ -61,6 +63,12 @@ class PPOTrainer:
                                                    config.custom_reward_function.name)
         self.reward_fn = reward_fn or RewardManager(self.tokenizer, score_fn)
         self.val_reward_fn = val_reward_fn or self.reward_fn
+        if config.reward_model.two_stage.enable:  # the scorer above ranks; the reward model re-scores the best
+            self.reward_fn = TwoStageRewardFn.from_config(
+                config.reward_model.two_stage, cheap=self.reward_fn,
+                expensive=lambda data: self.wg.reward_model.compute_rm_score(data).batch["rm_scores"])
+        self.replay = ActorReplay.from_config(config, self.tokenizer.pad_token_id) \
+            if config.replay_buffer.enable else None
         alg = config.algorithm
         self.kl_ctrl = get_kl_controller(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl,
                                          alg.kl_ctrl.horizon)
@@ -94,25 +102,30 @@ class PPOTrainer:
             self.wg = build_worker_groups(self.config)
 
     # ------------------------------------------------------------------ one step, stage by stage
-    def compute_reward(self, batch: DataProto) -> DataProto:
-        """``token_level_scores``: the reward model's when there is one, else the rule/custom scorer's."""
-        if self.wg.reward_model is not None:
+    def compute_reward(self, batch: DataProto, metrics: dict[str, float] | None = None) -> DataProto:
+        """``token_level_scores``: the reward model's when there is one, else the rule/custom scorer's
+        (with ``reward_model.two_stage``, the reward model's only on each group's best rows). The
+        ``metrics`` a ``reward_fn`` returns (e.g. ``reward/stage2_calls``) go into ``metrics``."""
+        if self.wg.reward_model is not None and not self.config.reward_model.two_stage.enable:
             batch = batch.union(self.wg.reward_model.compute_rm_score(batch))
         if "rm_scores" in batch.batch.keys():
             scores, extra = batch.batch["rm_scores"], {}
         else:
             result = self.reward_fn(batch, return_dict=True)
             scores, extra = result["reward_tensor"], result.get("reward_extra_info", {})
+            if metrics is not None:
+                metrics.update(result.get("metrics", {}))
         batch.batch["token_level_scores"] = scores
         for key, values in extra.items():
             batch.non_tensor_batch[f"reward_extra/{key}"] = _column(values)
         return batch
 
     def _needs_old_log_prob(self) -> bool:
-        """A separate old-policy pass is only needed when the policy changes before the data is used up."""
+        """A separate old-policy pass is only needed when the policy changes before the data is used up
+        (replayed rows are used up steps later)."""
         actor, d = self.config.actor_rollout_ref.actor, self.config.data
         return (actor.ppo_epochs > 1 or actor.ppo_mini_batch_size < d.train_batch_size
-                or self.config.algorithm.use_kl_in_reward)
+                or self.config.algorithm.use_kl_in_reward or self.replay is not None)
 
     def train_step(self, batch: DataProto, metrics: dict[str, float]) -> DataProto:
         """One PPO iteration on a batch of prompts; returns the batch with everything computed."""
@@ -125,7 +138,7 @@ class PPOTrainer:
                 batch = wg.actor_rollout.generate_sequences(batch)
             self.hooks.emit("after_generate", self, self.global_step, metrics, batch)
             with timer("reward", t):
-                batch = self.compute_reward(batch)
+                batch = self.compute_reward(batch, metrics)
             self.hooks.emit("after_reward", self, self.global_step, metrics, batch)
             if self._needs_old_log_prob():
                 with timer("old_log_prob", t):
@@ -152,9 +165,13 @@ class PPOTrainer:
             if self.global_step >= cfg.trainer.critic_warmup:
                 with timer("update_actor", t):
                     sft = self._next_sft_batch()
-                    out = wg.actor_rollout.update_actor(batch, sft) if sft is not None else \
-                        wg.actor_rollout.update_actor(batch)
+                    rows = self.replay.mix(batch, self.global_step, metrics) if self.replay else batch
+                    out = wg.actor_rollout.update_actor(rows, sft) if sft is not None else \
+                        wg.actor_rollout.update_actor(rows)
                     metrics.update(reduce_metrics(out.meta_info["metrics"]))
+                if self.replay:
+                    with timer("replay_priorities", t):
+                        self.replay.update_priorities(wg.actor_rollout, metrics)
         metrics.update(compute_data_metrics(batch, use_critic))
         metrics.update({f"timing_s/{k}": v for k, v in t.items()})
         metrics.update(compute_throughput_metrics(batch, t, wg.actor_rollout.world_size))
