@@ -1,0 +1,152 @@
+"""Every script in examples/ runs and does what it says, checked on the values it produced."""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from hybridflow.trainer import PPOTrainer
+from hybridflow.trainer.hooks import HookError
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The examples' tiny model gains nothing from threads; on a shared CPU two threads ran 20x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def example(name: str):
+    """Import ``examples/<name>.py`` (its folder on sys.path, as when it runs as a script)."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def response_texts(batch, tokenizer) -> list[str]:
+    """Each response decoded as RewardManager decodes it (masked, special tokens dropped)."""
+    return [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+            for ids, mask in zip(batch.batch["responses"], batch.batch["response_mask"])]
+
+
+def test_every_example_has_a_main_and_an_index_entry():
+    scripts = sorted(p.stem for p in EXAMPLES.glob("[0-9][0-9]_*.py"))
+    assert len(scripts) == 6
+    index = (EXAMPLES / "README.md").read_text()
+    for name in scripts:
+        assert callable(example(name).main)
+        assert f"{name}.py" in index
+
+
+def test_callbacks_halve_the_learning_rate_from_the_next_update(tmp_path):
+    result = example("01_callbacks").main(tmp_path)
+    lr = result["lr_by_step"]
+    assert list(lr) == [1, 2, 3, 4, 5] and lr[1] == pytest.approx(1e-3)
+    assert result["halved_after"], "the KL threshold never fired"
+    for step in range(1, 5):
+        factor = 0.5 if step in result["halved_after"] else 1.0
+        assert lr[step + 1] == pytest.approx(lr[step] * factor), (step, lr, result["halved_after"])
+
+
+def test_a_raising_hook_stops_the_run_and_the_last_checkpoint_still_loads(tmp_path):
+    setup = example("_setup")
+    config = setup.tiny_config(tmp_path, "trainer.save_freq=1", steps=3)
+
+    def explode_at_step_2(trainer, step, metrics, batch):
+        if step == 2:
+            raise RuntimeError("boom")
+
+    trainer = PPOTrainer(config)
+    trainer.register_hook("on_step_end", explode_at_step_2)
+    with pytest.raises(HookError, match=r"explode_at_step_2.*'on_step_end'.*step 2.*boom"):
+        trainer.fit()
+    assert sorted(p.name for p in (tmp_path / "run").glob("global_step_*")) == ["global_step_1"]
+    resumed = PPOTrainer(config)
+    resumed.init_workers()
+    resumed.load_checkpoint()
+    assert resumed.global_step == 1
+    assert resumed.train_loader.position == 1  # the batch of step 2 is next
+
+
+def test_replay_buffer_replays_rows_on_a_schedule_and_rescores_them(tmp_path):
+    result = example("02_replay_buffer").main(tmp_path)
+    rows = result["rows"]
+    assert [r["replay/rows"] for r in rows] == [0, 4, 4, 4, 4, 4]  # nothing to replay before the first push
+    assert [r["replay/buffer_size"] for r in rows] == [8, 16, 24, 32, 32, 32]  # capacity 32, 8 rows a step
+    assert [r["replay/prioritized"] for r in rows] == [0, 0, 1, 1, 1, 1]
+    assert [r["replay/alpha"] for r in rows[2:]] == [0.4, 0.4, 0.8, 0.8]
+    assert rows[1]["replay/is_weight_mean"] == 1.0  # uniform sampling has no correction
+    assert all(0 < r["replay/is_weight_mean"] < 1 for r in rows[2:])
+    assert all(math.isfinite(r["replay/priority_mean"]) for r in rows[1:])
+    assert result["rescored"] > 0 and result["buffer_size"] == 32
+
+
+def test_sft_loss_only_on_every_second_step_and_falling(tmp_path):
+    result = example("03_sft_mixing").main(tmp_path)
+    assert result["steps"] == [1, 2, 3, 4, 5, 6]
+    loss = result["sft_loss"]
+    assert list(loss) == [1, 3, 5]  # steps 0, 2, 4 done before the update: every_n_steps=2
+    assert loss[1] > loss[3] > loss[5], loss
+
+
+def test_two_stage_reward_calls_the_judge_on_30_percent_and_keeps_its_scores(tmp_path):
+    module = example("04_two_stage_reward")
+    result = module.main(tmp_path)
+    calls = result["calls"]
+    assert calls["cheap"] == 3 * 20  # 3 steps x 2 prompts x 10 samples
+    assert calls["expensive"] <= 0.3 * calls["cheap"]  # at least 70 % fewer than judging every sample
+    assert result["logged_stage2_calls"] == calls["expensive"]
+    for batch in result["batches"]:
+        texts = response_texts(batch, result["tokenizer"])
+        final = batch.batch["token_level_scores"].sum(-1).tolist()
+        cheap = batch.non_tensor_batch["reward_extra/stage1_score"].astype(float)
+        chosen = batch.non_tensor_batch["reward_extra/stage2_selected"].astype(bool)
+        for group in range(2):  # 3 of each prompt's 10 samples, those with the best cheap scores
+            rows = slice(10 * group, 10 * group + 10)
+            assert chosen[rows].sum() == 3 and cheap[rows][chosen[rows]].min() >= cheap[rows][~chosen[rows]].max()
+        for text, score, cheap_score, judged, truth in zip(texts, final, cheap, chosen,
+                                                           batch.non_tensor_batch["ground_truth"]):
+            expected = module.careful_judge("arithmetic", text, truth) if judged else 0.5 * cheap_score
+            assert score == pytest.approx(expected, abs=1e-6), text
+
+
+def test_routing_scores_each_category_its_own_way_in_the_original_order(tmp_path):
+    module = example("05_routing")
+    result = module.main(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
+    seen = set()
+    for batch in result["batches"]:
+        final = batch.batch["token_level_scores"]
+        last = batch.batch["response_mask"].sum(-1) - 1
+        assert torch.equal(final.nonzero()[:, 1], last[final.abs().sum(-1) > 0])  # on the last token only
+        for text, score, extra, truth in zip(response_texts(batch, tokenizer), final.sum(-1).tolist(),
+                                             batch.non_tensor_batch["extra_info"],
+                                             batch.non_tensor_batch["ground_truth"]):
+            plain = module.digit_share("chat", text, truth)
+            expected = {"creative": plain + 0.5, "factual": 1.0 if truth in text else -1.0}.get(extra["category"], plain)
+            assert score == pytest.approx(expected, abs=1e-6), (extra, text)
+            seen.add(extra["category"])
+    assert seen == {"creative", "factual", "chat"}
+    for row in result["rows"]:
+        assert sum(v for k, v in row.items() if k.startswith("route/category/")) == 8
+
+
+def test_custom_driver_runs_two_finite_steps(tmp_path):
+    result = example("06_custom_driver").main(tmp_path)
+    assert len(result["history"]) == 2 and result["finite"]
+    for metrics in result["history"]:
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/vf_loss", "reward/mean"):
+            assert np.isfinite(metrics[key]), key
+    assert result["history"][1]["actor/kl_loss"] > 0  # the policy moved away from the reference after step 1
