@@ -10,7 +10,7 @@ import torch
 from hybridflow import DataProto
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # tiny models: thread overhead exceeds the work (20x slower on a busy CPU)
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ into one group view per role. Only the backend differs between a laptop and a cl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,13 @@ class WorkerGroups:
     ref: WorkerGroup | None = None
     critic: WorkerGroup | None = None
     reward_model: WorkerGroup | None = None
+    release: Callable[[], None] | None = None  # frees what building the groups took (Ray actors, CPUs)
+
+    def shutdown(self) -> None:
+        """Stop the workers and give their resources back; the groups are unusable afterwards."""
+        if self.release is not None:
+            self.release()
+            self.release = None
 
 
 def needs_ref(config: Any) -> bool:
@@ -65,9 +73,14 @@ def build_worker_groups(config: Any) -> WorkerGroups:
         pool = RayResourcePool(process_on_nodes=[trainer.n_workers] * trainer.nnodes,
                                use_gpu=trainer.device == "cuda", max_colocate_count=1)
         group: WorkerGroup = RayWorkerGroup(pool, fused, name_prefix="hybridflow")
+
+        def release() -> None:
+            group.shutdown()
+            pool.remove()
     else:
         group = LocalWorkerGroup(fused, world_size=1, name_prefix="hybridflow")
+        release = None
     views = group.spawn(prefix_set=[str(role) for role in inits])
     for view in views.values():
         view.init_model()
-    return WorkerGroups(**{role: view for role, view in views.items()})
+    return WorkerGroups(**{role: view for role, view in views.items()}, release=release)
