@@ -40,6 +40,7 @@ from hybridflow.algorithms.utils import (
     masked_sum,
     masked_var,
     masked_whiten,
+    sequence_to_token_scores,
 )
 
 __all__ = [
@@ -69,6 +70,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "sequence_to_token_scores",
     "register_adv_est",
     "register_policy_loss",
 ]

@@ -7,6 +7,7 @@
 This layer depends on ``hybridflow.protocol`` only, so it works in any driver, trainer or not.
 """
 
+from hybridflow.algorithms import sequence_to_token_scores  # re-exported: scorers here return (bs,) scores
 from hybridflow.dataflow.graph import DEFAULT_ROUTE, DataFlow, Router
 from hybridflow.dataflow.replay_buffer import (
     ReplayBuffer,
@@ -14,7 +15,7 @@ from hybridflow.dataflow.replay_buffer import (
     importance_weights,
     priority_probabilities,
 )
-from hybridflow.dataflow.two_stage import TwoStageReward, sequence_to_token_scores, top_k_per_group
+from hybridflow.dataflow.two_stage import TwoStageReward, top_k_per_group
 
 __all__ = [
     "DEFAULT_ROUTE",

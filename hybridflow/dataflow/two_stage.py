@@ -17,7 +17,7 @@ import torch
 
 from hybridflow.protocol import DataProto
 
-__all__ = ["TwoStageReward", "UNSELECTED_MODES", "sequence_to_token_scores", "top_k_per_group"]
+__all__ = ["TwoStageReward", "UNSELECTED_MODES", "top_k_per_group"]
 
 Scorer = Callable[[DataProto], torch.Tensor]
 UNSELECTED_MODES = ("keep", "scale", "zero")
@@ -118,23 +118,3 @@ def _scores(scores: Any, n: int, name: str) -> torch.Tensor:
             else type(scores).__name__
         raise ValueError(f"TwoStageReward: {name} must return a float tensor of shape ({n},), got {got}")
     return scores
-
-
-def sequence_to_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Place each sequence score on the last valid response token: the usual ``token_level_scores``.
-
-    ``scores``: ``(bs,)``; ``response_mask``: ``(bs, response_length)`` with 1 on response tokens.
-    Returns ``(bs, response_length)`` in the dtype of ``scores``, zero everywhere else.  A row whose mask
-    is all zero has nowhere to put its score and raises (naming the rows)."""
-    if scores.shape != response_mask.shape[:1] or response_mask.dim() != 2:
-        raise ValueError(f"sequence_to_token_scores: scores {tuple(scores.shape)} do not match "
-                         f"response_mask {tuple(response_mask.shape)}; expected (bs,) and (bs, response_length)")
-    valid = response_mask.bool()
-    empty = torch.nonzero(~valid.any(dim=-1)).flatten()
-    if empty.numel():
-        raise ValueError(f"sequence_to_token_scores: rows {empty[:10].tolist()} have no response token")
-    positions = torch.arange(1, valid.shape[1] + 1, device=valid.device)
-    last = (valid * positions).argmax(dim=-1)
-    token_scores = torch.zeros(response_mask.shape, dtype=scores.dtype, device=scores.device)
-    token_scores[torch.arange(len(scores), device=scores.device), last] = scores
-    return token_scores

@@ -9,18 +9,13 @@ from typing import Any
 
 import torch
 
+from hybridflow.algorithms import sequence_to_token_scores
 from hybridflow.protocol import DataProto
 from hybridflow.rewards.registry import Score, default_compute_score
 
 
 def _function_name(fn: Callable) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
-
-
-def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
-    """Per row of a `(bs, response_length)` 0/1 mask, the column of its last 1 (0 for an all-zero row)."""
-    columns = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
-    return torch.where(mask.bool(), columns, torch.zeros_like(columns)).max(dim=1).values
 
 
 class RewardManager:
@@ -101,11 +96,8 @@ class RewardManager:
             )
             for i, text in enumerate(texts)
         ]
-        reward = torch.zeros(responses.shape, dtype=torch.float32)
-        rows = torch.arange(len(results))
-        reward[rows, last_valid_index(mask)] = torch.tensor(
-            [r["score"] for r in results], dtype=torch.float32
-        )
+        scores = torch.tensor([r["score"] for r in results], dtype=torch.float32)
+        reward = sequence_to_token_scores(scores, mask.cpu())
         self._print_examples(data, texts, results)
         if not return_dict:
             return reward

@@ -13,17 +13,10 @@ from typing import Any
 import torch
 from transformers import AutoModelForSequenceClassification
 
+from hybridflow.algorithms import sequence_to_token_scores
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.modeling import load_model, load_tokenizer
-
-
-def scores_to_token_level(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Put each sequence's score on its last response token: ``(bs,) -> (bs, L)``."""
-    token_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
-    last = (response_mask.sum(-1).long() - 1).clamp(min=0)
-    token_scores[torch.arange(len(scores)), last] = scores.float()
-    return token_scores
 
 
 class RewardModelWorker(Worker):
@@ -64,11 +57,11 @@ class RewardModelWorker(Worker):
         mask = data.batch["response_mask"]
         if self.config.dummy:
             scores = (mask.sum(-1).float() / mask.shape[-1]).clamp(max=1.0)
-            return DataProto.from_dict({"rm_scores": scores_to_token_level(scores, mask)})
+            return DataProto.from_dict({"rm_scores": sequence_to_token_scores(scores, mask)})
         scores = []
         for start in range(0, len(data), self.config.micro_batch_size_per_gpu):
             chunk = data[start:start + self.config.micro_batch_size_per_gpu]
             inputs = self.tokenizer(self._conversations(chunk), return_tensors="pt", padding=True,
                                     add_special_tokens=False).to(self.device)
             scores.append(self.model(**inputs).logits[:, 0].float().cpu())
-        return DataProto.from_dict({"rm_scores": scores_to_token_level(torch.cat(scores), mask)})
+        return DataProto.from_dict({"rm_scores": sequence_to_token_scores(torch.cat(scores), mask)})

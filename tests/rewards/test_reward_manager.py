@@ -6,7 +6,6 @@ import torch
 from hybridflow.models import make_tiny_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RewardManager, load_custom_reward_function
-from hybridflow.rewards.manager import last_valid_index
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +49,6 @@ def test_score_sits_on_last_valid_token(tok):
     expected[1, lengths[1] - 1] = 0.5
     assert torch.equal(reward, expected)  # row 2 scores 0 everywhere
     assert out["reward_extra_info"] == {"score": [1.0, 0.5, 0.0], "acc": [1.0, 1.0, None]}
-
-
-def test_last_valid_index_by_hand():
-    mask = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 1, 0], [1, 1, 1, 1]])
-    assert last_valid_index(mask).tolist() == [1, 0, 2, 3]
 
 
 def test_hand_built_mask_and_attention_mask_fallback(tok):
