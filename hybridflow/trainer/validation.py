@@ -1,7 +1,8 @@
 """Validation metrics: per data source, the mean reward over ``n`` samples and pass@n.
 
-A sample counts as correct when its scorer reports ``acc`` (truthy), else when its score is positive;
-pass@n is the fraction of prompts with at least one correct sample among their ``n``.
+A sample counts as correct when its scorer reports ``acc`` for it, else when its score is positive (one
+batch may mix sources whose scorers do and do not report ``acc``: those samples have None there).
+pass@n is the fraction of prompts (grouped by ``uid``) with at least one correct sample among their ``n``.
 """
 
 from __future__ import annotations
@@ -15,19 +16,21 @@ from hybridflow.protocol import DataProto
 
 
 def validation_metrics(rows: list[tuple[DataProto, dict[str, Any]]], n: int) -> dict[str, float]:
-    """``rows``: ``(generated batch, reward result)`` pairs; the batch carries ``uid`` and ``data_source``."""
+    """``rows``: ``(generated batch, reward result)`` pairs; the batch carries ``uid`` and ``data_source``,
+    the result ``reward_tensor`` ``(bs, response_length)`` and optionally ``reward_extra_info["acc"]``."""
     scores: dict[str, list[float]] = defaultdict(list)
     accs: dict[str, list[float]] = defaultdict(list)
     correct_by_prompt: dict[tuple[str, str], bool] = {}
     for batch, result in rows:
         seq_scores = result["reward_tensor"].sum(-1).tolist()
         acc = result.get("reward_extra_info", {}).get("acc")
+        acc = [None] * len(seq_scores) if acc is None else list(acc)
         for i, score in enumerate(seq_scores):
             source = str(batch.non_tensor_batch["data_source"][i])
-            correct = bool(acc[i]) if acc is not None else score > 0
             scores[source].append(score)
-            if acc is not None:
+            if acc[i] is not None:
                 accs[source].append(float(acc[i]))
+            correct = bool(acc[i]) if acc[i] is not None else score > 0
             key = (source, str(batch.non_tensor_batch["uid"][i]))
             correct_by_prompt[key] = correct_by_prompt.get(key, False) or correct
     metrics = {}
