@@ -244,7 +244,7 @@ class AlgorithmConfig:
     """Advantage estimation and the KL penalty in the reward."""
     gamma: float = 1.0
     lam: float = 1.0
-    adv_estimator: str = "grpo"
+    adv_estimator: str = "gae"  # verl's default, so its command lines mean the same here
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
     kl_penalty: KLEstimator = "kl"

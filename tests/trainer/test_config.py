@@ -12,6 +12,7 @@ from hybridflow.trainer.config import (
     DEFAULT_CONFIG_PATH,
     ActorConfig,
     ActorRolloutRefConfig,
+    AlgorithmConfig,
     ConfigError,
     DataConfig,
     IgnoredKeyWarning,
@@ -54,7 +55,7 @@ def test_packaged_yaml_loads_resolved():
     assert cfg.trainer.default_local_dir == "runs/hybridflow/run"  # interpolation resolved
     assert cfg.trainer.device == "cpu" and cfg.actor_rollout_ref.model.dtype == "fp32"  # no GPU here
     assert cfg.data.seed == 42  # from trainer.seed
-    assert cfg.critic.enable is False  # grpo needs no critic
+    assert cfg.critic.enable is True  # gae (the default, as in verl) trains a critic
     assert cfg.critic.model.path == "default" and cfg.critic.ppo_mini_batch_size == 8
     assert cfg.data.train_files == ["train.parquet"]
 
@@ -196,8 +197,8 @@ def test_mini_batch_sequences_must_split_into_micro_batches():
 
 
 def test_critic_batch_checks_only_when_the_critic_is_on():
-    assert _load("critic.ppo_micro_batch_size_per_gpu=3").critic.enable is False
-    message = _error("algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=3")
+    assert _load("algorithm.adv_estimator=grpo", "critic.ppo_micro_batch_size_per_gpu=3").critic.enable is False
+    message = _error("critic.ppo_micro_batch_size_per_gpu=3")  # gae, the default, trains a critic
     assert "critic.ppo_mini_batch_size * actor_rollout_ref.rollout.n = 8 * 1 = 8" in message
     assert "critic.ppo_micro_batch_size_per_gpu * trainer.n_workers = 3 * 1 = 3" in message
     assert "needs a value model" in _error("algorithm.adv_estimator=gae", "critic.enable=false")
@@ -237,6 +238,7 @@ def test_user_yaml_merges_over_defaults(tmp_path):
     user = tmp_path / "mine.yaml"
     user.write_text("data:\n  train_files: ~/prompts.parquet\n  train_batch_size: 4\n"
                     "actor_rollout_ref:\n  actor:\n    ppo_mini_batch_size: 2\n    ppo_micro_batch_size_per_gpu: 2\n    optim:\n      lr: 3e-6\n"
+                    "algorithm:\n  adv_estimator: grpo\n"
                     "trainer:\n  experiment_name: mine\n  logger: [console, tensorboard]\n")
     cfg = load_config(["trainer.seed=7"], config_path=user)
     assert cfg.data.train_files == [os.path.expanduser("~/prompts.parquet")]
@@ -254,7 +256,7 @@ def test_user_yaml_merges_over_defaults(tmp_path):
 def test_python_construction_resolve_and_round_trip():
     cfg = PPOConfig(data=DataConfig(train_files=["a.parquet"], train_batch_size=4),
                     actor_rollout_ref=ActorRolloutRefConfig(actor=ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=2)),
-                    trainer=TrainerConfig(experiment_name="py"))
+                    algorithm=AlgorithmConfig(adv_estimator="grpo"), trainer=TrainerConfig(experiment_name="py"))
     cfg.validate()
     resolved = cfg.resolve()
     assert cfg.trainer.default_local_dir.startswith("runs/${")  # resolve() returns a copy
