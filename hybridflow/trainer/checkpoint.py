@@ -101,6 +101,21 @@ def find_latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return checkpoints[-1][1] if checkpoints else None
 
 
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """``path`` itself when it is a complete checkpoint, else the newest complete one under it (a run folder).
+
+    Refuses a folder without the ``COMPLETE`` marker (a ``.tmp-*`` leftover, a half-copied folder), so a
+    resume never starts from a checkpoint that a crash cut short."""
+    path = Path(path)
+    if (path / COMPLETE_MARKER).is_file():
+        return path
+    latest = find_latest_checkpoint(path)
+    if latest is None:
+        raise FileNotFoundError(f"{path} is neither a complete checkpoint (it has no {COMPLETE_MARKER} marker) "
+                                "nor a run folder holding one")
+    return latest
+
+
 def prune_checkpoints(root: str | os.PathLike, max_to_keep: int | None) -> list[Path]:
     """Delete the oldest complete checkpoints beyond the newest ``max_to_keep``; None or <= 0 keeps all.
 

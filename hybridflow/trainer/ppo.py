@@ -22,7 +22,7 @@ from hybridflow.data import PromptLoader, RLHFDataset
 from hybridflow.data.sft import SFTDataset
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RewardManager, default_compute_score, load_custom_reward_function
-from hybridflow.trainer.checkpoint import CheckpointManager
+from hybridflow.trainer.checkpoint import CheckpointManager, remove_stale_temporaries, resolve_checkpoint
 from hybridflow.trainer.config import PPOConfig
 from hybridflow.trainer.hooks import Hook, HookRegistry
 from hybridflow.trainer.metrics import compute_data_metrics, compute_throughput_metrics, reduce_metrics, timer
@@ -220,10 +220,18 @@ class PPOTrainer:
         return self.checkpoints.path(self.global_step)
 
     def load_checkpoint(self) -> None:
+        """Restore ``trainer.resume_mode``'s checkpoint: ``auto`` the run folder's newest complete one (none:
+        start fresh), ``resume_path`` the complete checkpoint or run folder ``resume_from_path``.
+
+        The run folder's ``.tmp-*`` leftovers of a save that a killed process never finished are deleted."""
         tr = self.config.trainer
+        remove_stale_temporaries(self.checkpoints.root)
         if tr.resume_mode == "disable":
             return
-        folder = self.checkpoints.latest() if tr.resume_mode == "auto" else Path(tr.resume_from_path)
+        if tr.resume_mode == "auto":
+            folder = self.checkpoints.latest()
+        else:
+            folder = resolve_checkpoint(tr.resume_from_path)
         if folder is None:
             return
         state = torch.load(folder / "trainer_state.pt", weights_only=False)
@@ -244,36 +252,48 @@ class PPOTrainer:
         tr = self.config.trainer
         tracker = Tracking(tr.project_name, tr.experiment_name, tr.logger, tr.default_local_dir,
                            self.config.to_dict())
-        self.load_checkpoint()
-        self.hooks.emit("on_fit_start", self, self.global_step, {}, None)
-        metrics: dict[str, float] = {}
-        if self.val_dataset is not None and (tr.val_before_train or tr.val_only) and self.global_step == 0:
-            metrics = self.validate()
-            tracker.log(metrics, step=self.global_step)
-        if tr.val_only:
-            return metrics
+        try:
+            self.load_checkpoint()
+            self.hooks.emit("on_fit_start", self, self.global_step, {}, None)
+            metrics: dict[str, float] = {}
+            fresh = self.global_step == 0
+            if self.val_dataset is not None and (tr.val_only or tr.val_before_train and fresh):
+                metrics = self.validate()
+                tracker.log(metrics, step=self.global_step)
+            if not tr.val_only:
+                metrics = self._train(tracker)
+            self.hooks.emit("on_fit_end", self, self.global_step, metrics, None)
+        finally:
+            tracker.finish()  # flushed and closed even when a step or a hook raises
+        return metrics
+
+    def _train(self, tracker: Tracking) -> dict[str, float]:
+        """Steps from ``global_step`` to ``total_steps``: train, validate, log, checkpoint."""
+        tr = self.config.trainer
         train_batches = _endless(self.train_loader)
         self._sft_batches = _endless(self.sft_loader) if self.sft_loader else None
-        bar = tqdm(total=self.total_steps, initial=self.global_step, desc="training", unit="step")
-        while self.global_step < self.total_steps:
-            metrics = {}
-            batch = next(train_batches)
-            batch = self.train_step(batch, metrics)
-            self.global_step += 1
-            last = self.global_step == self.total_steps
-            if self.val_dataset is not None and (last or (tr.test_freq > 0 and self.global_step % tr.test_freq == 0)):
-                metrics.update(self.validate())
-            metrics["training/global_step"] = self.global_step
-            metrics["training/kl_coef"] = self.kl_ctrl.value
-            tracker.log(metrics, step=self.global_step)
-            self.hooks.emit("on_step_end", self, self.global_step, metrics, batch)
-            if last or (tr.save_freq > 0 and self.global_step % tr.save_freq == 0):
-                self.save_checkpoint()
-            bar.update(1)
-        bar.close()
-        tracker.finish()
-        self.hooks.emit("on_fit_end", self, self.global_step, metrics, None)
+        metrics: dict[str, float] = {}
+        with tqdm(total=self.total_steps, initial=self.global_step, desc="training", unit="step") as bar:
+            while self.global_step < self.total_steps:
+                metrics = {}
+                batch = self.train_step(next(train_batches), metrics)
+                self.global_step += 1
+                last = self.global_step == self.total_steps
+                if self.val_dataset is not None and (last or _every(tr.test_freq, self.global_step)):
+                    metrics.update(self.validate())
+                metrics["training/global_step"] = self.global_step
+                metrics["training/kl_coef"] = self.kl_ctrl.value
+                tracker.log(metrics, step=self.global_step)
+                self.hooks.emit("on_step_end", self, self.global_step, metrics, batch)
+                if last or _every(tr.save_freq, self.global_step):
+                    self.save_checkpoint()
+                bar.update(1)
         return metrics
+
+
+def _every(freq: int, step: int) -> bool:
+    """Whether a ``*_freq`` cadence falls on ``step`` (``freq <= 0`` means never)."""
+    return freq > 0 and step % freq == 0
 
 
 def _endless(loader: PromptLoader) -> Iterator[DataProto]:
