@@ -22,29 +22,39 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import fnmatch
 import os
 import re
 import types
-import warnings
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from hybridflow.trainer import config_checks
+from hybridflow.trainer.config_checks import (
+    DTYPE_ALIASES,
+    IGNORED_KEYS,
+    ConfigError,
+    IgnoredKey,
+    IgnoredKeyWarning,
+    check_batch_sizes,
+    check_choices,
+    check_cross_fields,
+    check_ranges,
+    get_key,
+    ignored_rule,
+    path_fields,
+    warn_ignored,
+)
+
+__all__ = ["DEFAULT_CONFIG_PATH", "IGNORED_KEYS", "ConfigError", "IgnoredKey", "IgnoredKeyWarning", "PPOConfig",
+           "load_config"]
+
 DEFAULT_CONFIG_PATH = Path(__file__).parent / "config" / "ppo_trainer.yaml"
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot be used; the message names the key (full dotted path)."""
-
-
-class IgnoredKeyWarning(UserWarning):
-    """A verl key with no effect on this backend was set: dropped, or (a schema key) kept but unused."""
 
 
 # ---------------------------------------------------------------------------------------------- schema
@@ -343,9 +353,9 @@ class PPOConfig:
         cfg = PPOConfig.from_dict(self.to_dict())
         arr, critic, trainer = cfg.actor_rollout_ref, cfg.critic, cfg.trainer
         if trainer.device == "auto":
-            trainer.device = "cuda" if _cuda_available() else "cpu"
+            trainer.device = "cuda" if config_checks.cuda_available() else "cpu"
         for model in (arr.model, critic.model):
-            model.dtype = _DTYPE_ALIASES.get(model.dtype, model.dtype)
+            model.dtype = DTYPE_ALIASES.get(model.dtype, model.dtype)
             if model.dtype == "auto":
                 model.dtype = "bf16" if trainer.device == "cuda" else "fp32"
         if cfg.data.seed is None:
@@ -358,7 +368,7 @@ class PPOConfig:
             critic.ppo_mini_batch_size = arr.actor.ppo_mini_batch_size
         if critic.ppo_epochs is None:
             critic.ppo_epochs = arr.actor.ppo_epochs
-        for owner, name in _path_fields(cfg):
+        for owner, name in path_fields(cfg):
             value = getattr(owner, name)
             if isinstance(value, str):
                 setattr(owner, name, os.path.expanduser(value))
@@ -372,10 +382,10 @@ class PPOConfig:
         Also warns (IgnoredKeyWarning) for GPU-only keys set away from their default.
         """
         cfg = self.resolve()
-        _check_ranges(cfg)
-        _check_batch_sizes(cfg)
-        _check_choices(cfg)
-        _check_cross_fields(cfg)
+        check_ranges(cfg)
+        check_batch_sizes(cfg)
+        check_choices(cfg)
+        check_cross_fields(cfg)
         _warn_ignored_schema_keys(cfg)
 
 
@@ -404,70 +414,13 @@ def _load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     return tree
 
 
-# ------------------------------------------------------------------------------- verl keys ignored here
-
-
-class IgnoredKey(NamedTuple):
-    """A verl key with no effect on this backend: an fnmatch glob over the dotted key (and all below it)."""
-
-    pattern: str
-    why: str
-    used_with_vllm: bool = False  # the key does take effect when actor_rollout_ref.rollout.name is vllm
-
-
-_TOKEN_BUDGET = "token-budget batching; hybridflow uses the fixed *_micro_batch_size_per_gpu sizes"
-_VLLM_TUNING = "vLLM engine tuning that hybridflow does not expose"
-_PLACEMENT = "GPU placement; hybridflow runs trainer.n_workers workers on trainer.device"
-
-IGNORED_KEYS: tuple[IgnoredKey, ...] = (
-    IgnoredKey("*.fsdp_config", "FSDP sharding/offload tuning; sharding follows actor_rollout_ref.actor.strategy"),
-    IgnoredKey("*.megatron", "the Megatron-LM backend is not supported"),
-    IgnoredKey("*.ulysses_sequence_parallel_size", "sequence parallelism is not supported"),
-    IgnoredKey("*.use_dynamic_bsz", _TOKEN_BUDGET),
-    IgnoredKey("*.log_prob_use_dynamic_bsz", _TOKEN_BUDGET),
-    IgnoredKey("*_max_token_len_per_gpu", _TOKEN_BUDGET),
-    IgnoredKey("*.use_remove_padding", "padding-free attention needs flash-attention kernels on a GPU"),
-    IgnoredKey("*.use_torch_compile", "GPU kernel option"),
-    IgnoredKey("*.use_liger", "GPU kernel option"),
-    IgnoredKey("*.use_fused_kernels", "GPU kernel option"),
-    IgnoredKey("actor_rollout_ref.ref.strategy", "the reference model follows actor_rollout_ref.actor.strategy"),
-    IgnoredKey("critic.strategy", "the critic follows actor_rollout_ref.actor.strategy"),
-    IgnoredKey("reward_model.strategy", "the reward model follows actor_rollout_ref.actor.strategy"),
-    IgnoredKey("actor_rollout_ref.rollout.gpu_memory_utilization", "vLLM's GPU memory share", True),
-    IgnoredKey("actor_rollout_ref.rollout.tensor_model_parallel_size", "vLLM tensor parallelism", True),
-    *(
-        IgnoredKey(f"actor_rollout_ref.rollout.{name}", _VLLM_TUNING)
-        for name in (
-            "enable_chunked_prefill", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
-            "enforce_eager", "free_cache_engine", "load_format", "disable_log_stats", "engine_kwargs",
-            "dtype", "mode",
-        )
-    ),
-    IgnoredKey("trainer.n_gpus_per_node", _PLACEMENT),
-    IgnoredKey("trainer.nnodes", _PLACEMENT),
-    IgnoredKey("trainer.default_hdfs_dir", "HDFS checkpoint copies are not supported"),
-    IgnoredKey("trainer.del_local_ckpt_after_load", "HDFS checkpoint copies are not supported"),
-    IgnoredKey("trainer.ray_wait_register_center_timeout", "verl's Ray register-center tuning"),
-)
-
-
-def _ignored_rule(key: str) -> IgnoredKey | None:
-    parts = key.split(".")
-    prefixes = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
-    return next((r for p in prefixes for r in IGNORED_KEYS if fnmatch.fnmatchcase(p, r.pattern)), None)
-
-
-def _warn_ignored(key: str, rule: IgnoredKey, value: Any) -> None:
-    warnings.warn(f"ignored on this backend: {key} = {value!r} ({rule.why})", IgnoredKeyWarning, stacklevel=2)
-
-
 def _warn_ignored_schema_keys(cfg: PPOConfig) -> None:
     """Warn for schema keys in IGNORED_KEYS set away from their default (a default changes nothing)."""
     defaults, vllm = PPOConfig(), cfg.actor_rollout_ref.rollout.name == "vllm"
     for key in _known_keys():
-        rule = _ignored_rule(key)
-        if rule and not (rule.used_with_vllm and vllm) and _get(cfg, key) != _get(defaults, key):
-            _warn_ignored(key, rule, _get(cfg, key))
+        rule = ignored_rule(key)
+        if rule and not (rule.used_with_vllm and vllm) and get_key(cfg, key) != get_key(defaults, key):
+            warn_ignored(key, rule, get_key(cfg, key))
 
 
 # ------------------------------------------------------------------------------- merging and overrides
@@ -549,11 +502,11 @@ def _merge(tree: dict[str, Any], updates: Any, prefix: list[str], source: str) -
         path = [*prefix, str(name)]
         key = ".".join(path)
         if _schema_entry(path) is None:
-            rule = _ignored_rule(key)
+            rule = ignored_rule(key)
             for leaf, leaf_value in _leaves(key, value):
                 if rule is None:
                     raise _unknown_key_error(leaf, _known_keys(), source)
-                _warn_ignored(leaf, rule, leaf_value)
+                warn_ignored(leaf, rule, leaf_value)
         elif isinstance(value, dict) and isinstance(tree.get(name), dict):
             _merge(tree[name], value, path, source)
         else:
@@ -697,163 +650,3 @@ def _build_section(cls: type, values: dict[str, Any], key: str) -> Any:
     if missing:
         raise ConfigError(f"{names[missing[0]]} is required")
     return cls(**{name: _build(hints[name], value, names[name]) for name, value in values.items()})
-
-
-# ----------------------------------------------------------------------------------------- validation
-
-_DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
-
-def _cuda_available() -> bool:
-    import torch  # lazily: only resolve() needs it
-
-    return torch.cuda.is_available()
-
-
-def _get(obj: Any, key: str) -> Any:
-    for name in key.split("."):
-        obj = getattr(obj, name)
-    return obj
-
-
-def _path_fields(cfg: PPOConfig) -> list[tuple[Any, str]]:
-    """(object, attribute) of every field holding a file path, where ``~`` is expanded."""
-    return [
-        (cfg.data, "train_files"), (cfg.data, "val_files"), (cfg.data.sft, "files"),
-        (cfg.actor_rollout_ref.model, "path"), (cfg.critic.model, "path"), (cfg.reward_model.model, "path"),
-        (cfg.custom_reward_function, "path"), (cfg.trainer, "default_local_dir"), (cfg.trainer, "resume_from_path"),
-    ]
-
-
-_POSITIVE = (lambda v: v >= 1, ">= 1")
-_NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
-_GREATER_THAN_0 = (lambda v: v > 0, "> 0")
-_UNIT = (lambda v: 0 <= v <= 1, "in [0, 1]")
-_UNIT_NOT_0 = (lambda v: 0 < v <= 1, "in (0, 1]")
-_FREQUENCY = (lambda v: v == -1 or v >= 1, "-1 (never) or >= 1")
-_TOP_K = (lambda v: v >= -1, "-1 (off) or >= 0")
-
-
-def _sampling_ranges(prefix: str) -> dict[str, tuple]:
-    return {f"{prefix}.n": _POSITIVE, f"{prefix}.temperature": _NON_NEGATIVE, f"{prefix}.top_p": _UNIT_NOT_0,
-            f"{prefix}.top_k": _TOP_K}
-
-
-def _optim_ranges(prefix: str) -> dict[str, tuple]:
-    return {f"{prefix}.lr": _NON_NEGATIVE, f"{prefix}.weight_decay": _NON_NEGATIVE,
-            f"{prefix}.lr_warmup_steps": (lambda v: v >= -1, "-1 (use lr_warmup_steps_ratio) or >= 0"),
-            f"{prefix}.lr_warmup_steps_ratio": _UNIT, f"{prefix}.min_lr_ratio": _UNIT}
-
-
-_ACTOR, _ROLLOUT = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
-# key -> (predicate, what it must be); a null (optional) value is not checked.
-_RANGES: dict[str, tuple] = {
-    **{f"data.{k}": _POSITIVE for k in ("train_batch_size", "val_batch_size", "max_prompt_length",
-                                         "max_response_length", "sft.every_n_steps", "sft.batch_size")},
-    "data.sft.loss_coef": _NON_NEGATIVE,
-    **{f"{r}.{k}": _POSITIVE for r in (_ACTOR, "critic") for k in ("ppo_mini_batch_size",
-                                                                  "ppo_micro_batch_size_per_gpu", "ppo_epochs")},
-    **{f"{r}.grad_clip": _GREATER_THAN_0 for r in (_ACTOR, "critic")},
-    f"{_ACTOR}.clip_ratio": _GREATER_THAN_0, f"{_ACTOR}.clip_ratio_low": _GREATER_THAN_0,
-    f"{_ACTOR}.clip_ratio_high": _GREATER_THAN_0, f"{_ACTOR}.clip_ratio_c": (lambda v: v > 1, "> 1"),
-    f"{_ACTOR}.kl_loss_coef": _NON_NEGATIVE, "critic.cliprange_value": _GREATER_THAN_0,
-    **_optim_ranges(f"{_ACTOR}.optim"), **_optim_ranges("critic.optim"),
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": _POSITIVE,
-    **_sampling_ranges(_ROLLOUT), **_sampling_ranges(f"{_ROLLOUT}.val_kwargs"),
-    **{f"{_ROLLOUT}.{k}": _POSITIVE for k in ("log_prob_micro_batch_size_per_gpu", "micro_batch_size",
-                                              "tensor_model_parallel_size")},
-    f"{_ROLLOUT}.gpu_memory_utilization": _UNIT_NOT_0,
-    "reward_model.micro_batch_size_per_gpu": _POSITIVE, "reward_model.two_stage.top_k_ratio": _UNIT_NOT_0,
-    "reward_model.two_stage.unselected_scale": _NON_NEGATIVE,
-    "algorithm.gamma": _UNIT, "algorithm.lam": _UNIT, "algorithm.kl_ctrl.kl_coef": _NON_NEGATIVE,
-    "algorithm.kl_ctrl.horizon": _POSITIVE, "algorithm.kl_ctrl.target_kl": _GREATER_THAN_0,
-    "replay_buffer.capacity": _POSITIVE, "replay_buffer.sample_size": _NON_NEGATIVE,
-    "replay_buffer.alpha": _NON_NEGATIVE, "replay_buffer.beta": _UNIT,
-    **{f"trainer.{k}": _POSITIVE for k in ("total_epochs", "total_training_steps", "n_workers",
-                                           "max_ckpt_to_keep", "nnodes")},
-    **{f"trainer.{k}": _NON_NEGATIVE for k in ("log_val_generations", "n_gpus_per_node", "critic_warmup")},
-    "trainer.save_freq": _FREQUENCY, "trainer.test_freq": _FREQUENCY,
-}
-
-
-def _check_ranges(cfg: PPOConfig) -> None:
-    for key, (ok, expected) in _RANGES.items():
-        value = _get(cfg, key)
-        if value is not None and not ok(value):
-            raise ConfigError(f"{key} must be {expected}, got {value}")
-    for key in (f"{_ACTOR}.optim.betas", "critic.optim.betas"):
-        betas = _get(cfg, key)
-        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-            raise ConfigError(f"{key} must be two numbers in [0, 1) (Adam's beta1, beta2), got {betas}")
-
-
-def _check_batch_sizes(cfg: PPOConfig) -> None:
-    """The batch arithmetic: prompts -> sequences (x rollout.n) -> workers -> mini- and micro-batches."""
-    prompts, n, workers = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n, cfg.trainer.n_workers
-    if prompts * n % workers:
-        raise ConfigError(
-            f"data.train_batch_size * {_ROLLOUT}.n = {prompts} * {n} = {prompts * n} sequences do not divide "
-            f"evenly across trainer.n_workers ({workers})"
-        )
-    roles = [(_ACTOR, cfg.actor_rollout_ref.actor)] + ([("critic", cfg.critic)] if cfg.critic.enable else [])
-    for name, role in roles:
-        mini, micro = role.ppo_mini_batch_size, role.ppo_micro_batch_size_per_gpu
-        if mini > prompts:
-            raise ConfigError(
-                f"{name}.ppo_mini_batch_size ({mini}) is larger than data.train_batch_size ({prompts}): "
-                "a mini-batch is a slice of one step's prompts"
-            )
-        if prompts % mini:
-            raise ConfigError(
-                f"data.train_batch_size ({prompts}) is not a multiple of {name}.ppo_mini_batch_size ({mini}): "
-                f"{prompts} = {prompts // mini} * {mini} + {prompts % mini} would leave a partial mini-batch"
-            )
-        if mini * n % (micro * workers):
-            raise ConfigError(
-                f"{name}.ppo_mini_batch_size * {_ROLLOUT}.n = {mini} * {n} = {mini * n} sequences per "
-                f"mini-batch is not divisible by {name}.ppo_micro_batch_size_per_gpu * trainer.n_workers = "
-                f"{micro} * {workers} = {micro * workers}: each worker's share of a mini-batch must split "
-                "into whole micro-batches"
-            )
-
-
-def _check_choices(cfg: PPOConfig) -> None:
-    """Names looked up in the algorithm registries (which users extend, so no fixed list here)."""
-    from hybridflow.algorithms import get_adv_estimator_fn, get_policy_loss_fn
-
-    for key, lookup in (("algorithm.adv_estimator", get_adv_estimator_fn),
-                        (f"{_ACTOR}.policy_loss.loss_mode", get_policy_loss_fn)):
-        try:
-            lookup(_get(cfg, key))
-        except ValueError as err:
-            raise ConfigError(f"{key}: {err}") from None
-
-
-def _check_cross_fields(cfg: PPOConfig) -> None:
-    data, rm, trainer = cfg.data, cfg.reward_model, cfg.trainer
-    problems = [
-        (not trainer.val_only and not data.train_files,
-         "data.train_files is required: one or more prompt files, e.g. data.train_files=[a.parquet,b.parquet]"),
-        (trainer.val_only and not data.val_files, "trainer.val_only=true needs data.val_files"),
-        (not cfg.actor_rollout_ref.model.path, "actor_rollout_ref.model.path is required"),
-        (cfg.algorithm.adv_estimator == "gae" and not cfg.critic.enable,
-         "algorithm.adv_estimator 'gae' needs a value model, but critic.enable is false"),
-        (rm.enable and not rm.dummy and not rm.model.path,
-         "reward_model.enable=true needs reward_model.model.path (or reward_model.dummy=true)"),
-        (rm.two_stage.enable and not rm.enable, "reward_model.two_stage.enable=true needs reward_model.enable=true"),
-        (trainer.resume_mode == "resume_path" and not trainer.resume_from_path,
-         "trainer.resume_mode 'resume_path' needs trainer.resume_from_path"),
-        (trainer.resume_mode != "resume_path" and trainer.resume_from_path is not None,
-         f"trainer.resume_from_path is set but trainer.resume_mode is {trainer.resume_mode!r}; "
-         "set trainer.resume_mode=resume_path to resume from it"),
-        (trainer.device == "cuda" and not _cuda_available(),
-         "trainer.device is 'cuda' but torch.cuda.is_available() is false"),
-        (cfg.actor_rollout_ref.rollout.name == "vllm" and trainer.device != "cuda",
-         f"{_ROLLOUT}.name 'vllm' needs trainer.device cuda (vLLM is CUDA-only); use {_ROLLOUT}.name=hf"),
-    ]
-    for failed, message in problems:
-        if failed:
-            raise ConfigError(message)
-    steps = [entry.until_step for entry in cfg.replay_buffer.schedule or []]
-    if steps != sorted(set(steps)):
-        raise ConfigError(f"replay_buffer.schedule until_step values must strictly increase, got {steps}")

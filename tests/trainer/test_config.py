@@ -98,7 +98,7 @@ def test_gpu_only_keys_outside_the_schema_are_dropped_with_a_warning():
 
 
 def test_vllm_keys_do_not_warn_when_vllm_is_used(monkeypatch):
-    monkeypatch.setattr("hybridflow.trainer.config._cuda_available", lambda: True)
+    monkeypatch.setattr("hybridflow.trainer.config_checks.cuda_available", lambda: True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", IgnoredKeyWarning)
         cfg = _load("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.gpu_memory_utilization=0.4")
