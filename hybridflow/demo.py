@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         *DEMO_SETTINGS,
         *overrides,
     ])
-    PPOTrainer(config).fit()
+    with PPOTrainer(config) as trainer:
+        trainer.fit()
     history = _accuracy_by_step(RUN_DIR / "metrics.jsonl")
     before, after = history[0][1], history[-1][1]
     minutes = (time.perf_counter() - start) / 60

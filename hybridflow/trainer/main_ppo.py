@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hybridflow train: error: {e}", file=sys.stderr)
         return 2
     _show_info_logs()
-    PPOTrainer(config).fit()
+    with PPOTrainer(config) as trainer:
+        trainer.fit()
     return 0
 
 

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -101,6 +100,19 @@ class PPOTrainer:
         if self.wg is None:
             self.wg = build_worker_groups(self.config)
 
+    def close(self) -> None:
+        """Stop the workers this trainer started (Ray actors give their CPUs/GPUs back). The trained
+        weights live in the workers: save or use them first. ``with PPOTrainer(cfg) as t:`` closes too."""
+        if self.wg is not None:
+            self.wg.shutdown()
+            self.wg = None
+
+    def __enter__(self) -> PPOTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # ------------------------------------------------------------------ one step, stage by stage
     def compute_reward(self, batch: DataProto, metrics: dict[str, float] | None = None) -> DataProto:
         """``token_level_scores``: the reward model's when there is one, else the rule/custom scorer's
@@ -116,9 +128,7 @@ class PPOTrainer:
             if metrics is not None:
                 metrics.update(result.get("metrics", {}))
         batch.batch["token_level_scores"] = scores
-        for key, values in extra.items():
-            batch.non_tensor_batch[f"reward_extra/{key}"] = _column(values)
-        return batch
+        return batch.union(DataProto.from_dict(non_tensors={f"reward_extra/{k}": v for k, v in extra.items()}))
 
     def _needs_old_log_prob(self) -> bool:
         """A separate old-policy pass is only needed when the policy changes before the data is used up
@@ -301,8 +311,3 @@ def _endless(loader: PromptLoader) -> Iterator[DataProto]:
     while True:
         yield from loader
 
-
-def _column(values: Any) -> np.ndarray:
-    out = np.empty(len(values), dtype=object)
-    out[:] = list(values)
-    return out

@@ -70,7 +70,7 @@ def build_worker_groups(config: Any) -> WorkerGroups:
         from hybridflow.single_controller.ray import RayResourcePool, RayWorkerGroup, init_ray
 
         init_ray(**dict(trainer.ray_kwargs))
-        pool = RayResourcePool(process_on_nodes=[trainer.n_workers] * trainer.nnodes,
+        pool = RayResourcePool(process_on_nodes=[trainer.n_workers],
                                use_gpu=trainer.device == "cuda", max_colocate_count=1)
         group: WorkerGroup = RayWorkerGroup(pool, fused, name_prefix="hybridflow")
 

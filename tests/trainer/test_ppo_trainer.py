@@ -66,7 +66,8 @@ def test_grpo_three_steps(backend, data_dir, tiny_model_path, tmp_path, request)
     cfg = config(data_dir, tiny_model_path, tmp_path, "algorithm.adv_estimator=grpo",
                  "actor_rollout_ref.actor.use_kl_loss=true", f"trainer.backend={backend}", "trainer.n_workers=2"
                  if backend == "ray" else "trainer.n_workers=1")
-    metrics = PPOTrainer(cfg).fit()
+    with PPOTrainer(cfg) as trainer:  # closing gives the Ray actors' CPUs back for the next test
+        metrics = trainer.fit()
     check_run(tmp_path, EXPECTED_METRICS + WITH_REF)
     assert "val/arithmetic/acc/mean@1" in metrics
 
@@ -78,7 +79,8 @@ def test_ppo_with_critic_three_steps(backend, data_dir, tiny_model_path, tmp_pat
     cfg = config(data_dir, tiny_model_path, tmp_path, "algorithm.adv_estimator=gae", "algorithm.lam=0.95",
                  "algorithm.use_kl_in_reward=true", "actor_rollout_ref.actor.ppo_epochs=2",
                  f"trainer.backend={backend}", f"trainer.n_workers={2 if backend == 'ray' else 1}")
-    PPOTrainer(cfg).fit()
+    with PPOTrainer(cfg) as trainer:
+        trainer.fit()
     check_run(tmp_path, EXPECTED_METRICS + WITH_CRITIC + ["timing_s/old_log_prob", "timing_s/ref"])
     assert (tmp_path / "global_step_3" / "critic" / "huggingface" / "config.json").exists()
 
@@ -93,7 +95,8 @@ def test_grpo_learns_a_simple_preference(data_dir, tiny_model_path, tmp_path):
                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64", "actor_rollout_ref.actor.optim.lr=1e-2",
                  "trainer.total_training_steps=25", "trainer.val_before_train=false", "trainer.seed=0")
     cfg.data.val_files = None
-    PPOTrainer(cfg).fit()
+    with PPOTrainer(cfg) as trainer:
+        trainer.fit()
     rewards = [row["critic/score/mean"] for row in logged(tmp_path / "run")]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last - first >= 0.3, f"mean reward went from {first:.2f} to {last:.2f}: {rewards}"
