@@ -16,16 +16,12 @@ Layout (verl's)::
 from __future__ import annotations
 
 import os
-import random
 import re
 import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
-
-import numpy as np
 
 COMPLETE_MARKER = "COMPLETE"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -172,37 +168,6 @@ class CheckpointManager:
     def list(self) -> list[tuple[int, Path]]:
         """Complete checkpoints as ``(step, path)``, oldest first."""
         return list_checkpoints(self.root)
-
-
-def save_rng_state() -> dict[str, Any]:
-    """Python, numpy, torch CPU (and every CUDA device's) generator states.
-
-    Holds only ints, lists and tensors, so ``torch.load(..., weights_only=True)`` can read it back.
-    """
-    import torch  # here, not at the top: the folder mechanics stay importable without torch
-
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def load_rng_state(state: dict[str, Any]) -> None:
-    """Restore what ``save_rng_state`` captured (CUDA states only where CUDA is available)."""
-    import torch
-
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _process_alive(pid: int) -> bool:

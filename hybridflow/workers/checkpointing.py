@@ -59,4 +59,4 @@ def load_worker_state(path: str | Path, module: PreTrainedModel, engine: Trainin
     engine.load_state_dict(torch.load(path / "optim.pt", weights_only=False))
     rng = path / f"rng_rank{rank}.pt"
     if rng.exists():
-        set_rng_state(torch.load(rng, weights_only=False))
+        set_rng_state(torch.load(rng, weights_only=True))

@@ -1,14 +1,12 @@
 """Checkpoint folders: atomic saves (exception and SIGKILL), latest, pruning, RNG round trip."""
 
 import os
-import random
 import signal
 import subprocess
 import sys
 import textwrap
 import time
 
-import numpy as np
 import pytest
 import torch
 
@@ -21,9 +19,7 @@ from hybridflow.trainer.checkpoint import (
     checkpoint_dir,
     find_latest_checkpoint,
     list_checkpoints,
-    load_rng_state,
     prune_checkpoints,
-    save_rng_state,
 )
 
 
@@ -121,13 +117,3 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_latest(tmp_path):
     assert (checkpoint_dir(tmp_path, 1) / "model.bin").read_text() == "good"
     _save(tmp_path, 3)  # the next save removes the dead process's leftovers
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1", "global_step_3"]
-
-
-def test_rng_state_round_trip_reproduces_random_numbers(tmp_path):
-    random.seed(1), np.random.seed(2), torch.manual_seed(3)
-    state = save_rng_state()
-    torch.save(state, tmp_path / "rng.pt")
-    expected = (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist())
-    random.seed(99), np.random.seed(99), torch.manual_seed(99)
-    load_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))  # plain data: no pickle trust needed
-    assert (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist()) == expected
