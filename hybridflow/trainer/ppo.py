@@ -225,7 +225,8 @@ class PPOTrainer:
                 self.wg.critic.save_checkpoint(str(folder / "critic"))
             torch.save({"global_step": self.global_step, "loader": self.train_loader.state_dict(),
                         "sft_loader": self.sft_loader.state_dict() if self.sft_loader else None,
-                        "kl_coef": self.kl_ctrl.value}, folder / "trainer_state.pt")
+                        "kl_coef": self.kl_ctrl.value,
+                        "replay": self.replay.state_dict() if self.replay else None}, folder / "trainer_state.pt")
         self.hooks.emit("on_checkpoint", self, self.global_step, {}, None)
         return self.checkpoints.path(self.global_step)
 
@@ -253,6 +254,8 @@ class PPOTrainer:
         if self.sft_loader and state["sft_loader"]:
             self.sft_loader.load_state_dict(state["sft_loader"])
         self.kl_ctrl.value = state["kl_coef"]
+        if self.replay and state.get("replay"):
+            self.replay.load_state_dict(state["replay"])
         logger.info("resumed from %s at step %d", folder, self.global_step)
 
     # ------------------------------------------------------------------ the loop

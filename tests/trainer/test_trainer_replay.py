@@ -173,3 +173,24 @@ def test_config_two_stage_reward_sends_the_best_half_to_the_reward_model(tiny_mo
     judged = (batch.batch["response_mask"].sum(-1) / 4).clamp(max=1.0)  # the dummy reward model: length / 4
     torch.testing.assert_close(final[selected], judged[selected].float())
     assert final[~selected].abs().sum() == 0
+
+
+def test_replay_buffer_survives_a_resume(tiny_model_path, tmp_path: Path, one_thread):
+    prepare_data(["arithmetic", str(tmp_path / "data"), "--train-size", "16", "--test-size", "1", "--seed", "0"])
+
+    def config(steps: int) -> PPOConfig:
+        return load_config([
+            f"data.train_files={tmp_path / 'data' / 'train.parquet'}", f"actor_rollout_ref.model.path={tiny_model_path}",
+            f"trainer.default_local_dir={tmp_path / 'run'}", "data.max_prompt_length=64", "data.max_response_length=4",
+            "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            f"trainer.total_training_steps={steps}", "trainer.logger=[file]", "trainer.val_before_train=false",
+            "algorithm.adv_estimator=grpo", "replay_buffer.enable=true", "replay_buffer.sample_size=4"])
+
+    with PPOTrainer(config(2)) as first:
+        first.fit()
+        stored = len(first.replay.buffer)
+    assert stored == 16  # two steps of 4 prompts x 2 samples
+    with PPOTrainer(config(3)) as resumed:
+        resumed.init_workers()
+        resumed.load_checkpoint()
+        assert resumed.global_step == 2 and len(resumed.replay.buffer) == stored
