@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from hybridflow.models import resolve_model_path
 from hybridflow.trainer.checkpoint import find_latest_checkpoint
@@ -27,6 +28,7 @@ def actor_folder(path: str | Path) -> Path:
 def load_trained_actor(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``(model, tokenizer)`` of a trained actor, loaded by plain transformers."""
     folder = actor_folder(path)
+    hf_logging.disable_progress_bar()  # a per-tensor loading bar would bury the answers
     return AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
 
 
