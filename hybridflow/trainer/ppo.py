@@ -176,8 +176,7 @@ class PPOTrainer:
                 with timer("update_actor", t):
                     sft = self._next_sft_batch()
                     rows = self.replay.mix(batch, self.global_step, metrics) if self.replay else batch
-                    out = wg.actor_rollout.update_actor(rows, sft) if sft is not None else \
-                        wg.actor_rollout.update_actor(rows)
+                    out = wg.actor_rollout.update_actor(rows, sft)
                     metrics.update(reduce_metrics(out.meta_info["metrics"]))
                 if self.replay:
                     with timer("replay_priorities", t):

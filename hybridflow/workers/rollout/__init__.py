@@ -17,4 +17,7 @@ def build_rollout(config: Any, module: PreTrainedModel, tokenizer: PreTrainedTok
     name = getattr(config, "name", "hf") or "hf"
     if name == "hf":
         return HFRollout(module, tokenizer, config, response_length)
+    if name == "vllm":
+        raise NotImplementedError("actor_rollout_ref.rollout.name=vllm: the vLLM rollout engine is not "
+                                  "implemented yet; use rollout.name=hf (Hugging Face generate)")
     raise ValueError(f"unknown rollout engine {name!r}; known: hf")
