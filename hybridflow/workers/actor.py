@@ -157,14 +157,8 @@ class ActorRolloutRefWorker(Worker):
         extra = []
         if sft_data is not None and len(sft_data):
             extra = [(sft_data, self._sft_loss, float(sft_data.meta_info.get("loss_coef", 1.0)))]
-        metrics: dict[str, list[float]] = {}
-        for mini in data.make_iterator(mini_batch, epochs=actor.ppo_epochs, shuffle=actor.shuffle, seed=self.seed):
-            step_metrics = self.engine.train_mini_batch(mini, actor.ppo_micro_batch_size_per_gpu,
-                                                        self._policy_loss, actor.loss_agg_mode, extra)
-            for key, value in step_metrics.items():
-                metrics.setdefault(key, []).append(value)
-        metrics["actor/lr"] = [self.engine.lr]
-        self.engine.finish_update()
+        metrics = self.engine.update(data, mini_batch, actor.ppo_micro_batch_size_per_gpu, self._policy_loss,
+                                     actor.loss_agg_mode, actor.ppo_epochs, actor.shuffle, self.seed, extra)
         return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -65,14 +65,8 @@ class CriticWorker(Worker):
         keys = ["responses", "response_mask", "input_ids", "attention_mask", "position_ids", "values", "returns"]
         data = data.select(batch_keys=keys, non_tensor_batch_keys=[], meta_info_keys=[])
         self.module.train()
-        metrics: dict[str, list[float]] = {}
-        for mini in data.make_iterator(mini_batch, epochs=cfg.ppo_epochs, shuffle=False, seed=self.seed):
-            step = self.engine.train_mini_batch(mini, cfg.ppo_micro_batch_size_per_gpu, self._value_loss,
-                                                cfg.loss_agg_mode)
-            for key, value in step.items():
-                metrics.setdefault(key, []).append(value)
-        metrics["critic/lr"] = [self.engine.lr]
-        self.engine.finish_update()
+        metrics = self.engine.update(data, mini_batch, cfg.ppo_micro_batch_size_per_gpu, self._value_loss,
+                                     cfg.loss_agg_mode, cfg.ppo_epochs, seed=self.seed)
         return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

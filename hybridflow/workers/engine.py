@@ -84,6 +84,21 @@ class TrainingEngine:
         dist.all_reduce(t)
         return float(t.item())
 
+    def update(self, data: DataProto, mini_batch_size: int, micro_batch_size: int, loss_fn: LossFn,
+               loss_agg_mode: str = "token-mean", epochs: int = 1, shuffle: bool = False, seed: int = 0,
+               extra_terms: list[tuple[DataProto, LossFn, float]] = ()) -> dict[str, list[float]]:
+        """One training step's update: ``epochs`` passes over ``data`` (this rank's shard) in mini-batches,
+        one optimiser step each, then the learning-rate schedule advances once. Returns every
+        mini-batch's metrics plus ``<name>/lr``, the rate these steps used."""
+        metrics: dict[str, list[float]] = {}
+        for mini in data.make_iterator(mini_batch_size, epochs=epochs, shuffle=shuffle, seed=seed):
+            for key, value in self.train_mini_batch(mini, micro_batch_size, loss_fn, loss_agg_mode,
+                                                    extra_terms).items():
+                metrics.setdefault(key, []).append(value)
+        metrics[f"{self.name}/lr"] = [self.lr]
+        self.scheduler.step()
+        return metrics
+
     def train_mini_batch(self, mini_batch: DataProto, micro_batch_size: int, loss_fn: LossFn,
                          loss_agg_mode: str = "token-mean",
                          extra_terms: list[tuple[DataProto, LossFn, float]] = ()) -> dict[str, float]:
@@ -133,10 +148,6 @@ class TrainingEngine:
                 offset += p.grad.numel()
         max_norm = self.grad_clip if self.grad_clip and self.grad_clip > 0 else float("inf")
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-
-    def finish_update(self) -> None:
-        """Advance the learning-rate schedule once per training step (not per mini-batch)."""
-        self.scheduler.step()
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
