@@ -213,8 +213,18 @@ class PPOTrainer:
             result = self.val_reward_fn(out, return_dict=True)
             rows.append((out, result))
         metrics = validation_metrics(rows, kw.n)
+        self._show_generations(rows[0][0], rows[0][1]["reward_tensor"], self.config.trainer.log_val_generations)
         self.hooks.emit("on_validation_end", self, self.global_step, metrics, None)
         return metrics
+
+    def _show_generations(self, batch: DataProto, rewards: torch.Tensor, count: int) -> None:
+        """Print the first ``count`` validation samples (question, answer, score): a look at what the
+        numbers mean (``trainer.log_val_generations``)."""
+        for i in range(min(count, len(batch))):
+            question = batch.non_tensor_batch["raw_prompt"][i][-1]["content"]
+            length = int(batch.batch["response_mask"][i].sum())
+            answer = self.tokenizer.decode(batch.batch["responses"][i, :length], skip_special_tokens=True)
+            tqdm.write(f"[val step {self.global_step}] score {rewards[i].sum().item():.3g} | {question!r} -> {answer!r}")
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:

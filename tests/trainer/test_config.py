@@ -271,3 +271,11 @@ def test_python_construction_resolve_and_round_trip():
     with pytest.raises(ConfigError, match="did you mean 'algorithm.gamma'"):
         PPOConfig.from_dict({"algorithm": {"gama": 0.99}})
     assert PPOConfig.from_overrides([TRAIN, "algorithm.lam=0.9"]).algorithm.lam == 0.9
+
+
+@pytest.mark.parametrize("override", ["trainer.balance_batch=true", "actor_rollout_ref.actor.strategy=fsdp2",
+                                      "reward_model.launch_reward_fn_async=true", "actor_rollout_ref.hybrid_engine=false"])
+def test_verl_keys_without_an_alternative_here_warn_when_changed(override):
+    key = override.split("=")[0]
+    with pytest.warns(IgnoredKeyWarning, match=rf"ignored on this backend: {re.escape(key)} = "):
+        _load(override)

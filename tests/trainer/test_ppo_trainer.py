@@ -60,16 +60,20 @@ def check_run(run_dir: Path, expected: list[str]) -> None:
 
 
 @pytest.mark.parametrize("backend", ["local", "ray"])
-def test_grpo_three_steps(backend, data_dir, tiny_model_path, tmp_path, request):
+def test_grpo_three_steps(backend, data_dir, tiny_model_path, tmp_path, request, capsys):
     if backend == "ray":
         request.getfixturevalue("ray_session")
     cfg = config(data_dir, tiny_model_path, tmp_path, "algorithm.adv_estimator=grpo",
                  "actor_rollout_ref.actor.use_kl_loss=true", f"trainer.backend={backend}", "trainer.n_workers=2"
-                 if backend == "ray" else "trainer.n_workers=1")
+                 if backend == "ray" else "trainer.n_workers=1", "trainer.log_val_generations=2")
     with PPOTrainer(cfg) as trainer:  # closing gives the Ray actors' CPUs back for the next test
         metrics = trainer.fit()
     check_run(tmp_path, EXPECTED_METRICS + WITH_REF)
     assert "val/arithmetic/acc/mean@1" in metrics
+    shown = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[val step")]
+    # two samples at the validation before training and two after the last step
+    assert [line.split("]")[0] for line in shown] == ["[val step 0"] * 2 + ["[val step 3"] * 2
+    assert "Compute" in shown[0] and " -> " in shown[0]
 
 
 @pytest.mark.parametrize("backend", ["local", "ray"])
