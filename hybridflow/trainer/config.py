@@ -86,7 +86,7 @@ class DataConfig:
     val_batch_size: int | None = None
     max_prompt_length: int = 512
     max_response_length: int = 64
-    truncation: Literal["error", "left", "right", "middle"] = "error"
+    truncation: Literal["error", "left", "right"] = "error"
     filter_overlong_prompts: bool = True
     shuffle: bool = True
     seed: int | None = None
