@@ -154,7 +154,7 @@ def test_override_values_are_parsed_as_yaml():
     ("data.train_batch_size=1.5", "data.train_batch_size must be int, got 1.5 (float)"),
     ("data.shuffle=1", "data.shuffle must be bool, got 1 (int)"),
     ("data.train_batch_size=null", "data.train_batch_size must be int, got null"),
-    ("data.truncation=cut", "data.truncation must be one of 'error', 'left', 'right', 'middle', got 'cut'"),
+    ("data.truncation=cut", "data.truncation must be one of 'error', 'left', 'right', got 'cut'"),
     ("trainer.logger=[console,tensorbord]", "trainer.logger[1] must be one of 'console', 'file'"),
     ("actor_rollout_ref.actor=3", "actor_rollout_ref.actor must be a mapping, got 3 (int)"),
 ])
