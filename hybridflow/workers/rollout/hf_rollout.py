@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from hybridflow.algorithms import logprobs_from_logits
 from hybridflow.protocol import DataProto
 
 SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "n", "response_length")
@@ -93,17 +94,15 @@ class HFRollout:
 
     def _generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
         device = next(self.model.parameters()).device
-        input_ids = prompts.batch["input_ids"].to(device)
-        attention_mask = prompts.batch["attention_mask"].to(device)
+        expanded = prompts.repeat(params.n, interleave=True)  # every output row, before its response is known
+        input_ids = expanded.batch["input_ids"].to(device)
         sampling = {"temperature": params.temperature, "top_p": params.top_p,
                     "top_k": params.top_k if params.top_k > 0 else None} if params.do_sample else {}
         was_training = self.model.training
         self.model.eval()
         cache = self._shared_prefix_cache(prompts, params.n, device) if params.n > 1 else {}
-        input_ids = input_ids.repeat_interleave(params.n, dim=0)
-        attention_mask = attention_mask.repeat_interleave(params.n, dim=0)
         out = self.model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, **cache, do_sample=params.do_sample,
+            input_ids=input_ids, attention_mask=expanded.batch["attention_mask"].to(device), **cache, do_sample=params.do_sample,
             max_new_tokens=params.response_length, eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
             output_logits=params.do_sample, return_dict_in_generate=True, **sampling)
         self.model.train(was_training)
@@ -117,10 +116,8 @@ class HFRollout:
         rollout_log_probs = torch.zeros(responses.shape, dtype=torch.float32, device=device)
         if params.do_sample and out.logits:
             logits = torch.stack(out.logits, dim=1).float() / params.temperature
-            chosen = logits.gather(-1, generated.unsqueeze(-1)).squeeze(-1)
-            rollout_log_probs[:, :generated.shape[1]] = chosen - torch.logsumexp(logits, dim=-1)
+            rollout_log_probs[:, :generated.shape[1]] = logprobs_from_logits(logits, generated)
             rollout_log_probs *= response_mask
-        expanded = prompts.repeat(params.n, interleave=True)
         prompt_ids = expanded.batch["input_ids"]
         prompt_positions = expanded.batch["position_ids"]
         response_positions = prompt_positions[:, -1:] + torch.arange(1, params.response_length + 1)
