@@ -43,9 +43,7 @@ class RewardModelWorker(Worker):
         for i in range(len(data)):
             n_tokens = int(data.batch["response_mask"][i].sum())
             response = self.policy_tokenizer.decode(data.batch["responses"][i, :n_tokens], skip_special_tokens=True)
-            messages = list(data.non_tensor_batch["raw_prompt"][i])
-            if isinstance(messages[0], str):
-                messages = [{"role": "user", "content": messages[0]}]
+            messages = list(data.non_tensor_batch["raw_prompt"][i])  # chat messages: the dataset made them so
             texts.append(self.tokenizer.apply_chat_template(
                 messages + [{"role": "assistant", "content": response}], tokenize=False))
         return texts
