@@ -1,8 +1,8 @@
 """hybridflow: RL post-training of LLMs on the HybridFlow model.
 
 One driver writes the algorithm as plain Python; each call fans out to a worker group and comes back
-as one ``DataProto``. ``PPOConfig``, ``PPOTrainer`` and ``load_trained_actor`` are imported on first use,
-so ``import hybridflow`` stays light.
+as one ``DataProto``. ``PPOConfig`` and its section classes (``DataConfig``, ``ActorConfig``...),
+``PPOTrainer`` and ``load_trained_actor`` are imported on first use, so ``import hybridflow`` stays light.
 """
 
 from typing import Any
@@ -23,4 +23,10 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name.endswith(("Config", "Entry")):  # the config's section classes
+        import importlib
+
+        config = importlib.import_module("hybridflow.config")
+        if name in config.__all__:
+            return getattr(config, name)
     raise AttributeError(f"module 'hybridflow' has no attribute {name!r}")
