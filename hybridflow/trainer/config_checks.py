@@ -179,6 +179,9 @@ def check_ranges(cfg: PPOConfig) -> None:
 def check_batch_sizes(cfg: PPOConfig) -> None:
     """The batch arithmetic: prompts -> sequences (x rollout.n) -> workers -> mini- and micro-batches."""
     prompts, n, workers = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n, cfg.trainer.n_workers
+    if cfg.trainer.backend == "local" and workers != 1:
+        raise ConfigError(f"trainer.n_workers={workers} needs trainer.backend=ray: the local backend runs one "
+                          "worker in this process; set trainer.backend=ray for data-parallel workers")
     if prompts * n % workers:
         raise ConfigError(
             f"data.train_batch_size * {_ROLLOUT}.n = {prompts} * {n} = {prompts * n} sequences do not divide "

@@ -4,6 +4,7 @@ Every role a run needs (actor + rollout, reference, critic, reward model) is col
 rank (the hybrid engine: the roles share the devices instead of each taking its own), then split back
 into one group view per role. Only the backend differs between a laptop and a cluster: a
 ``LocalWorkerGroup`` of one rank in the driver's process, or a ``RayWorkerGroup`` of ``n_workers`` ranks.
+Every worker runs on ``trainer.device``.
 """
 
 from __future__ import annotations
@@ -47,17 +48,18 @@ def needs_ref(config: Any) -> bool:
 def role_inits(config: Any) -> dict[Role, ClassWithInitArgs]:
     """The deferred constructor of each role's worker for this config."""
     arr = config.actor_rollout_ref
-    response_length, seed = config.data.max_response_length, config.trainer.seed
+    response_length, seed, device = config.data.max_response_length, config.trainer.seed, config.trainer.device
     inits = {Role.ACTOR_ROLLOUT: ClassWithInitArgs(ActorRolloutRefWorker, arr, role="actor_rollout",
-                                                   response_length=response_length, seed=seed)}
+                                                   response_length=response_length, seed=seed, device=device)}
     if needs_ref(config):
         inits[Role.REF] = ClassWithInitArgs(ActorRolloutRefWorker, arr, role="ref",
-                                            response_length=response_length, seed=seed)
+                                            response_length=response_length, seed=seed, device=device)
     if config.critic.enable:
-        inits[Role.CRITIC] = ClassWithInitArgs(CriticWorker, config.critic, rollout_n=arr.rollout.n, seed=seed)
+        inits[Role.CRITIC] = ClassWithInitArgs(CriticWorker, config.critic, rollout_n=arr.rollout.n, seed=seed,
+                                               device=device)
     if config.reward_model.enable:
         inits[Role.REWARD_MODEL] = ClassWithInitArgs(RewardModelWorker, config.reward_model,
-                                                     policy_tokenizer_path=arr.model.path)
+                                                     policy_tokenizer_path=arr.model.path, device=device)
     return inits
 
 

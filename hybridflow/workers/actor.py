@@ -38,10 +38,11 @@ def _scalar(value: torch.Tensor | float) -> float:
 
 class ActorRolloutRefWorker(Worker):
     """``config``: the ``actor_rollout_ref`` config section; ``role``: roles joined by ``_``
-    (``actor_rollout``, ``actor_rollout_ref``, ``ref``, ``rollout``...)."""
+    (``actor_rollout``, ``actor_rollout_ref``, ``ref``, ``rollout``...); ``device``: ``trainer.device``."""
 
-    def __init__(self, config: Any, role: str = "actor_rollout", response_length: int = 64, seed: int = 0) -> None:
-        super().__init__()
+    def __init__(self, config: Any, role: str = "actor_rollout", response_length: int = 64, seed: int = 0,
+                 device: str = "auto") -> None:
+        super().__init__(device)
         unknown = [r for r in role.split("_") if r not in ROLES]
         if unknown:
             raise ValueError(f"unknown role part(s) {unknown} in {role!r}; roles combine {ROLES}")
@@ -77,10 +78,11 @@ class ActorRolloutRefWorker(Worker):
         return self.rollout.generate_sequences(prompts)
 
     # ---------------------------------------------------------------- log-probs
-    def _log_probs(self, module: torch.nn.Module, data: DataProto, with_entropy: bool) -> tuple[torch.Tensor, Any]:
+    def _log_probs(self, module: torch.nn.Module, data: DataProto, with_entropy: bool,
+                   micro: int) -> tuple[torch.Tensor, Any]:
+        """Log-probs (and entropy) of ``data``'s responses, ``micro`` sequences per forward pass."""
         was_training = module.training
         module.eval()
-        micro = self.config.rollout.log_prob_micro_batch_size_per_gpu or len(data)
         temperature = self.config.rollout.temperature
         parts = batched(lambda d: response_log_probs(module, d, temperature, with_entropy), data, micro)
         module.train(was_training)
@@ -91,7 +93,8 @@ class ActorRolloutRefWorker(Worker):
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs`` and ``entropys`` ``(bs, L)`` under the current policy."""
         self._require(self.module, "actor", "compute_log_prob")
-        log_probs, entropy = self._log_probs(self.module, data, with_entropy=True)
+        log_probs, entropy = self._log_probs(self.module, data, with_entropy=True,
+                                             micro=self.config.rollout.log_prob_micro_batch_size_per_gpu)
         metrics = {}
         if "rollout_log_probs" in data.batch.keys() and data.batch["rollout_log_probs"].abs().sum() > 0:
             metrics = logprob_diff_metrics(data.batch["rollout_log_probs"], log_probs, data.batch["response_mask"])
@@ -102,7 +105,8 @@ class ActorRolloutRefWorker(Worker):
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob`` ``(bs, L)`` under the frozen reference policy."""
         self._require(self.ref_module, "ref", "compute_ref_log_prob")
-        log_probs, _ = self._log_probs(self.ref_module, data, with_entropy=False)
+        log_probs, _ = self._log_probs(self.ref_module, data, with_entropy=False,
+                                       micro=self.config.ref.log_prob_micro_batch_size_per_gpu)
         return DataProto.from_dict({"ref_log_prob": log_probs})
 
     # ---------------------------------------------------------------- training
@@ -110,7 +114,7 @@ class ActorRolloutRefWorker(Worker):
         """Policy-gradient loss (+ KL to the reference, - entropy bonus, + supervised NLL on SFT rows)."""
         actor = self.config.actor
         mask = micro.batch["response_mask"].float()
-        entropy_coeff = actor.entropy_coeff or 0.0
+        entropy_coeff = actor.entropy_coeff
         log_prob, entropy = response_log_probs(self.module, micro, self.config.rollout.temperature,
                                                with_entropy=True, entropy_grad=entropy_coeff != 0)
         # On-policy shortcut: with one pass over the data the old policy *is* the current one, so the

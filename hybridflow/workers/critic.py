@@ -21,10 +21,10 @@ from hybridflow.workers.modeling import batched, load_model, load_tokenizer, res
 
 class CriticWorker(Worker):
     """``config``: the ``critic`` config section (its ``model.path`` already resolved by the trainer);
-    ``rollout_n``: samples per prompt, since ``ppo_mini_batch_size`` counts prompts."""
+    ``rollout_n``: samples per prompt, since ``ppo_mini_batch_size`` counts prompts; ``device``: ``trainer.device``."""
 
-    def __init__(self, config: Any, rollout_n: int = 1, seed: int = 0) -> None:
-        super().__init__()
+    def __init__(self, config: Any, rollout_n: int = 1, seed: int = 0, device: str = "auto") -> None:
+        super().__init__(device)
         self.config, self.rollout_n, self.seed = config, rollout_n, seed
         self.module = self.engine = self.tokenizer = None
 
@@ -33,9 +33,10 @@ class CriticWorker(Worker):
         torch.manual_seed(self.seed)  # the same fresh value head on every rank
         self.init_process_group()
         model_cfg = self.config.model
-        self.tokenizer = load_tokenizer(model_cfg.path)
-        self.module = load_model(model_cfg.path, self.device, getattr(model_cfg, "dtype", "auto"),
+        self.tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
+        self.module = load_model(model_cfg.path, self.device, model_cfg.dtype,
                                  auto_cls=AutoModelForTokenClassification, num_labels=1,
+                                 trust_remote_code=model_cfg.trust_remote_code,
                                  gradient_checkpointing=model_cfg.enable_gradient_checkpointing)
         self.module.config.pad_token_id = self.tokenizer.pad_token_id
         self.engine = TrainingEngine(self.module, self.config.optim, self.config.grad_clip, "critic",
@@ -45,7 +46,7 @@ class CriticWorker(Worker):
     def compute_values(self, data: DataProto) -> DataProto:
         """``values`` ``(bs, L)``, zero outside the response mask."""
         self.module.eval()
-        micro = self.config.ppo_micro_batch_size_per_gpu or len(data)
+        micro = self.config.ppo_micro_batch_size_per_gpu
         values = torch.cat(batched(lambda d: response_values(self.module, d), data, micro))
         self.module.train()
         return DataProto.from_dict({"values": values * data.batch["response_mask"]})

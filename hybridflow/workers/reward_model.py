@@ -22,8 +22,8 @@ from hybridflow.workers.modeling import load_model, load_tokenizer
 class RewardModelWorker(Worker):
     """``config``: the ``reward_model`` section; ``policy_tokenizer_path``: to decode the policy's tokens."""
 
-    def __init__(self, config: Any, policy_tokenizer_path: str) -> None:
-        super().__init__()
+    def __init__(self, config: Any, policy_tokenizer_path: str, device: str = "auto") -> None:
+        super().__init__(device)
         self.config, self.policy_tokenizer_path = config, policy_tokenizer_path
         self.model = None
 

@@ -180,19 +180,20 @@ def test_train_batch_not_a_multiple_of_mini_batch():
 
 
 def test_sequences_must_divide_across_workers():
-    message = _error("data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "trainer.n_workers=3")
+    message = _error("data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "trainer.n_workers=3",
+                     "trainer.backend=ray")
     assert message == ("data.train_batch_size * actor_rollout_ref.rollout.n = 8 * 4 = 32 sequences do not "
                        "divide evenly across trainer.n_workers (3)")
 
 
 def test_mini_batch_sequences_must_split_into_micro_batches():
     # 8 prompts * 4 responses = 32 sequences per mini-batch; 2 workers * 3 per micro-batch = 6 does not divide.
-    message = _error("actor_rollout_ref.rollout.n=4", "trainer.n_workers=2",
+    message = _error("actor_rollout_ref.rollout.n=4", "trainer.n_workers=2", "trainer.backend=ray",
                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3")
     assert ("actor_rollout_ref.actor.ppo_mini_batch_size * actor_rollout_ref.rollout.n = 8 * 4 = 32 sequences "
             "per mini-batch is not divisible by actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu * "
             "trainer.n_workers = 3 * 2 = 6") in message
-    assert _load("actor_rollout_ref.rollout.n=4", "trainer.n_workers=2",
+    assert _load("actor_rollout_ref.rollout.n=4", "trainer.n_workers=2", "trainer.backend=ray",
                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8").trainer.n_workers == 2
 
 

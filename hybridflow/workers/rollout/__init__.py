@@ -13,8 +13,8 @@ __all__ = ["HFRollout", "SamplingParams", "build_rollout", "response_mask_from"]
 
 def build_rollout(config: Any, module: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                   response_length: int) -> HFRollout:
-    """The engine named by ``config.name``, sampling from ``module`` (shared with the actor)."""
-    name = getattr(config, "name", "hf") or "hf"
+    """The engine named by ``config.name`` (a ``RolloutConfig``), sampling from ``module`` (shared with the actor)."""
+    name = config.name
     if name == "hf":
         return HFRollout(module, tokenizer, config, response_length)
     if name == "vllm":
