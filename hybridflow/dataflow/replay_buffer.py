@@ -289,17 +289,18 @@ class ScheduledSampler:
             raise ValueError(f"ScheduledSampler: until_step values must increase, got {bounds}")
 
     @classmethod
-    def from_config(cls, cfg: Any) -> ScheduledSampler:
+    def from_config(cls, replay_buffer: Any) -> ScheduledSampler:
         """From the ``replay_buffer`` config section (``ReplayBufferConfig``, or anything with its attributes
         ``strategy``, ``alpha``, ``beta``, ``schedule``); a null ``schedule`` gives one constant phase.
 
         Config phases may be dataclasses or mappings, and a null value counts as omitted.  When the last
         phase has an ``until_step`` (as every entry of ``replay_buffer.schedule`` does), the top-level
         ``strategy``/``alpha``/``beta`` cover the steps after it."""
-        phases = [_phase_dict(p) for p in cfg.schedule or []]
+        phases = [_phase_dict(p) for p in replay_buffer.schedule or []]
         if not phases or "until_step" in phases[-1]:
             phases.append({})
-        return cls(phases, strategy=cfg.strategy, alpha=float(cfg.alpha), beta=float(cfg.beta))
+        return cls(phases, strategy=replay_buffer.strategy, alpha=float(replay_buffer.alpha),
+                   beta=float(replay_buffer.beta))
 
     def params(self, step: int) -> dict[str, Any]:
         """``{"strategy", "alpha", "beta"}`` in force at ``step``."""

@@ -111,7 +111,7 @@ def render_yaml(tree: dict[str, Any], cls: type = PPOConfig, indent: int = 0) ->
     for name, tp in hints(cls).items():
         doc = _yaml_doc(cls, name, tp)
         value = tree[name]
-        if indent == 0 and out:
+        if indent == 0 and out and is_section(tp):  # a blank line before each top-level section
             out.append("")
         if is_section(tp) and isinstance(value, dict):
             out.append(f"{pad}{name}:" + (f"  # {doc}" if doc else ""))

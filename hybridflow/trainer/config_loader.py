@@ -367,9 +367,11 @@ def _key_of_keyword(name: str) -> str:
         sections = " or ".join(k.rpartition(".")[0] for k in matches)
         raise ConfigError(f"PPOConfig got {name}=, which exists in {sections}: pass it inside its section, e.g. "
                           f"PPOConfig.from_dict({_nested_example(matches[0])}) or **{{'{matches[0]}': ...}}")
-    near = nearest_key(name, known_keys())
-    hint = f"; did you mean '{near}'?" if near else ""
-    raise ConfigError(f"PPOConfig got an unknown keyword {name}={hint}")
+    leaves = sorted({k.rpartition(".")[2] for k in known_keys()})
+    close = difflib.get_close_matches(name, leaves, n=1, cutoff=0.8)
+    hint = f"; did you mean {close[0]}=?" if close else ""
+    raise ConfigError(f"PPOConfig got an unknown keyword {name}={hint} (sections: "
+                      f"{', '.join(hints(PPOConfig))}; `hybridflow config keys` lists every key)")
 
 
 def _nested_example(key: str) -> str:

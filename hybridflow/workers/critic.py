@@ -39,14 +39,16 @@ class CriticWorker(Worker):
                                  trust_remote_code=model_cfg.trust_remote_code,
                                  gradient_checkpointing=model_cfg.enable_gradient_checkpointing)
         self.module.config.pad_token_id = self.tokenizer.pad_token_id
-        self.engine = TrainingEngine(self.module, self.config.optim, self.config.grad_clip, "critic",
+        critic = self.config
+        self.engine = TrainingEngine(self.module, critic.optim, critic.grad_clip, "critic",
                                      self.world_size)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
         """``values`` ``(bs, L)``, zero outside the response mask."""
         self.module.eval()
-        micro = self.config.ppo_micro_batch_size_per_gpu
+        critic = self.config
+        micro = critic.ppo_micro_batch_size_per_gpu
         values = torch.cat(batched(lambda d: response_values(self.module, d), data, micro))
         self.module.train()
         return DataProto.from_dict({"values": values * data.batch["response_mask"]})
@@ -61,13 +63,13 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
-        cfg = self.config
-        mini_batch = cfg.ppo_mini_batch_size * self.rollout_n // self.world_size
+        critic = self.config
+        mini_batch = critic.ppo_mini_batch_size * self.rollout_n // self.world_size
         keys = ["responses", "response_mask", "input_ids", "attention_mask", "position_ids", "values", "returns"]
         data = data.select(batch_keys=keys, non_tensor_batch_keys=[], meta_info_keys=[])
         self.module.train()
-        metrics = self.engine.update(data, mini_batch, cfg.ppo_micro_batch_size_per_gpu, self._value_loss,
-                                     cfg.loss_agg_mode, cfg.ppo_epochs, seed=self.seed)
+        metrics = self.engine.update(data, mini_batch, critic.ppo_micro_batch_size_per_gpu, self._value_loss,
+                                     critic.loss_agg_mode, critic.ppo_epochs, seed=self.seed)
         return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -27,10 +27,10 @@ LossFn = Callable[[DataProto], tuple[torch.Tensor, dict[str, float]]]
 class TrainingEngine:
     """Optimises ``module``; ``name`` (e.g. ``actor``) prefixes error messages and metrics.
 
-    ``optim_config``: an ``OptimConfig`` (``actor_rollout_ref.actor.optim`` or ``critic.optim``), read as is:
+    ``optim``: an ``OptimConfig`` (``actor_rollout_ref.actor.optim`` or ``critic.optim``), read as is:
     its defaults are the schema's, not the engine's."""
 
-    def __init__(self, module: torch.nn.Module, optim_config: Any, grad_clip: float | None, name: str,
+    def __init__(self, module: torch.nn.Module, optim: Any, grad_clip: float | None, name: str,
                  world_size: int = 1) -> None:
         self.module = module
         self.name = name
@@ -40,15 +40,15 @@ class TrainingEngine:
             for param in module.state_dict().values():
                 dist.broadcast(param, src=0)
         self.optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad],
-                                           lr=optim_config.lr, betas=tuple(optim_config.betas),
-                                           weight_decay=optim_config.weight_decay)
+                                           lr=optim.lr, betas=tuple(optim.betas),
+                                           weight_decay=optim.weight_decay)
         self.lr_scale = 1.0
-        total, warmup = optim_config.total_training_steps, optim_config.lr_warmup_steps
+        total, warmup = optim.total_training_steps, optim.lr_warmup_steps
         if warmup < 0:
-            warmup = int(optim_config.lr_warmup_steps_ratio * max(total, 0))
+            warmup = int(optim.lr_warmup_steps_ratio * max(total, 0))
         self._warmup, self._total = warmup, total
-        self._style = optim_config.warmup_style
-        self._min_lr_ratio = optim_config.min_lr_ratio
+        self._style = optim.warmup_style
+        self._min_lr_ratio = optim.min_lr_ratio
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
 
     def _lr_factor(self, step: int) -> float:

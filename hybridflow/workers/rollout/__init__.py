@@ -11,12 +11,13 @@ from hybridflow.workers.rollout.hf_rollout import HFRollout, SamplingParams, res
 __all__ = ["HFRollout", "SamplingParams", "build_rollout", "response_mask_from"]
 
 
-def build_rollout(config: Any, module: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+def build_rollout(rollout: Any, module: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                   response_length: int) -> HFRollout:
-    """The engine named by ``config.name`` (a ``RolloutConfig``), sampling from ``module`` (shared with the actor)."""
-    name = config.name
+    """The engine named by ``rollout.name`` (``rollout``: a ``RolloutConfig``), sampling from ``module``
+    (shared with the actor)."""
+    name = rollout.name
     if name == "hf":
-        return HFRollout(module, tokenizer, config, response_length)
+        return HFRollout(module, tokenizer, rollout, response_length)
     if name == "vllm":
         raise NotImplementedError("actor_rollout_ref.rollout.name=vllm: the vLLM rollout engine is not "
                                   "implemented yet; use rollout.name=hf (Hugging Face generate)")
