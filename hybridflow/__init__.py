@@ -12,9 +12,9 @@ from hybridflow.protocol import DataProto, DataProtoItem, pad_dataproto_to_divis
 __version__ = "0.1.0"
 
 _LAZY = {"PPOConfig": "hybridflow.trainer", "PPOTrainer": "hybridflow.trainer",
-         "load_trained_actor": "hybridflow.trainer.inference"}
+         "load_trained_actor": "hybridflow.trainer.inference", "generation_batch": "hybridflow.data"}
 
-__all__ = ["DataProto", "DataProtoItem", "PPOConfig", "PPOTrainer", "load_trained_actor",
+__all__ = ["DataProto", "DataProtoItem", "PPOConfig", "PPOTrainer", "generation_batch", "load_trained_actor",
            "pad_dataproto_to_divisor", "unpad_dataproto", "__version__"]
 
 

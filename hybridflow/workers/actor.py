@@ -18,7 +18,7 @@ from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.checkpointing import load_worker_state, save_worker_state
 from hybridflow.workers.engine import TrainingEngine
 from hybridflow.workers.modeling import batched, load_model, load_tokenizer, response_log_probs
-from hybridflow.workers.rollout import build_rollout
+from hybridflow.workers.rollout import build_rollout, check_generation_batch
 
 ROLES = ("actor", "rollout", "ref")
 
@@ -75,6 +75,7 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         self._require(self.rollout, "rollout", "generate_sequences")
+        check_generation_batch(prompts)
         return self.rollout.generate_sequences(prompts)
 
     # ---------------------------------------------------------------- log-probs
