@@ -225,9 +225,14 @@ class RewardModelConfig:
     enable: bool = False  #: score responses with a learned reward model
     model: RewardModelPathConfig = field(default_factory=RewardModelPathConfig)  #: the reward model
     micro_batch_size_per_gpu: int = 8  #: sequences per reward-model forward on one worker
+    #: what the reward model reads: chat (the conversation in its tokenizer's chat template), plain (the prompt
+    #: text, a newline, the response: for classifiers without a template), auto (chat when it has a template)
+    input_format: Literal["auto", "chat", "plain"] = "auto"
     #: verl key; only naive (one scorer call per sample) exists (warns if changed)
     reward_manager: str = "naive"
-    dummy: bool = False  #: a dummy reward model for smoke runs (scores length and variety of the response)
+    #: a stand-in reward model for smoke runs: loads nothing, scores each response by its length and the
+    #: share of distinct tokens in it (in [0, 1], so rewards move as the responses change)
+    dummy: bool = False
     launch_reward_fn_async: bool = False  #: verl key; not implemented (warns if changed)
     #: cheap reward for all, reward model only for the best share (hybridflow extension)
     two_stage: TwoStageRewardConfig = field(default_factory=TwoStageRewardConfig)

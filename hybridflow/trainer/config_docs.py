@@ -17,6 +17,7 @@ import ast
 import inspect
 import io
 import sys
+import textwrap
 import tokenize
 import warnings
 from functools import cache
@@ -113,12 +114,20 @@ def render_yaml(tree: dict[str, Any], cls: type = PPOConfig, indent: int = 0) ->
         value = tree[name]
         if indent == 0 and out and is_section(tp):  # a blank line before each top-level section
             out.append("")
-        if is_section(tp) and isinstance(value, dict):
-            out.append(f"{pad}{name}:" + (f"  # {doc}" if doc else ""))
-            out.extend(render_yaml(value, tp, indent + 2))
+        section = is_section(tp) and isinstance(value, dict)
+        line = f"{pad}{name}:" + ("" if section else f" {_flow(value)}")
+        if doc and len(line) + len(doc) + 4 > _WIDTH:  # a long doc goes above its key, wrapped
+            out.extend(textwrap.wrap(doc, _WIDTH, initial_indent=f"{pad}# ", subsequent_indent=f"{pad}# ",
+                                     break_on_hyphens=False))
+            out.append(line)
         else:
-            out.append(f"{pad}{name}: {_flow(value)}" + (f"  # {doc}" if doc else ""))
+            out.append(line + (f"  # {doc}" if doc else ""))
+        if section:
+            out.extend(render_yaml(value, tp, indent + 2))
     return out
+
+
+_WIDTH = 110
 
 
 def default_yaml() -> str:

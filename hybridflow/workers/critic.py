@@ -36,7 +36,7 @@ class CriticWorker(Worker):
         self.tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
         self.module = load_model(model_cfg.path, self.device, model_cfg.dtype,
                                  auto_cls=AutoModelForTokenClassification, num_labels=1,
-                                 trust_remote_code=model_cfg.trust_remote_code,
+                                 trust_remote_code=model_cfg.trust_remote_code, new_head="the critic's value head",
                                  gradient_checkpointing=model_cfg.enable_gradient_checkpointing)
         self.module.config.pad_token_id = self.tokenizer.pad_token_id
         critic = self.config
