@@ -407,8 +407,8 @@ class PPOConfig:
                 setattr(owner, name, [os.path.expanduser(v) for v in value])
         return cfg
 
-    def validate(self) -> None:
-        """Check the resolved config for consistency; a ConfigError explains the first problem.
+    def validate(self) -> PPOConfig:
+        """Check the resolved config for consistency and return it; a ConfigError explains the first problem.
 
         Also warns (IgnoredKeyWarning) for GPU-only keys set away from their default.
         """
@@ -420,6 +420,7 @@ class PPOConfig:
         check_choices(cfg)
         check_cross_fields(cfg)
         warn_ignored_schema_keys(cfg)
+        return cfg
 
 
 def load_config(overrides: list[str] | None = None, config_path: str | os.PathLike | None = None) -> PPOConfig:

@@ -62,9 +62,7 @@ ALIASES: dict[str, str] = {
 
 def load_config(overrides: list[str] | None = None, config_path: str | os.PathLike | None = None) -> PPOConfig:
     """See ``hybridflow.trainer.config.load_config``: defaults, a user YAML, overrides; resolved, validated."""
-    cfg = load_unvalidated(overrides, config_path)
-    cfg.validate()
-    return cfg
+    return load_unvalidated(overrides, config_path).validate()
 
 
 def load_unvalidated(overrides: list[str] | None = None,

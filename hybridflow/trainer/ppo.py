@@ -43,8 +43,7 @@ class PPOTrainer:
 
     def __init__(self, config: PPOConfig, *, worker_groups: WorkerGroups | None = None,
                  reward_fn: Any = None, val_reward_fn: Any = None) -> None:
-        config.validate()
-        self.config = config = config.resolve()
+        self.config = config = config.validate()  # resolved and checked
         self.tokenizer = load_tokenizer(config.actor_rollout_ref.model.path,
                                         config.actor_rollout_ref.model.trust_remote_code)
         data = config.data

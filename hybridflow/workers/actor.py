@@ -130,6 +130,8 @@ class ActorRolloutRefWorker(Worker):
         metrics = {"actor/pg_loss": pg_loss.item(), "actor/pg_clipfrac": _scalar(clipfrac),
                    "actor/ppo_kl": _scalar(ppo_kl), "actor/pg_clipfrac_lower": _scalar(clipfrac_lower),
                    "actor/entropy": entropy_loss.item()}
+        if "ref_log_prob" in micro.batch.keys():  # KL(policy || reference), k1 estimate over the sampled tokens
+            metrics["actor/kl_ref"] = float(masked_mean(log_prob.detach() - micro.batch["ref_log_prob"], mask))
         if actor.use_kl_loss:
             kl = kl_penalty(log_prob, micro.batch["ref_log_prob"], actor.kl_loss_type)
             kl_loss = agg_loss(kl, mask, actor.loss_agg_mode)

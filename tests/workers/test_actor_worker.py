@@ -169,3 +169,16 @@ def test_generate_sequences_refuses_what_is_not_a_generation_batch(actor_group, 
     no_positions = DataProto.from_dict({k: left.batch[k] for k in ("input_ids", "attention_mask")})
     with pytest.raises(WorkerError, match=r"the batch has no position_ids; .*hybridflow.generation_batch"):
         actor_group.generate_sequences(no_positions)
+
+
+def test_update_reports_the_kl_to_the_reference(actor_group, chat_prompts):
+    """actor/kl_ref is KL(policy || reference) (k1 over the sampled tokens), not how far one update moved
+    the policy (actor/ppo_kl, 0 with one on-policy epoch)."""
+    worker = actor_group.workers[0]
+    out = actor_group.generate_sequences(chat_prompts(worker.tokenizer, ["Compute 5+6."]))
+    current = actor_group.compute_log_prob(out).batch["old_log_probs"]
+    out.batch["ref_log_prob"] = current - 0.05 * out.batch["response_mask"]  # the reference: 0.05 nats below
+    out.batch["advantages"] = torch.zeros_like(current)
+    metrics = actor_group.update_actor(out).meta_info["metrics"]
+    assert metrics["actor/kl_ref"][0] == pytest.approx(0.05, abs=1e-4)
+    assert metrics["actor/ppo_kl"][0] == pytest.approx(0.0, abs=1e-6)
