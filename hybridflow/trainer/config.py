@@ -90,7 +90,6 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False
     #: auto (fp32 on cpu, bf16 on cuda) | fp32 | bf16 | fp16 (or float32 | bfloat16 | float16)
     dtype: Dtype = "auto"
-    use_remove_padding: bool = False  #: verl key; ignored here (needs GPU flash-attention varlen kernels)
 
 
 @dataclass
@@ -110,15 +109,6 @@ class OptimConfig:
 class PolicyLossConfig:
     """Which registered policy loss (``hybridflow.algorithms.get_policy_loss_fn``) the actor uses."""
     loss_mode: str = "vanilla"  #: registered policy loss: vanilla | gspo | your own (register_policy_loss)
-
-
-@dataclass
-class CheckpointContentsConfig:
-    """What a checkpoint holds."""
-    #: verl key; checkpoints always hold all three (warns if changed)
-    save_contents: list[Literal["model", "optimizer", "extra", "hf_model"]] = field(
-        default_factory=lambda: ["model", "optimizer", "extra"]
-    )
 
 
 @dataclass
@@ -144,8 +134,6 @@ class ActorConfig:
     kl_loss_type: KLEstimator = "low_var_kl"  #: KL estimator of that loss
     grad_clip: float = 1.0  #: max gradient norm
     optim: OptimConfig = field(default_factory=OptimConfig)  #: the actor's optimizer
-    #: checkpoint contents
-    checkpoint: CheckpointContentsConfig = field(default_factory=CheckpointContentsConfig)
 
 
 @dataclass
@@ -228,12 +216,9 @@ class RewardModelConfig:
     #: what the reward model reads: chat (the conversation in its tokenizer's chat template), plain (the prompt
     #: text, a newline, the response: for classifiers without a template), auto (chat when it has a template)
     input_format: Literal["auto", "chat", "plain"] = "auto"
-    #: verl key; only naive (one scorer call per sample) exists (warns if changed)
-    reward_manager: str = "naive"
     #: a stand-in reward model for smoke runs: loads nothing, scores each response by its length and the
     #: share of distinct tokens in it (in [0, 1], so rewards move as the responses change)
     dummy: bool = False
-    launch_reward_fn_async: bool = False  #: verl key; not implemented (warns if changed)
     #: cheap reward for all, reward model only for the best share (hybridflow extension)
     two_stage: TwoStageRewardConfig = field(default_factory=TwoStageRewardConfig)
 
@@ -320,7 +305,6 @@ class TrainerConfig:
     resume_from_path: str | None = None  #: checkpoint folder for resume_mode resume_path
     max_ckpt_to_keep: int | None = None  #: keep only the newest N checkpoints; null = all
     seed: int = 42  #: global seed
-    balance_batch: bool = False  #: verl key; not implemented (warns if changed)
     critic_warmup: int = 0  #: first N steps update only the critic (the actor waits for useful values)
 
 
