@@ -27,7 +27,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from hybridflow.trainer.config import DEFAULT_CONFIG_PATH, PPOConfig
-from hybridflow.trainer.config_checks import ConfigError
+from hybridflow.trainer.config_checks import IGNORED_KEYS, ConfigError
 from hybridflow.trainer.config_loader import hints, is_section, load_unvalidated, type_name
 
 YAML_HEADER = """\
@@ -164,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "keys":
         print("\n".join(key_table()))
+        print("\n# accepted with a warning (verl keys that do nothing here; a glob covers every key below it):")
+        print("\n".join(f"{rule.pattern}  # {rule.why}" for rule in IGNORED_KEYS))
     elif args.command == "yaml":
         if args.write:
             DEFAULT_CONFIG_PATH.write_text(default_yaml())
