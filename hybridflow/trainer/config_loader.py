@@ -156,6 +156,8 @@ def nearest_key(key: str, known: list[str] | tuple[str, ...]) -> str | None:
     if leaf in ALIASES and ALIASES[leaf] in known:
         return ALIASES[leaf]
     same_leaf = [k for k in known if k.rpartition(".")[2] == leaf]
+    if not section and len(same_leaf) > 1:  # a bare `lr`: nothing says which section's was meant
+        return None
     close = difflib.get_close_matches(key, same_leaf, n=1, cutoff=0.0)
     return close[0] if close else None
 
@@ -167,6 +169,9 @@ def unknown_key_error(key: str, known: list[str] | tuple[str, ...], source: str)
     leaf = key.rpartition(".")[2]
     if near is not None and ALIASES.get(leaf) == near:
         hint += f" ('{leaf}' is another library's name for it)"
+    same_leaf = [k for k in known if k.rpartition(".")[2] == leaf]
+    if near is None and len(same_leaf) > 1:
+        hint = f"; '{leaf}' is a key of several sections: {', '.join(same_leaf)}"
     return ConfigError(f"unknown config key '{key}'{where}{hint}")
 
 

@@ -299,10 +299,12 @@ def test_names_from_other_libraries_map_to_the_hybridflow_key(override, expected
     assert expected in _error(override)
 
 
-@pytest.mark.parametrize("override", ["trainer.checkpoint_dir=x", "trainer.foo_bar=1", "data.column=x"])
+@pytest.mark.parametrize("override", ["trainer.checkpoint_dir=x", "trainer.foo_bar=1", "data.column=x", "lr=1e-5"])
 def test_no_suggestion_rather_than_a_wrong_one(override):
     message = _error(override)
     assert message.startswith(f"unknown config key '{override.split('=')[0]}'") and "did you mean" not in message
+    if override == "lr=1e-5":  # no guess, but where it lives
+        assert message.endswith("'lr' is a key of several sections: actor_rollout_ref.actor.optim.lr, critic.optim.lr")
 
 
 def test_ppo_config_takes_a_flat_convenience_form():
