@@ -5,6 +5,7 @@ each other and import none of the others.
 """
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hybridflow"
@@ -75,3 +76,18 @@ def test_the_readme_states_the_same_order():
     readme = (PACKAGE.parent / "README.md").read_text()
     order = " -> ".join(", ".join(f"`{name}`" for name in tier) for tier in TIERS)
     assert order in " ".join(readme.split()), f"the README should state the layering as: {order}"
+
+
+_OUTSIDE = re.compile(r"(?:\.\./)+[\w./-]+|\b[\w./-]*\w\.md\b")
+
+
+def test_no_docstring_points_at_a_file_outside_the_repo():
+    """Sources mention files a reader can open: no ``../`` paths out of the repository, no missing ``.md``."""
+    root = PACKAGE.parent
+    found = [f"{path.relative_to(root)}:{n}: {match}"
+             for path in sorted(PACKAGE.rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             for match in _OUTSIDE.findall(line)
+             if match.startswith("../") or not ((root / match).exists() or (path.parent / match).exists())]
+    assert found == []
+    assert _OUTSIDE.findall("see ../shared/FACTS.md and FACTS.md") == ["../shared/FACTS.md", "FACTS.md"]
