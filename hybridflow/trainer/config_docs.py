@@ -6,7 +6,7 @@ The docs are the ``#:`` comments in ``config.py``: ``name: type = default  #: do
 schema and these docs come the shipped ``config/ppo_trainer.yaml``, ``hybridflow config keys`` (every key
 with type, default and doc) and ``hybridflow config show`` (a resolved config as commented YAML).
 
-``python -m hybridflow.trainer.config_docs --write`` (or ``hybridflow config yaml --write``) regenerates
+``hybridflow config yaml --write`` (or ``python -m hybridflow.trainer.config_docs yaml --write``) regenerates
 the shipped YAML after a field changes; a test fails while it is stale.
 """
 
