@@ -177,6 +177,14 @@ def test_a_bad_input_gives_one_line_naming_it(name, data_dir, tiny_model_path, t
     assert expected in line
 
 
+def test_every_command_prints_an_input_error_as_one_line(tmp_path, capsys):
+    assert cli(["generate", "--model", str(tmp_path / "nothing"), "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err == (f"hybridflow generate: error: {tmp_path / 'nothing'} is neither a model "
+                                       "folder, a checkpoint, nor a run folder with a complete checkpoint\n")
+    assert cli(["prepare-data", "arithmetic", str(tmp_path), "--train-size", "-1"]) == 2
+    assert capsys.readouterr().err.startswith("hybridflow prepare-data: error: sizes must be non-negative")
+
+
 def test_debug_shows_the_traceback(data_dir, tiny_model_path, tmp_path):
     from hybridflow.utils.errors import MissingInputError
 
