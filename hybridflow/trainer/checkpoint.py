@@ -171,10 +171,13 @@ def verify_checkpoint(path: str | os.PathLike) -> list[str]:
     """What is wrong with a complete checkpoint compared with the manifest written when it was saved
     (missing files, other sizes or checksums); [] when intact or saved without a manifest."""
     path = Path(path)
-    try:
-        table = json.loads((path / COMPLETE_MARKER).read_text())["files"]
-    except (ValueError, KeyError, TypeError):
+    marker = (path / COMPLETE_MARKER).read_text()
+    if marker.startswith("saved at"):
         return []  # a plain-text marker: saved before manifests, nothing to compare with
+    try:
+        table = json.loads(marker)["files"]
+    except (ValueError, KeyError, TypeError):
+        return [f"its {COMPLETE_MARKER} manifest is damaged"]
     problems = []
     for name, expected in table.items():
         file = path / name

@@ -153,6 +153,8 @@ def test_the_marker_lists_every_file_and_verification_finds_damage(tmp_path):
     (manager.path(1) / "trainer_state.pt").unlink()
     assert verify_checkpoint(manager.path(1)) == ["actor/model.safetensors has 10 bytes, 1000 were saved",
                                                   "trainer_state.pt is missing"]
+    (manager.path(1) / COMPLETE_MARKER).write_text('{"saved_at": "2025-01-01", "fil')
+    assert verify_checkpoint(manager.path(1)) == [f"its {COMPLETE_MARKER} manifest is damaged"]
     (manager.path(1) / COMPLETE_MARKER).write_text("saved at 2025-01-01\n")  # a marker from before manifests
     assert verify_checkpoint(manager.path(1)) == []
 

@@ -32,14 +32,6 @@ NOT_DETERMINISTIC = ("timing_s/", "perf/time_per_step", "perf/throughput")  # wa
 STEPS = 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("arith")
