@@ -108,7 +108,7 @@ def _drop_lines_from_step(path: Path, step: int) -> None:
     lines = path.read_text().splitlines(keepends=True)
     kept = [line for line in lines if line.strip() and _step_of(path, lines, line) < step]
     if len(kept) != len(lines):
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp = path.with_name(f".{path.name}.tmp")  # one writer per run folder (RunLock): a fixed name, reused
         tmp.write_text("".join(kept))
         os.replace(tmp, path)
 

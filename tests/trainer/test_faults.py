@@ -250,6 +250,18 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(reference, da
     assert_identical_runs(run_dir, reference[0])
 
 
+def test_a_damaged_checkpoint_without_a_manifest_is_named(reference, data_dir, tiny_model_path, tmp_path, capsys):
+    """A checkpoint saved before manifests (plain-text marker) cannot be verified up front: reading it says
+    which file is damaged, in one line."""
+    run_dir = stopped_after_step_2(reference[0], tmp_path / "run")
+    (run_dir / "global_step_2" / "COMPLETE").write_text("saved at 2025-01-01 00:00:00\n")
+    weights = run_dir / "global_step_2" / "actor" / "huggingface" / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(1000)
+    line = error_line(capsys, overrides(data_dir, tiny_model_path, run_dir))
+    assert f"{weights} cannot be read (" in line and "the checkpoint is damaged; resume from an earlier one" in line
+
+
 def test_a_torn_metrics_line_is_dropped(reference, data_dir, tiny_model_path, tmp_path, caplog):
     """Before: JSONDecodeError on every later resume."""
     run_dir = stopped_after_step_2(reference[0], tmp_path / "run")
