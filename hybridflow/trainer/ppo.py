@@ -268,10 +268,20 @@ class PPOTrainer:
         self.train_loader.load_state_dict(state["loader"])
         if self.sft_loader and state["sft_loader"]:
             self.sft_loader.load_state_dict(state["sft_loader"])
-        self.kl_ctrl.value = state["kl_coef"]
+        self._restore_kl_coef(state["kl_coef"])
         if self.replay and state.get("replay"):
             self.replay.load_state_dict(state["replay"])
         logger.info("resumed from %s at step %d", folder, self.global_step)
+
+    def _restore_kl_coef(self, saved: float) -> None:
+        """An adaptive coefficient is state and comes back; a fixed one is a setting, and a changed
+        ``algorithm.kl_ctrl.kl_coef`` applies from the resumed step on (logged), as optimiser settings do."""
+        kl = self.config.algorithm.kl_ctrl
+        if kl.type == "fixed" and saved != kl.kl_coef:
+            logger.warning("resuming with algorithm.kl_ctrl.kl_coef %s instead of the checkpoint's %s: applied "
+                           "from this step on", kl.kl_coef, saved)
+        else:
+            self.kl_ctrl.value = saved
 
     def _check_same_data(self, folder: Path, saved: dict[str, Any]) -> None:
         """A checkpoint's data position only means something for the same prompts, batch size and order:

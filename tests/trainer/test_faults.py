@@ -279,13 +279,16 @@ def test_resuming_with_another_batch_size_is_refused(reference, data_dir, tiny_m
            "(data.train_batch_size 4 -> 8)" in line
 
 
-def test_a_changed_learning_rate_applies_on_resume_and_is_logged(reference, data_dir, tiny_model_path, tmp_path,
-                                                                 caplog):
-    """Before: the checkpoint's learning rate was kept, silently."""
+def test_changed_settings_apply_on_resume_and_are_logged(reference, data_dir, tiny_model_path, tmp_path, caplog):
+    """Before: the checkpoint's learning rate (and fixed KL coefficient) was kept, silently."""
     run_dir = stopped_after_step_2(reference[0], tmp_path / "run")
-    resume(overrides(data_dir, tiny_model_path, run_dir, "actor_rollout_ref.actor.optim.lr=2e-3"))
-    assert logged(run_dir)[3]["actor/lr"] == 2e-3 and logged(reference[0])[3]["actor/lr"] == 1e-3
+    resume(overrides(data_dir, tiny_model_path, run_dir, "actor_rollout_ref.actor.optim.lr=2e-3",
+                     "algorithm.kl_ctrl.kl_coef=0.005"))
+    mine, theirs = logged(run_dir)[3], logged(reference[0])[3]
+    assert (mine["actor/lr"], theirs["actor/lr"]) == (2e-3, 1e-3)
+    assert (mine["training/kl_coef"], theirs["training/kl_coef"]) == (0.005, 0.001)
     assert "actor: resuming with lr 0.002 instead of the checkpoint's 0.001: applied from this step on" in caplog.text
+    assert "resuming with algorithm.kl_ctrl.kl_coef 0.005 instead of the checkpoint's 0.001" in caplog.text
 
 
 def killed_at_event(args: list[str], event: int) -> None:
