@@ -1,10 +1,15 @@
-"""The ``hybridflow`` command: ``train``, ``config``, ``prepare-data``, ``make-tiny-model``, ``generate``."""
+"""The ``hybridflow`` command: ``train``, ``config``, ``prepare-data``, ``make-tiny-model``, ``generate``.
+
+Every command prints an input error (``UserError``) as one ``hybridflow <cmd>: error: ...`` line with exit
+status 2; ``--debug`` (any command) or ``HYBRIDFLOW_DEBUG=1`` shows its traceback."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Callable
+
+from hybridflow.utils.errors import run_cli
 
 
 def _generate(argv: list[str]) -> int:
@@ -24,9 +29,9 @@ def _generate(argv: list[str]) -> int:
 
 
 def _train(argv: list[str]) -> int:
-    from hybridflow.trainer.main_ppo import main
+    from hybridflow.trainer.main_ppo import train_command
 
-    return main(argv)
+    return train_command(argv)
 
 
 def _config(argv: list[str]) -> int:
@@ -65,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         if not known:
             print(f"\nunknown command {argv[0]!r}", file=sys.stderr)
         return 0 if known else 2
-    return COMMANDS[argv[0]][0](argv[1:])
+    return run_cli(f"hybridflow {argv[0]}", COMMANDS[argv[0]][0], argv[1:])
 
 
 if __name__ == "__main__":

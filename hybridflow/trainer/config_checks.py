@@ -11,11 +11,13 @@ import fnmatch
 import warnings
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from hybridflow.utils.errors import UserError
+
 if TYPE_CHECKING:
     from hybridflow.trainer.config import PPOConfig
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration that cannot be used; the message names the key (full dotted path)."""
 
 

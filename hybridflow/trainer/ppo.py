@@ -26,10 +26,12 @@ from hybridflow.trainer.config import PPOConfig
 from hybridflow.trainer.hooks import Hook, HookRegistry
 from hybridflow.trainer.metrics import compute_data_metrics, compute_throughput_metrics, reduce_metrics, timer
 from hybridflow.trainer.replay import ActorReplay
+from hybridflow.trainer.run_lock import RunLock
 from hybridflow.trainer.tracking import Tracking
 from hybridflow.trainer.two_stage_reward import TwoStageRewardFn
 from hybridflow.trainer.validation import validation_metrics
 from hybridflow.trainer.worker_groups import WorkerGroups, build_worker_groups
+from hybridflow.utils.errors import UserError
 from hybridflow.workers.modeling import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -240,21 +242,25 @@ class PPOTrainer:
         return self.checkpoints.path(self.global_step)
 
     def load_checkpoint(self) -> None:
-        """Restore ``trainer.resume_mode``'s checkpoint: ``auto`` the run folder's newest complete one (none:
+        """Restore ``trainer.resume_mode``'s checkpoint: ``auto`` the run folder's newest intact one (none:
         start fresh), ``resume_path`` the complete checkpoint or run folder ``resume_from_path``.
 
-        The run folder's ``.tmp-*`` leftovers of a save that a killed process never finished are deleted."""
+        The run folder's ``.tmp-*`` leftovers of a save that a killed process never finished are deleted; with
+        ``auto``, a damaged newer checkpoint is set aside (the run resumes from the previous one), and the
+        latest-step file and ``max_ckpt_to_keep`` are repaired. Optimiser settings changed since the save
+        (lr, betas, weight decay, schedule) apply from here on; the change is logged by the workers."""
         tr = self.config.trainer
         remove_stale_temporaries(self.checkpoints.root)
         if tr.resume_mode == "disable":
             return
         if tr.resume_mode == "auto":
-            folder = self.checkpoints.latest()
+            folder = self.checkpoints.latest_intact()
         else:
             folder = resolve_checkpoint(tr.resume_from_path)
         if folder is None:
             return
         state = torch.load(folder / "trainer_state.pt", weights_only=False)
+        self._check_same_data(folder, state["loader"])
         self.wg.actor_rollout.load_checkpoint(str(folder / "actor"))
         if self.wg.critic is not None:
             self.wg.critic.load_checkpoint(str(folder / "critic"))
@@ -262,15 +268,44 @@ class PPOTrainer:
         self.train_loader.load_state_dict(state["loader"])
         if self.sft_loader and state["sft_loader"]:
             self.sft_loader.load_state_dict(state["sft_loader"])
-        self.kl_ctrl.value = state["kl_coef"]
+        self._restore_kl_coef(state["kl_coef"])
         if self.replay and state.get("replay"):
             self.replay.load_state_dict(state["replay"])
         logger.info("resumed from %s at step %d", folder, self.global_step)
 
+    def _restore_kl_coef(self, saved: float) -> None:
+        """An adaptive coefficient is state and comes back; a fixed one is a setting, and a changed
+        ``algorithm.kl_ctrl.kl_coef`` applies from the resumed step on (logged), as optimiser settings do."""
+        kl = self.config.algorithm.kl_ctrl
+        if kl.type == "fixed" and saved != kl.kl_coef:
+            logger.warning("resuming with algorithm.kl_ctrl.kl_coef %s instead of the checkpoint's %s: applied "
+                           "from this step on", kl.kl_coef, saved)
+        else:
+            self.kl_ctrl.value = saved
+
+    def _check_same_data(self, folder: Path, saved: dict[str, Any]) -> None:
+        """A checkpoint's data position only means something for the same prompts, batch size and order:
+        refuse to resume with others, naming the keys, rather than fail deep in the loader."""
+        keys = {"batch_size": "data.train_batch_size", "num_rows": "the number of training prompts",
+                "seed": "data.seed", "shuffle": "data.shuffle"}
+        mine = self.train_loader.state_dict()
+        changed = [f"{name} {saved.get(key)!r} -> {mine[key]!r}" for key, name in keys.items()
+                   if saved.get(key) != mine[key]]
+        if changed:
+            raise UserError(f"cannot resume from {folder}: it was saved with other data settings ("
+                            f"{', '.join(changed)}); resume with the saved values, or start a new run in another "
+                            "trainer.default_local_dir (or set trainer.resume_mode=disable)")
+
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
         """Train for ``total_training_steps``; returns the last step's metrics (validation included)."""
-        self.init_workers()
+        tr = self.config.trainer
+        with RunLock(tr.default_local_dir):  # held until the run ends (or its process dies)
+            self.init_workers()
+            return self._fit()
+
+    def _fit(self) -> dict[str, float]:
+        """``fit`` once the run folder is ours and the workers are up: resume, validate, train."""
         tr = self.config.trainer
         tracker = Tracking(tr.project_name, tr.experiment_name, tr.logger, tr.default_local_dir,
                            self.config.to_dict())

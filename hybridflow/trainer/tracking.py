@@ -7,13 +7,15 @@ asked for, with an install hint if missing.
 
 Resuming: the JSONL file is appended to, and the first step logged after a restart drops the lines of that
 step and later ones (they were logged after the checkpoint the run resumed from), so the file ends up
-with one line per step as if the run had never stopped.
+with one line per step as if the run had never stopped. A line that does not parse (the process died
+while writing it) is dropped with a warning: a resume never depends on the log being well-formed.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -21,6 +23,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
 
 # (label, metric keys tried in order) of the console line's summary fields.
 _CONSOLE_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -105,11 +109,21 @@ def _drop_lines_from_step(path: Path, step: int) -> None:
     if not path.exists():
         return
     lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if line.strip() and json.loads(line).get("step", -1) < step]
+    kept = [line for line in lines if line.strip() and _step_of(path, lines, line) < step]
     if len(kept) != len(lines):
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp = path.with_name(f".{path.name}.tmp")  # one writer per run folder (RunLock): a fixed name, reused
         tmp.write_text("".join(kept))
         os.replace(tmp, path)
+
+
+def _step_of(path: Path, lines: list[str], line: str) -> float:
+    """The step a JSONL line was logged at; +inf (so it is dropped) for a line torn by a crash."""
+    try:
+        return json.loads(line).get("step", -1)
+    except (json.JSONDecodeError, AttributeError):
+        logger.warning("%s: dropped line %d of %d, which is not a complete JSON object (the process writing it "
+                       "was stopped mid-line): %r", path, lines.index(line) + 1, len(lines), line[:80])
+        return float("inf")
 
 
 class TensorBoardBackend:

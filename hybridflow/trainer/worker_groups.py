@@ -20,6 +20,7 @@ from hybridflow.single_controller import (
     WorkerGroup,
     create_colocated_worker_cls,
 )
+from hybridflow.utils.errors import UserError
 from hybridflow.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
 
@@ -63,6 +64,20 @@ def role_inits(config: Any) -> dict[Role, ClassWithInitArgs]:
     return inits
 
 
+def check_ray_resources(needed: dict[str, float], n_workers: int) -> None:
+    """Refuse up front a run that Ray cannot place (else the placement waits, then fails with Ray's
+    resource message): each of ``trainer.n_workers`` workers takes one CPU (and one GPU on cuda)."""
+    import ray
+
+    available, total = ray.available_resources(), ray.cluster_resources()
+    for kind, amount in needed.items():
+        if amount > available.get(kind, 0.0) + 1e-9:
+            raise UserError(
+                f"trainer.n_workers={n_workers} needs {amount:g} {kind}s on Ray, but Ray sees "
+                f"{available.get(kind, 0.0):g} available (of {total.get(kind, 0.0):g}): lower trainer.n_workers "
+                f"or give Ray more (trainer.ray_kwargs.num_{kind.lower()}s=..., or a larger Ray cluster)")
+
+
 def build_worker_groups(config: Any) -> WorkerGroups:
     """Start the workers (``trainer.backend``: ``local`` or ``ray``) and load their models."""
     inits = role_inits(config)
@@ -74,6 +89,7 @@ def build_worker_groups(config: Any) -> WorkerGroups:
         init_ray(**dict(trainer.ray_kwargs))
         pool = RayResourcePool(process_on_nodes=[trainer.n_workers],
                                use_gpu=trainer.device == "cuda", max_colocate_count=1)
+        check_ray_resources(pool.required_resources(), trainer.n_workers)
         group: WorkerGroup = RayWorkerGroup(pool, fused, name_prefix="hybridflow")
 
         def release() -> None:

@@ -16,7 +16,7 @@ from hybridflow.algorithms import agg_loss, compute_sft_loss, get_policy_loss_fn
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.checkpointing import load_worker_state, save_worker_state
-from hybridflow.workers.engine import TrainingEngine
+from hybridflow.workers.engine import DivergedError, TrainingEngine
 from hybridflow.workers.modeling import batched, load_model, load_tokenizer, response_log_probs
 from hybridflow.workers.rollout import build_rollout, check_generation_batch
 
@@ -76,7 +76,14 @@ class ActorRolloutRefWorker(Worker):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         self._require(self.rollout, "rollout", "generate_sequences")
         check_generation_batch(prompts)
-        return self.rollout.generate_sequences(prompts)
+        try:
+            return self.rollout.generate_sequences(prompts)
+        except DivergedError as e:
+            if self.engine is None or self.engine.steps_done == 0:
+                raise
+            raise DivergedError(f"{e}: the update of training step {self.engine.steps_done} (lr "
+                                f"{self.engine.lr:g}) broke the weights; lower actor_rollout_ref.actor.optim.lr"
+                                ) from e
 
     # ---------------------------------------------------------------- log-probs
     def _log_probs(self, module: torch.nn.Module, data: DataProto, with_entropy: bool,

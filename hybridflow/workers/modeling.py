@@ -21,6 +21,7 @@ from transformers.utils import logging as hf_logging
 from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
 from hybridflow.models import resolve_model_path
 from hybridflow.protocol import DataProto
+from hybridflow.utils.errors import MissingInputError
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +41,15 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 
 def model_location(path: str) -> str:
-    """``default`` -> the embedded model's folder; a path that looks local must exist (else transformers
-    would take it for a hub id and fail with an unrelated message)."""
-    resolved = resolve_model_path(path)
-    looks_local = resolved.startswith((".", "/", "~")) or resolved.count("/") > 1
-    if looks_local and not os.path.isdir(os.path.expanduser(resolved)):
-        raise FileNotFoundError(f"model folder not found: {resolved}")
-    return os.path.expanduser(resolved)
+    """``default`` -> the embedded model's folder; a path that looks local must be a model folder (else
+    transformers would take it for a hub id and fail with an unrelated message)."""
+    resolved = os.path.expanduser(resolve_model_path(path))
+    looks_local = resolved.startswith((".", "/")) or resolved.count("/") > 1 or os.path.exists(resolved)
+    if looks_local and not os.path.isdir(resolved):
+        problem = "is a file, not a model folder" if os.path.exists(resolved) else "not found"
+        raise MissingInputError(f"model path {problem}: {resolved}; give a Hugging Face model folder (with "
+                                "config.json), a hub id, or 'default'")
+    return resolved
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:

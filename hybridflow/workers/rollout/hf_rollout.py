@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from hybridflow.algorithms import logprobs_from_logits
 from hybridflow.protocol import DataProto
+from hybridflow.workers.engine import DivergedError
 
 SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "n", "response_length")
 
@@ -47,6 +48,17 @@ def response_mask_from(responses: torch.Tensor, eos_token_ids: list[int]) -> tor
     is_eos = torch.isin(responses, torch.tensor(eos_token_ids, device=responses.device))
     eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
     return (eos_before == 0).long()
+
+
+class FiniteScores(LogitsProcessor):
+    """Raise ``DivergedError`` when the model's next-token scores hold inf or NaN, instead of sampling
+    garbage (greedy) or failing inside ``torch.multinomial`` with a message that names neither the cause nor
+    the fix. Costs one ``isfinite`` over ``(bs, vocab)`` per generated token."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if not torch.isfinite(scores).all():
+            raise DivergedError("the model's next-token scores are not finite (inf or NaN)")
+        return scores
 
 
 class HFRollout:
@@ -105,7 +117,8 @@ class HFRollout:
         out = self.model.generate(
             input_ids=input_ids, attention_mask=expanded.batch["attention_mask"].to(device), **cache, do_sample=params.do_sample,
             max_new_tokens=params.response_length, eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
-            output_logits=params.do_sample, return_dict_in_generate=True, **sampling)
+            output_logits=params.do_sample, return_dict_in_generate=True,
+            logits_processor=LogitsProcessorList([FiniteScores()]), **sampling)
         self.model.train(was_training)
         prompt_len = input_ids.shape[1]
         generated = out.sequences[:, prompt_len:]
