@@ -1,4 +1,5 @@
-"""The ``hybridflow`` command: ``train``, ``prepare-data``, ``make-tiny-model``, ``generate``."""
+"""The ``hybridflow`` command: ``train``, ``prepare-data``, ``make-tiny-model``, ``generate``, ``report``,
+``doctor``."""
 
 from __future__ import annotations
 
@@ -21,6 +22,18 @@ def _generate(argv: list[str]) -> int:
     for prompt in args.prompt:
         print(f">>> {prompt}\n{chat(model, tokenizer, prompt, args.max_new_tokens, args.temperature)}")
     return 0
+
+
+def _report(argv: list[str]) -> int:
+    from hybridflow.trainer.report import main
+
+    return main(argv)
+
+
+def _doctor(argv: list[str]) -> int:
+    from hybridflow.trainer.doctor import main
+
+    return main(argv)
 
 
 def _train(argv: list[str]) -> int:
@@ -46,6 +59,8 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "prepare-data": (_prepare_data, "write train/test parquet for a task: hybridflow prepare-data TASK OUT_DIR"),
     "make-tiny-model": (_make_tiny_model, "save a tiny random model + tokenizer for tests and examples"),
     "generate": (_generate, "answer prompts with a checkpoint: hybridflow generate --model PATH --prompt ..."),
+    "report": (_report, "curves, stage timeline and samples of run(s) as HTML: hybridflow report RUN_DIR [RUN_B]"),
+    "doctor": (_doctor, "check a config before launching: hybridflow doctor [--json] key=value ..."),
 }
 
 
