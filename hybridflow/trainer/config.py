@@ -438,9 +438,11 @@ def _warn_ignored_schema_keys(cfg: PPOConfig) -> None:
     defaults, vllm = PPOConfig(), cfg.actor_rollout_ref.rollout.name == "vllm"
     for key in _known_keys():
         rule = ignored_rule(key)
-        section = dataclasses.is_dataclass(get_key(cfg, key))  # its changed leaves warn, each by name
-        if rule and not section and not (rule.used_with_vllm and vllm) and get_key(cfg, key) != get_key(defaults, key):
-            warn_ignored(key, rule, get_key(cfg, key))
+        value = get_key(cfg, key)
+        if dataclasses.is_dataclass(value):  # a section: its changed leaves warn, each by name
+            continue
+        if rule and not (rule.used_with_vllm and vllm) and value != get_key(defaults, key):
+            warn_ignored(key, rule, value)
 
 
 # ------------------------------------------------------------------------------- merging and overrides
