@@ -16,6 +16,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import warnings
 from collections import Counter
@@ -104,7 +105,7 @@ def check_paths(ctx: Context) -> Check:
     for key, path in models:
         if path.lower() in DEFAULT_MODEL_NAMES or Path(path).expanduser().is_dir():
             continue
-        looks_local = path.startswith((".", "/", "~")) or path.count("/") != 1
+        looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1  # as model_location decides
         (missing if looks_local else remote).append(f"{key}: {path}")
     for key, path in (("custom_reward_function.path", cfg.custom_reward_function.path),
                       ("trainer.resume_from_path", cfg.trainer.resume_from_path)):
@@ -342,11 +343,26 @@ def check_environment(cfg: PPOConfig | None) -> Check:
         devices += ", " + ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
     detail += f"; {devices}"
     if cfg is not None and cfg.actor_rollout_ref.rollout.name == "vllm":
-        if importlib.util.find_spec("vllm") is None:
-            return Check("environment", "fail", detail + "; rollout.name is vllm but vllm is not installed",
+        problem = _import_error("vllm")
+        if problem:
+            return Check("environment", "fail", f"{detail}; rollout.name is vllm but it does not import: {problem}",
                          "pip install 'hybridflow[vllm]' on the GPU machine, or actor_rollout_ref.rollout.name=hf")
-        detail += "; vllm importable"
+        detail += "; vllm imports"
     return Check("environment", "ok", detail)
+
+
+def _import_error(module: str) -> str:
+    """'' when ``module`` imports, else the last line of the error. In a child process: a GPU engine's
+    import can take seconds, load CUDA libraries or crash, none of which should happen to the doctor."""
+    if importlib.util.find_spec(module) is None:
+        return "not installed"
+    try:
+        result = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True,
+                                timeout=300)
+    except subprocess.TimeoutExpired:
+        return "import took over 300 s"
+    lines = result.stderr.strip().splitlines()
+    return (lines[-1] if lines else f"exit status {result.returncode}") if result.returncode else ""
 
 
 def _version(name: str) -> str | None:

@@ -17,6 +17,7 @@ import io
 import json
 import math
 import re
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -309,8 +310,8 @@ def _section(title: str, png: bytes, numbers: str) -> str:
 def _summary(run: Run) -> list[Any]:
     steps = sorted(s for s, row in run.metrics.items() if "timing_s/step" in row)
     step_times = [row["timing_s/step"] for s, row in run.metrics.items() if "timing_s/step" in row]
-    accuracy = [k for k in run.keys(r"val/.+/acc/mean@\d+")]
-    last_acc = ", ".join(f"{k.split('/')[1]} {run.series(k)[-1][1]:.3g}" for k in accuracy if run.series(k))
+    last_acc = ", ".join(f"{k.split('/')[1]} {run.series(k)[-1][1]:.3g}"
+                         for k in run.keys(r"val/.+/acc/mean@\d+") if run.series(k))
     median = sorted(step_times)[len(step_times) // 2] if step_times else None
     return [run.name, str(run.path), steps[-1] if steps else 0, median, last_acc or "-",
             ", ".join(map(str, run.checkpoints)) or "-"]
@@ -398,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = write_report(args.runs, args.out)
     except FileNotFoundError as err:
-        print(f"hybridflow report: error: {err}")
+        print(f"hybridflow report: error: {err}", file=sys.stderr)
         return 1
     print(path)
     return 0

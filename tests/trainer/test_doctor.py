@@ -2,6 +2,7 @@
 crafted bad input; the memory estimate's arithmetic by hand."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -148,3 +149,17 @@ def test_memory_estimate_by_hand():
     assert fsdp.static == {"actor weights": 10e6, "actor grads": 10e6, "AdamW state": 20e6,
                            "reference weights": 10e6}
     assert est.device < GB
+
+
+def test_environment_fails_when_the_rollout_engine_does_not_import(tmp_path, monkeypatch):
+    from hybridflow.trainer.doctor import _import_error, check_environment
+
+    (tmp_path / "broken_engine.py").write_text("raise RuntimeError('no CUDA driver found')\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.syspath_prepend(str(tmp_path))  # find_spec in this process sees it too
+    assert _import_error("broken_engine") == "RuntimeError: no CUDA driver found"
+    assert _import_error("json") == "" and _import_error("no_such_engine_xyz") == "not installed"
+    cfg = load_config(["data.train_files=x.parquet", "actor_rollout_ref.rollout.name=vllm"], validate=False)
+    monkeypatch.setattr("hybridflow.trainer.doctor._import_error", lambda module: f"{module}: not installed")
+    check = check_environment(cfg)
+    assert check.verdict == "fail" and "rollout.name is vllm but it does not import: vllm" in check.detail

@@ -113,4 +113,4 @@ def test_report_overlays_two_runs_and_reads_a_run_in_progress(run_dir, tmp_path)
 
 def test_report_on_a_folder_without_metrics_names_it(tmp_path, capsys):
     assert cli(["report", str(tmp_path)]) == 1
-    assert f"no metrics.jsonl in folder {tmp_path}" in capsys.readouterr().out
+    assert f"no metrics.jsonl in folder {tmp_path}" in capsys.readouterr().err
