@@ -13,9 +13,10 @@ scoring), and a trial run costs as much. The arithmetic below follows what the w
 
 Activations per token and layer are taken as ``(14 * hidden + 4 * intermediate)`` values (attention and
 MLP intermediates kept for backward; ``2 * hidden`` with gradient checkpointing), and the output layer's
-fp32 logits three times over (logits, log-softmax and their gradient) on the response positions only. On
-SmolLM2-135M (fp32, 8 sequences of 192 tokens) this gives 5.7 GB for a measured 6.2 GB peak RSS; about
-0.5 GB of the difference is the Python and torch runtime, added as ``RUNTIME_BYTES``.
+fp32 logits three times over (logits, log-softmax and their gradient) on the response positions only, plus
+``RUNTIME_BYTES`` for the Python and torch runtime. On SmolLM2-135M (fp32, micro-batches of 8 sequences of
+176 + 16 tokens) this gives 5.0 GiB, where a fwd+bwd+AdamW step of 8 x 192 tokens was measured at 6.2 GB
+peak RSS: an estimate to tell "fits easily" from "will not fit", not a promise to the last gigabyte.
 """
 
 from __future__ import annotations
