@@ -76,6 +76,11 @@ def check_config(ctx: Context, overrides: list[str], config_path: str | None) ->
                 check(cfg)
         except ConfigError as err:
             return Check("config", "fail", str(err), "correct the key named above (hybridflow train would stop there)")
+        try:
+            cfg.validate()  # the full validation also warns for schema keys set but ignored here
+        except ConfigError:
+            pass  # only the batch arithmetic is left to fail: the batch check reports it
+
     ctx.cfg = cfg
     tr = cfg.trainer
     detail = (f"resolves ({len(overrides)} overrides): {cfg.algorithm.adv_estimator}, device {tr.device}, "

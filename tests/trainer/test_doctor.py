@@ -75,6 +75,11 @@ def test_wrong_batch_size_fails_the_batch_check(base, capsys):
     assert failed(checks) == ["batch"] and "only 16 training prompts" in checks["batch"].detail
 
 
+def test_keys_ignored_on_this_backend_are_a_warning(base):
+    check = verdicts([*base, "actor_rollout_ref.actor.use_dynamic_bsz=true"])["config"]
+    assert check.verdict == "warn" and "actor_rollout_ref.actor.use_dynamic_bsz = True" in check.detail
+
+
 def test_missing_file_fails_the_paths_check(base, tmp_path):
     checks = verdicts([*base, f"data.val_files={tmp_path / 'nope.parquet'}"])
     assert failed(checks) == ["paths"]
