@@ -313,7 +313,7 @@ def _summary(run: Run) -> list[Any]:
     last_acc = ", ".join(f"{k.split('/')[1]} {run.series(k)[-1][1]:.3g}"
                          for k in run.keys(r"val/.+/acc/mean@\d+") if run.series(k))
     median = sorted(step_times)[len(step_times) // 2] if step_times else None
-    return [run.name, str(run.path), steps[-1] if steps else 0, median, last_acc or "-",
+    return [run.name, str(run.path), steps[-1] if steps else 0, "-" if median is None else median, last_acc or "-",
             ", ".join(map(str, run.checkpoints)) or "-"]
 
 
@@ -371,9 +371,15 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
             continue
         first, last, rows = pairs
         data.setdefault("generations", {})[run.name] = {"before_step": first, "after_step": last, "rows": rows}
-        table = _table(["prompt", f"step {first}", "score", f"step {last}", "score"],
-                       [[r["prompt"], r["before"], r["before_score"], r["after"], r["after_score"]] for r in rows])
-        sections.append(f"<h2>Validation samples before and after: {html.escape(run.name)}</h2>{table}")
+        if first == last:  # one validation so far
+            table = _table(["prompt", f"step {first}", "score"], [[r["prompt"], r["before"], r["before_score"]]
+                                                                 for r in rows])
+            title = f"Validation samples at step {first} (none later yet)"
+        else:
+            table = _table(["prompt", f"step {first}", "score", f"step {last}", "score"],
+                           [[r["prompt"], r["before"], r["before_score"], r["after"], r["after_score"]] for r in rows])
+            title = "Validation samples before and after"
+        sections.append(f"<h2>{title}: {html.escape(run.name)}</h2>{table}")
     summary = _table(["run", "folder", "last step", "median s/step", "held-out acc (last)", "checkpoints"],
                      [_summary(run) for run in runs])
     note = f"<p>Not logged: {html.escape('; '.join(missing))}.</p>" if missing else ""
