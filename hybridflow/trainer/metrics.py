@@ -19,12 +19,13 @@ def reduce_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: float(np.mean(v)) if isinstance(v, list | tuple) else float(v) for k, v in metrics.items()}
 
 
-#: The worker group each stage of ``PPOTrainer.train_step`` runs on ("driver": the trainer's own process);
-#: the run report draws one timeline lane per group.
+#: The worker group each stage of a training step runs on ("driver": the trainer's own process), validation
+#: and checkpointing after it included; the run report draws one timeline lane per group.
 STAGE_GROUPS: dict[str, str] = {
     "gen": "actor_rollout", "old_log_prob": "actor_rollout", "update_actor": "actor_rollout",
     "replay_priorities": "actor_rollout", "ref": "ref", "values": "critic", "update_critic": "critic",
     "reward": "driver", "adv": "driver", "step": "driver",
+    "validate": "actor_rollout", "checkpoint": "actor_rollout",
 }
 
 

@@ -317,16 +317,18 @@ class PPOTrainer:
                 metrics, timings = {}, StepTimings()
                 batch = self.train_step(next(train_batches), metrics, timings)
                 self.global_step += 1
-                tracker.log_records("timeline", timings.spans, step=self.global_step)
                 last = self.global_step == self.total_steps
                 if self.val_dataset is not None and (last or _every(tr.test_freq, self.global_step)):
-                    metrics.update(self.validate(tracker))
+                    with timer("validate", timings):
+                        metrics.update(self.validate(tracker))
                 metrics["training/global_step"] = self.global_step
                 metrics["training/kl_coef"] = self.kl_ctrl.value
                 tracker.log(metrics, step=self.global_step)
                 self.hooks.emit("on_step_end", self, self.global_step, metrics, batch)
                 if last or _every(tr.save_freq, self.global_step):
-                    self.save_checkpoint()
+                    with timer("checkpoint", timings):
+                        self.save_checkpoint()
+                tracker.log_records("timeline", timings.spans, step=self.global_step)
                 bar.update(1)
         return metrics
 

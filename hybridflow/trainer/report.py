@@ -25,6 +25,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
 
 from hybridflow.trainer.checkpoint import list_checkpoints
 
@@ -32,7 +33,7 @@ TIMELINE_STEPS = 3  # steps drawn in the Gantt chart: the last few
 LINESTYLES = ("-", "--", ":", "-.")
 # Stages in the order a step runs them: one color each, the same in the stacked chart and the timeline.
 STAGE_ORDER = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor",
-               "replay_priorities")
+               "replay_priorities", "validate", "checkpoint")
 
 
 @dataclass
@@ -172,6 +173,7 @@ def draw_curves(spec: CurveFigure, data: dict[str, dict[str, list[tuple[int, flo
             target.plot(steps, values, LINESTYLES[r % len(LINESTYLES)], color=colors.get(label, f"C{i}"),
                         marker="o" if len(points) < 30 else None, markersize=3, label=name)
     ax.set(title=spec.title, xlabel="step", ylabel=spec.ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
     if right is not None:
@@ -212,6 +214,7 @@ def draw_stage_times(runs: list[Run], path: Path) -> bytes:
                 for s, v in points:
                     bottom[s] += v
         ax.set(title=f"Time per stage per step: {run.name}", xlabel="step", ylabel="seconds")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _png(fig, path)
 
@@ -245,7 +248,8 @@ def draw_timeline(runs: list[Run], path: Path) -> bytes:
             ax.annotate(f"step {step}", (start, len(groups) - 0.4), fontsize=7, color="grey")
         ax.set_yticks(range(len(groups)), groups)
         ax.set_ylim(-0.6, len(groups) - 0.1)
-        ax.set(title=f"Stage timeline, last {TIMELINE_STEPS} steps: {run.name}", xlabel="seconds")
+        shown = len({s["step"] for s in spans})
+        ax.set(title=f"Stage timeline, last {shown} step(s): {run.name}", xlabel="seconds")
         ax.legend(handles=[Patch(color=c, label=stage) for stage, c in colors.items()], fontsize=8,
                   loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _png(fig, path)

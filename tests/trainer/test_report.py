@@ -48,16 +48,19 @@ def _embedded(html_path: Path) -> dict:
 def test_trainer_records_stage_spans_and_validation_samples(run_dir):
     spans = _jsonl(run_dir / "timeline.jsonl")
     assert sorted({s["step"] for s in spans}) == [1, 2, 3]
+    after_step = {1: [], 2: ["checkpoint"], 3: ["validate", "checkpoint"]}  # save_freq 2, validation at the end
     for step in (1, 2, 3):
         stages = {s["stage"]: s for s in spans if s["step"] == step}
-        assert set(stages) == {"gen", "reward", "ref", "adv", "update_actor", "step"}
+        assert set(stages) == {"gen", "reward", "ref", "adv", "update_actor", "step", *after_step[step]}
         assert stages["gen"]["group"] == stages["update_actor"]["group"] == "actor_rollout"
         assert stages["ref"]["group"] == "ref" and stages["adv"]["group"] == "driver"
         whole = stages.pop("step")
         ordered = sorted(stages.values(), key=lambda s: s["start"])
-        assert [s["stage"] for s in ordered] == ["gen", "reward", "ref", "adv", "update_actor"]
-        for before, after in zip(ordered, ordered[1:]):  # stages run one after the other, inside the step
+        assert [s["stage"] for s in ordered] == ["gen", "reward", "ref", "adv", "update_actor", *after_step[step]]
+        inside = ordered[:5]
+        for before, after in zip(inside, inside[1:]):  # stages run one after the other, inside the step
             assert whole["start"] <= before["start"] <= before["end"] <= after["start"] <= whole["end"]
+        assert all(s["start"] >= whole["end"] for s in ordered[5:])
     timings = {row["step"]: row for row in _jsonl(run_dir / "metrics.jsonl") if "timing_s/gen" in row}
     gen = next(s for s in spans if s["step"] == 2 and s["stage"] == "gen")
     assert gen["end"] - gen["start"] == pytest.approx(timings[2]["timing_s/gen"], abs=1e-3)
