@@ -314,7 +314,8 @@ def machine_memory(cfg: PPOConfig, memory_gb: float | None) -> tuple[float, str]
                 return min(nodes), f"the smallest of {len(nodes)} Ray node(s)"
     import psutil
 
-    return psutil.virtual_memory().total, "this machine"
+    memory = psutil.virtual_memory()
+    return memory.total, f"this machine, {memory.available / GB:.1f} GB free now"
 
 
 def check_memory(ctx: Context, memory_gb: float | None) -> Check:
