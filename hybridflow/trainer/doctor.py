@@ -64,7 +64,7 @@ class Context:
     tokenizer: Any = None
     shape: ModelShape | None = None
     rows: list[Any] = field(default_factory=list)  # parsed PromptRows of the training files' first rows
-    train_rows: int | None = None  # training prompts left after filtering (first rows only if truncated)
+    train_rows: int | None = None  # training prompts left after filtering (None: files longer than read)
 
 
 def check_config(ctx: Context, overrides: list[str], config_path: str | None) -> Check:
@@ -85,8 +85,8 @@ def check_config(ctx: Context, overrides: list[str], config_path: str | None) ->
     tr = cfg.trainer
     detail = (f"resolves ({len(overrides)} overrides): {cfg.algorithm.adv_estimator}, device {tr.device}, "
               f"backend {tr.backend}, {tr.n_workers} worker(s)")
-    ignored = [str(w.message).removeprefix("ignored on this backend: ") for w in caught
-               if issubclass(w.category, IgnoredKeyWarning)]
+    ignored = list(dict.fromkeys(str(w.message).removeprefix("ignored on this backend: ") for w in caught
+                                 if issubclass(w.category, IgnoredKeyWarning)))
     if ignored:
         return Check("config", "warn", f"{detail}; set but ignored here: {'; '.join(ignored)}",
                      "drop those keys or use a backend that implements them")
@@ -202,13 +202,14 @@ def check_dataset(ctx: Context) -> Check:
     what = f"first {len(lengths)} rows" if partial else f"{len(lengths)} rows"
     detail = (f"{what}; prompt tokens p50 {p50}, p90 {p90}, p99 {p99}, max {max(lengths)} vs "
               f"data.max_prompt_length {limit}; first prompt {first_text[-120:]!r}")
-    ctx.train_rows = len(lengths) - (over if data.filter_overlong_prompts else 0)
+    if not partial:  # the whole training set was read: the prompts a run would have
+        ctx.train_rows = len(lengths) - (over if data.filter_overlong_prompts else 0)
     info = {"rows": len(lengths), "p50": p50, "p90": p90, "p99": p99, "max": max(lengths), "over": over}
     raise_to = f"raise data.max_prompt_length to {max(lengths)}"
     if over and not data.filter_overlong_prompts and data.truncation == "error":
         return Check("dataset", "fail", f"{detail}; {over} prompts are too long and truncation is 'error'",
                      f"{raise_to}, or data.filter_overlong_prompts=true, or data.truncation=left", info)
-    if over == len(lengths):
+    if over == len(lengths) and data.filter_overlong_prompts:
         return Check("dataset", "fail", f"{detail}; every prompt is longer than the limit and would be dropped",
                      raise_to, info)
     if over:

@@ -114,6 +114,9 @@ def test_overlong_dataset_fails_the_dataset_check(base):
     assert "raise data.max_prompt_length to" in checks["dataset"].fix
     checks = verdicts([*base, "data.max_prompt_length=16"])  # filtering on: nothing left
     assert checks["dataset"].verdict == "fail" and "would be dropped" in checks["dataset"].detail
+    checks = verdicts([*base, "data.max_prompt_length=16", "data.filter_overlong_prompts=false",
+                       "data.truncation=left"])  # kept, but cut: a warning
+    assert checks["dataset"].verdict == "warn" and "16 of 16 (100%) would be truncated (left)" in checks["dataset"].detail
 
 
 def test_model_too_large_for_the_stated_memory_fails_naming_the_knob(base):
