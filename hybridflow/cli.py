@@ -1,4 +1,5 @@
-"""The ``hybridflow`` command: ``train``, ``config``, ``prepare-data``, ``make-tiny-model``, ``generate``.
+"""The ``hybridflow`` command: ``train``, ``config``, ``prepare-data``, ``make-tiny-model``, ``generate``,
+``report``, ``doctor``.
 
 Every command prints an input error (``UserError``) as one ``hybridflow <cmd>: error: ...`` line with exit
 status 2; ``--debug`` (any command) or ``HYBRIDFLOW_DEBUG=1`` shows its traceback."""
@@ -26,6 +27,18 @@ def _generate(argv: list[str]) -> int:
     for prompt in args.prompt:
         print(f">>> {prompt}\n{chat(model, tokenizer, prompt, args.max_new_tokens, args.temperature)}")
     return 0
+
+
+def _report(argv: list[str]) -> int:
+    from hybridflow.trainer.report import main
+
+    return main(argv)
+
+
+def _doctor(argv: list[str]) -> int:
+    from hybridflow.trainer.doctor import main
+
+    return main(argv)
 
 
 def _train(argv: list[str]) -> int:
@@ -58,6 +71,8 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "prepare-data": (_prepare_data, "write train/test parquet for a task: hybridflow prepare-data TASK OUT_DIR"),
     "make-tiny-model": (_make_tiny_model, "save a tiny random model + tokenizer for tests and examples"),
     "generate": (_generate, "answer prompts with a checkpoint: hybridflow generate --model PATH --prompt ..."),
+    "report": (_report, "curves, stage timeline and samples of run(s) as HTML: hybridflow report RUN_DIR [RUN_B]"),
+    "doctor": (_doctor, "check a config before launching: hybridflow doctor [--json] key=value ..."),
 }
 
 

@@ -90,6 +90,18 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False
     #: auto (fp32 on cpu, bf16 on cuda) | fp32 | bf16 | fp16 (or float32 | bfloat16 | float16)
     dtype: Dtype = "auto"
+    lora_rank: int = 0  #: LoRA adapter rank; 0 = train every weight
+    lora_alpha: int = 16  #: LoRA scaling numerator (the adapter's output is scaled by alpha / rank)
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  #: modules given LoRA adapters
+
+
+@dataclass
+class FSDPConfig:
+    """FSDP2 sharding of a role's model (``strategy: fsdp2``): offload and resharding."""
+    param_offload: bool = False  #: keep the parameters in CPU memory between uses
+    optimizer_offload: bool = False  #: keep the optimizer state in CPU memory
+    reshard_after_forward: bool = True  #: free the gathered parameters after each forward (ZeRO-3 style)
+    fsdp_size: int = -1  #: ranks one model is sharded over; -1 = all
 
 
 @dataclass
@@ -133,6 +145,9 @@ class ActorConfig:
     kl_loss_coef: float = 0.001  #: weight of that KL loss
     kl_loss_type: KLEstimator = "low_var_kl"  #: KL estimator of that loss
     grad_clip: float = 1.0  #: max gradient norm
+    use_dynamic_bsz: bool = False  #: micro-batches by token budget instead of a fixed sequence count
+    ppo_max_token_len_per_gpu: int = 16384  #: tokens per micro-batch per worker with use_dynamic_bsz
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  #: FSDP2 sharding (strategy fsdp2)
     optim: OptimConfig = field(default_factory=OptimConfig)  #: the actor's optimizer
 
 
@@ -140,6 +155,7 @@ class ActorConfig:
 class RefConfig:
     """The frozen reference policy (used when a KL loss or KL reward penalty is on)."""
     log_prob_micro_batch_size_per_gpu: int = 8  #: sequences per reference log-prob forward on one worker
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  #: FSDP2 sharding (strategy fsdp2)
 
 
 @dataclass

@@ -47,6 +47,8 @@ IGNORED_KEYS: tuple[IgnoredKey, ...] = (
     IgnoredKey("*.use_dynamic_bsz", _TOKEN_BUDGET),
     IgnoredKey("*.log_prob_use_dynamic_bsz", _TOKEN_BUDGET),
     IgnoredKey("*_max_token_len_per_gpu", _TOKEN_BUDGET),
+    IgnoredKey("*.model.lora_*", "LoRA adapters are not implemented yet; every weight is trained"),
+    IgnoredKey("*.model.target_modules", "LoRA adapters are not implemented yet; every weight is trained"),
     IgnoredKey("*.use_remove_padding", "padding-free attention needs flash-attention kernels on a GPU"),
     IgnoredKey("*.use_torch_compile", "GPU kernel option"),
     IgnoredKey("*.use_liger", "GPU kernel option"),

@@ -88,8 +88,11 @@ def warn_ignored_schema_keys(cfg: PPOConfig) -> None:
     defaults, vllm = PPOConfig(), cfg.actor_rollout_ref.rollout.name == "vllm"
     for key in known_keys():
         rule = ignored_rule(key)
-        if rule and not (rule.used_with_vllm and vllm) and get_key(cfg, key) != get_key(defaults, key):
-            warn_ignored(key, rule, get_key(cfg, key))
+        value = get_key(cfg, key)
+        if dataclasses.is_dataclass(value):  # a section: its changed leaves warn, each by name
+            continue
+        if rule and not (rule.used_with_vllm and vllm) and value != get_key(defaults, key):
+            warn_ignored(key, rule, value)
 
 
 # ------------------------------------------------------------------------------------- the schema's keys

@@ -24,7 +24,13 @@ from hybridflow.rewards import RewardManager, default_compute_score, load_custom
 from hybridflow.trainer.checkpoint import CheckpointManager, remove_stale_temporaries, resolve_checkpoint
 from hybridflow.trainer.config import PPOConfig
 from hybridflow.trainer.hooks import Hook, HookRegistry
-from hybridflow.trainer.metrics import compute_data_metrics, compute_throughput_metrics, reduce_metrics, timer
+from hybridflow.trainer.metrics import (
+    StepTimings,
+    compute_data_metrics,
+    compute_throughput_metrics,
+    reduce_metrics,
+    timer,
+)
 from hybridflow.trainer.replay import ActorReplay
 from hybridflow.trainer.run_lock import RunLock
 from hybridflow.trainer.tracking import Tracking
@@ -139,9 +145,11 @@ class PPOTrainer:
         return (actor.ppo_epochs > 1 or actor.ppo_mini_batch_size < d.train_batch_size
                 or self.config.algorithm.use_kl_in_reward or self.replay is not None)
 
-    def train_step(self, batch: DataProto, metrics: dict[str, float]) -> DataProto:
-        """One PPO iteration on a batch of prompts; returns the batch with everything computed."""
-        cfg, wg, t = self.config, self.wg, {}
+    def train_step(self, batch: DataProto, metrics: dict[str, float],
+                   timings: StepTimings | None = None) -> DataProto:
+        """One PPO iteration on a batch of prompts; returns the batch with everything computed.
+        ``timings`` receives each stage's seconds and wall-clock span (the run report's timeline)."""
+        cfg, wg, t = self.config, self.wg, StepTimings() if timings is None else timings
         use_critic = wg.critic is not None
         with timer("step", t):
             self.hooks.emit("on_step_start", self, self.global_step, metrics, batch)
@@ -201,8 +209,9 @@ class PPOTrainer:
         return batch
 
     # ------------------------------------------------------------------ validation
-    def validate(self) -> dict[str, float]:
-        """Generate on the validation set with ``rollout.val_kwargs``; ``val/<source>/...`` metrics."""
+    def validate(self, tracker: Tracking | None = None) -> dict[str, float]:
+        """Generate on the validation set with ``rollout.val_kwargs``; ``val/<source>/...`` metrics.
+        The ``trainer.log_val_generations`` samples shown also go to ``tracker`` (``val_generations.jsonl``)."""
         if self.val_dataset is None:
             return {}
         kw = self.config.actor_rollout_ref.rollout.val_kwargs
@@ -215,18 +224,26 @@ class PPOTrainer:
             result = self.val_reward_fn(out, return_dict=True)
             rows.append((out, result))
         metrics = validation_metrics(rows, kw.n)
-        self._show_generations(rows[0][0], rows[0][1]["reward_tensor"], self.config.trainer.log_val_generations)
+        samples = self._show_generations(rows[0][0], rows[0][1]["reward_tensor"],
+                                         self.config.trainer.log_val_generations)
+        if tracker is not None and samples:
+            tracker.log_records("val_generations", samples, step=self.global_step)
         self.hooks.emit("on_validation_end", self, self.global_step, metrics, None)
         return metrics
 
-    def _show_generations(self, batch: DataProto, rewards: torch.Tensor, count: int) -> None:
+    def _show_generations(self, batch: DataProto, rewards: torch.Tensor, count: int) -> list[dict[str, Any]]:
         """Print the first ``count`` validation samples (question, answer, score): a look at what the
-        numbers mean (``trainer.log_val_generations``)."""
+        numbers mean (``trainer.log_val_generations``). Returns them as ``{"index", "prompt", "response",
+        "score"}`` records."""
+        samples = []
         for i in range(min(count, len(batch))):
             question = batch.non_tensor_batch["raw_prompt"][i][-1]["content"]
             length = int(batch.batch["response_mask"][i].sum())
             answer = self.tokenizer.decode(batch.batch["responses"][i, :length], skip_special_tokens=True)
-            tqdm.write(f"[val step {self.global_step}] score {rewards[i].sum().item():.3g} | {question!r} -> {answer!r}")
+            score = rewards[i].sum().item()
+            tqdm.write(f"[val step {self.global_step}] score {score:.3g} | {question!r} -> {answer!r}")
+            samples.append({"index": i, "prompt": question, "response": answer, "score": score})
+        return samples
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
@@ -315,7 +332,7 @@ class PPOTrainer:
             metrics: dict[str, float] = {}
             fresh = self.global_step == 0
             if self.val_dataset is not None and (tr.val_only or tr.val_before_train and fresh):
-                metrics = self.validate()
+                metrics = self.validate(tracker)
                 tracker.log(metrics, step=self.global_step)
             if not tr.val_only:
                 metrics = self._train(tracker)
@@ -332,18 +349,21 @@ class PPOTrainer:
         metrics: dict[str, float] = {}
         with tqdm(total=self.total_steps, initial=self.global_step, desc="training", unit="step") as bar:
             while self.global_step < self.total_steps:
-                metrics = {}
-                batch = self.train_step(next(train_batches), metrics)
+                metrics, timings = {}, StepTimings()
+                batch = self.train_step(next(train_batches), metrics, timings)
                 self.global_step += 1
                 last = self.global_step == self.total_steps
                 if self.val_dataset is not None and (last or _every(tr.test_freq, self.global_step)):
-                    metrics.update(self.validate())
+                    with timer("validate", timings):
+                        metrics.update(self.validate(tracker))
                 metrics["training/global_step"] = self.global_step
                 metrics["training/kl_coef"] = self.kl_ctrl.value
                 tracker.log(metrics, step=self.global_step)
                 self.hooks.emit("on_step_end", self, self.global_step, metrics, batch)
                 if last or _every(tr.save_freq, self.global_step):
-                    self.save_checkpoint()
+                    with timer("checkpoint", timings):
+                        self.save_checkpoint()
+                tracker.log_records("timeline", timings.spans, step=self.global_step)
                 bar.update(1)
         return metrics
 

@@ -83,25 +83,50 @@ class ConsoleBackend:
         pass
 
 
-class JsonlBackend:
-    """``<log_dir>/metrics.jsonl``: ``{"step": N, ...metrics}`` per line, appended and flushed each step."""
+class JsonlFile:
+    """A JSONL file of ``{"step": N, ...}`` objects, appended and flushed each write; the first write of a
+    resumed run drops the lines of that step and later ones (they were logged after the checkpoint)."""
 
-    def __init__(self, project_name: str, experiment_name: str, log_dir: Path, config: dict | None) -> None:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.path = log_dir / "metrics.jsonl"
+    def __init__(self, path: Path) -> None:
+        self.path = path
         self._file: Any = None
 
-    def log(self, data: dict[str, float], step: int) -> None:
+    def write(self, step: int, rows: Iterable[Mapping[str, Any]]) -> None:
         if self._file is None:
             _drop_lines_from_step(self.path, step)
-            self._file = open(self.path, "a")  # kept open for the run, closed in finish()
-        self._file.write(json.dumps({"step": step, **data}) + "\n")
+            self._file = open(self.path, "a")  # kept open for the run, closed in close()
+        self._file.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
         self._file.flush()
 
-    def finish(self) -> None:
+    def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+class JsonlBackend:
+    """``<log_dir>/metrics.jsonl``: ``{"step": N, ...metrics}`` per line, appended and flushed each step.
+
+    ``log_records`` writes structured per-step records (the stage timeline, validation samples) the same
+    way into ``<log_dir>/<name>.jsonl``, one line per record."""
+
+    def __init__(self, project_name: str, experiment_name: str, log_dir: Path, config: dict | None) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = log_dir
+        self.path = log_dir / "metrics.jsonl"
+        self._files = {"metrics": JsonlFile(self.path)}
+
+    def log(self, data: dict[str, float], step: int) -> None:
+        self._files["metrics"].write(step, [data])
+
+    def log_records(self, name: str, records: list[dict[str, Any]], step: int) -> None:
+        if name not in self._files:
+            self._files[name] = JsonlFile(self.log_dir / f"{name}.jsonl")
+        self._files[name].write(step, records)
+
+    def finish(self) -> None:
+        for file in self._files.values():
+            file.close()
 
 
 def _drop_lines_from_step(path: Path, step: int) -> None:
@@ -213,6 +238,13 @@ class Tracking:
         values = {key: _scalar(key, value) for key, value in data.items()}
         for backend in self.backends:
             backend.log(values, step)
+
+    def log_records(self, name: str, records: list[dict[str, Any]], step: int) -> None:
+        """JSON-serialisable records of ``step`` into ``<log_dir>/<name>.jsonl`` (``file`` logger only):
+        data that is not one scalar per step, e.g. the stage ``timeline`` or ``val_generations``."""
+        for backend in self.backends:
+            if isinstance(backend, JsonlBackend):
+                backend.log_records(name, records, step)
 
     def finish(self) -> None:
         """Flush and close every backend."""

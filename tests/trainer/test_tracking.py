@@ -102,3 +102,20 @@ def test_missing_package_names_the_install_command(tmp_path, monkeypatch, name):
     with pytest.raises(ImportError, match=f"trainer.logger includes '{name}' but the package is not installed: "
                                           f"pip install {name}"):
         Tracking("p", "e", ["file", name], tmp_path)
+
+
+def test_records_go_to_their_own_file_and_resume_like_the_metrics(tmp_path):
+    first = Tracking("p", "e", ["console", "file"], tmp_path)
+    first.log_records("timeline", [{"stage": "gen", "start": 1.0}, {"stage": "adv", "start": 2.0}], step=1)
+    first.log_records("timeline", [{"stage": "gen", "start": 3.0}], step=2)
+    first.finish()  # resumed from the step-1 checkpoint: step 2 runs again
+    resumed = Tracking("p", "e", ["file"], tmp_path)
+    resumed.log_records("timeline", [{"stage": "gen", "start": 4.0}], step=2)
+    resumed.finish()
+    assert _read_jsonl(tmp_path / "timeline.jsonl") == [
+        {"step": 1, "stage": "gen", "start": 1.0}, {"step": 1, "stage": "adv", "start": 2.0},
+        {"step": 2, "stage": "gen", "start": 4.0}]
+    assert not (tmp_path / "metrics.jsonl").exists()
+    console_only = Tracking("p", "e", ["console"], tmp_path / "c")
+    console_only.log_records("timeline", [{"stage": "gen"}], step=1)  # no file logger: nothing written
+    assert not (tmp_path / "c").exists()
