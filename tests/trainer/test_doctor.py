@@ -12,6 +12,7 @@ from hybridflow.cli import main as cli
 from hybridflow.data.prepare import main as prepare_data
 from hybridflow.demo import DEMO_SETTINGS
 from hybridflow.trainer.config import load_config
+from hybridflow.trainer.config_loader import load_unvalidated
 from hybridflow.trainer.doctor import run_checks
 from hybridflow.trainer.memory_estimate import GB, RUNTIME_BYTES, ModelShape, estimate_memory
 
@@ -167,7 +168,7 @@ def test_environment_fails_when_the_rollout_engine_does_not_import(tmp_path, mon
     monkeypatch.syspath_prepend(str(tmp_path))  # find_spec in this process sees it too
     assert _import_error("broken_engine") == "RuntimeError: no CUDA driver found"
     assert _import_error("json") == "" and _import_error("no_such_engine_xyz") == "not installed"
-    cfg = load_config(["data.train_files=x.parquet", "actor_rollout_ref.rollout.name=vllm"], validate=False)
+    cfg = load_unvalidated(["data.train_files=x.parquet", "actor_rollout_ref.rollout.name=vllm"])
     monkeypatch.setattr("hybridflow.trainer.doctor._import_error", lambda module: f"{module}: not installed")
     check = check_environment(cfg)
     assert check.verdict == "fail" and "rollout.name is vllm but it does not import: vllm" in check.detail
