@@ -66,7 +66,7 @@ Dtype = Literal["auto", "fp32", "bf16", "fp16", "float32", "bfloat16", "float16"
 
 
 @dataclass
-class SFTConfig:
+class SFTMixConfig:
     """An optional supervised loss mixed into the policy update (hybridflow extension)."""
     files: list[str] | None = None
     every_n_steps: int = 1
@@ -90,7 +90,7 @@ class DataConfig:
     filter_overlong_prompts: bool = True
     shuffle: bool = True
     seed: int | None = None
-    sft: SFTConfig = field(default_factory=SFTConfig)
+    sft: SFTMixConfig = field(default_factory=SFTMixConfig)
 
 
 @dataclass
@@ -435,9 +435,10 @@ def _is_section(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
-def _schema_entry(path: list[str]) -> tuple[Any, bool] | None:
-    """(type, inside_free_form_dict) of the key at ``path``; None for a key the schema does not have."""
-    tp: Any = PPOConfig
+def _schema_entry(path: list[str], root: type | None = None) -> tuple[Any, bool] | None:
+    """(type, inside_free_form_dict) of the key at ``path`` in ``root`` (default PPOConfig); None for a key
+    the schema does not have."""
+    tp: Any = root or PPOConfig
     for seg in path:
         if get_origin(tp) is dict:
             return Any, True
@@ -448,8 +449,8 @@ def _schema_entry(path: list[str]) -> tuple[Any, bool] | None:
 
 
 @cache
-def _known_keys() -> tuple[str, ...]:
-    """Every dotted key of the schema, sections included."""
+def _known_keys(root: type | None = None) -> tuple[str, ...]:
+    """Every dotted key of the schema ``root`` (default PPOConfig), sections included."""
     keys: list[str] = []
 
     def walk(node: dict[str, Any], prefix: str) -> None:
@@ -458,7 +459,7 @@ def _known_keys() -> tuple[str, ...]:
             if isinstance(value, dict):
                 walk(value, f"{prefix}{name}.")
 
-    walk(PPOConfig().to_dict(), "")
+    walk(dataclasses.asdict((root or PPOConfig)()), "")
     return tuple(keys)
 
 
@@ -494,21 +495,22 @@ def _unknown_key_error(key: str, known: list[str] | tuple[str, ...], source: str
     return ConfigError(f"unknown config key '{key}'{where}{hint}")
 
 
-def _merge(tree: dict[str, Any], updates: Any, prefix: list[str], source: str) -> None:
-    """Merge the nested dict ``updates`` into ``tree`` in place, checking every key against the schema."""
+def _merge(tree: dict[str, Any], updates: Any, prefix: list[str], source: str, root: type | None = None) -> None:
+    """Merge the nested dict ``updates`` into ``tree`` in place, checking every key against the schema
+    ``root`` (default PPOConfig)."""
     if not isinstance(updates, dict):
         raise ConfigError(f"{'.'.join(prefix) or 'the config'} in {source} must be a mapping, got {updates!r}")
     for name, value in updates.items():
         path = [*prefix, str(name)]
         key = ".".join(path)
-        if _schema_entry(path) is None:
-            rule = ignored_rule(key)
+        if _schema_entry(path, root) is None:
+            rule = ignored_rule(key) if root in (None, PPOConfig) else None
             for leaf, leaf_value in _leaves(key, value):
                 if rule is None:
-                    raise _unknown_key_error(leaf, _known_keys(), source)
+                    raise _unknown_key_error(leaf, _known_keys(root), source)
                 warn_ignored(leaf, rule, leaf_value)
         elif isinstance(value, dict) and isinstance(tree.get(name), dict):
-            _merge(tree[name], value, path, source)
+            _merge(tree[name], value, path, source, root)
         else:
             tree[name] = copy.deepcopy(value)
 
@@ -543,10 +545,10 @@ def _parse_override(text: str) -> tuple[str, str, Any]:
     return match["op"] or "", match["key"], value
 
 
-def _apply_override(tree: dict[str, Any], text: str) -> None:
+def _apply_override(tree: dict[str, Any], text: str, root: type | None = None) -> None:
     op, key, value = _parse_override(text)
     path, source = key.split("."), f"override {text!r}"
-    entry = _schema_entry(path)
+    entry = _schema_entry(path, root)
     if entry is not None:
         parent = _lookup(tree, path[:-1])
         exists = isinstance(parent, dict) and path[-1] in parent
@@ -566,7 +568,7 @@ def _apply_override(tree: dict[str, Any], text: str) -> None:
     nested: Any = value
     for name in reversed(path):
         nested = {name: nested}
-    _merge(tree, nested, [], source)
+    _merge(tree, nested, [], source, root)
 
 
 def _lookup(tree: Any, path: list[str]) -> Any:
@@ -580,14 +582,14 @@ def _lookup(tree: Any, path: list[str]) -> Any:
 # ------------------------------------------------------------------------------------------- typing
 
 
-def _build_config(tree: dict[str, Any]) -> PPOConfig:
-    """Resolve ``${...}`` interpolations, then type the nested dict into PPOConfig."""
+def _build_config(tree: dict[str, Any], root: type | None = None) -> Any:
+    """Resolve ``${...}`` interpolations, then type the nested dict into ``root`` (default PPOConfig)."""
     if "${" in repr(tree):  # OmegaConf is slow (~0.1 s); a resolved tree skips it
         try:
             tree = OmegaConf.to_container(OmegaConf.create(tree), resolve=True)
         except OmegaConfBaseException as err:
             raise ConfigError(f"cannot resolve an interpolation in the config: {err}") from None
-    return _build(PPOConfig, tree, "")
+    return _build(root or PPOConfig, tree, "")
 
 
 def _type_name(tp: Any) -> str:
