@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from hybridflow.algorithms import dpo_loss, get_preference_loss_fn, kto_kl_estimate, kto_loss, sequence_log_probs
+from hybridflow.algorithms import (
+    dpo_loss,
+    get_preference_loss_fn,
+    kto_kl_estimate,
+    kto_loss,
+    sequence_log_probs,
+)
 
 # One pair: policy log-probs chosen -1, rejected -3; reference -2 for both, so h = (-1 + 3) - 0 = 2.
 PAIR = [torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.0])]

@@ -13,7 +13,13 @@ from hybridflow.trainer.checkpoint import find_latest_checkpoint
 from hybridflow.trainer.config import ConfigError
 from hybridflow.trainer.inference import load_trained_actor
 from hybridflow.trainer.offline import OfflineTrainer
-from hybridflow.trainer.offline_config import CONFIGS, DPOConfig, SFTConfig, default_config_path, load_offline_config
+from hybridflow.trainer.offline_config import (
+    CONFIGS,
+    DPOConfig,
+    SFTConfig,
+    default_config_path,
+    load_offline_config,
+)
 
 
 @pytest.fixture(scope="module")
