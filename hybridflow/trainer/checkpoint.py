@@ -169,6 +169,16 @@ class CheckpointManager:
         """Complete checkpoints as ``(step, path)``, oldest first."""
         return list_checkpoints(self.root)
 
+    def to_resume(self, resume_mode: str, resume_from_path: str | None) -> Path | None:
+        """The checkpoint a run resumes from (``trainer.resume_mode``): ``auto`` this run folder's newest
+        complete one (None: start fresh), ``resume_path`` the complete checkpoint or run folder
+        ``resume_from_path``, ``disable`` None. First deletes the ``.tmp-*`` leftovers of a save that a
+        killed process never finished."""
+        remove_stale_temporaries(self.root)
+        if resume_mode == "disable":
+            return None
+        return self.latest() if resume_mode == "auto" else resolve_checkpoint(resume_from_path)
+
 
 def _process_alive(pid: int) -> bool:
     try:

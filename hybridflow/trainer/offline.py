@@ -23,7 +23,7 @@ from hybridflow.data import PromptLoader
 from hybridflow.data.offline import KTODataset, OfflineDataset, PreferenceDataset, SFTConversationDataset
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import ClassWithInitArgs, Role
-from hybridflow.trainer.checkpoint import CheckpointManager, remove_stale_temporaries, resolve_checkpoint
+from hybridflow.trainer.checkpoint import CheckpointManager
 from hybridflow.trainer.config import (
     ActorConfig,
     ActorRolloutRefConfig,
@@ -173,10 +173,7 @@ class OfflineTrainer:
     def load_checkpoint(self) -> None:
         """Resume as the PPO trainer does (``trainer.resume_mode``: auto | disable | resume_path)."""
         tr = self.config.trainer
-        remove_stale_temporaries(self.checkpoints.root)
-        if tr.resume_mode == "disable":
-            return
-        folder = self.checkpoints.latest() if tr.resume_mode == "auto" else resolve_checkpoint(tr.resume_from_path)
+        folder = self.checkpoints.to_resume(tr.resume_mode, tr.resume_from_path)
         if folder is None:
             return
         state = torch.load(folder / "trainer_state.pt", weights_only=False)

@@ -101,3 +101,14 @@ def test_sft_lowers_the_validation_loss_and_cli_names_config_errors(data, tiny_m
     assert rows[-1]["val/loss"] < rows[0]["val/loss"] - 0.5
     assert cli(["sft", "data.train_files=x", "data.max_lenght=3"]) == 2
     assert "did you mean 'data.max_length'" in capsys.readouterr().err
+
+
+def test_sft_resumes_from_its_last_checkpoint(data, tiny_model_path, tmp_path):
+    with OfflineTrainer(load_offline_config(SFTConfig, overrides(data, "sft", tiny_model_path, tmp_path,
+                                                                 "trainer.total_training_steps=2"))) as trainer:
+        trainer.fit()
+    resumed = OfflineTrainer(load_offline_config(SFTConfig, overrides(data, "sft", tiny_model_path, tmp_path)))
+    resumed.init_workers()
+    resumed.load_checkpoint()
+    assert (resumed.global_step, resumed.train_loader.position) == (2, 2)
+    resumed.close()
