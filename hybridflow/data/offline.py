@@ -61,14 +61,16 @@ class Conversations:
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
-    def encode(self, messages: list[dict[str, str]], where: str) -> Sample:
-        """Prompt = the turns before the first assistant turn; response = the rest up to the last assistant
-        turn, loss on the assistant turns' tokens (their end-of-turn token included, what follows it not)."""
-        assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    def encode(self, messages: list[dict[str, str]], where: str, prompt_turns: int | None = None) -> Sample:
+        """Prompt = the first ``prompt_turns`` messages (default: those before the first assistant turn; a
+        prompt may hold assistant turns, e.g. a one-shot example, that are context, not targets); response =
+        the rest up to the last assistant turn, loss on its assistant turns' tokens (their end-of-turn token
+        included, what follows it not)."""
+        assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= (prompt_turns or 0)]
         if not assistant or assistant[0] == 0:
             raise ValueError(f"{where}: a conversation needs a turn before the first assistant turn and at least "
                              f"one assistant turn; roles are {[m['role'] for m in messages]}")
-        first = assistant[0]
+        first = assistant[0] if prompt_turns is None else prompt_turns
         prompt_text = previous = self._render(messages[:first], generation_prompt=True)
         pieces: list[tuple[str, int]] = []
         for j in range(first, assistant[-1] + 1):
@@ -209,8 +211,10 @@ class SFTConversationDataset(OfflineDataset):
         if row.get(self.messages_key) is not None:
             messages = _messages(row[self.messages_key], f"{where}: field {self.messages_key!r}")
         else:
-            messages = self._prompt(row, where) + self._completion(row, self.response_key, where)
-        return [self.conversations.encode(messages, where)]
+            return [self.conversations.encode(messages, where)]
+        prompt = self._prompt(row, where)
+        return [self.conversations.encode(prompt + self._completion(row, self.response_key, where), where,
+                                          len(prompt))]
 
 
 class PreferenceDataset(OfflineDataset):
@@ -224,7 +228,8 @@ class PreferenceDataset(OfflineDataset):
 
     def encode_row(self, row: dict, where: str) -> list[Sample]:
         prompt = self._prompt(row, where)
-        return [self.conversations.encode(prompt + self._completion(row, key, where), f"{where} ({key})")
+        return [self.conversations.encode(prompt + self._completion(row, key, where), f"{where} ({key})",
+                                          len(prompt))
                 for key in (self.chosen_key, self.rejected_key)]
 
 
@@ -245,7 +250,7 @@ class KTODataset(OfflineDataset):
             raise ValueError(f"{where}: field {self.label_key!r} must be true or false, got {label!r}")
         self.prompts.append(self._prompt(row, where))
         self.completions.append(self._completion(row, self.completion_key, where))
-        sample = self.conversations.encode(self.prompts[-1] + self.completions[-1], where)
+        sample = self.conversations.encode(self.prompts[-1] + self.completions[-1], where, len(self.prompts[-1]))
         sample.label = int(label)
         return [sample]
 
@@ -260,6 +265,6 @@ class KTODataset(OfflineDataset):
         if len(rows) < 2:
             raise ValueError("KTO needs at least 2 rows per batch to pair prompts with other rows' completions")
         mismatched = [self.conversations.encode(self.prompts[i] + self.completions[indices[(k + 1) % len(rows)]],
-                                                "a mismatched KTO pair")
+                                                "a mismatched KTO pair", len(self.prompts[i]))
                       for k, i in enumerate(indices)]
         return collate_samples(rows + mismatched, self.pad_id)

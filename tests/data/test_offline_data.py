@@ -63,6 +63,16 @@ def test_prompt_response_rows_train_on_the_response_and_its_eos(tmp_path, tokeni
     assert batch.batch["position_ids"][0, -width] == attention[0, :-width].sum()
 
 
+def test_assistant_turns_inside_the_prompt_are_context_not_targets(tmp_path, tokenizer):
+    one_shot = CONVERSATION[1:4]  # user, assistant (an example answer), user
+    data = SFTConversationDataset(write(tmp_path / "d.jsonl", [{"prompt": one_shot, "response": "40+1=41"}]),
+                                  tokenizer)
+    sample = data[0][0]
+    assert tokenizer.decode(sample.prompt) == tokenizer.apply_chat_template(one_shot, tokenize=False,
+                                                                             add_generation_prompt=True)
+    assert tokenizer.decode(sample.response) == "40+1=41<|im_end|>\n" and sample.loss_mask[-1] == 0
+
+
 def test_preference_batch_interleaves_chosen_and_rejected(tmp_path, tokenizer):
     rows = [{"prompt": [{"role": "user", "content": f"Q{i}"}], "chosen": f"good {i}",
              "rejected": [{"role": "assistant", "content": f"bad {i}"}]} for i in range(2)]
