@@ -210,7 +210,6 @@ class SFTConversationDataset(OfflineDataset):
     def encode_row(self, row: dict, where: str) -> list[Sample]:
         if row.get(self.messages_key) is not None:
             messages = _messages(row[self.messages_key], f"{where}: field {self.messages_key!r}")
-        else:
             return [self.conversations.encode(messages, where)]
         prompt = self._prompt(row, where)
         return [self.conversations.encode(prompt + self._completion(row, self.response_key, where), where,
