@@ -121,3 +121,16 @@ def test_prepare_data_writes_offline_arithmetic_files(tmp_path, tokenizer):
     assert row["rejected"] in {f"{a}+{b}={a + b + d}" for d in (-10, -1, 1, 10)}
     kto_rows = pq.read_table(tmp_path / "kto" / "train.parquet").to_pylist()
     assert [r["label"] for r in kto_rows[:2]] == [True, False] and kto_rows[0]["completion"] == row["chosen"]
+
+
+def test_rejected_replies_sampled_from_the_model_are_wrong(tiny_model_path):
+    from hybridflow.data.offline_tasks import model_wrong_replies
+    from hybridflow.data.prepare import arithmetic_splits
+    from hybridflow.rewards import arithmetic
+
+    rows, _ = arithmetic_splits(3, 0, seed=1)
+    wrong, accuracy = model_wrong_replies(rows, tiny_model_path, samples=2, max_new_tokens=4)
+    assert len(wrong) == 3 and 0.0 <= accuracy <= 1.0
+    for row, reply in zip(rows, wrong):
+        assert reply and arithmetic.compute_score(reply, row["reward_model"]["ground_truth"],
+                                                  row["extra_info"])["acc"] == 0.0
