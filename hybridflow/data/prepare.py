@@ -4,6 +4,9 @@ Tasks:
 - `arithmetic`: two-digit addition with a one-shot chat example, the embedded demo task. On it
   SmolLM2-135M-Instruct starts near 25 % and RL lifts it visibly within minutes on a CPU (see the
   README's demo); without the one-shot example the model barely ever answers in a gradable form.
+  `--format sft|dpo|kto` writes the same split for the offline trainers (`offline_tasks`): correct
+  demonstrations, or the correct reply against a wrong one (`--rejected rule`: a near miss, instant;
+  `--rejected model`: the base model's own wrong samples, minutes on a CPU).
 - `countdown`: reach a target from a few numbers with + - * /; every target is reachable.
 - `gsm8k`: from a local JSONL copy with `question` and `answer` (ending in `#### N`); no download.
 
@@ -226,6 +229,13 @@ def _parser() -> argparse.ArgumentParser:
     arith.add_argument("--test-size", type=int, default=100)
     arith.add_argument("--min-operand", type=int, default=10)
     arith.add_argument("--max-operand", type=int, default=99)
+    arith.add_argument("--format", choices=["rl", "sft", "dpo", "kto"], default="rl",
+                       help="rl: prompts + ground truth; sft: {prompt, response}; dpo: {prompt, chosen, rejected}; "
+                            "kto: {prompt, completion, label}")
+    arith.add_argument("--rejected", choices=["rule", "model"], default="rule",
+                       help="dpo/kto wrong replies: a near miss (rule) or the model's own wrong samples (model)")
+    arith.add_argument("--model", default="default", help="the model sampled by --rejected model")
+    arith.add_argument("--samples", type=int, default=4, help="samples per prompt for --rejected model")
 
     count = tasks.add_parser("countdown", parents=[common], help="reach a target from numbers with + - * /")
     count.add_argument("--train-size", type=int, default=1000)
@@ -243,10 +253,30 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _arithmetic(args: argparse.Namespace) -> tuple[list[Row], list[Row]]:
+    """The RL rows, or their offline form (``--format``)."""
+    from hybridflow.data import offline_tasks
+
+    splits = arithmetic_splits(args.train_size, args.test_size, args.seed, args.min_operand, args.max_operand)
+    if args.format == "rl":
+        return splits
+    if args.format == "sft":
+        return offline_tasks.sft_rows(splits[0]), offline_tasks.sft_rows(splits[1])
+    out = []
+    for rows in splits:
+        if args.rejected == "model":
+            wrong, accuracy = offline_tasks.model_wrong_replies(rows, args.model, args.samples, seed=args.seed)
+            print(f"sampled {args.samples} replies to {len(rows)} prompts from {args.model}: "
+                  f"{accuracy:.0%} correct")
+        else:
+            wrong = offline_tasks.rule_wrong_replies(rows, args.seed)
+        out.append(offline_tasks.preference_rows(rows, wrong) if args.format == "dpo"
+                   else offline_tasks.kto_rows(rows, wrong))
+    return out[0], out[1]
+
+
 _BUILDERS: dict[str, Callable[[argparse.Namespace], tuple[list[Row], list[Row]]]] = {
-    "arithmetic": lambda a: arithmetic_splits(
-        a.train_size, a.test_size, a.seed, a.min_operand, a.max_operand
-    ),
+    "arithmetic": _arithmetic,
     "countdown": lambda a: countdown_splits(
         a.train_size, a.test_size, a.seed, a.num_numbers, a.max_number, a.max_target
     ),

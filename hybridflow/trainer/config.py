@@ -50,7 +50,7 @@ Dtype = Literal["auto", "fp32", "bf16", "fp16", "float32", "bfloat16", "float16"
 
 
 @dataclass
-class SFTConfig:
+class SFTMixConfig:
     """An optional supervised loss mixed into the policy update (hybridflow extension)."""
     files: list[str] | None = None  #: (prompt, response) file(s); null = no SFT loss
     every_n_steps: int = 1  #: add the SFT loss every N training steps
@@ -77,7 +77,7 @@ class DataConfig:
     shuffle: bool = True  #: shuffle training prompts each epoch
     seed: int | None = None  #: data order seed; null = trainer.seed
     #: optional supervised loss mixed into the policy update (hybridflow extension)
-    sft: SFTConfig = field(default_factory=SFTConfig)
+    sft: SFTMixConfig = field(default_factory=SFTMixConfig)
 
 
 @dataclass

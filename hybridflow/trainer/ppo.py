@@ -21,7 +21,7 @@ from hybridflow.data import PromptLoader, RLHFDataset
 from hybridflow.data.sft import SFTDataset
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RewardManager, default_compute_score, load_custom_reward_function
-from hybridflow.trainer.checkpoint import CheckpointManager, remove_stale_temporaries, resolve_checkpoint
+from hybridflow.trainer.checkpoint import CheckpointManager
 from hybridflow.trainer.config import PPOConfig
 from hybridflow.trainer.hooks import Hook, HookRegistry
 from hybridflow.trainer.metrics import (
@@ -267,13 +267,7 @@ class PPOTrainer:
         latest-step file and ``max_ckpt_to_keep`` are repaired. Optimiser settings changed since the save
         (lr, betas, weight decay, schedule) apply from here on; the change is logged by the workers."""
         tr = self.config.trainer
-        remove_stale_temporaries(self.checkpoints.root)
-        if tr.resume_mode == "disable":
-            return
-        if tr.resume_mode == "auto":
-            folder = self.checkpoints.latest_intact()
-        else:
-            folder = resolve_checkpoint(tr.resume_from_path)
+        folder = self.checkpoints.to_resume(tr.resume_mode, tr.resume_from_path)
         if folder is None:
             return
         state = torch.load(folder / "trainer_state.pt", weights_only=False)

@@ -78,9 +78,10 @@ def check_ray_resources(needed: dict[str, float], n_workers: int) -> None:
                 f"or give Ray more (trainer.ray_kwargs.num_{kind.lower()}s=..., or a larger Ray cluster)")
 
 
-def build_worker_groups(config: Any) -> WorkerGroups:
-    """Start the workers (``trainer.backend``: ``local`` or ``ray``) and load their models."""
-    inits = role_inits(config)
+def build_worker_groups(config: Any, inits: dict[Role, ClassWithInitArgs] | None = None) -> WorkerGroups:
+    """Start the workers (``trainer.backend``: ``local`` or ``ray``) and load their models; ``inits``
+    (default: ``role_inits(config)``, the PPO roles) says which roles with which workers."""
+    inits = inits if inits is not None else role_inits(config)
     fused = create_colocated_worker_cls(inits)
     trainer = config.trainer
     if trainer.backend == "ray":

@@ -12,7 +12,14 @@ from typing import Any
 
 import torch
 
-from hybridflow.algorithms import agg_loss, compute_sft_loss, get_policy_loss_fn, kl_penalty, masked_mean
+from hybridflow.algorithms import (
+    agg_loss,
+    compute_sft_loss,
+    get_offline_objective,
+    get_policy_loss_fn,
+    kl_penalty,
+    masked_mean,
+)
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.checkpointing import load_worker_state, save_worker_state
@@ -174,6 +181,45 @@ class ActorRolloutRefWorker(Worker):
         metrics = self.engine.update(data, mini_batch, actor.ppo_micro_batch_size_per_gpu, self._policy_loss,
                                      actor.loss_agg_mode, actor.ppo_epochs, actor.shuffle, self.seed, extra)
         return DataProto(meta_info={"metrics": metrics})
+
+    # ---------------------------------------------------------------- offline training (SFT, DPO, KTO)
+    def _offline_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
+        """The objective ``micro.meta_info["offline"]["loss"]`` (``hybridflow.algorithms.preference``) on the
+        policy's log-probs of ``responses`` (temperature 1: the model's own distribution)."""
+        spec = micro.meta_info["offline"]
+        log_prob, _ = response_log_probs(self.module, micro, temperature=1.0)
+        return get_offline_objective(spec["loss"]).fn(log_prob, micro.batch, spec)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_actor_offline(self, data: DataProto) -> DataProto:
+        """One optimiser step over this rank's shard of an offline batch (laid out like rollouts, plus
+        ``ref_log_prob``/``label`` where the objective needs them), micro-batch by micro-batch;
+        ``data.meta_info["offline"]`` names the objective and its settings. Metrics in ``meta_info``."""
+        self._require(self.engine, "actor", "update_actor_offline")
+        objective = get_offline_objective(data.meta_info["offline"]["loss"])
+        self.module.train()
+        metrics = self.engine.update(data, len(data), self.config.actor.ppo_micro_batch_size_per_gpu,
+                                     self._offline_loss, objective.loss_agg_mode, seed=self.seed)
+        return DataProto(meta_info={"metrics": metrics})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def evaluate_offline(self, data: DataProto) -> DataProto:
+        """The offline objective on held-out data without updating: each metric averaged over this shard's
+        micro-batches, weighted as the update weighs them (tokens for SFT, rows otherwise)."""
+        self._require(self.module, "actor", "evaluate_offline")
+        by_tokens = get_offline_objective(data.meta_info["offline"]["loss"]).loss_agg_mode == "token-mean"
+        was_training = self.module.training
+        self.module.eval()
+        sums: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        with torch.no_grad():
+            for micro in data.split(self.config.actor.ppo_micro_batch_size_per_gpu):
+                weight = float(micro.batch["response_mask"].sum()) if by_tokens else float(len(micro))
+                for key, value in self._offline_loss(micro)[1].items():
+                    sums[key] = sums.get(key, 0.0) + weight * value
+                    weights[key] = weights.get(key, 0.0) + weight
+        self.module.train(was_training)
+        return DataProto(meta_info={"metrics": {k: [sums[k] / max(weights[k], 1e-8)] for k in sums}})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def scale_lr(self, scale: float) -> float:

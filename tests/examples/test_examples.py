@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hybridflow.trainer import PPOTrainer
 from hybridflow.trainer.hooks import HookError
@@ -43,7 +43,7 @@ def response_texts(batch, tokenizer) -> list[str]:
 
 def test_every_example_has_a_main_and_an_index_entry():
     scripts = sorted(p.stem for p in EXAMPLES.glob("[0-9][0-9]_*.py"))
-    assert len(scripts) == 6
+    assert len(scripts) == 7
     index = (EXAMPLES / "README.md").read_text()
     for name in scripts:
         assert callable(example(name).main)
@@ -150,3 +150,19 @@ def test_custom_driver_runs_two_finite_steps(tmp_path):
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/vf_loss", "reward/mean"):
             assert np.isfinite(metrics[key]), key
     assert result["history"][1]["actor/kl_loss"] > 0  # the policy moved away from the reference after step 1
+
+
+def test_sft_then_dpo_then_grpo_each_from_the_previous_checkpoint(tmp_path):
+    result = example("07_sft_dpo_grpo").main(tmp_path)
+    sft, dpo = result["sft"], result["dpo"]
+    assert sft[-1]["val/loss"] < sft[0]["val/loss"] - 0.5
+    # DPO's policy and reference both start as the SFT checkpoint: loss ln 2, then the margin grows
+    assert dpo[0]["val/loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert dpo[-1]["val/rewards/margins"] > 0.02
+    # each stage starts from the previous stage's checkpoint, which training changed
+    assert str(result["sft_model"]).endswith("run_sft/global_step_4/actor/huggingface")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    tuned = AutoModelForCausalLM.from_pretrained(result["sft_model"])
+    assert not torch.equal(base.lm_head.weight, tuned.lm_head.weight)
+    assert result["grpo_model_path"] == str(result["dpo_model"])
+    assert [row["step"] for row in result["grpo"]] == [1, 2]
