@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from hybridflow.data.dataset import TRUNCATION_MODES, _messages, read_rows
+from hybridflow.data.dataset import TRUNCATION_MODES, as_messages, read_rows
 from hybridflow.protocol import DataProto
 
 
@@ -175,14 +175,14 @@ class OfflineDataset(Dataset):
         return row[key]
 
     def _prompt(self, row: dict, where: str) -> list[dict[str, str]]:
-        return _messages(self._field(row, self.prompt_key, where), f"{where}: field {self.prompt_key!r}")
+        return as_messages(self._field(row, self.prompt_key, where), f"{where}: field {self.prompt_key!r}")
 
     def _completion(self, row: dict, key: str, where: str) -> list[dict[str, str]]:
         """A completion: a string (one assistant turn) or chat messages."""
         value = self._field(row, key, where)
         if isinstance(value, str):
             return [{"role": "assistant", "content": value}]
-        return _messages(value, f"{where}: field {key!r}")
+        return as_messages(value, f"{where}: field {key!r}")
 
     def encode_row(self, row: dict, where: str) -> list[Sample]:
         raise NotImplementedError
@@ -209,7 +209,7 @@ class SFTConversationDataset(OfflineDataset):
 
     def encode_row(self, row: dict, where: str) -> list[Sample]:
         if row.get(self.messages_key) is not None:
-            messages = _messages(row[self.messages_key], f"{where}: field {self.messages_key!r}")
+            messages = as_messages(row[self.messages_key], f"{where}: field {self.messages_key!r}")
             return [self.conversations.encode(messages, where)]
         prompt = self._prompt(row, where)
         return [self.conversations.encode(prompt + self._completion(row, self.response_key, where), where,
