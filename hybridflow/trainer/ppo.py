@@ -146,6 +146,7 @@ class PPOTrainer:
             with timer("gen", t):
                 batch.meta_info["n"] = cfg.actor_rollout_ref.rollout.n
                 batch = wg.actor_rollout.generate_sequences(batch)
+                metrics.update(reduce_metrics(batch.meta_info.pop("metrics", {})))  # agent/* of multi-turn rollouts
             self.hooks.emit("after_generate", self, self.global_step, metrics, batch)
             with timer("reward", t):
                 batch = self.compute_reward(batch, metrics)
@@ -205,14 +206,16 @@ class PPOTrainer:
             return {}
         kw = self.config.actor_rollout_ref.rollout.val_kwargs
         size = self.config.data.val_batch_size or len(self.val_dataset)
-        rows = []
+        rows, agent = [], []
         for batch in PromptLoader(self.val_dataset, size, shuffle=False, drop_last=False):
             batch.meta_info.update(n=kw.n, temperature=kw.temperature, top_p=kw.top_p, top_k=kw.top_k,
                                    do_sample=kw.do_sample)
             out = self.wg.actor_rollout.generate_sequences(batch)
+            agent.append(reduce_metrics(out.meta_info.pop("metrics", {})))
             result = self.val_reward_fn(out, return_dict=True)
             rows.append((out, result))
         metrics = validation_metrics(rows, kw.n)
+        metrics.update({f"val/{k}": reduce_metrics({k: [m[k] for m in agent]})[k] for k in agent[0]})
         self._show_generations(rows[0][0], rows[0][1]["reward_tensor"], self.config.trainer.log_val_generations)
         self.hooks.emit("on_validation_end", self, self.global_step, metrics, None)
         return metrics
