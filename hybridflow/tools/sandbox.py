@@ -120,26 +120,71 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def _read_capped(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bytes, bool, bool]:
-    """stdout and stderr until both close; (stdout, stderr, timed_out, over_cap)."""
-    chunks: dict[int, bytearray] = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+def processes_of(uids: range) -> list[int]:
+    """Live (not zombie) processes whose real user id is in ``uids``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            if int(fields["Uid"].split()[0]) in uids and not fields["State"].strip().startswith("Z"):
+                found.append(int(pid))
+        except (OSError, KeyError, ValueError):
+            continue
+    return found
+
+
+def _kill_user(uid: int) -> None:
+    """SIGKILL every process of the sandbox's own user id: those that left its process group, and those
+    of a PID namespace the kernel is still tearing down."""
+    for _ in range(200):  # a fork bomb may fork between the scan and the kill: scan until none is left
+        pids = processes_of(range(uid, uid + 1))
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+
+
+@dataclass
+class _Output:
+    stdout: bytes = b""
+    stderr: bytes = b""
+    status: bytes = b""
+    timed_out: bool = False
+    over_cap: bool = False
+
+
+def _read_capped(proc: subprocess.Popen, status_fd: int, deadline: float, cap: int) -> _Output:
+    """The code's stdout and stderr and the runner's status, until the runner has reported (the code
+    ended) and the output read so far is drained, the deadline passes, or the output exceeds ``cap``."""
+    names = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr", status_fd: "status"}
+    got = {name: bytearray() for name in names.values()}
+    out = _Output()
     with selectors.DefaultSelector() as sel:
-        for fd in chunks:
+        for fd in names:
             sel.register(fd, selectors.EVENT_READ)
         while sel.get_map():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return bytes(chunks[proc.stdout.fileno()]), bytes(chunks[proc.stderr.fileno()]), True, False
-            for key, _ in sel.select(timeout=left):
+            # once the runner has reported, only what is already written is read (children the code left
+            # behind may hold the pipes open)
+            reported = status_fd not in sel.get_map()
+            ready = sel.select(timeout=0.0 if reported else max(0.0, deadline - time.monotonic()))
+            if not ready:
+                out.timed_out = not reported
+                break
+            for key, _ in ready:
                 data = os.read(key.fd, 65536)
                 if not data:
                     sel.unregister(key.fd)
-                    continue
-                chunks[key.fd] += data
-                if sum(map(len, chunks.values())) > cap:
-                    return (bytes(chunks[proc.stdout.fileno()][:cap]), bytes(chunks[proc.stderr.fileno()][:cap]),
-                            False, True)
-    return bytes(chunks[proc.stdout.fileno()]), bytes(chunks[proc.stderr.fileno()]), False, False
+                got[names[key.fd]] += data
+            if len(got["stdout"]) + len(got["stderr"]) > cap:
+                out.over_cap = True
+                break
+    out.stdout, out.stderr, out.status = bytes(got["stdout"][:cap]), bytes(got["stderr"][:cap]), bytes(got["status"])
+    return out
 
 
 def _describe(status: dict, stderr: str, limits: SandboxLimits) -> str | None:
@@ -184,23 +229,18 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
         os.close(status_w)
         status_w = -1
         with proc:
-            out, err, timed_out, over_cap = _read_capped(proc, start + limits.timeout_s, limits.max_output_bytes)
-            if timed_out or over_cap:
-                _kill_group(proc)
-            try:  # the code may close its output and keep running
-                proc.wait(timeout=max(0.0, start + limits.timeout_s - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            _kill_group(proc)  # anything the code left running outside a PID namespace
+            out = _read_capped(proc, status_r, start + limits.timeout_s, limits.max_output_bytes)
+            _kill_group(proc)  # the code's leftovers outside a PID namespace; a timed-out or flooding run
             proc.wait()
-        with os.fdopen(status_r, "r") as f:
-            status_r = -1
-            text = f.read()
+            if uid is not None:
+                _kill_user(uid)
+        text = out.status.decode()
         status = json.loads(text) if text else {}
-        stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
-        if timed_out:
+        stdout = out.stdout.decode(errors="replace")
+        stderr = out.stderr.decode(errors="replace").replace(f"{workdir}/", "")  # tracebacks say "main.py"
+        if out.timed_out:
             error = f"timed out after {limits.timeout_s:g} s (wall clock)"
-        elif over_cap:
+        elif out.over_cap:
             error = f"output limit exceeded: stopped after {limits.max_output_bytes} bytes"
         elif not status:
             error = f"the sandbox failed to start (exit code {proc.returncode}): {stderr.strip()[-300:]}"
@@ -210,7 +250,7 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
         isolated = {"network": in_namespaces or bool(status.get("network_isolated")), "pid_namespace": in_namespaces,
                     "own_user": uid is not None}
         return SandboxResult(stdout, stderr, status.get("exit"), error, time.monotonic() - start,
-                             truncated=over_cap, isolation=isolated)
+                             truncated=out.over_cap, isolation=isolated)
     finally:
         for fd in (status_r, status_w):
             if fd >= 0:
