@@ -34,7 +34,7 @@ def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None 
     _, equals, rest = answer.partition("=")
     number = _AFTER_EQUALS.match(rest) if equals else _NUMBER.search(answer)
     correct = number is not None and number.group(1) == truth
-    form = f"{info['a']}*{info['b']}" if "a" in info and "b" in info else r"\d+\*\d+"
+    form = re.escape(f"{info['a']}*{info['b']}") if "a" in info and "b" in info else r"\d+\*\d+"
     exact = re.fullmatch(rf"{form}={re.escape(truth)}", answer) is not None
     tool_ok = _called_calculator(info)
     score = 1.0 if exact else 0.5 if correct else TOOL_SCORE if tool_ok else 0.0

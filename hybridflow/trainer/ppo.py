@@ -21,6 +21,7 @@ from hybridflow.data import PromptLoader, RLHFDataset
 from hybridflow.data.sft import SFTDataset
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RewardManager, default_compute_score, load_custom_reward_function
+from hybridflow.tools import load_tools
 from hybridflow.trainer.checkpoint import CheckpointManager, remove_stale_temporaries, resolve_checkpoint
 from hybridflow.trainer.config import PPOConfig
 from hybridflow.trainer.hooks import Hook, HookRegistry
@@ -77,9 +78,14 @@ class PPOTrainer:
         self.wg = worker_groups
 
     def _dataset(self, files: list[str]) -> RLHFDataset:
-        d = self.config.data
+        d, multi_turn = self.config.data, self.config.actor_rollout_ref.rollout.multi_turn
+        # templates that know tools (Qwen2.5's) describe them in the prompt; others ignore the argument
+        kwargs = {}
+        if multi_turn.enable and multi_turn.tool_config_path:
+            kwargs["tools"] = [tool.schema for tool in load_tools(multi_turn.tool_config_path).values()]
         return RLHFDataset(files, self.tokenizer, max_prompt_length=d.max_prompt_length, prompt_key=d.prompt_key,
-                           truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts)
+                           truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts,
+                           chat_template_kwargs=kwargs)
 
     def _sft_loader(self, data: Any) -> PromptLoader:
         sft = SFTDataset(data.sft.files, self.tokenizer, max_prompt_length=data.max_prompt_length,
