@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hybridflow.models.default import default_model_path
 from hybridflow.models.tiny import make_tiny_model, make_tiny_tokenizer, teach_conversations
 from hybridflow.protocol import DataProto
-from hybridflow.tools import CalculatorTool
+from hybridflow.tools import CalculatorTool, PythonTool
 from hybridflow.trainer.config import MultiTurnConfig, RolloutConfig
 from hybridflow.utils.errors import UserError
 from hybridflow.workers.modeling import response_log_probs
@@ -203,3 +203,15 @@ def test_reward_function_sees_the_conversation_in_a_grpo_step(taught_model, tmp_
     assert metrics["reward_extra/turns/mean"] == logged["agent/tool_calls/mean"]  # the reward saw the calls
     assert metrics["critic/score/mean"] > 0.5  # the tool's "408" reached the reward function
     assert torch.isfinite(torch.tensor(metrics["actor/pg_loss"]))
+
+
+def test_hostile_python_becomes_an_error_message_and_the_conversation_goes_on(tokenizer):
+    eos = tokenizer.eos_token
+    hostile = '<tool_call>{"name": "python", "arguments": {"code": "while True:\\n    pass"}}</tool_call>'
+    engine = ScriptedEngine(tokenizer, [[hostile + eos], ["sorry" + eos]])
+    tools = {"python": PythonTool({"timeout_s": 1, "cpu_s": 5})}
+    out = loop(engine, tokenizer, response_length=256, tools=tools).generate_sequences(prompts(tokenizer, [QUESTION]))
+    messages = out.non_tensor_batch["messages"][0]
+    assert messages[-2] == {"role": "tool", "content": "Error: timed out after 1 s (wall clock)"}
+    assert messages[-1] == {"role": "assistant", "content": "sorry"}
+    assert out.meta_info["metrics"]["agent/tool_errors"] == 1.0 and out.meta_info["metrics"]["agent/turns/mean"] == 2
