@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hybridflow"
 TIERS: list[tuple[str, ...]] = [
     ("utils", "protocol", "models"),
     ("algorithms",),
-    ("single_controller", "rewards", "dataflow"),
+    ("single_controller", "rewards", "dataflow", "tools"),
     ("data",),  # the offline task data judges the model's own samples with the rule scorers
     ("workers",),
     ("trainer",),

@@ -169,6 +169,16 @@ class SamplingConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn, tool-using rollouts (the agent loop, ``hybridflow.workers.rollout.agent_loop``)."""
+    enable: bool = False  #: generate in turns, running the tools the model calls between them
+    max_assistant_turns: int = 5  #: most model turns per conversation (the last one may not call tools)
+    max_user_turns: int = 5  #: most tool-result turns appended per conversation
+    tool_config_path: str | None = None  #: YAML file listing the tools (see hybridflow.tools.base); null = none
+    format: Literal["hermes"] = "hermes"  #: tool-call syntax: hermes = <tool_call>{"name", "arguments"}</tool_call>
+
+
+@dataclass
 class RolloutConfig(SamplingConfig):
     """Generation: the engine, sampling for training, and ``val_kwargs`` for validation."""
     name: Literal["hf", "vllm"] = "hf"  #: generation engine: hf | vllm (CUDA only)
@@ -178,6 +188,7 @@ class RolloutConfig(SamplingConfig):
     tensor_model_parallel_size: int = 1  #: vllm only: tensor-parallel degree
     #: sampling for validation (greedy by default)
     val_kwargs: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, do_sample=False))
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass

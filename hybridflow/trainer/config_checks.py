@@ -115,6 +115,7 @@ def path_fields(cfg: PPOConfig) -> list[tuple[Any, str]]:
         (cfg.data, "train_files"), (cfg.data, "val_files"), (cfg.data.sft, "files"),
         (cfg.actor_rollout_ref.model, "path"), (cfg.critic.model, "path"), (cfg.reward_model.model, "path"),
         (cfg.custom_reward_function, "path"), (cfg.trainer, "default_local_dir"), (cfg.trainer, "resume_from_path"),
+        (cfg.actor_rollout_ref.rollout.multi_turn, "tool_config_path"),
     ]
 
 

@@ -166,3 +166,22 @@ def test_sft_then_dpo_then_grpo_each_from_the_previous_checkpoint(tmp_path):
     assert not torch.equal(base.lm_head.weight, tuned.lm_head.weight)
     assert result["grpo_model_path"] == str(result["dpo_model"])
     assert [row["step"] for row in result["grpo"]] == [1, 2]
+
+
+def test_custom_tool_is_called_in_rollouts_and_its_results_reach_the_reward(tmp_path):
+    module = example("08_custom_tool")
+    result = module.main(tmp_path)
+    rows = result["rows"]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["agent/tool_calls/mean"] > 0.5 and rows[0]["agent/tool_errors"] == 0  # the taught model calls add
+    for batch in result["batches"]:
+        scores = batch.batch["token_level_scores"].sum(-1).tolist()
+        for messages, calls, score, truth in zip(batch.non_tensor_batch["messages"], batch.non_tensor_batch["tool_calls"],
+                                                 scores, batch.non_tensor_batch["ground_truth"]):
+            for turn, reply in zip(calls, [m for m in messages if m["role"] == "tool"]):
+                args = turn["calls"][0]["arguments"]
+                assert reply["content"] == str(args["a"] + args["b"])  # AddTool's own result, not the model's
+            assert score == module.used_the_tool("arithmetic", "", truth, {"messages": messages})["score"]
+        tool_tokens = batch.batch["attention_mask"][:, -128:].bool() & ~batch.batch["response_mask"].bool()
+        assert tool_tokens.any()  # the model attends to tool output ...
+        assert (batch.batch["advantages"][tool_tokens] == 0).all()  # ... which the loss leaves out
