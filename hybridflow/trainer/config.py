@@ -188,7 +188,7 @@ class RolloutConfig(SamplingConfig):
     tensor_model_parallel_size: int = 1  #: vllm only: tensor-parallel degree
     #: sampling for validation (greedy by default)
     val_kwargs: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, do_sample=False))
-    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  #: multi-turn tool-using rollouts (agent loop)
 
 
 @dataclass

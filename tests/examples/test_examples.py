@@ -43,7 +43,7 @@ def response_texts(batch, tokenizer) -> list[str]:
 
 def test_every_example_has_a_main_and_an_index_entry():
     scripts = sorted(p.stem for p in EXAMPLES.glob("[0-9][0-9]_*.py"))
-    assert len(scripts) == 7
+    assert len(scripts) == 8
     index = (EXAMPLES / "README.md").read_text()
     for name in scripts:
         assert callable(example(name).main)
