@@ -104,6 +104,31 @@ class ModelConfig:
 
 
 @dataclass
+class PolicyModelConfig(ModelConfig):
+    """The policy's model, optionally trained through LoRA adapters (``peft``) on frozen base weights."""
+    lora_rank: int = 0  #: LoRA rank; 0 trains every weight, > 0 trains rank-r adapters (the reference is the base)
+    lora_alpha: int = 16  #: LoRA scale numerator: the adapter's update is multiplied by lora_alpha / lora_rank
+    #: which linear layers get adapters: ["all-linear"] (all but the output layer) or module names,
+    #: e.g. [q_proj, v_proj]
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+
+
+@dataclass
+class FSDPConfig:
+    """FSDP2 sharding of one model (used when its strategy is fsdp2)."""
+    param_offload: bool = False  #: keep parameter shards in CPU memory between uses (CUDA only; no-op on CPU)
+    optimizer_offload: bool = False  #: keep AdamW moments in CPU memory outside the step (CUDA only)
+    reshard_after_forward: bool = True  #: free gathered layers after the forward (less memory, one more gather)
+    fsdp_size: int = -1  #: ranks one model is sharded over; -1 = all; smaller replicates across groups (HSDP)
+
+
+@dataclass
+class CriticModelConfig(ModelConfig):
+    """The value model; ``path: null`` means the actor's model."""
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  #: sharding when critic.strategy is fsdp2
+
+
+@dataclass
 class OptimConfig:
     """AdamW with an optional warmup and cosine decay; shared by actor and critic."""
     lr: float = 1e-6
@@ -128,12 +153,16 @@ class CheckpointContentsConfig:
     save_contents: list[Literal["model", "optimizer", "extra", "hf_model"]] = field(
         default_factory=lambda: ["model", "optimizer", "extra"]
     )
+    #: with LoRA, skip the merged huggingface/ folder (a full model's size) and keep only lora_adapter/
+    save_lora_only: bool = False
 
 
 @dataclass
 class ActorConfig:
     """The policy update: PPO mini-batches (in prompts) split into micro-batches (in sequences)."""
+    #: data parallelism: ddp (full replicas), fsdp2 (sharded: for models that do not fit), single; auto = ddp
     strategy: Literal["auto", "fsdp2", "ddp", "single"] = "auto"
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  #: sharding when strategy is fsdp2
     ppo_mini_batch_size: int = 8
     ppo_micro_batch_size_per_gpu: int = 4
     ppo_epochs: int = 1
@@ -155,7 +184,10 @@ class ActorConfig:
 
 @dataclass
 class RefConfig:
-    """The frozen reference policy (used when a KL loss or KL reward penalty is on)."""
+    """The frozen reference policy (used when a KL loss or KL reward penalty is on; with LoRA it is the
+    actor's module with the adapter off, so these settings do not apply)."""
+    strategy: Literal["auto", "fsdp2", "ddp", "single"] = "auto"  #: as actor.strategy; auto = the actor's
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  #: sharding when strategy is fsdp2
     log_prob_micro_batch_size_per_gpu: int = 8
 
 
@@ -184,7 +216,7 @@ class RolloutConfig(SamplingConfig):
 class ActorRolloutRefConfig:
     """The policy model in its three roles: trained actor, generating rollout, frozen reference."""
     hybrid_engine: bool = True
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: PolicyModelConfig = field(default_factory=PolicyModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -194,7 +226,8 @@ class ActorRolloutRefConfig:
 class CriticConfig:
     """The value model; ``null`` sizes and epochs follow the actor's, ``enable: null`` follows GAE."""
     enable: bool | None = None
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(path=None))
+    strategy: Literal["auto", "fsdp2", "ddp", "single"] = "auto"  #: as actor.strategy; auto = the actor's
+    model: CriticModelConfig = field(default_factory=lambda: CriticModelConfig(path=None))
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_mini_batch_size: int | None = None
     ppo_micro_batch_size_per_gpu: int = 4
@@ -348,7 +381,7 @@ class PPOConfig:
         Interpolations (``${trainer.project_name}``) are resolved, ``~`` expanded in paths, and:
         trainer.device auto -> cuda if available else cpu; model.dtype auto -> bf16 on cuda, fp32 on cpu
         (aliases like bfloat16 -> bf16); data.seed null -> trainer.seed; critic.enable null -> whether
-        algorithm.adv_estimator is gae; critic.model.path, ppo_mini_batch_size, ppo_epochs null -> the actor's.
+        algorithm.adv_estimator is gae; critic.model.path, ppo_mini_batch_size, ppo_epochs null and ref/critic strategy auto -> the actor's.
         """
         cfg = PPOConfig.from_dict(self.to_dict())
         arr, critic, trainer = cfg.actor_rollout_ref, cfg.critic, cfg.trainer
@@ -362,6 +395,9 @@ class PPOConfig:
             cfg.data.seed = trainer.seed
         if critic.enable is None:
             critic.enable = cfg.algorithm.adv_estimator == "gae"
+        for role in (arr.ref, critic):
+            if role.strategy == "auto":
+                role.strategy = arr.actor.strategy
         if critic.model.path is None:
             critic.model.path = arr.model.path
         if critic.ppo_mini_batch_size is None:

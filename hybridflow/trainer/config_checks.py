@@ -39,7 +39,6 @@ _VLLM_TUNING = "vLLM engine tuning that hybridflow does not expose"
 _PLACEMENT = "GPU placement; hybridflow runs trainer.n_workers workers on trainer.device"
 
 IGNORED_KEYS: tuple[IgnoredKey, ...] = (
-    IgnoredKey("*.fsdp_config", "FSDP sharding/offload tuning; sharding follows actor_rollout_ref.actor.strategy"),
     IgnoredKey("*.megatron", "the Megatron-LM backend is not supported"),
     IgnoredKey("*.ulysses_sequence_parallel_size", "sequence parallelism is not supported"),
     IgnoredKey("*.use_dynamic_bsz", _TOKEN_BUDGET),
@@ -49,8 +48,6 @@ IGNORED_KEYS: tuple[IgnoredKey, ...] = (
     IgnoredKey("*.use_torch_compile", "GPU kernel option"),
     IgnoredKey("*.use_liger", "GPU kernel option"),
     IgnoredKey("*.use_fused_kernels", "GPU kernel option"),
-    IgnoredKey("actor_rollout_ref.ref.strategy", "the reference model follows actor_rollout_ref.actor.strategy"),
-    IgnoredKey("critic.strategy", "the critic follows actor_rollout_ref.actor.strategy"),
     IgnoredKey("reward_model.strategy", "the reward model follows actor_rollout_ref.actor.strategy"),
     IgnoredKey("actor_rollout_ref.rollout.gpu_memory_utilization", "vLLM's GPU memory share", True),
     IgnoredKey("actor_rollout_ref.rollout.tensor_model_parallel_size", "vLLM tensor parallelism", True),
@@ -69,9 +66,8 @@ IGNORED_KEYS: tuple[IgnoredKey, ...] = (
     IgnoredKey("trainer.ray_wait_register_center_timeout", "verl's Ray register-center tuning"),
     # verl keys kept in the schema whose alternatives hybridflow does not have (yet): they warn when changed
     IgnoredKey("actor_rollout_ref.hybrid_engine", "the rollout always shares the actor's module here"),
-    IgnoredKey("actor_rollout_ref.actor.strategy", "data parallelism is DDP-style (full replicas); FSDP2 "
-                                                   "sharding is not implemented yet"),
-    IgnoredKey("actor_rollout_ref.actor.checkpoint", "checkpoints always hold the model, optimizer and extra state"),
+    IgnoredKey("actor_rollout_ref.actor.checkpoint.save_contents",
+               "checkpoints always hold the model, optimizer and extra state"),
     IgnoredKey("reward_model.reward_manager", "one reward manager (naive: one call per sample)"),
     IgnoredKey("reward_model.launch_reward_fn_async", "rewards are computed in the step, not in the background"),
     IgnoredKey("trainer.balance_batch", "batches are not reordered by token count"),
@@ -148,6 +144,9 @@ _RANGES: dict[str, tuple] = {
     f"{_ACTOR}.kl_loss_coef": _NON_NEGATIVE, "critic.cliprange_value": _GREATER_THAN_0,
     **_optim_ranges(f"{_ACTOR}.optim"), **_optim_ranges("critic.optim"),
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": _POSITIVE,
+    "actor_rollout_ref.model.lora_rank": _NON_NEGATIVE, "actor_rollout_ref.model.lora_alpha": _GREATER_THAN_0,
+    **{f"{r}.fsdp_config.fsdp_size": (lambda v: v == -1 or v >= 1, "-1 (all ranks) or >= 1")
+       for r in (_ACTOR, "actor_rollout_ref.ref", "critic.model")},
     **_sampling_ranges(_ROLLOUT), **_sampling_ranges(f"{_ROLLOUT}.val_kwargs"),
     **{f"{_ROLLOUT}.{k}": _POSITIVE for k in ("log_prob_micro_batch_size_per_gpu", "micro_batch_size",
                                               "tensor_model_parallel_size")},
@@ -237,6 +236,9 @@ def check_cross_fields(cfg: PPOConfig) -> None:
          "set trainer.resume_mode=resume_path to resume from it"),
         (trainer.device == "cuda" and not cuda_available(),
          "trainer.device is 'cuda' but torch.cuda.is_available() is false"),
+        *((get_key(cfg, key) == "single" and trainer.n_workers > 1,
+           f"{key}=single runs on one worker, but trainer.n_workers is {trainer.n_workers}: use ddp or fsdp2")
+          for key in (f"{_ACTOR}.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")),
         (cfg.actor_rollout_ref.rollout.name == "vllm" and trainer.device != "cuda",
          f"{_ROLLOUT}.name 'vllm' needs trainer.device cuda (vLLM is CUDA-only); use {_ROLLOUT}.name=hf"),
     ]

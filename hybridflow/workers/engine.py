@@ -4,10 +4,12 @@ One engine owns one model's optimiser (AdamW), learning-rate schedule (warmup, t
 times a user scale that callbacks may change), micro-batch gradient accumulation, data-parallel gradient
 averaging and gradient clipping, and the model's checkpoint state.
 
-Data parallelism is DDP-style: every rank holds the whole model, computes gradients on its shard, and one
-all-reduce sums them before the step. Each micro-batch's loss is weighted by its share of the *global*
-mini-batch (tokens for ``token-mean``, sequences otherwise), so an update on 2 ranks equals the update on
-1 rank over the same global batch, up to float rounding.
+Data parallelism is DDP-style by default: every rank holds the whole model, computes gradients on its shard,
+and one all-reduce sums them before the step. A module sharded with FSDP2 (``sharding.shard_module``)
+reduce-scatters its own gradients in the backward (averaged over ranks, so the engine scales the loss by
+the world size to keep the sum), and the optimiser steps over each rank's shards only. Each micro-batch's
+loss is weighted by its share of the *global* mini-batch (tokens for ``token-mean``, sequences otherwise),
+so an update on 2 ranks equals the update on 1 rank over the same global batch, up to float rounding.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.protocol import DataProto
+from hybridflow.workers.sharding import broadcast_module, is_sharded
 
 LossFn = Callable[[DataProto], tuple[torch.Tensor, dict[str, float]]]
 
@@ -30,17 +33,22 @@ def _cfg(obj: Any, key: str, default: Any) -> Any:
 
 
 class TrainingEngine:
-    """Optimises ``module``; ``name`` (e.g. ``actor``) prefixes error messages and metrics."""
+    """Optimises ``module``; ``name`` (e.g. ``actor``) prefixes error messages and metrics.
+
+    ``optimizer_offload`` keeps the AdamW moments in CPU memory except during the step (for a CUDA model;
+    a CPU model's state is in CPU memory anyway)."""
 
     def __init__(self, module: torch.nn.Module, optim_config: Any, grad_clip: float | None, name: str,
-                 world_size: int = 1) -> None:
+                 world_size: int = 1, optimizer_offload: bool = False) -> None:
         self.module = module
         self.name = name
         self.grad_clip = grad_clip
         self.world_size = world_size if dist.is_initialized() else 1
-        if self.world_size > 1:  # identical starting weights on every rank (a fresh value head is random)
-            for param in module.state_dict().values():
-                dist.broadcast(param, src=0)
+        self.sharded = is_sharded(module)
+        if self.world_size > 1 and not self.sharded:  # shard_module already broadcast a sharded module
+            broadcast_module(module)  # identical starting weights on every rank (a fresh value head is random)
+        device = next(module.parameters()).device
+        self._offload = optimizer_offload and device.type == "cuda"
         betas = tuple(_cfg(optim_config, "betas", (0.9, 0.999)))
         self.optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad],
                                            lr=optim_config.lr, betas=betas,
@@ -116,7 +124,7 @@ class TrainingEngine:
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"{self.name}: the gradient norm is {grad_norm}; no update was applied. "
                                      "Lower the learning rate or check the inputs for NaN.")
-        self.optimizer.step()
+        self._step()
         out = {key: sum(values) / len(values) for key, values in metrics.items()}
         out[f"{self.name}/grad_norm"] = grad_norm
         return out
@@ -133,13 +141,15 @@ class TrainingEngine:
                 details = ", ".join(f"{k}={v:.4g}" for k, v in micro_metrics.items())
                 raise FloatingPointError(f"{self.name}: the loss is {loss.item()} ({details}); no update was "
                                          "applied. Lower the learning rate or check the rewards for NaN.")
-            (loss * (coef * weight(micro) / max(total_weight, 1e-8))).backward()
+            # FSDP2 averages gradients over ranks where the weights above need their sum
+            scale = coef * weight(micro) / max(total_weight, 1e-8) * (self.world_size if self.sharded else 1)
+            (loss * scale).backward()
             for key, value in micro_metrics.items():
                 metrics.setdefault(key, []).append(value)
 
     def _reduce_and_clip(self) -> float:
         params = [p for p in self.module.parameters() if p.grad is not None]
-        if self.world_size > 1:
+        if self.world_size > 1 and not self.sharded:
             flat = torch.cat([p.grad.reshape(-1) for p in params])
             dist.all_reduce(flat)
             offset = 0
@@ -147,13 +157,30 @@ class TrainingEngine:
                 p.grad.copy_(flat[offset:offset + p.grad.numel()].view_as(p.grad))
                 offset += p.grad.numel()
         max_norm = self.grad_clip if self.grad_clip and self.grad_clip > 0 else float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "lr_scale": self.lr_scale}
+    def _step(self) -> None:
+        if self._offload:
+            self._move_optimizer_state(next(self.module.parameters()).device)
+        self.optimizer.step()
+        if self._offload:
+            self._move_optimizer_state(torch.device("cpu"))
+
+    def _move_optimizer_state(self, device: torch.device) -> None:
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device, non_blocking=True)
+
+    def state_dict(self, with_optimizer: bool = True) -> dict[str, Any]:
+        """Schedule state, plus the optimiser's unless ``with_optimizer`` is false (a sharded checkpoint
+        saves the optimiser per rank through torch.distributed.checkpoint instead)."""
+        state = {"scheduler": self.scheduler.state_dict(), "lr_scale": self.lr_scale}
+        return {"optimizer": self.optimizer.state_dict(), **state} if with_optimizer else state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.lr_scale = state["lr_scale"]
         self.scheduler.load_state_dict(state["scheduler"])
