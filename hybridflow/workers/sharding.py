@@ -167,8 +167,11 @@ def full_weights(module: nn.Module, adapter_only: bool = False) -> Iterator[tupl
     A collective on a sharded module: every rank must iterate it to the end, in step; all ranks receive
     the same tensors."""
     lora = is_lora(module)
-    scaling = {name: sub.scaling["default"] for name, sub in module.named_modules()
-               if lora and hasattr(sub, "scaling") and "default" in getattr(sub, "scaling", {})}
+    scaling = {}
+    if lora:
+        from peft.tuners.lora import LoraLayer
+
+        scaling = {name: sub.scaling["default"] for name, sub in module.named_modules() if isinstance(sub, LoraLayer)}
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in module.state_dict().items():
         is_adapter = lora and any(marker in name for marker in LORA_MARKERS)
