@@ -81,7 +81,7 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         self._require(self.rollout, "rollout", "generate_sequences")
-        with gathered(self.module):
+        with gathered(self.module, self.config.actor.fsdp_config.reshard_after_forward):
             return self.rollout.generate_sequences(prompts)
 
     # ---------------------------------------------------------------- log-probs

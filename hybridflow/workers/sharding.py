@@ -125,8 +125,9 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def gathered(module: nn.Module) -> Iterator[nn.Module]:
-    """Full weights on every rank inside the block, sharded again after it (freeing the gathered copies).
+def gathered(module: nn.Module, reshard_after_forward: bool = True) -> Iterator[nn.Module]:
+    """Full weights on every rank inside the block, sharded again after it (freeing the gathered copies);
+    then forwards reshard as ``reshard_after_forward`` (the module's ``fsdp_config``) says.
 
     Why: a sharded forward all-gathers each layer's weights from the other ranks, so every rank must run
     the same forwards in step; ``generate`` stops when *this rank's* sequences end, which would deadlock
@@ -145,7 +146,7 @@ def gathered(module: nn.Module) -> Iterator[nn.Module]:
     finally:
         for part in parts:
             part.reshard()
-            part.set_reshard_after_forward(True)
+            part.set_reshard_after_forward(reshard_after_forward)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

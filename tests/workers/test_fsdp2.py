@@ -4,11 +4,10 @@ resumes on 2 ranks and on 1 rank, with a ``huggingface/`` folder that plain tran
 
 import pytest
 import torch
+from test_data_parallel import config, grpo_batch
 from transformers import AutoModelForCausalLM
 
-from hybridflow.algorithms import compute_advantage
 from hybridflow.single_controller import ClassWithInitArgs, Dispatch, LocalWorkerGroup, register
-from hybridflow.trainer.config import PPOConfig
 from hybridflow.workers import ActorRolloutRefWorker
 from hybridflow.workers.sharding import full_weights, gathered, is_sharded
 
@@ -47,20 +46,6 @@ class ShardProbe(ActorRolloutRefWorker):
         return is_sharded(self.module), out.shape[1] - input_ids.shape[1]
 
 
-def config(path: str):
-    cfg = PPOConfig()
-    arr = cfg.actor_rollout_ref
-    arr.model.path = path
-    arr.rollout.n = 2
-    arr.actor.strategy = "fsdp2"
-    arr.actor.ppo_mini_batch_size = 5  # prompts: the whole batch of 10 rows is one optimiser step
-    arr.actor.ppo_micro_batch_size_per_gpu = 2  # several micro-batches accumulate on each rank
-    arr.actor.optim.lr = 1e-3
-    arr.actor.use_kl_loss = True
-    arr.actor.entropy_coeff = 0.01
-    return cfg.resolve().actor_rollout_ref
-
-
 def ray_group(init, name):
     from hybridflow.single_controller.ray import RayResourcePool, RayWorkerGroup
 
@@ -71,18 +56,11 @@ def ray_group(init, name):
 
 
 def test_fsdp2_update_generation_and_resharding_checkpoints(tiny_model_path, chat_prompts, ray_session, tmp_path):
-    init = ClassWithInitArgs(ShardProbe, config(tiny_model_path), role="actor_rollout_ref", response_length=5)
-    single = LocalWorkerGroup(init)
+    init = ClassWithInitArgs(ShardProbe, config(tiny_model_path, "fsdp2"), role="actor_rollout_ref",
+                             response_length=5)
+    single = LocalWorkerGroup(init)  # fsdp2 on 1 rank: unsharded, but saving sharded (DCP) checkpoints
     single.init_model()
-    torch.manual_seed(0)
-    questions = ["Compute 1+2.", "Compute 30+4.", "Say hi.", "Compute 7+7.", "Name a color."]
-    batch = single.generate_sequences(chat_prompts(single.workers[0].tokenizer, questions))
-    batch = batch.union(single.compute_ref_log_prob(batch))
-    lengths = batch.batch["response_mask"].sum(-1)
-    scores = torch.zeros(batch.batch["responses"].shape)
-    scores[torch.arange(10), lengths - 1] = torch.arange(10, dtype=torch.float32) % 3
-    batch.batch["token_level_rewards"] = scores
-    batch = compute_advantage(batch, "grpo")
+    batch = grpo_batch(single, chat_prompts)
 
     group, pool = ray_group(init, "fsdp")
     try:
