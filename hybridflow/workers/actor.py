@@ -20,7 +20,7 @@ from hybridflow.workers.checkpointing import load_worker_state, save_worker_stat
 from hybridflow.workers.engine import TrainingEngine
 from hybridflow.workers.modeling import batched, load_model, load_tokenizer, response_log_probs
 from hybridflow.workers.rollout import build_rollout
-from hybridflow.workers.sharding import gathered, is_lora, load_dtype, resolve_strategy, wrap_model
+from hybridflow.workers.sharding import gathered, is_lora, load_placement, resolve_strategy, wrap_model
 
 ROLES = ("actor", "rollout", "ref")
 
@@ -60,7 +60,7 @@ class ActorRolloutRefWorker(Worker):
         self.tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
         if self._is_actor or self._is_rollout:
             strategy = resolve_strategy(actor.strategy, self.world_size)
-            module = load_model(model_cfg.path, self.device, load_dtype(strategy, model_cfg.dtype, self.device),
+            module = load_model(model_cfg.path, *load_placement(strategy, model_cfg.dtype, self.device),
                                 trust_remote_code=model_cfg.trust_remote_code,
                                 gradient_checkpointing=self._is_actor and model_cfg.enable_gradient_checkpointing)
             self.module = wrap_model(module, strategy, actor.fsdp_config, self.device, model_cfg.lora_rank,
@@ -72,7 +72,7 @@ class ActorRolloutRefWorker(Worker):
             self.rollout = build_rollout(self.config.rollout, self.module, self.tokenizer, self.response_length)
         if self._is_ref and not (self.module is not None and is_lora(self.module)):
             strategy = resolve_strategy(ref.strategy, self.world_size, "actor_rollout_ref.ref.strategy")
-            module = load_model(model_cfg.path, self.device, load_dtype(strategy, model_cfg.dtype, self.device),
+            module = load_model(model_cfg.path, *load_placement(strategy, model_cfg.dtype, self.device),
                                 trust_remote_code=model_cfg.trust_remote_code).eval()
             module.requires_grad_(False)
             self.ref_module = wrap_model(module, strategy, ref.fsdp_config, self.device)

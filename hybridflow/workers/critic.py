@@ -17,7 +17,7 @@ from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.checkpointing import load_worker_state, save_worker_state
 from hybridflow.workers.engine import TrainingEngine
 from hybridflow.workers.modeling import batched, load_model, load_tokenizer, response_values
-from hybridflow.workers.sharding import load_dtype, resolve_strategy, wrap_model
+from hybridflow.workers.sharding import load_placement, resolve_strategy, wrap_model
 
 
 class CriticWorker(Worker):
@@ -36,7 +36,7 @@ class CriticWorker(Worker):
         model_cfg = self.config.model
         self.tokenizer = load_tokenizer(model_cfg.path)
         strategy = resolve_strategy(self.config.strategy, self.world_size, "critic.strategy")
-        module = load_model(model_cfg.path, self.device, load_dtype(strategy, model_cfg.dtype, self.device),
+        module = load_model(model_cfg.path, *load_placement(strategy, model_cfg.dtype, self.device),
                             auto_cls=AutoModelForTokenClassification, num_labels=1,
                             gradient_checkpointing=model_cfg.enable_gradient_checkpointing)
         module.config.pad_token_id = self.tokenizer.pad_token_id

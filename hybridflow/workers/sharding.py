@@ -40,9 +40,13 @@ def resolve_strategy(strategy: str, world_size: int, key: str = "actor_rollout_r
     return "ddp" if strategy == "auto" else strategy
 
 
-def load_dtype(strategy: str, dtype: str | None, device: torch.device) -> str | None:
-    """FSDP2 on CUDA keeps fp32 master weights and computes in bf16 (its mixed-precision policy)."""
-    return "fp32" if strategy == "fsdp2" and device.type == "cuda" else dtype
+def load_placement(strategy: str, dtype: str | None, device: torch.device) -> tuple[torch.device, str | None]:
+    """Where and in which dtype to load a model before ``wrap_model``: FSDP2 loads on the CPU (each
+    layer moves to ``device`` as it is sharded, so the full model never sits on one GPU) in fp32 on CUDA
+    (master weights; its mixed-precision policy computes in bf16)."""
+    if strategy != "fsdp2":
+        return device, dtype
+    return torch.device("cpu"), "fp32" if device.type == "cuda" else dtype
 
 
 def wrap_model(module: nn.Module, strategy: str, fsdp_config: Any, device: torch.device, lora_rank: int = 0,
@@ -91,12 +95,12 @@ def _decoder_layers(module: nn.Module) -> list[nn.Module]:
 def shard_module(module: nn.Module, fsdp_config: Any, device: torch.device) -> nn.Module:
     """``fully_shard`` each decoder layer, then the root, over all ranks of the default process group.
 
-    Returns ``module`` itself (now an ``FSDPModule``) after broadcasting rank 0's weights; without a
-    process group of several ranks it returns ``module`` unchanged. On CUDA, parameters compute in bf16 and
+    Returns ``module`` itself (now an ``FSDPModule`` on ``device``) after broadcasting rank 0's weights;
+    without a process group of several ranks it returns ``module.to(device)``. On CUDA, parameters compute in bf16 and
     gradients reduce in fp32 (``module`` should be loaded in fp32: those are the master weights), and
     ``fsdp_config.param_offload`` keeps the shards in CPU memory between uses. On CPU both do nothing."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return module
+        return module.to(device)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
