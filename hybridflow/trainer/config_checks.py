@@ -39,6 +39,11 @@ _VLLM_TUNING = "vLLM engine tuning that hybridflow does not expose"
 _PLACEMENT = "GPU placement; hybridflow runs trainer.n_workers workers on trainer.device"
 
 IGNORED_KEYS: tuple[IgnoredKey, ...] = (
+    *(IgnoredKey(f"*.fsdp_config.{name}", "FSDP tuning not exposed here; fsdp_config has param_offload, "
+                                          "optimizer_offload, reshard_after_forward, fsdp_size")
+      for name in ("wrap_policy", "offload_policy", "forward_prefetch", "model_dtype", "mixed_precision",
+                   "entropy_checkpointing")),
+    IgnoredKey("reward_model.model.fsdp_config", "the reward model is not sharded"),
     IgnoredKey("*.megatron", "the Megatron-LM backend is not supported"),
     IgnoredKey("*.ulysses_sequence_parallel_size", "sequence parallelism is not supported"),
     IgnoredKey("*.use_dynamic_bsz", _TOKEN_BUDGET),
@@ -239,6 +244,10 @@ def check_cross_fields(cfg: PPOConfig) -> None:
         *((get_key(cfg, key) == "single" and trainer.n_workers > 1,
            f"{key}=single runs on one worker, but trainer.n_workers is {trainer.n_workers}: use ddp or fsdp2")
           for key in (f"{_ACTOR}.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")),
+        *((get_key(cfg, key) > 0 and trainer.n_workers % get_key(cfg, key) != 0,
+           f"{key}={get_key(cfg, key)} does not divide trainer.n_workers ({trainer.n_workers}): each model is "
+           "sharded over groups of that many workers; use -1 (all workers) or a divisor")
+          for key in (f"{r}.fsdp_config.fsdp_size" for r in (_ACTOR, "actor_rollout_ref.ref", "critic.model"))),
         (cfg.actor_rollout_ref.rollout.name == "vllm" and trainer.device != "cuda",
          f"{_ROLLOUT}.name 'vllm' needs trainer.device cuda (vLLM is CUDA-only); use {_ROLLOUT}.name=hf"),
     ]

@@ -101,7 +101,7 @@ def test_sharding_and_lora_keys_are_typed_and_ref_and_critic_follow_the_actor():
     with warnings.catch_warnings():
         warnings.simplefilter("error", IgnoredKeyWarning)
         cfg = _load("actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.fsdp_config.param_offload=true",
-                    "critic.model.fsdp_config.fsdp_size=2", "actor_rollout_ref.model.lora_rank=8",
+                    "critic.model.fsdp_config.fsdp_size=2", "trainer.n_workers=2", "actor_rollout_ref.model.lora_rank=8",
                     "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
                     "actor_rollout_ref.actor.checkpoint.save_lora_only=true")
     arr = cfg.actor_rollout_ref
@@ -109,6 +109,8 @@ def test_sharding_and_lora_keys_are_typed_and_ref_and_critic_follow_the_actor():
     assert arr.ref.strategy == cfg.critic.strategy == "fsdp2"  # auto follows the actor
     assert arr.model.lora_rank == 8 and arr.model.target_modules == ["q_proj", "v_proj"]
     assert "single runs on one worker" in _error("critic.strategy=single", "trainer.n_workers=2")
+    assert "does not divide trainer.n_workers (4)" in _error("actor_rollout_ref.actor.fsdp_config.fsdp_size=3",
+                                                             "trainer.n_workers=4")
 
 
 def test_vllm_keys_do_not_warn_when_vllm_is_used(monkeypatch):
