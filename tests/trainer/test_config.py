@@ -109,8 +109,8 @@ def test_sharding_and_lora_keys_are_typed_and_ref_and_critic_follow_the_actor():
     assert arr.ref.strategy == cfg.critic.strategy == "fsdp2"  # auto follows the actor
     assert arr.model.lora_rank == 8 and arr.model.target_modules == ["q_proj", "v_proj"]
     assert "single runs on one worker" in _error("critic.strategy=single", "trainer.n_workers=2")
-    assert "does not divide trainer.n_workers (4)" in _error("actor_rollout_ref.actor.fsdp_config.fsdp_size=3",
-                                                             "trainer.n_workers=4")
+    assert "does not divide trainer.n_workers (2)" in _error("actor_rollout_ref.actor.fsdp_config.fsdp_size=3",
+                                                             "trainer.n_workers=2")
 
 
 def test_vllm_keys_do_not_warn_when_vllm_is_used(monkeypatch):
