@@ -153,15 +153,17 @@ def gathered(module: nn.Module, reshard_after_forward: bool = True) -> Iterator[
             part.set_reshard_after_forward(reshard_after_forward)
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
+def _full(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-    return full.detach().to("cpu")
+    return full.detach().to(device)
 
 
-def full_weights(module: nn.Module, adapter_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's full weights as ``(name, cpu tensor)`` pairs, one tensor gathered at a time.
+def full_weights(module: nn.Module, adapter_only: bool = False,
+                 device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's full weights as ``(name, tensor on device)`` pairs, one tensor gathered at a time
+    (``device="cuda"`` keeps them on the GPU for an in-memory weight sync into another engine).
 
     Names are the base Hugging Face model's (``model.layers.0.self_attn.q_proj.weight``), what
     ``save_pretrained``, vLLM's ``load_weights`` and ``load_state_dict`` of an unwrapped model expect. A LoRA
@@ -182,7 +184,7 @@ def full_weights(module: nn.Module, adapter_only: bool = False) -> Iterator[tupl
         is_adapter = lora and any(marker in name for marker in LORA_MARKERS)
         if adapter_only and not is_adapter:
             continue
-        tensor = _full(tensor)
+        tensor = _full(tensor, device)
         if not lora:
             yield name, tensor
             continue
