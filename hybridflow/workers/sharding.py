@@ -172,7 +172,7 @@ def full_weights(module: nn.Module, adapter_only: bool = False,
     ``base_model.model.<...>.lora_A.weight``).
 
     A collective on a sharded module: every rank must iterate it to the end, in step; all ranks receive
-    the same tensors."""
+    the same tensors. Unsharded tensors already on ``device`` are the module's own (read, do not modify)."""
     lora = is_lora(module)
     scaling = {}
     if lora:
