@@ -76,9 +76,19 @@ def is_lora(module: nn.Module) -> bool:
 
 
 def broadcast_module(module: nn.Module) -> None:
-    """Rank 0's weights on every rank (a fresh value head or LoRA ``A`` matrix is random per rank)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        for tensor in module.state_dict().values():
+    """Rank 0's weights on every rank (a fresh value head or LoRA ``A`` matrix is random per rank).
+
+    nccl only moves GPU memory: a model still on the CPU (FSDP2 shards it from there) goes one tensor at a
+    time through the current GPU."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    staged = dist.get_backend() == "nccl"
+    for tensor in module.state_dict().values():
+        if staged and tensor.device.type == "cpu":
+            on_gpu = tensor.cuda()
+            dist.broadcast(on_gpu, src=0)
+            tensor.copy_(on_gpu)
+        else:
             dist.broadcast(tensor, src=0)
 
 
@@ -96,9 +106,10 @@ def shard_module(module: nn.Module, fsdp_config: Any, device: torch.device) -> n
     """``fully_shard`` each decoder layer, then the root, over all ranks of the default process group.
 
     Returns ``module`` itself (now an ``FSDPModule`` on ``device``) after broadcasting rank 0's weights;
-    without a process group of several ranks it returns ``module.to(device)``. On CUDA, parameters compute in bf16 and
-    gradients reduce in fp32 (``module`` should be loaded in fp32: those are the master weights), and
-    ``fsdp_config.param_offload`` keeps the shards in CPU memory between uses. On CPU both do nothing."""
+    without a process group of several ranks it returns ``module.to(device)``. On CUDA, parameters compute
+    in bf16 and gradients reduce in fp32 (``module`` should be loaded in fp32: those are the master
+    weights), and ``fsdp_config.param_offload`` keeps the shards in CPU memory between uses. On CPU both
+    do nothing."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return module.to(device)
     from torch.distributed.device_mesh import init_device_mesh
