@@ -69,7 +69,11 @@ def _save_hf_folder(folder: Path, module: PreTrainedModel, rank: int) -> None:
         return
     weights = dict(full_weights(module))  # collective: every rank gathers, rank 0 writes
     if rank == 0:
-        unwrapped(module).save_pretrained(folder, state_dict=weights, safe_serialization=True)
+        model = unwrapped(module)
+        tied = getattr(model, "all_tied_weights_keys", None) or {}  # e.g. lm_head.weight -> embed_tokens
+        for name in tied:  # saved once, as save_pretrained does for a live model
+            weights.pop(name, None)
+        model.save_pretrained(folder, state_dict=weights, safe_serialization=True)
 
 
 def load_hf_weights(module: PreTrainedModel, folder: str | Path) -> None:
