@@ -50,9 +50,12 @@ def role_inits(config: Any) -> dict[Role, ClassWithInitArgs]:
     """The deferred constructor of each role's worker for this config."""
     arr = config.actor_rollout_ref
     response_length, seed, device = config.data.max_response_length, config.trainer.seed, config.trainer.device
-    inits = {Role.ACTOR_ROLLOUT: ClassWithInitArgs(ActorRolloutRefWorker, arr, role="actor_rollout",
+    # With LoRA the reference is the actor's module with the adapter off: the actor worker takes the role
+    ref_in_actor = needs_ref(config) and arr.model.lora_rank > 0
+    inits = {Role.ACTOR_ROLLOUT: ClassWithInitArgs(ActorRolloutRefWorker, arr,
+                                                   role="actor_rollout_ref" if ref_in_actor else "actor_rollout",
                                                    response_length=response_length, seed=seed, device=device)}
-    if needs_ref(config):
+    if needs_ref(config) and not ref_in_actor:
         inits[Role.REF] = ClassWithInitArgs(ActorRolloutRefWorker, arr, role="ref",
                                             response_length=response_length, seed=seed, device=device)
     if config.critic.enable:
@@ -102,4 +105,7 @@ def build_worker_groups(config: Any, inits: dict[Role, ClassWithInitArgs] | None
     views = group.spawn(prefix_set=[str(role) for role in inits])
     for view in views.values():
         view.init_model()
-    return WorkerGroups(**{role: view for role, view in views.items()}, release=release)
+    groups = WorkerGroups(**{role: view for role, view in views.items()}, release=release)
+    if needs_ref(config) and groups.ref is None:  # LoRA: the actor's workers answer compute_ref_log_prob
+        groups.ref = groups.actor_rollout
+    return groups
