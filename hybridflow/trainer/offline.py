@@ -27,7 +27,7 @@ from hybridflow.trainer.checkpoint import CheckpointManager
 from hybridflow.trainer.config import (
     ActorConfig,
     ActorRolloutRefConfig,
-    ModelConfig,
+    PolicyModelConfig,
     RefConfig,
     RolloutConfig,
 )
@@ -87,7 +87,7 @@ class OfflineTrainer:
         cfg, m = self.config, self.config.model
         rows = cfg.data.micro_batch_size_per_gpu * (2 if cfg.kind == "dpo" else 1)
         return ActorRolloutRefConfig(
-            model=ModelConfig(path=m.partial_pretrain, trust_remote_code=m.trust_remote_code,
+            model=PolicyModelConfig(path=m.partial_pretrain, trust_remote_code=m.trust_remote_code,
                               enable_gradient_checkpointing=m.enable_gradient_checkpointing, dtype=m.dtype),
             actor=ActorConfig(ppo_micro_batch_size_per_gpu=rows, grad_clip=cfg.optim.clip_grad, optim=cfg.optim),
             ref=RefConfig(log_prob_micro_batch_size_per_gpu=rows),
@@ -97,10 +97,11 @@ class OfflineTrainer:
         """The actor (no rollout: nothing is generated) and, for DPO/KTO, the frozen reference."""
         if self.wg is not None:
             return
-        arr, seed = self.worker_config(), self.config.trainer.seed
-        inits = {Role.ACTOR_ROLLOUT: ClassWithInitArgs(ActorRolloutRefWorker, arr, role="actor", seed=seed)}
+        arr, seed, device = self.worker_config(), self.config.trainer.seed, self.config.trainer.device
+        inits = {Role.ACTOR_ROLLOUT: ClassWithInitArgs(ActorRolloutRefWorker, arr, role="actor", seed=seed,
+                                                       device=device)}
         if self.objective.needs_ref:
-            inits[Role.REF] = ClassWithInitArgs(ActorRolloutRefWorker, arr, role="ref", seed=seed)
+            inits[Role.REF] = ClassWithInitArgs(ActorRolloutRefWorker, arr, role="ref", seed=seed, device=device)
         self.wg = build_worker_groups(self.config, inits)
 
     def close(self) -> None:

@@ -106,6 +106,7 @@ def build_worker_groups(config: Any, inits: dict[Role, ClassWithInitArgs] | None
     for view in views.values():
         view.init_model()
     groups = WorkerGroups(**{role: view for role, view in views.items()}, release=release)
-    if needs_ref(config) and groups.ref is None:  # LoRA: the actor's workers answer compute_ref_log_prob
+    actor_roles = str(inits[Role.ACTOR_ROLLOUT].kwargs.get("role", "")).split("_")
+    if groups.ref is None and "ref" in actor_roles:  # LoRA: the actor's workers answer compute_ref_log_prob
         groups.ref = groups.actor_rollout
     return groups

@@ -103,16 +103,18 @@ def test_sharding_and_lora_keys_are_typed_and_ref_and_critic_follow_the_actor():
     with warnings.catch_warnings():
         warnings.simplefilter("error", IgnoredKeyWarning)
         cfg = _load("actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.fsdp_config.param_offload=true",
-                    "critic.model.fsdp_config.fsdp_size=2", "trainer.n_workers=2", "actor_rollout_ref.model.lora_rank=8",
+                    "critic.model.fsdp_config.fsdp_size=2", "trainer.n_workers=2", "trainer.backend=ray",
+                    "actor_rollout_ref.model.lora_rank=8",
                     "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
                     "actor_rollout_ref.actor.checkpoint.save_lora_only=true")
     arr = cfg.actor_rollout_ref
     assert arr.actor.fsdp_config.param_offload is True and cfg.critic.model.fsdp_config.fsdp_size == 2
     assert arr.ref.strategy == cfg.critic.strategy == "fsdp2"  # auto follows the actor
     assert arr.model.lora_rank == 8 and arr.model.target_modules == ["q_proj", "v_proj"]
-    assert "single runs on one worker" in _error("critic.strategy=single", "trainer.n_workers=2")
+    assert "single runs on one worker" in _error("critic.strategy=single", "trainer.n_workers=2",
+                                                 "trainer.backend=ray")
     assert "does not divide trainer.n_workers (2)" in _error("actor_rollout_ref.actor.fsdp_config.fsdp_size=3",
-                                                             "trainer.n_workers=2")
+                                                             "trainer.n_workers=2", "trainer.backend=ray")
 
 
 def test_vllm_keys_do_not_warn_when_vllm_is_used(monkeypatch):
