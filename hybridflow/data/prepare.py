@@ -107,9 +107,9 @@ def calculator_call(expression: str) -> str:
 
 def calculator_messages(a: int, b: int) -> list[dict[str, str]]:
     """The call's syntax in a system message, a one-shot chat that calls the calculator and answers, then
-    the real question. Measured on 16 held-out prompts, greedy: with the system message SmolLM2-135M calls
-    the calculator in 10 of 16 conversations, without it (one-shot only) in 2, too rare for GRPO to learn
-    from 4 samples per prompt."""
+    the real question. Measured on 16 held-out prompts, greedy: with the system message SmolLM2-135M makes
+    a well-formed call in 8 of 16 conversations, without it (one-shot only) in 2, too rare for GRPO to
+    learn from 4 samples per prompt."""
     x, y = CALCULATOR_ONE_SHOT
     return [
         {"role": "system", "content": CALCULATOR_SYSTEM},
