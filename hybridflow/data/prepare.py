@@ -97,7 +97,11 @@ def arithmetic_splits(
 
 # ---------------------------------------------------------------------------------------- calculator
 CALCULATOR_ONE_SHOT = (314, 271)
-CALCULATOR_INSTRUCTION = "Use the calculator, then reply in the form A*B=<answer>."
+CALCULATOR_SYSTEM = (
+    "You can use a calculator. To call it, reply with only "
+    '<tool_call>{"name": "calculator", "arguments": {"expression": "<arithmetic>"}}</tool_call> and its result '
+    "comes back in the next message. Then reply in the form A*B=<answer>."
+)
 
 
 def calculator_call(expression: str) -> str:
@@ -106,15 +110,18 @@ def calculator_call(expression: str) -> str:
 
 
 def calculator_messages(a: int, b: int) -> list[dict[str, str]]:
-    """A one-shot chat that calls the calculator and answers, then the real question (kept short: every
-    prompt token is recomputed for each sample in the update)."""
+    """The call's syntax in a system message, a one-shot chat that calls the calculator and answers, then
+    the real question. Measured on 16 held-out prompts, greedy: with the system message SmolLM2-135M makes
+    a well-formed call in 8 of 16 conversations, without it (one-shot only) in 2, too rare for GRPO to
+    learn from 4 samples per prompt."""
     x, y = CALCULATOR_ONE_SHOT
     return [
-        {"role": "user", "content": f"Compute {x}*{y}. {CALCULATOR_INSTRUCTION}"},
+        {"role": "system", "content": CALCULATOR_SYSTEM},
+        {"role": "user", "content": f"Compute {x}*{y}."},
         {"role": "assistant", "content": calculator_call(f"{x}*{y}")},
         {"role": "tool", "content": str(x * y)},
         {"role": "assistant", "content": f"{x}*{y}={x * y}"},
-        {"role": "user", "content": f"Compute {a}*{b}. {CALCULATOR_INSTRUCTION}"},
+        {"role": "user", "content": f"Compute {a}*{b}."},
     ]
 
 

@@ -43,9 +43,10 @@ def test_rows_hold_a_one_shot_tool_call_and_distinct_products(tmp_path):
     a, b = row["extra_info"]["a"], row["extra_info"]["b"]
     assert row["reward_model"]["ground_truth"] == str(a * b) and row["data_source"] == "calculator"
     roles = [m["role"] for m in row["prompt"]]
-    assert roles == ["user", "assistant", "tool", "assistant", "user"]
-    (call,) = parse_tool_calls(row["prompt"][1]["content"])
-    assert call.arguments == {"expression": "314*271"} and row["prompt"][2]["content"] == "85094"
+    assert roles == ["system", "user", "assistant", "tool", "assistant", "user"]
+    assert "<tool_call>" in row["prompt"][0]["content"] and row["prompt"][-1]["content"] == f"Compute {a}*{b}."
+    (call,) = parse_tool_calls(row["prompt"][2]["content"])
+    assert call.arguments == {"expression": "314*271"} and row["prompt"][3]["content"] == "85094"
     assert main(["calculator", str(tmp_path), "--train-size", "5", "--test-size", "2"]) == 0
     assert pq.read_table(tmp_path / "test.parquet").num_rows == 2
 
