@@ -32,6 +32,7 @@ from hybridflow.algorithms.losses import (
     compute_value_loss,
     get_policy_loss_fn,
     register_policy_loss,
+    truncated_importance_weights,
 )
 from hybridflow.algorithms.utils import (
     entropy_from_logits,
@@ -73,4 +74,5 @@ __all__ = [
     "sequence_to_token_scores",
     "register_adv_est",
     "register_policy_loss",
+    "truncated_importance_weights",
 ]

@@ -38,6 +38,7 @@ from hybridflow.trainer import config_checks
 from hybridflow.trainer.config_checks import (
     DTYPE_ALIASES,
     IGNORED_KEYS,
+    VLLM_GPU_ONLY_KEYS,
     ConfigError,
     IgnoredKey,
     IgnoredKeyWarning,
@@ -142,6 +143,9 @@ class ActorConfig:
     clip_ratio_low: float | None = None
     clip_ratio_high: float | None = None
     clip_ratio_c: float = 3.0
+    #: truncated importance sampling: weight each token by min(pi_trainer / pi_rollout, cap) to correct for
+    #: the rollout engine's mismatch with the trainer (vLLM kernels, stale weights); <= 0 (-1) = off
+    tis_imp_ratio_cap: float = -1.0
     loss_agg_mode: LossAggMode = "token-mean"
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     entropy_coeff: float = 0.0
@@ -175,8 +179,18 @@ class RolloutConfig(SamplingConfig):
     name: Literal["hf", "vllm"] = "hf"
     log_prob_micro_batch_size_per_gpu: int = 8
     micro_batch_size: int | None = None
-    gpu_memory_utilization: float = 0.5
-    tensor_model_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5  #: vllm on GPU: share of GPU memory for weights and KV cache
+    tensor_model_parallel_size: int = 1  #: vllm on GPU: tensor-parallel degree of the engine
+    max_num_batched_tokens: int = 8192  #: vllm: tokens per engine step (prefill chunk budget)
+    max_num_seqs: int = 1024  #: vllm: sequences decoded at once
+    enable_chunked_prefill: bool = True  #: vllm: split long prompts' prefill across engine steps
+    enforce_eager: bool = True  #: vllm on GPU: no CUDA graphs (faster start, slower decoding)
+    #: vllm on GPU: sleep between generations (KV cache dropped, weights to host memory) so the actor has
+    #: the GPU while it trains; on CPU nothing is freed
+    free_cache_engine: bool = True
+    dtype: Dtype = "auto"  #: vllm: engine dtype; auto = the actor's (actor_rollout_ref.model.dtype)
+    seed: int | None = None  #: vllm: engine sampling seed; null = trainer.seed (plus the rank)
+    max_model_len: int | None = None  #: vllm: longest sequence; null = data.max_prompt_length + max_response_length
     val_kwargs: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, do_sample=False))
 
 
@@ -360,6 +374,14 @@ class PPOConfig:
                 model.dtype = "bf16" if trainer.device == "cuda" else "fp32"
         if cfg.data.seed is None:
             cfg.data.seed = trainer.seed
+        rollout = arr.rollout
+        rollout.dtype = DTYPE_ALIASES.get(rollout.dtype, rollout.dtype)
+        if rollout.dtype == "auto":
+            rollout.dtype = arr.model.dtype
+        if rollout.seed is None:
+            rollout.seed = trainer.seed
+        if rollout.max_model_len is None:
+            rollout.max_model_len = cfg.data.max_prompt_length + cfg.data.max_response_length
         if critic.enable is None:
             critic.enable = cfg.algorithm.adv_estimator == "gae"
         if critic.model.path is None:
@@ -421,6 +443,12 @@ def _warn_ignored_schema_keys(cfg: PPOConfig) -> None:
         rule = ignored_rule(key)
         if rule and not (rule.used_with_vllm and vllm) and get_key(cfg, key) != get_key(defaults, key):
             warn_ignored(key, rule, get_key(cfg, key))
+    if vllm and cfg.trainer.device == "cpu":
+        for name in VLLM_GPU_ONLY_KEYS:
+            key = f"actor_rollout_ref.rollout.{name}"
+            if get_key(cfg, key) != get_key(defaults, key):
+                warn_ignored(key, IgnoredKey(key, "vLLM's CPU build has no GPU memory to share or free"),
+                             get_key(cfg, key))
 
 
 # ------------------------------------------------------------------------------- merging and overrides

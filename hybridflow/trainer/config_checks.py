@@ -38,6 +38,11 @@ _TOKEN_BUDGET = "token-budget batching; hybridflow uses the fixed *_micro_batch_
 _VLLM_TUNING = "vLLM engine tuning that hybridflow does not expose"
 _PLACEMENT = "GPU placement; hybridflow runs trainer.n_workers workers on trainer.device"
 
+# rollout keys only the vLLM engine reads (they warn with rollout.name=hf); the first four mean nothing on
+# vLLM's CPU build either. rollout.dtype, seed and max_model_len are derived, so they never warn.
+VLLM_GPU_ONLY_KEYS = ("gpu_memory_utilization", "tensor_model_parallel_size", "free_cache_engine", "enforce_eager")
+VLLM_ENGINE_KEYS = (*VLLM_GPU_ONLY_KEYS, "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill")
+
 IGNORED_KEYS: tuple[IgnoredKey, ...] = (
     IgnoredKey("*.fsdp_config", "FSDP sharding/offload tuning; sharding follows actor_rollout_ref.actor.strategy"),
     IgnoredKey("*.megatron", "the Megatron-LM backend is not supported"),
@@ -52,15 +57,11 @@ IGNORED_KEYS: tuple[IgnoredKey, ...] = (
     IgnoredKey("actor_rollout_ref.ref.strategy", "the reference model follows actor_rollout_ref.actor.strategy"),
     IgnoredKey("critic.strategy", "the critic follows actor_rollout_ref.actor.strategy"),
     IgnoredKey("reward_model.strategy", "the reward model follows actor_rollout_ref.actor.strategy"),
-    IgnoredKey("actor_rollout_ref.rollout.gpu_memory_utilization", "vLLM's GPU memory share", True),
-    IgnoredKey("actor_rollout_ref.rollout.tensor_model_parallel_size", "vLLM tensor parallelism", True),
+    *(IgnoredKey(f"actor_rollout_ref.rollout.{name}", "a vLLM engine key (rollout.name=vllm)", True)
+      for name in VLLM_ENGINE_KEYS),
     *(
         IgnoredKey(f"actor_rollout_ref.rollout.{name}", _VLLM_TUNING)
-        for name in (
-            "enable_chunked_prefill", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
-            "enforce_eager", "free_cache_engine", "load_format", "disable_log_stats", "engine_kwargs",
-            "dtype", "mode",
-        )
+        for name in ("load_format", "disable_log_stats", "engine_kwargs", "mode")
     ),
     IgnoredKey("trainer.n_gpus_per_node", _PLACEMENT),
     IgnoredKey("trainer.nnodes", _PLACEMENT),
@@ -237,8 +238,6 @@ def check_cross_fields(cfg: PPOConfig) -> None:
          "set trainer.resume_mode=resume_path to resume from it"),
         (trainer.device == "cuda" and not cuda_available(),
          "trainer.device is 'cuda' but torch.cuda.is_available() is false"),
-        (cfg.actor_rollout_ref.rollout.name == "vllm" and trainer.device != "cuda",
-         f"{_ROLLOUT}.name 'vllm' needs trainer.device cuda (vLLM is CUDA-only); use {_ROLLOUT}.name=hf"),
     ]
     for failed, message in problems:
         if failed:
