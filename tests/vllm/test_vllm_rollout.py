@@ -77,23 +77,6 @@ def test_greedy_vllm_equals_greedy_generate_on_the_tiny_model(worker, chat_promp
     assert not ours.batch["rollout_log_probs"].any()  # greedy: no log-probs, as the HF rollout
 
 
-def test_greedy_vllm_equals_greedy_generate_on_the_embedded_model(chat_prompts):
-    from hybridflow.models.default import default_model_path
-
-    path = default_model_path()
-    tokenizer = load_tokenizer(path)
-    module = load_model(path, torch.device("cpu")).eval()
-    config = _config(path).rollout
-    engine = build_rollout(config, module, tokenizer, 16, path)
-    prompts = _greedy(chat_prompts(tokenizer, ["What is 12+7?", "Compute 14+27. Reply in the form 14+27=<answer>.",
-                                               "Name a colour."]))
-    ours, hf = engine.generate_sequences(prompts), HFRollout(module, tokenizer, config, 16).generate_sequences(prompts)
-    texts = tokenizer.batch_decode(ours.batch["responses"], skip_special_tokens=True)
-    assert torch.equal(ours.batch["responses"], hf.batch["responses"]), (texts, tokenizer.batch_decode(
-        hf.batch["responses"], skip_special_tokens=True))
-    assert len(set(texts)) == 3 and all(texts), texts  # real, different answers (not empty or degenerate)
-
-
 def _engine_log_probs(worker, sequence: list[int], response_length: int) -> torch.Tensor:
     """The engine's log-probs of the last ``response_length`` tokens of a fixed ``sequence``."""
     from vllm import SamplingParams
@@ -157,3 +140,22 @@ def test_grpo_with_vllm_learns_like_the_hf_rollout(engine, tiny_vllm_model, tmp_
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last - first >= 0.3, f"{engine}: mean reward went from {first:.2f} to {last:.2f}: {rewards}"
     assert max(row["rollout/logprob_diff"] for row in rows) < LOGPROB_TOL  # the engine follows every update
+
+
+# Last in the file: vLLM keeps process-wide state, and dropping an engine tears it down for any engine still
+# in use, so every test that builds its own engine runs after the tests sharing the `worker` fixture.
+def test_greedy_vllm_equals_greedy_generate_on_the_embedded_model(chat_prompts):
+    from hybridflow.models.default import default_model_path
+
+    path = default_model_path()
+    tokenizer = load_tokenizer(path)
+    module = load_model(path, torch.device("cpu")).eval()
+    config = _config(path).rollout
+    engine = build_rollout(config, module, tokenizer, 16, path)
+    prompts = _greedy(chat_prompts(tokenizer, ["What is 12+7?", "Compute 14+27. Reply in the form 14+27=<answer>.",
+                                               "Name a colour."]))
+    ours, hf = engine.generate_sequences(prompts), HFRollout(module, tokenizer, config, 16).generate_sequences(prompts)
+    texts = tokenizer.batch_decode(ours.batch["responses"], skip_special_tokens=True)
+    assert torch.equal(ours.batch["responses"], hf.batch["responses"]), (texts, tokenizer.batch_decode(
+        hf.batch["responses"], skip_special_tokens=True))
+    assert len(set(texts)) == 3 and all(texts), texts  # real, different answers (not empty or degenerate)
