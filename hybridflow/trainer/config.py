@@ -312,6 +312,16 @@ class TrainerConfig:
     backend: Literal["local", "ray"] = "local"
     n_workers: int = 1
     ray_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: where the roles run on the Ray backend: colocated = every role in one process per rank (the hybrid
+    #: engine); split = the actor (with reference and critic), the rollout, and the reward (function and
+    #: model) each in their own processes, weights sent to the rollout after every update
+    placement: Literal["colocated", "split"] = "colocated"
+    #: Ray resource pools, pool name -> processes per node (e.g. {actor: [2], rollout: [1]}); overrides the
+    #: placement preset's pools of the same name
+    resource_pool_spec: dict[str, Any] = field(default_factory=dict)
+    #: role (actor, rollout, ref, critic, reward_model, reward) -> pool name; overrides the preset's mapping
+    role_pools: dict[str, Any] = field(default_factory=dict)
+    cpus_per_worker: float = 1.0  #: CPUs each Ray worker process reserves (fractions let roles share cores)
     save_freq: int = -1
     test_freq: int = -1
     val_before_train: bool = True

@@ -162,7 +162,7 @@ _RANGES: dict[str, tuple] = {
     **{f"trainer.{k}": _POSITIVE for k in ("total_epochs", "total_training_steps", "n_workers",
                                            "max_ckpt_to_keep", "nnodes")},
     **{f"trainer.{k}": _NON_NEGATIVE for k in ("log_val_generations", "n_gpus_per_node", "critic_warmup")},
-    "trainer.save_freq": _FREQUENCY, "trainer.test_freq": _FREQUENCY,
+    "trainer.cpus_per_worker": _GREATER_THAN_0, "trainer.save_freq": _FREQUENCY, "trainer.test_freq": _FREQUENCY,
 }
 
 
@@ -236,6 +236,10 @@ def check_cross_fields(cfg: PPOConfig) -> None:
         (trainer.resume_mode != "resume_path" and trainer.resume_from_path is not None,
          f"trainer.resume_from_path is set but trainer.resume_mode is {trainer.resume_mode!r}; "
          "set trainer.resume_mode=resume_path to resume from it"),
+        (trainer.backend == "local" and (trainer.placement != "colocated" or trainer.resource_pool_spec
+                                         or trainer.role_pools),
+         "trainer.placement, resource_pool_spec and role_pools place roles in Ray worker processes: "
+         "set trainer.backend=ray (or keep trainer.placement=colocated)"),
         (trainer.device == "cuda" and not cuda_available(),
          "trainer.device is 'cuda' but torch.cuda.is_available() is false"),
     ]
