@@ -6,6 +6,7 @@ vLLM learns on the tiny model as the HF run does.
 """
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,10 @@ from hybridflow.workers.rollout import HFRollout, build_rollout
 QUESTIONS = ["What is 2+3?", "Compute 14+27. Reply in the form 14+27=<answer>.", "Say hello to the teacher."]
 # fp32 on both sides; the engine's fused kernels differ from transformers' in the last bits only
 LOGPROB_TOL = 1e-3
+# The same tests run on a GPU with the CUDA vllm package (bench/gpu_vllm_check.sh): there the engine sleeps
+# between generations, and the script also runs them with tensor parallelism 2.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TP = int(os.environ.get("HYBRIDFLOW_TEST_VLLM_TP", "1"))
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +40,9 @@ def _config(model: str, lr: float = 1e-2):
     cfg = PPOConfig()
     cfg.data.max_prompt_length, cfg.data.max_response_length = 64, 8
     cfg.actor_rollout_ref.model.path = model
+    cfg.actor_rollout_ref.model.dtype = "fp32"  # bf16 (the GPU default) would need looser tolerances
     cfg.actor_rollout_ref.rollout.name = "vllm"
+    cfg.actor_rollout_ref.rollout.tensor_model_parallel_size = TP
     cfg.actor_rollout_ref.actor.optim.lr = lr
     cfg.actor_rollout_ref.actor.ppo_mini_batch_size = 3
     cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 6
@@ -82,8 +89,9 @@ def _engine_log_probs(worker, sequence: list[int], response_length: int) -> torc
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    [out] = worker.rollout.llm.generate([TokensPrompt(prompt_token_ids=sequence)],
-                                        SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    with worker.rollout.awake() as llm:
+        [out] = llm.generate([TokensPrompt(prompt_token_ids=sequence)], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                             use_tqdm=False)
     steps = out.prompt_logprobs[-response_length:]
     return torch.tensor([step[token].logprob for step, token in zip(steps, sequence[-response_length:])])
 
@@ -106,7 +114,7 @@ def test_actor_update_reaches_the_engine(worker, chat_prompts):
     worker.update_actor(batch)
     after = _engine_log_probs(worker, sequence, length)
     trainer, _ = response_log_probs(worker.module, batch[row:row + 1], temperature=1.0)
-    trainer = trainer[0, :length].detach()
+    trainer = trainer[0, :length].detach().cpu()
     assert (after - trainer).abs().max() < LOGPROB_TOL, (after, trainer)
     assert (after - before).abs().max() > 20 * LOGPROB_TOL, "the engine still holds the old weights"
 
@@ -132,6 +140,7 @@ def test_grpo_with_vllm_learns_like_the_hf_rollout(engine, tiny_vllm_model, tmp_
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64", "actor_rollout_ref.actor.optim.lr=1e-2",
         "algorithm.adv_estimator=grpo", f"custom_reward_function.path={reward_file}", "trainer.logger=[file]",
         "trainer.total_training_steps=20", "trainer.seed=0", f"actor_rollout_ref.rollout.name={engine}",
+        "actor_rollout_ref.model.dtype=fp32", f"actor_rollout_ref.rollout.tensor_model_parallel_size={TP}",
     ])
     with PPOTrainer(cfg) as trainer:
         trainer.fit()
@@ -149,7 +158,7 @@ def test_greedy_vllm_equals_greedy_generate_on_the_embedded_model(chat_prompts):
 
     path = default_model_path()
     tokenizer = load_tokenizer(path)
-    module = load_model(path, torch.device("cpu")).eval()
+    module = load_model(path, DEVICE, "fp32").eval()
     config = _config(path).rollout
     engine = build_rollout(config, module, tokenizer, 16, path)
     prompts = _greedy(chat_prompts(tokenizer, ["What is 12+7?", "Compute 14+27. Reply in the form 14+27=<answer>.",

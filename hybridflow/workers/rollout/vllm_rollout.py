@@ -14,9 +14,9 @@ host memory), so the actor has the GPU to itself while it trains; on CPU there i
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -24,8 +24,6 @@ from transformers import PreTrainedTokenizerBase
 
 from hybridflow.protocol import DataProto
 from hybridflow.workers.rollout.hf_rollout import SamplingParams, assemble_rollout
-
-logger = logging.getLogger(__name__)
 
 # GiB of KV cache on CPU when the user sets none: a tiny or 135M-parameter model needs far less.
 DEFAULT_CPU_KVCACHE_GIB = "1"
@@ -102,19 +100,22 @@ class VLLMRollout:
         if self.config.tensor_model_parallel_size > 1:  # crosses into vLLM's worker processes: host memory
             weights = [(name, t.cpu()) for name, t in weights]
         counts = self.llm.collective_rpc(_load_weights, args=(weights,))
-        # weights changed: cached prefixes were computed with the old ones
-        self.llm.reset_prefix_cache()
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         return int(counts[0])
 
-    def _wake(self) -> None:
+    @contextlib.contextmanager
+    def awake(self) -> Iterator[Any]:
+        """The engine (``vllm.LLM``) with its weights and KV cache in GPU memory for the block, asleep again
+        after it in sleep mode; on CPU it never sleeps."""
         if self._asleep:
             self.llm.wake_up()  # whatever is still asleep (the KV cache; the weights too if not woken above)
             self._asleep = False
-
-    def _sleep(self) -> None:
-        if self.sleep_mode:
-            self.llm.sleep(level=1)
-            self._asleep = True
+        try:
+            yield self.llm
+        finally:
+            if self.sleep_mode:
+                self.llm.sleep(level=1)
+                self._asleep = True
 
     # ------------------------------------------------------------------ generation
     def _sampling_params(self, params: SamplingParams) -> Any:
@@ -133,11 +134,8 @@ class VLLMRollout:
         params = SamplingParams.from_config(self.config, self.response_length, prompts.meta_info)
         ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
         requests = [self._tokens_prompt(prompt_token_ids=row[keep].tolist()) for row, keep in zip(ids, mask)]
-        self._wake()
-        try:
-            outputs = self.llm.generate(requests, self._sampling_params(params), use_tqdm=False)
-        finally:
-            self._sleep()
+        with self.awake() as llm:
+            outputs = llm.generate(requests, self._sampling_params(params), use_tqdm=False)
         rows = len(prompts) * params.n
         responses = torch.full((rows, params.response_length), self.pad_token_id, dtype=ids.dtype)
         log_probs = torch.zeros((rows, params.response_length), dtype=torch.float32)
