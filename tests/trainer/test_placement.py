@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.data.prepare import main as prepare_data
 from hybridflow.trainer import PPOTrainer, load_config
 from hybridflow.trainer.config import ConfigError
 from hybridflow.trainer.worker_groups import placement
@@ -22,13 +21,6 @@ LENGTH_REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return len(solution_str) / 20.0
 '''
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("arith")
-    prepare_data(["arithmetic", str(out), "--train-size", "32", "--test-size", "8", "--seed", "0"])
-    return out
 
 
 def _config(data_dir: Path, model: str, run_dir: Path, *overrides: str):

@@ -7,6 +7,7 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from hybridflow.workers.modeling import resolve_dtype
 from hybridflow.workers.rollout.hf_rollout import (
     HFRollout,
     SamplingParams,
@@ -20,7 +21,7 @@ __all__ = ["HFRollout", "SamplingParams", "assemble_rollout", "build_rollout", "
 def build_rollout(config: Any, module: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, response_length: int,
                   model_path: str | None = None, seed: int = 0) -> Any:
     """The engine named by ``config.name``. ``hf`` samples from ``module`` itself (shared with the actor);
-    ``vllm`` loads its own copy from ``model_path`` with ``module``'s dtype and must be sent the weights
+    ``vllm`` loads its own copy from ``model_path`` (in ``config.dtype``) and must be sent the weights
     after each change (``update_weights``)."""
     name = getattr(config, "name", "hf") or "hf"
     if name == "hf":
@@ -30,7 +31,7 @@ def build_rollout(config: Any, module: PreTrainedModel, tokenizer: PreTrainedTok
 
         if model_path is None:
             raise ValueError("rollout.name=vllm needs model_path: vLLM loads the model from its folder")
-        param = next(module.parameters())
-        return VLLMRollout(model_path, tokenizer, config, response_length, config.max_model_len, param.dtype,
-                           param.device, seed)
+        device = next(module.parameters()).device
+        return VLLMRollout(model_path, tokenizer, config, response_length, config.max_model_len,
+                           resolve_dtype(config.dtype, device), device, seed)
     raise ValueError(f"unknown rollout engine {name!r}; known: hf, vllm")

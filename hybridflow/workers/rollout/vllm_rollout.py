@@ -80,22 +80,21 @@ class VLLMRollout:
             model=model_path, tokenizer=model_path, dtype=str(dtype).removeprefix("torch."),
             max_model_len=max_model_len, enforce_eager=config.enforce_eager, seed=seed,
             tensor_parallel_size=config.tensor_model_parallel_size, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=max(config.max_num_batched_tokens, max_model_len),
+            max_num_batched_tokens=max(config.max_num_batched_tokens, max_model_len or 0),
             enable_chunked_prefill=config.enable_chunked_prefill, enable_prefix_caching=True,
             # the log-prob of each sampled token under the distribution it was sampled from (temperature
             # applied), which is what the trainer recomputes: rollout/logprob_diff compares like with like
             logprobs_mode="processed_logprobs", **gpu_only)
-        self._asleep = False
-        if self.sleep_mode:
-            self.llm.sleep(level=1)
-            self._asleep = True
+        self._asleep: set[str] = set()  # what sleep mode has moved out of GPU memory: weights, kv_cache
+        self._sleep()
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load the trainer's current weights (Hugging Face names) into the engine, in memory; returns how
         many tensors it took. On GPU with sleep mode only the weights wake up, not the KV cache."""
-        if self._asleep:
+        if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
         weights = [(name, t.to(self.dtype)) for name, t in weights]
         if self.config.tensor_model_parallel_size > 1:  # crosses into vLLM's worker processes: host memory
             weights = [(name, t.cpu()) for name, t in weights]
@@ -107,15 +106,18 @@ class VLLMRollout:
     def awake(self) -> Iterator[Any]:
         """The engine (``vllm.LLM``) with its weights and KV cache in GPU memory for the block, asleep again
         after it in sleep mode; on CPU it never sleeps."""
-        if self._asleep:
-            self.llm.wake_up()  # whatever is still asleep (the KV cache; the weights too if not woken above)
-            self._asleep = False
+        if self._asleep:  # the KV cache, and the weights unless an update woke them already
+            self.llm.wake_up(tags=sorted(self._asleep))
+            self._asleep.clear()
         try:
             yield self.llm
         finally:
-            if self.sleep_mode:
-                self.llm.sleep(level=1)
-                self._asleep = True
+            self._sleep()
+
+    def _sleep(self) -> None:
+        if self.sleep_mode:
+            self.llm.sleep(level=1)
+            self._asleep = {"weights", "kv_cache"}
 
     # ------------------------------------------------------------------ generation
     def _sampling_params(self, params: SamplingParams) -> Any:
