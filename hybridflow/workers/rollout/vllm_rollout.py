@@ -47,7 +47,7 @@ def _import_vllm() -> Any:
 def _load_weights(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> int:
     """Runs inside vLLM's worker: copy ``weights`` (Hugging Face names) into its model.
 
-    ``reload_weights`` (vLLM >= 0.11) re-runs the post-load processing that some platforms apply (the CPU
+    ``reload_weights`` (recent vLLM) re-runs the post-load processing that some platforms apply (the CPU
     build repacks linear weights for its kernels, after which ``load_weights`` alone no longer works);
     older versions only have the model's ``load_weights``."""
     if hasattr(worker, "reload_weights"):
