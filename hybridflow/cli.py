@@ -1,4 +1,4 @@
-"""The ``hybridflow`` command: ``train``, ``prepare-data``, ``make-tiny-model``, ``generate``."""
+"""The ``hybridflow`` command: ``train``, ``config``, ``prepare-data``, ``make-tiny-model``, ``generate``."""
 
 from __future__ import annotations
 
@@ -29,6 +29,12 @@ def _train(argv: list[str]) -> int:
     return main(argv)
 
 
+def _config(argv: list[str]) -> int:
+    from hybridflow.trainer.config_docs import main
+
+    return main(argv)
+
+
 def _prepare_data(argv: list[str]) -> int:
     from hybridflow.data.prepare import main
 
@@ -43,6 +49,7 @@ def _make_tiny_model(argv: list[str]) -> int:
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "train": (_train, "run PPO/GRPO/... training: hybridflow train key=value ..."),
+    "config": (_config, "inspect the config: hybridflow config show [key=value ...] | keys | yaml [--write]"),
     "prepare-data": (_prepare_data, "write train/test parquet for a task: hybridflow prepare-data TASK OUT_DIR"),
     "make-tiny-model": (_make_tiny_model, "save a tiny random model + tokenizer for tests and examples"),
     "generate": (_generate, "answer prompts with a checkpoint: hybridflow generate --model PATH --prompt ..."),

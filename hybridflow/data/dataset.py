@@ -61,7 +61,7 @@ def read_rows(path: str | Path) -> list[dict]:
     raise ValueError(f"{path}: unknown data file type {suffix!r}; expected .parquet or .jsonl")
 
 
-def _messages(value: Any, where: str) -> list[dict[str, str]]:
+def as_messages(value: Any, where: str) -> list[dict[str, str]]:
     """The prompt as chat messages; a plain string becomes one user message."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
@@ -88,7 +88,7 @@ def parse_row(raw: Any, file: str, row: int, position: int, prompt_key: str = "p
         raise ValueError(f"{where}: a row must be an object, got {type(raw).__name__}")
     if raw.get(prompt_key) is None:
         raise ValueError(f"{where}: field {prompt_key!r} is missing")
-    messages = _messages(raw[prompt_key], f"{where}: field {prompt_key!r}")
+    messages = as_messages(raw[prompt_key], f"{where}: field {prompt_key!r}")
     data_source = raw.get("data_source")
     if data_source is not None and not isinstance(data_source, str):
         raise ValueError(f"{where}: field 'data_source' must be a string, got {data_source!r:.200}")
@@ -101,6 +101,16 @@ def parse_row(raw: Any, file: str, row: int, position: int, prompt_key: str = "p
     if not isinstance(extra_info, dict):
         raise ValueError(f"{where}: field 'extra_info' must be an object, got {extra_info!r:.200}")
     return PromptRow(file, row, position, messages, data_source, reward_model.get("ground_truth"), extra_info)
+
+
+def render_prompt(tokenizer, messages: list[dict[str, str]], apply_chat_template: bool = True,
+                  chat_template_kwargs: dict | None = None) -> str:
+    """The prompt text a model sees: the chat template with the assistant generation prompt, or (for base
+    models without a template) the message contents joined with newlines."""
+    if apply_chat_template:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **(chat_template_kwargs or {}))
+    return "\n".join(m["content"] for m in messages)
 
 
 def left_pad(ids: Sequence[int], length: int, pad_id: int) -> dict[str, torch.Tensor]:
@@ -169,11 +179,7 @@ class RLHFDataset(Dataset):
 
     def render(self, messages: list[dict[str, str]]) -> str:
         """The prompt text the model sees for these messages."""
-        if self.apply_chat_template:
-            return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
-            )
-        return "\n".join(m["content"] for m in messages)
+        return render_prompt(self.tokenizer, messages, self.apply_chat_template, self.chat_template_kwargs)
 
     def _tokenize(self, all_messages: list[list[dict[str, str]]]) -> list[list[int]]:
         texts = [self.render(m) for m in all_messages]

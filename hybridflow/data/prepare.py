@@ -2,8 +2,8 @@
 
 Tasks:
 - `arithmetic`: two-digit addition with a one-shot chat example, the embedded demo task. On it
-  SmolLM2-135M-Instruct starts near 25 % and RL lifts it visibly within minutes on a CPU (see
-  FACTS.md); without the one-shot example the model barely ever answers in a gradable form.
+  SmolLM2-135M-Instruct starts near 25 % and RL lifts it visibly within minutes on a CPU (see the
+  README's demo); without the one-shot example the model barely ever answers in a gradable form.
 - `countdown`: reach a target from a few numbers with + - * /; every target is reachable.
 - `gsm8k`: from a local JSONL copy with `question` and `answer` (ending in `#### N`); no download.
 

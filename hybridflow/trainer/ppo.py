@@ -43,8 +43,7 @@ class PPOTrainer:
 
     def __init__(self, config: PPOConfig, *, worker_groups: WorkerGroups | None = None,
                  reward_fn: Any = None, val_reward_fn: Any = None) -> None:
-        config.validate()
-        self.config = config = config.resolve()
+        self.config = config = config.validate()  # resolved and checked
         self.tokenizer = load_tokenizer(config.actor_rollout_ref.model.path,
                                         config.actor_rollout_ref.model.trust_remote_code)
         data = config.data
@@ -77,9 +76,10 @@ class PPOTrainer:
         self.wg = worker_groups
 
     def _dataset(self, files: list[str]) -> RLHFDataset:
-        d = self.config.data
-        return RLHFDataset(files, self.tokenizer, max_prompt_length=d.max_prompt_length, prompt_key=d.prompt_key,
-                           truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts)
+        data = self.config.data
+        return RLHFDataset(files, self.tokenizer, max_prompt_length=data.max_prompt_length,
+                           prompt_key=data.prompt_key, truncation=data.truncation,
+                           filter_overlong_prompts=data.filter_overlong_prompts)
 
     def _sft_loader(self, data: Any) -> PromptLoader:
         sft = SFTDataset(data.sft.files, self.tokenizer, max_prompt_length=data.max_prompt_length,

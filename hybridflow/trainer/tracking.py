@@ -25,7 +25,10 @@ from tqdm.auto import tqdm
 # (label, metric keys tried in order) of the console line's summary fields.
 _CONSOLE_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward", ("critic/score/mean", "critic/rewards/mean")),
-    ("kl", ("actor/ppo_kl", "actor/kl_loss")),
+    # KL to the reference policy (the tutorials' "healthy KL 0.02-0.06"), present when a reference is loaded;
+    # ppo_kl: how far one update moved the policy (0 with one on-policy epoch)
+    ("kl_ref", ("actor/kl_ref", "actor/reward_kl_penalty")),
+    ("ppo_kl", ("actor/ppo_kl",)),
     ("pg_loss", ("actor/pg_loss",)),
     ("vf_loss", ("critic/vf_loss",)),
     ("resp_len", ("response_length/mean",)),
@@ -36,7 +39,7 @@ _CONSOLE_TIMINGS: tuple[tuple[str, str], ...] = (
 
 
 def format_step_line(step: int, metrics: Mapping[str, float]) -> str:
-    """``step 3 | reward 0.42 | kl 0.013 | pg_loss -0.187 | resp_len 12.5 | gen 3.1s upd 5.2s step 9.8s``.
+    """``step 3 | reward 0.42 | kl_ref 0.031 | ppo_kl 0.013 | pg_loss -0.187 | resp_len 12.5 | gen 3.1s ...``.
 
     Missing metrics are left out; every ``val/*`` metric present is appended as ``val/<name> <value>``.
     """

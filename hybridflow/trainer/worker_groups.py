@@ -8,7 +8,8 @@ reference and the critic), the rollout and the reward their own pools, so a sepa
 sent the actor's weights after each update (``PPOTrainer.sync_rollout_weights``).
 
 Only the backend differs between a laptop and a cluster: a ``LocalWorkerGroup`` of one rank in the driver's
-process (colocated only), or ``RayWorkerGroup`` s with the pools' processes.
+process (colocated only), or ``RayWorkerGroup`` s with the pools' processes. Every worker runs on
+``trainer.device``.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def role_inits(config: Any, roles: dict[str, str] | None = None,
     ``reward_fn`` a ``RewardWorker`` where the placement maps ``reward``."""
     roles = roles or {}
     arr = config.actor_rollout_ref
-    kw = {"response_length": config.data.max_response_length, "seed": config.trainer.seed}
+    device = config.trainer.device
+    kw = {"response_length": config.data.max_response_length, "seed": config.trainer.seed, "device": device}
     if roles.get("actor") == roles.get("rollout"):
         inits = {str(Role.ACTOR_ROLLOUT): ClassWithInitArgs(ActorRolloutRefWorker, arr, role="actor_rollout", **kw)}
     else:
@@ -109,10 +111,10 @@ def role_inits(config: Any, roles: dict[str, str] | None = None,
         inits[str(Role.REF)] = ClassWithInitArgs(ActorRolloutRefWorker, arr, role="ref", **kw)
     if config.critic.enable:
         inits[str(Role.CRITIC)] = ClassWithInitArgs(CriticWorker, config.critic, rollout_n=arr.rollout.n,
-                                                    seed=config.trainer.seed)
+                                                    seed=config.trainer.seed, device=device)
     if config.reward_model.enable:
         inits[str(Role.REWARD_MODEL)] = ClassWithInitArgs(RewardModelWorker, config.reward_model,
-                                                          policy_tokenizer_path=arr.model.path)
+                                                          policy_tokenizer_path=arr.model.path, device=device)
     if reward_fn is not None and "reward" in roles:
         inits["reward"] = ClassWithInitArgs(RewardWorker, reward_fn)
     return inits

@@ -32,7 +32,7 @@ from hybridflow.workers.modeling import (
     model_location,
     response_log_probs,
 )
-from hybridflow.workers.rollout import build_rollout
+from hybridflow.workers.rollout import build_rollout, check_generation_batch
 from hybridflow.workers.weight_sync import from_numpy, policy_weights, to_numpy
 
 ROLES = ("actor", "rollout", "ref")
@@ -53,12 +53,12 @@ def _scalar(value: torch.Tensor | float) -> float:
 
 class ActorRolloutRefWorker(Worker):
     """``config``: the ``actor_rollout_ref`` config section; ``role``: roles joined by ``_``
-    (``actor_rollout``, ``actor_rollout_ref``, ``ref``, ``rollout``...); ``announce``: print one line per
-    generation (``[rollout] generated ...``)."""
+    (``actor_rollout``, ``actor_rollout_ref``, ``ref``, ``rollout``...); ``device``: ``trainer.device``;
+    ``announce``: print one line per generation (``[rollout] generated ...``)."""
 
     def __init__(self, config: Any, role: str = "actor_rollout", response_length: int = 64, seed: int = 0,
-                 announce: bool = False) -> None:
-        super().__init__()
+                 device: str = "auto", announce: bool = False) -> None:
+        super().__init__(device)
         unknown = [r for r in role.split("_") if r not in ROLES]
         if unknown:
             raise ValueError(f"unknown role part(s) {unknown} in {role!r}; roles combine {ROLES}")
@@ -72,28 +72,29 @@ class ActorRolloutRefWorker(Worker):
     def init_model(self) -> None:
         torch.manual_seed(self.seed + self.rank)
         self.init_process_group()
-        model_cfg = self.config.model
-        self.tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
+        model = self.config.model
+        self.tokenizer = load_tokenizer(model.path, model.trust_remote_code)
         if self._is_actor or self._is_rollout:
-            self.module = load_model(model_cfg.path, self.device, model_cfg.dtype,
-                                     trust_remote_code=model_cfg.trust_remote_code,
-                                     gradient_checkpointing=self._is_actor and model_cfg.enable_gradient_checkpointing)
+            self.module = load_model(model.path, self.device, model.dtype,
+                                     trust_remote_code=model.trust_remote_code,
+                                     gradient_checkpointing=self._is_actor and model.enable_gradient_checkpointing)
         if self._is_actor:
             actor = self.config.actor
             self.engine = TrainingEngine(self.module, actor.optim, actor.grad_clip, "actor", self.world_size)
         if self._is_rollout:
             rollout = self.config.rollout
             self.rollout = build_rollout(rollout, self.module, self.tokenizer, self.response_length,
-                                         model_location(model_cfg.path), (rollout.seed or 0) + self.rank)
+                                         model_location(model.path), (rollout.seed or 0) + self.rank)
         if self._is_ref:
-            self.ref_module = load_model(model_cfg.path, self.device, model_cfg.dtype,
-                                         trust_remote_code=model_cfg.trust_remote_code).eval()
+            self.ref_module = load_model(model.path, self.device, model.dtype,
+                                         trust_remote_code=model.trust_remote_code).eval()
             self.ref_module.requires_grad_(False)
 
     # ---------------------------------------------------------------- rollout
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         self._require(self.rollout, "rollout", "generate_sequences")
+        check_generation_batch(prompts)
         out = self.rollout.generate_sequences(prompts)
         if self.announce:
             print(f"[rollout] generated {len(out)} responses for {len(prompts)} prompts", flush=True)
@@ -123,10 +124,11 @@ class ActorRolloutRefWorker(Worker):
             self.rollout.update_weights(named)
 
     # ---------------------------------------------------------------- log-probs
-    def _log_probs(self, module: torch.nn.Module, data: DataProto, with_entropy: bool) -> tuple[torch.Tensor, Any]:
+    def _log_probs(self, module: torch.nn.Module, data: DataProto, with_entropy: bool,
+                   micro: int) -> tuple[torch.Tensor, Any]:
+        """Log-probs (and entropy) of ``data``'s responses, ``micro`` sequences per forward pass."""
         was_training = module.training
         module.eval()
-        micro = self.config.rollout.log_prob_micro_batch_size_per_gpu or len(data)
         temperature = self.config.rollout.temperature
         parts = batched(lambda d: response_log_probs(module, d, temperature, with_entropy), data, micro)
         module.train(was_training)
@@ -137,7 +139,8 @@ class ActorRolloutRefWorker(Worker):
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs`` and ``entropys`` ``(bs, L)`` under the current policy."""
         self._require(self.module, "actor", "compute_log_prob")
-        log_probs, entropy = self._log_probs(self.module, data, with_entropy=True)
+        log_probs, entropy = self._log_probs(self.module, data, with_entropy=True,
+                                             micro=self.config.rollout.log_prob_micro_batch_size_per_gpu)
         metrics = {}
         if "rollout_log_probs" in data.batch.keys() and data.batch["rollout_log_probs"].abs().sum() > 0:
             metrics = logprob_diff_metrics(data.batch["rollout_log_probs"], log_probs, data.batch["response_mask"])
@@ -148,7 +151,8 @@ class ActorRolloutRefWorker(Worker):
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob`` ``(bs, L)`` under the frozen reference policy."""
         self._require(self.ref_module, "ref", "compute_ref_log_prob")
-        log_probs, _ = self._log_probs(self.ref_module, data, with_entropy=False)
+        log_probs, _ = self._log_probs(self.ref_module, data, with_entropy=False,
+                                       micro=self.config.ref.log_prob_micro_batch_size_per_gpu)
         return DataProto.from_dict({"ref_log_prob": log_probs})
 
     # ---------------------------------------------------------------- training
@@ -156,7 +160,7 @@ class ActorRolloutRefWorker(Worker):
         """Policy-gradient loss (+ KL to the reference, - entropy bonus, + supervised NLL on SFT rows)."""
         actor = self.config.actor
         mask = micro.batch["response_mask"].float()
-        entropy_coeff = actor.entropy_coeff or 0.0
+        entropy_coeff = actor.entropy_coeff
         log_prob, entropy = response_log_probs(self.module, micro, self.config.rollout.temperature,
                                                with_entropy=True, entropy_grad=entropy_coeff != 0)
         # On-policy shortcut: with one pass over the data the old policy *is* the current one, so the
@@ -172,6 +176,8 @@ class ActorRolloutRefWorker(Worker):
         metrics = {"actor/pg_loss": pg_loss.item(), "actor/pg_clipfrac": _scalar(clipfrac),
                    "actor/ppo_kl": _scalar(ppo_kl), "actor/pg_clipfrac_lower": _scalar(clipfrac_lower),
                    "actor/entropy": entropy_loss.item(), **tis_metrics}
+        if "ref_log_prob" in micro.batch.keys():  # KL(policy || reference), k1 estimate over the sampled tokens
+            metrics["actor/kl_ref"] = float(masked_mean(log_prob.detach() - micro.batch["ref_log_prob"], mask))
         if actor.use_kl_loss:
             kl = kl_penalty(log_prob, micro.batch["ref_log_prob"], actor.kl_loss_type)
             kl_loss = agg_loss(kl, mask, actor.loss_agg_mode)

@@ -24,15 +24,13 @@ from hybridflow.protocol import DataProto
 LossFn = Callable[[DataProto], tuple[torch.Tensor, dict[str, float]]]
 
 
-def _cfg(obj: Any, key: str, default: Any) -> Any:
-    value = getattr(obj, key, default)
-    return default if value is None else value
-
-
 class TrainingEngine:
-    """Optimises ``module``; ``name`` (e.g. ``actor``) prefixes error messages and metrics."""
+    """Optimises ``module``; ``name`` (e.g. ``actor``) prefixes error messages and metrics.
 
-    def __init__(self, module: torch.nn.Module, optim_config: Any, grad_clip: float | None, name: str,
+    ``optim``: an ``OptimConfig`` (``actor_rollout_ref.actor.optim`` or ``critic.optim``), read as is:
+    its defaults are the schema's, not the engine's."""
+
+    def __init__(self, module: torch.nn.Module, optim: Any, grad_clip: float | None, name: str,
                  world_size: int = 1) -> None:
         self.module = module
         self.name = name
@@ -41,18 +39,16 @@ class TrainingEngine:
         if self.world_size > 1:  # identical starting weights on every rank (a fresh value head is random)
             for param in module.state_dict().values():
                 dist.broadcast(param, src=0)
-        betas = tuple(_cfg(optim_config, "betas", (0.9, 0.999)))
         self.optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad],
-                                           lr=optim_config.lr, betas=betas,
-                                           weight_decay=_cfg(optim_config, "weight_decay", 0.0))
+                                           lr=optim.lr, betas=tuple(optim.betas),
+                                           weight_decay=optim.weight_decay)
         self.lr_scale = 1.0
-        total = int(_cfg(optim_config, "total_training_steps", -1))
-        warmup = int(_cfg(optim_config, "lr_warmup_steps", -1))
+        total, warmup = optim.total_training_steps, optim.lr_warmup_steps
         if warmup < 0:
-            warmup = int(_cfg(optim_config, "lr_warmup_steps_ratio", 0.0) * max(total, 0))
+            warmup = int(optim.lr_warmup_steps_ratio * max(total, 0))
         self._warmup, self._total = warmup, total
-        self._style = _cfg(optim_config, "warmup_style", "constant")
-        self._min_lr_ratio = _cfg(optim_config, "min_lr_ratio", 0.0)
+        self._style = optim.warmup_style
+        self._min_lr_ratio = optim.min_lr_ratio
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
 
     def _lr_factor(self, step: int) -> float:

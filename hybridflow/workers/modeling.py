@@ -9,6 +9,7 @@ a fifth of the model's arithmetic, and the prompt positions' logits are never ne
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,8 @@ from transformers.utils import logging as hf_logging
 from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
 from hybridflow.models import resolve_model_path
 from hybridflow.protocol import DataProto
+
+logger = logging.getLogger(__name__)
 
 # Per-load progress bars from transformers would drown the trainer's own progress line.
 hf_logging.disable_progress_bar()
@@ -54,14 +57,40 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
 
 
 def load_model(path: str, device: torch.device, dtype: str | None = "auto", auto_cls: Any = AutoModelForCausalLM,
-               trust_remote_code: bool = False, gradient_checkpointing: bool = False,
+               trust_remote_code: bool = False, gradient_checkpointing: bool = False, new_head: str | None = None,
                **kwargs: Any) -> PreTrainedModel:
-    """A Hugging Face model on ``device``; ``path`` may be ``default`` (the embedded SmolLM2)."""
-    model = auto_cls.from_pretrained(model_location(path), dtype=resolve_dtype(dtype, device),
-                                     trust_remote_code=trust_remote_code, **kwargs).to(device)
+    """A Hugging Face model on ``device``; ``path`` may be ``default`` (the embedded SmolLM2).
+
+    ``new_head`` (e.g. ``"the critic's value head"``): a head the checkpoint is expected to lack. Its
+    fresh weights are reported in one line instead of transformers' table of MISSING keys, which reads
+    like an error; any *other* missing weight is still reported as a warning."""
+    if new_head is None:
+        model = auto_cls.from_pretrained(model_location(path), dtype=resolve_dtype(dtype, device),
+                                         trust_remote_code=trust_remote_code, **kwargs)
+    else:
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            model, info = auto_cls.from_pretrained(model_location(path), dtype=resolve_dtype(dtype, device),
+                                                   trust_remote_code=trust_remote_code, output_loading_info=True,
+                                                   **kwargs)
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        _report_new_head(model, sorted(info.get("missing_keys", [])), new_head, path)
+    model = model.to(device)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def _report_new_head(model: PreTrainedModel, missing: list[str], new_head: str, path: str) -> None:
+    head = {name for name, _ in model.named_parameters() if name.split(".")[0] in ("score", "classifier")}
+    fresh, other = [k for k in missing if k in head], [k for k in missing if k not in head]
+    if fresh:
+        logger.info("%s starts from scratch (%s, as expected: %s holds no such head)", new_head,
+                    ", ".join(fresh), path)
+    if other:
+        logger.warning("%s: weights missing from %s were initialised randomly: %s", new_head, path, ", ".join(other))
 
 
 def _forward_inputs(data: DataProto, device: torch.device) -> dict[str, torch.Tensor]:

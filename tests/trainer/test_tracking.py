@@ -66,19 +66,20 @@ def test_tensorboard_event_file_holds_the_scalars(tmp_path):
 def test_console_line_format():
     metrics = {
         "critic/score/mean": 0.42, "critic/rewards/mean": 0.40, "actor/ppo_kl": 0.0131, "actor/kl_loss": 0.5,
+        "actor/kl_ref": 0.0312,
         "actor/pg_loss": -0.1874, "critic/vf_loss": 0.021, "response_length/mean": 12.5,
         "timing_s/gen": 3.14, "timing_s/update_actor": 5.16, "timing_s/step": 9.83, "timing_s/ref": 1.0,
         "val/arith/acc/mean@1": 0.5, "perf/throughput": 123.0,
     }
     assert format_step_line(3, metrics) == (
-        "step 3 | reward 0.42 | kl 0.0131 | pg_loss -0.187 | vf_loss 0.021 | resp_len 12.5 | "
+        "step 3 | reward 0.42 | kl_ref 0.0312 | ppo_kl 0.0131 | pg_loss -0.187 | vf_loss 0.021 | resp_len 12.5 | "
         "gen 3.1s upd 5.2s step 9.8s | val/arith/acc/mean@1 0.5"
     )
 
 
 def test_console_line_falls_back_and_omits_missing_keys():
-    assert format_step_line(7, {"critic/rewards/mean": 1.0, "actor/kl_loss": 0.002, "response_length/mean": 250.4}) \
-        == "step 7 | reward 1 | kl 0.002 | resp_len 250"
+    assert format_step_line(7, {"critic/rewards/mean": 1.0, "actor/reward_kl_penalty": 0.002,
+                                "response_length/mean": 250.4}) == "step 7 | reward 1 | kl_ref 0.002 | resp_len 250"
     assert format_step_line(0, {"val/arith/reward/mean@1": 0.25}) == "step 0 | val/arith/reward/mean@1 0.25"
 
 

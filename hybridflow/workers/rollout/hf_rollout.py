@@ -21,19 +21,20 @@ SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "n", "response_le
 
 @dataclass
 class SamplingParams:
-    """How to sample; the rollout config gives the defaults, ``meta_info`` may override any of them."""
+    """How to sample; the rollout config (a ``SamplingConfig``) gives the values, ``meta_info`` may override
+    any of them. No defaults here: the schema holds them."""
 
     response_length: int
-    n: int = 1
-    do_sample: bool = True
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    n: int
+    do_sample: bool
+    temperature: float
+    top_p: float
+    top_k: int
 
     @classmethod
     def from_config(cls, config: Any, response_length: int, overrides: dict | None = None) -> SamplingParams:
-        values = {k: getattr(config, k) for k in SAMPLING_KEYS if getattr(config, k, None) is not None}
-        values.setdefault("response_length", response_length)
+        values = {"n": config.n, "do_sample": config.do_sample, "temperature": config.temperature,
+                  "top_p": config.top_p, "top_k": config.top_k, "response_length": response_length}
         values.update({k: v for k, v in (overrides or {}).items() if k in SAMPLING_KEYS and v is not None})
         params = cls(**values)
         if params.temperature <= 0:  # temperature 0 means greedy, as in vLLM
@@ -97,7 +98,7 @@ class HFRollout:
         ``response_mask``, ``rollout_log_probs`` ``(bs*n, L)`` (zero when greedy), and ``input_ids``,
         ``attention_mask``, ``position_ids`` ``(bs*n, P + L)`` for the whole sequence."""
         params = SamplingParams.from_config(self.config, self.response_length, prompts.meta_info)
-        micro = getattr(self.config, "micro_batch_size", None) or len(prompts)
+        micro = self.config.micro_batch_size or len(prompts)  # null: all prompts in one call
         parts = [self._generate(part, params) for part in prompts.split(micro)]
         return DataProto.concat(parts) if len(parts) > 1 else parts[0]
 
