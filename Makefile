@@ -28,7 +28,7 @@ $(VLLM_VENV)/.installed: pyproject.toml scripts/vllm_cpu_env.sh
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed
-	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_engine
 
 demo: venv
 	$(PY) -m hybridflow.demo

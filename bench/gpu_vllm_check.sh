@@ -2,7 +2,7 @@
 # The vLLM rollout's checks on a CUDA machine, in one command (run from anywhere; ~10 min with installs):
 #   bash bench/gpu_vllm_check.sh [VENV_DIR]      (default .venv-gpu)
 # It installs the CUDA `vllm` package (it brings its own torch and transformers pins) and hybridflow's other
-# needs without moving vLLM's pins, then runs tests/vllm on the GPU: greedy vLLM == greedy generate (tiny and
+# needs without moving vLLM's pins, then runs tests/vllm_engine on the GPU: greedy vLLM == greedy generate (tiny and
 # embedded model, fp32), the actor update reaching the engine, GRPO learning with vLLM, with sleep mode on
 # (rollout.free_cache_engine), at tensor parallel size 1 and, with 2+ GPUs, 2; then the rollout bench.
 # Results: the pytest lines and bench/results/rollout-gpu-*.json.
@@ -23,8 +23,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 GPUS=$($PY -c "import torch; print(torch.cuda.device_count())")
 for TP in 1 2; do
     if [ "$TP" -gt "$GPUS" ]; then echo "tensor parallel $TP: skipped, $GPUS GPU(s)"; continue; fi
-    echo "== tests/vllm, tensor parallel size $TP"
-    HYBRIDFLOW_TEST_VLLM_TP=$TP timeout 1200 $PY -m pytest -q -p no:cacheprovider tests/vllm --durations=5
+    echo "== tests/vllm_engine, tensor parallel size $TP"
+    HYBRIDFLOW_TEST_VLLM_TP=$TP timeout 1200 $PY -m pytest -q -p no:cacheprovider tests/vllm_engine --durations=5
 done
 for SHAPE in "8 4 16" "64 8 128"; do
     set -- $SHAPE

@@ -59,6 +59,6 @@ def ray_session():
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-# tests/vllm need vLLM's CPU build, which lives in its own environment (`make test-vllm`, README: vLLM
+# tests/vllm_engine need vLLM's CPU build, which lives in its own environment (`make test-vllm`, README: vLLM
 # rollout); the core environment does not collect them, and `make test-vllm` runs them there.
-collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_engine"]
