@@ -1,7 +1,11 @@
 """Rollout speed: hybridflow's HF rollout (each prompt's KV cache computed once, shared by its n samples)
-against plain ``generate(num_return_sequences=n)`` on the same prompts, in the same run.
+and the vLLM rollout against plain ``generate(num_return_sequences=n)`` on the same prompts, in the same run.
 
     .venv/bin/python bench/rollout.py [--model default] [--prompts 8] [--n 4] [--new-tokens 16] [--out FILE]
+    .venv-vllm/bin/python bench/rollout.py ...   # adds the vLLM rollout (vLLM's CPU build: make test-vllm)
+
+The vLLM row appears where ``vllm`` imports; every engine gets one untimed call first (vLLM's first
+generation is slower).
 
 Prints a table and writes JSON; compare the ratio, not the seconds (these machines are noisy).
 """
@@ -9,6 +13,7 @@ Prints a table and writes JSON; compare the ratio, not the seconds (these machin
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import time
@@ -19,11 +24,12 @@ import torch
 from hybridflow.data import RLHFDataset, collate_fn
 from hybridflow.data.prepare import main as prepare_data
 from hybridflow.trainer.config import RolloutConfig
-from hybridflow.workers.modeling import load_model, load_tokenizer
-from hybridflow.workers.rollout import HFRollout
+from hybridflow.workers.modeling import load_model, load_tokenizer, model_location
+from hybridflow.workers.rollout import HFRollout, build_rollout
 
 
 def timed(fn, repeats: int) -> float:
+    fn()  # warm-up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -39,13 +45,15 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine (bench/gpu_vllm_check.sh)")
     parser.add_argument("--out", default="bench/results/rollout.json")
     args = parser.parse_args()
 
     data_dir = Path(args.out).parent / "rollout-data"
     prepare_data(["arithmetic", str(data_dir), "--train-size", str(args.prompts), "--test-size", "1"])
     tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, torch.device("cpu")).eval()
+    device = torch.device(args.device)
+    model = load_model(args.model, device).eval()
     dataset = RLHFDataset(str(data_dir / "train.parquet"), tokenizer, max_prompt_length=256)
     prompts = collate_fn([dataset[i] for i in range(args.prompts)])
     sampling = RolloutConfig(n=args.n, temperature=0.7)
@@ -53,7 +61,8 @@ def main() -> None:
 
     def plain() -> None:
         with torch.no_grad():
-            model.generate(input_ids=prompts.batch["input_ids"], attention_mask=prompts.batch["attention_mask"],
+            model.generate(input_ids=prompts.batch["input_ids"].to(device),
+                           attention_mask=prompts.batch["attention_mask"].to(device),
                            do_sample=True, temperature=0.7, max_new_tokens=args.new_tokens,
                            num_return_sequences=args.n, pad_token_id=tokenizer.pad_token_id)
 
@@ -61,14 +70,21 @@ def main() -> None:
             ("hybridflow HFRollout (shared prompt cache)", timed(lambda: rollout.generate_sequences(prompts),
                                                                args.repeats))]
     width = prompts.batch["input_ids"].shape[1]
+    if importlib.util.find_spec("vllm"):
+        config = RolloutConfig(name="vllm", n=args.n, temperature=0.7, max_model_len=width + args.new_tokens)
+        engine = build_rollout(config, model, tokenizer, args.new_tokens, model_location(args.model))
+        rows.append(("hybridflow VLLMRollout (vLLM CPU build)", timed(lambda: engine.generate_sequences(prompts),
+                                                                    args.repeats)))
     print(f"{args.prompts} prompts x {args.n} samples, prompt width {width}, {args.new_tokens} new tokens, "
           f"median of {args.repeats}, torch threads {torch.get_num_threads()}")
-    print(f"| {'engine':<44} | {'seconds':>8} | {'speed-up':>8} |\n|{'-' * 46}|{'-' * 10}|{'-' * 10}|")
+    tokens = args.prompts * args.n * args.new_tokens  # at most: responses may stop early at EOS
+    print(f"| {'engine':<44} | {'seconds':>8} | {'speed-up':>8} | {'max tokens/s':>12} |\n"
+          f"|{'-' * 46}|{'-' * 10}|{'-' * 10}|{'-' * 14}|")
     for name, seconds in rows:
-        print(f"| {name:<44} | {seconds:8.2f} | {rows[0][1] / seconds:7.2f}x |")
+        print(f"| {name:<44} | {seconds:8.2f} | {rows[0][1] / seconds:7.2f}x | {tokens / seconds:12.1f} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
-        "model": args.model, "prompts": args.prompts, "n": args.n, "new_tokens": args.new_tokens,
+        "model": args.model, "device": args.device, "prompts": args.prompts, "n": args.n, "new_tokens": args.new_tokens,
         "prompt_width": width, "results": [{"engine": n, "median_s": s} for n, s in rows]}, indent=2))
 
 

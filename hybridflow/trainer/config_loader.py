@@ -22,7 +22,14 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hybridflow.trainer.config import PPOConfig
-from hybridflow.trainer.config_checks import ConfigError, get_key, ignored_rule, warn_ignored
+from hybridflow.trainer.config_checks import (
+    VLLM_GPU_ONLY_KEYS,
+    ConfigError,
+    IgnoredKey,
+    get_key,
+    ignored_rule,
+    warn_ignored,
+)
 
 __all__ = ["ALIASES", "apply_flat_keywords", "build_config", "known_keys", "load_config", "merge", "nearest_key",
            "schema_entry"]
@@ -93,6 +100,12 @@ def warn_ignored_schema_keys(cfg: PPOConfig) -> None:
             continue
         if rule and not (rule.used_with_vllm and vllm) and value != get_key(defaults, key):
             warn_ignored(key, rule, value)
+    if vllm and cfg.trainer.device == "cpu":
+        for name in VLLM_GPU_ONLY_KEYS:
+            key = f"actor_rollout_ref.rollout.{name}"
+            if get_key(cfg, key) != get_key(defaults, key):
+                warn_ignored(key, IgnoredKey(key, "vLLM's CPU build has no GPU memory to share or free"),
+                             get_key(cfg, key))
 
 
 # ------------------------------------------------------------------------------------- the schema's keys

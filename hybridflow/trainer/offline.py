@@ -102,7 +102,7 @@ class OfflineTrainer:
                                                        device=device)}
         if self.objective.needs_ref:
             inits[Role.REF] = ClassWithInitArgs(ActorRolloutRefWorker, arr, role="ref", seed=seed, device=device)
-        self.wg = build_worker_groups(self.config, inits)
+        self.wg = build_worker_groups(self.config, inits=inits)
 
     def close(self) -> None:
         """Stop the workers this trainer started; ``with OfflineTrainer(cfg) as t:`` closes too."""

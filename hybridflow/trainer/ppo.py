@@ -110,8 +110,15 @@ class PPOTrainer:
         return self.wg.actor_rollout.scale_lr(scale)[0]
 
     def init_workers(self) -> None:
-        if self.wg is None:
-            self.wg = build_worker_groups(self.config)
+        if self.wg is None:  # a two-stage reward calls the reward model from the driver, so it stays here
+            two_stage = self.config.reward_model.two_stage.enable
+            self.wg = build_worker_groups(self.config, reward_fn=None if two_stage else self.reward_fn)
+
+    def sync_rollout_weights(self) -> None:
+        """Send the actor's weights to a rollout running in other processes (``trainer.placement=split``),
+        through Ray's object store; a rollout in the actor's process syncs itself inside ``update_actor``."""
+        if self.wg.rollout is not None:
+            self.wg.rollout.update_weights(self.wg.actor_rollout.get_weights()[0])
 
     def close(self) -> None:
         """Stop the workers this trainer started (Ray actors give their CPUs/GPUs back). The trained
@@ -136,7 +143,8 @@ class PPOTrainer:
         if "rm_scores" in batch.batch.keys():
             scores, extra = batch.batch["rm_scores"], {}
         else:
-            result = self.reward_fn(batch, return_dict=True)
+            reward_worker = self.wg.reward
+            result = reward_worker.compute_reward(batch) if reward_worker else self.reward_fn(batch, return_dict=True)
             scores, extra = result["reward_tensor"], result.get("reward_extra_info", {})
             if metrics is not None:
                 metrics.update(result.get("metrics", {}))
@@ -160,7 +168,7 @@ class PPOTrainer:
             self.hooks.emit("on_step_start", self, self.global_step, metrics, batch)
             with timer("gen", t):
                 batch.meta_info["n"] = cfg.actor_rollout_ref.rollout.n
-                batch = wg.actor_rollout.generate_sequences(batch)
+                batch = wg.generator.generate_sequences(batch)
                 metrics.update(reduce_metrics(batch.meta_info.pop("metrics", {})))  # agent/* of multi-turn rollouts
             self.hooks.emit("after_generate", self, self.global_step, metrics, batch)
             with timer("reward", t):
@@ -194,6 +202,9 @@ class PPOTrainer:
                     rows = self.replay.mix(batch, self.global_step, metrics) if self.replay else batch
                     out = wg.actor_rollout.update_actor(rows, sft)
                     metrics.update(reduce_metrics(out.meta_info["metrics"]))
+                if wg.rollout is not None:
+                    with timer("sync_weights", t):
+                        self.sync_rollout_weights()
                 if self.replay:
                     with timer("replay_priorities", t):
                         self.replay.update_priorities(wg.actor_rollout, metrics)
@@ -226,7 +237,7 @@ class PPOTrainer:
         for batch in PromptLoader(self.val_dataset, size, shuffle=False, drop_last=False):
             batch.meta_info.update(n=kw.n, temperature=kw.temperature, top_p=kw.top_p, top_k=kw.top_k,
                                    do_sample=kw.do_sample)
-            out = self.wg.actor_rollout.generate_sequences(batch)
+            out = self.wg.generator.generate_sequences(batch)
             agent.append(reduce_metrics(out.meta_info.pop("metrics", {})))
             result = self.val_reward_fn(out, return_dict=True)
             rows.append((out, result))
@@ -281,6 +292,7 @@ class PPOTrainer:
         state = torch.load(folder / "trainer_state.pt", weights_only=False)
         self._check_same_data(folder, state["loader"])
         self.wg.actor_rollout.load_checkpoint(str(folder / "actor"))
+        self.sync_rollout_weights()
         if self.wg.critic is not None:
             self.wg.critic.load_checkpoint(str(folder / "critic"))
         self.global_step = state["global_step"]

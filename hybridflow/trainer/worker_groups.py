@@ -1,10 +1,15 @@
 """Building the worker groups a PPO run needs, on the local or the Ray backend.
 
-Every role a run needs (actor + rollout, reference, critic, reward model) is colocated in one process per
-rank (the hybrid engine: the roles share the devices instead of each taking its own), then split back
-into one group view per role. Only the backend differs between a laptop and a cluster: a
-``LocalWorkerGroup`` of one rank in the driver's process, or a ``RayWorkerGroup`` of ``n_workers`` ranks.
-Every worker runs on ``trainer.device``.
+Where each role runs is a placement (``trainer.placement``, verl's resource-pool spec): named pools of
+worker processes, and a mapping from role to pool. The roles that share a pool are colocated in one process
+per rank (the hybrid engine: the roles share the devices instead of each taking its own), then split back
+into one group view per role. ``colocated`` puts every role in one pool; ``split`` gives the actor (with the
+reference and the critic), the rollout and the reward their own pools, so a separate rollout worker must be
+sent the actor's weights after each update (``PPOTrainer.sync_rollout_weights``).
+
+Only the backend differs between a laptop and a cluster: a ``LocalWorkerGroup`` of one rank in the driver's
+process (colocated only), or ``RayWorkerGroup`` s with the pools' processes. Every worker runs on
+``trainer.device``.
 """
 
 from __future__ import annotations
@@ -20,19 +25,33 @@ from hybridflow.single_controller import (
     WorkerGroup,
     create_colocated_worker_cls,
 )
+from hybridflow.trainer.config_checks import ConfigError
 from hybridflow.utils.errors import UserError
-from hybridflow.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
+from hybridflow.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker, RewardWorker
+
+# The roles a placement maps to pools. "actor" and "rollout" in one pool form the hybrid engine's
+# actor_rollout worker; "reward" is the reward function's worker (without it, the driver scores).
+PLACEMENT_ROLES = ("actor", "rollout", "ref", "critic", "reward_model", "reward")
 
 
 @dataclass
 class WorkerGroups:
-    """One group per role; ``None`` for a role the run does not use."""
+    """One group per role; ``None`` for a role the run does not use. ``rollout`` is set only when the
+    rollout runs apart from the actor (else ``actor_rollout`` generates); ``reward`` only when the reward
+    function runs in a worker (else the driver calls it)."""
 
     actor_rollout: WorkerGroup
     ref: WorkerGroup | None = None
     critic: WorkerGroup | None = None
     reward_model: WorkerGroup | None = None
+    rollout: WorkerGroup | None = None
+    reward: WorkerGroup | None = None
     release: Callable[[], None] | None = None  # frees what building the groups took (Ray actors, CPUs)
+
+    @property
+    def generator(self) -> WorkerGroup:
+        """The group that generates: the separate rollout, or the hybrid engine's actor_rollout."""
+        return self.rollout or self.actor_rollout
 
     def shutdown(self) -> None:
         """Stop the workers and give their resources back; the groups are unusable afterwards."""
@@ -46,30 +65,69 @@ def needs_ref(config: Any) -> bool:
     return bool(config.actor_rollout_ref.actor.use_kl_loss or config.algorithm.use_kl_in_reward)
 
 
-def role_inits(config: Any) -> dict[Role, ClassWithInitArgs]:
-    """The deferred constructor of each role's worker for this config."""
+def placement(config: Any) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """``(pools, role -> pool)`` for ``trainer.placement``, with ``resource_pool_spec`` and ``role_pools``
+    laid over the preset; every role maps to a defined pool."""
+    tr = config.trainer
+    if tr.placement == "split":
+        pools = {"actor": [tr.n_workers], "rollout": [1], "reward": [1]}
+        roles = {"actor": "actor", "ref": "actor", "critic": "actor", "rollout": "rollout",
+                 "reward": "reward", "reward_model": "reward"}
+    else:
+        pools = {"global": [tr.n_workers]}
+        roles = {role: "global" for role in PLACEMENT_ROLES if role != "reward"}
+    pools.update({name: list(nodes) if isinstance(nodes, list) else [nodes]
+                  for name, nodes in tr.resource_pool_spec.items()})
+    roles.update(tr.role_pools)
+    unknown = sorted(set(roles) - set(PLACEMENT_ROLES))
+    if unknown:
+        raise ConfigError(f"trainer.role_pools: unknown role(s) {unknown}; roles are {list(PLACEMENT_ROLES)}")
+    undefined = {role: pool for role, pool in roles.items() if pool not in pools}
+    if undefined:
+        raise ConfigError(f"trainer.role_pools maps {undefined} to undefined pools; trainer.resource_pool_spec "
+                          f"defines {sorted(pools)}")
+    bad = {name: nodes for name, nodes in pools.items()
+           if not nodes or not all(isinstance(n, int) and n >= 1 for n in nodes)}
+    if bad:
+        raise ConfigError(f"trainer.resource_pool_spec: each pool lists processes per node (integers >= 1), "
+                          f"got {bad}")
+    return pools, roles
+
+
+def role_inits(config: Any, roles: dict[str, str] | None = None,
+               reward_fn: Callable[..., dict] | None = None) -> dict[str, ClassWithInitArgs]:
+    """The deferred constructor of each role's worker, keyed by the role's group name. With ``roles`` (a
+    placement's role -> pool), an actor and rollout in different pools become two workers, and
+    ``reward_fn`` a ``RewardWorker`` where the placement maps ``reward``."""
+    roles = roles or {}
     arr = config.actor_rollout_ref
-    response_length, seed, device = config.data.max_response_length, config.trainer.seed, config.trainer.device
+    device = config.trainer.device
+    kw = {"response_length": config.data.max_response_length, "seed": config.trainer.seed, "device": device}
     # With LoRA the reference is the actor's module with the adapter off: the actor worker takes the role
     ref_in_actor = needs_ref(config) and arr.model.lora_rank > 0
-    inits = {Role.ACTOR_ROLLOUT: ClassWithInitArgs(ActorRolloutRefWorker, arr,
-                                                   role="actor_rollout_ref" if ref_in_actor else "actor_rollout",
-                                                   response_length=response_length, seed=seed, device=device)}
+    with_ref = "_ref" if ref_in_actor else ""
+    if roles.get("actor") == roles.get("rollout"):
+        inits = {str(Role.ACTOR_ROLLOUT): ClassWithInitArgs(ActorRolloutRefWorker, arr,
+                                                            role=f"actor_rollout{with_ref}", **kw)}
+    else:
+        inits = {"actor": ClassWithInitArgs(ActorRolloutRefWorker, arr, role=f"actor{with_ref}", **kw),
+                 "rollout": ClassWithInitArgs(ActorRolloutRefWorker, arr, role="rollout", announce=True, **kw)}
     if needs_ref(config) and not ref_in_actor:
-        inits[Role.REF] = ClassWithInitArgs(ActorRolloutRefWorker, arr, role="ref",
-                                            response_length=response_length, seed=seed, device=device)
+        inits[str(Role.REF)] = ClassWithInitArgs(ActorRolloutRefWorker, arr, role="ref", **kw)
     if config.critic.enable:
-        inits[Role.CRITIC] = ClassWithInitArgs(CriticWorker, config.critic, rollout_n=arr.rollout.n, seed=seed,
-                                               device=device)
+        inits[str(Role.CRITIC)] = ClassWithInitArgs(CriticWorker, config.critic, rollout_n=arr.rollout.n,
+                                                    seed=config.trainer.seed, device=device)
     if config.reward_model.enable:
-        inits[Role.REWARD_MODEL] = ClassWithInitArgs(RewardModelWorker, config.reward_model,
-                                                     policy_tokenizer_path=arr.model.path, device=device)
+        inits[str(Role.REWARD_MODEL)] = ClassWithInitArgs(RewardModelWorker, config.reward_model,
+                                                          policy_tokenizer_path=arr.model.path, device=device)
+    if reward_fn is not None and "reward" in roles:
+        inits["reward"] = ClassWithInitArgs(RewardWorker, reward_fn)
     return inits
 
 
 def check_ray_resources(needed: dict[str, float], n_workers: int) -> None:
     """Refuse up front a run that Ray cannot place (else the placement waits, then fails with Ray's
-    resource message): each of ``trainer.n_workers`` workers takes one CPU (and one GPU on cuda)."""
+    resource message): each worker process takes ``trainer.cpus_per_worker`` CPUs (and one GPU on cuda)."""
     import ray
 
     available, total = ray.available_resources(), ray.cluster_resources()
@@ -81,32 +139,61 @@ def check_ray_resources(needed: dict[str, float], n_workers: int) -> None:
                 f"or give Ray more (trainer.ray_kwargs.num_{kind.lower()}s=..., or a larger Ray cluster)")
 
 
-def build_worker_groups(config: Any, inits: dict[Role, ClassWithInitArgs] | None = None) -> WorkerGroups:
-    """Start the workers (``trainer.backend``: ``local`` or ``ray``) and load their models; ``inits``
-    (default: ``role_inits(config)``, the PPO roles) says which roles with which workers."""
-    inits = inits if inits is not None else role_inits(config)
-    fused = create_colocated_worker_cls(inits)
+def build_worker_groups(config: Any, reward_fn: Callable[..., dict] | None = None,
+                        inits: dict[Any, ClassWithInitArgs] | None = None) -> WorkerGroups:
+    """Start the workers (``trainer.backend``: ``local`` or ``ray``, placed by ``trainer.placement``) and load
+    their models. ``reward_fn`` runs in a worker of its own where the placement maps ``reward``; ``inits``
+    (default: ``role_inits``, the PPO roles; keys: a role or its group name) says which workers to start."""
     trainer = config.trainer
-    if trainer.backend == "ray":
-        from hybridflow.single_controller.ray import RayResourcePool, RayWorkerGroup, init_ray
+    given = None if inits is None else {str(name): init for name, init in inits.items()}
+    if trainer.backend != "ray":
+        inits = given or role_inits(config)
+        group = LocalWorkerGroup(create_colocated_worker_cls(inits), world_size=1, name_prefix="hybridflow")
+        return _init_views(group.spawn(prefix_set=list(inits)), None, inits)
 
-        init_ray(**dict(trainer.ray_kwargs))
-        pool = RayResourcePool(process_on_nodes=[trainer.n_workers],
-                               use_gpu=trainer.device == "cuda", max_colocate_count=1)
-        check_ray_resources(pool.required_resources(), trainer.n_workers)
-        group: WorkerGroup = RayWorkerGroup(pool, fused, name_prefix="hybridflow")
+    from hybridflow.single_controller.ray import RayWorkerGroup, ResourcePoolManager, init_ray
 
-        def release() -> None:
-            group.shutdown()
-            pool.remove()
-    else:
-        group = LocalWorkerGroup(fused, world_size=1, name_prefix="hybridflow")
-        release = None
-    views = group.spawn(prefix_set=[str(role) for role in inits])
+    pools, roles = placement(config)
+    inits = given or role_inits(config, roles, reward_fn)
+    init_ray(**dict(trainer.ray_kwargs))
+    # a worker's pool is its role's (actor_rollout runs where the actor does)
+    pool_of = {name: roles["actor" if name == str(Role.ACTOR_ROLLOUT) else name] for name in inits}
+    used = {pool: nodes for pool, nodes in pools.items() if pool in pool_of.values()}
+    processes = sum(sum(nodes) for nodes in used.values())
+    needed = {"CPU": processes * trainer.cpus_per_worker, **({"GPU": float(processes)} if trainer.device == "cuda"
+                                                              else {})}
+    check_ray_resources(needed, trainer.n_workers)
+    manager = ResourcePoolManager(used, {name: pool_of[name] for name in inits}, use_gpu=trainer.device == "cuda",
+                                  cpus_per_process=trainer.cpus_per_worker, max_colocate_count=1)
+    resource_pools = manager.create_resource_pool()
+    groups, views = [], {}
+    try:
+        for pool_name, pool in resource_pools.items():
+            members = {name: init for name, init in inits.items() if pool_of[name] == pool_name}
+            group = RayWorkerGroup(pool, create_colocated_worker_cls(members), name_prefix=f"hybridflow/{pool_name}")
+            groups.append(group)
+            views.update(group.spawn(prefix_set=list(members)))
+    except BaseException:
+        _release(groups, resource_pools)
+        raise
+    return _init_views(views, lambda: _release(groups, resource_pools), inits)
+
+
+def _release(groups: list, pools: dict) -> None:
+    for group in groups:
+        group.shutdown()
+    for pool in pools.values():
+        pool.remove()
+
+
+def _init_views(views: dict[str, WorkerGroup], release: Callable[[], None] | None,
+                inits: dict[str, ClassWithInitArgs]) -> WorkerGroups:
     for view in views.values():
         view.init_model()
-    groups = WorkerGroups(**{role: view for role, view in views.items()}, release=release)
-    actor_roles = str(inits[Role.ACTOR_ROLLOUT].kwargs.get("role", "")).split("_")
-    if groups.ref is None and "ref" in actor_roles:  # LoRA: the actor's workers answer compute_ref_log_prob
-        groups.ref = groups.actor_rollout
+    fields = dict(views)
+    actor = str(Role.ACTOR_ROLLOUT) if str(Role.ACTOR_ROLLOUT) in fields else "actor"
+    fields["actor_rollout"] = fields.pop(actor)
+    groups = WorkerGroups(**fields, release=release)
+    if groups.ref is None and "ref" in str(inits[actor].kwargs.get("role", "")).split("_"):
+        groups.ref = groups.actor_rollout  # LoRA: the actor's workers answer compute_ref_log_prob
     return groups

@@ -1,11 +1,13 @@
 """Workers: the heavy state (models, optimisers, rollout engines) that worker groups drive.
 
 ``ActorRolloutRefWorker`` (policy: actor / rollout / reference in any combination), ``CriticWorker``
-(value model) and ``RewardModelWorker`` (a sequence-classification reward model, or a dummy one).
+(value model), ``RewardModelWorker`` (a sequence-classification reward model, or a dummy one) and
+``RewardWorker`` (the rule-based or custom reward function, in its own process).
 """
 
 from hybridflow.workers.actor import ActorRolloutRefWorker
 from hybridflow.workers.critic import CriticWorker
+from hybridflow.workers.reward import RewardWorker
 from hybridflow.workers.reward_model import RewardModelWorker
 
-__all__ = ["ActorRolloutRefWorker", "CriticWorker", "RewardModelWorker"]
+__all__ = ["ActorRolloutRefWorker", "CriticWorker", "RewardModelWorker", "RewardWorker"]

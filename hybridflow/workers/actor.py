@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
 import torch
 
 from hybridflow.algorithms import (
@@ -20,14 +21,22 @@ from hybridflow.algorithms import (
     get_policy_loss_fn,
     kl_penalty,
     masked_mean,
+    truncated_importance_weights,
 )
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.checkpointing import load_worker_state, save_worker_state
 from hybridflow.workers.engine import DivergedError, TrainingEngine
-from hybridflow.workers.modeling import batched, load_model, load_tokenizer, response_log_probs
+from hybridflow.workers.modeling import (
+    batched,
+    load_model,
+    load_tokenizer,
+    model_location,
+    response_log_probs,
+)
 from hybridflow.workers.rollout import build_rollout, check_generation_batch
 from hybridflow.workers.sharding import gathered, is_lora, load_placement, resolve_strategy, wrap_model
+from hybridflow.workers.weight_sync import from_numpy, policy_weights, to_numpy
 
 ROLES = ("actor", "rollout", "ref")
 
@@ -47,10 +56,11 @@ def _scalar(value: torch.Tensor | float) -> float:
 
 class ActorRolloutRefWorker(Worker):
     """``config``: the ``actor_rollout_ref`` config section; ``role``: roles joined by ``_``
-    (``actor_rollout``, ``actor_rollout_ref``, ``ref``, ``rollout``...); ``device``: ``trainer.device``."""
+    (``actor_rollout``, ``actor_rollout_ref``, ``ref``, ``rollout``...); ``device``: ``trainer.device``;
+    ``announce``: print one line per generation (``[rollout] generated ...``)."""
 
     def __init__(self, config: Any, role: str = "actor_rollout", response_length: int = 64, seed: int = 0,
-                 device: str = "auto") -> None:
+                 device: str = "auto", announce: bool = False) -> None:
         super().__init__(device)
         unknown = [r for r in role.split("_") if r not in ROLES]
         if unknown:
@@ -58,6 +68,7 @@ class ActorRolloutRefWorker(Worker):
         self.config, self.role = config, role
         self._is_actor, self._is_rollout, self._is_ref = (r in role.split("_") for r in ROLES)
         self.response_length, self.seed = response_length, seed
+        self.announce = announce  # print what this worker did (a role in its own process, as the tutorial logs)
         self.module = self.ref_module = self.engine = self.rollout = None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -67,17 +78,21 @@ class ActorRolloutRefWorker(Worker):
         model_cfg, actor, ref = self.config.model, self.config.actor, self.config.ref
         self.tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
         if self._is_actor or self._is_rollout:
-            strategy = resolve_strategy(actor.strategy, self.world_size)
+            # a rollout-only worker (trainer.placement=split) holds a plain copy the actor's full weights load into
+            strategy = resolve_strategy(actor.strategy, self.world_size) if self._is_actor else "ddp"
             module = load_model(model_cfg.path, *load_placement(strategy, model_cfg.dtype, self.device),
                                 trust_remote_code=model_cfg.trust_remote_code,
                                 gradient_checkpointing=self._is_actor and model_cfg.enable_gradient_checkpointing)
-            self.module = wrap_model(module, strategy, actor.fsdp_config, self.device, model_cfg.lora_rank,
+            lora = model_cfg.lora_rank if self._is_actor else 0
+            self.module = wrap_model(module, strategy, actor.fsdp_config, self.device, lora,
                                      model_cfg.lora_alpha, model_cfg.target_modules)
         if self._is_actor:
             self.engine = TrainingEngine(self.module, actor.optim, actor.grad_clip, "actor", self.world_size,
                                          actor.fsdp_config.optimizer_offload)
         if self._is_rollout:
-            self.rollout = build_rollout(self.config.rollout, self.module, self.tokenizer, self.response_length)
+            rollout = self.config.rollout
+            self.rollout = build_rollout(rollout, self.module, self.tokenizer, self.response_length,
+                                         model_location(model_cfg.path), (rollout.seed or 0) + self.rank)
         if self._is_ref and not (self.module is not None and is_lora(self.module)):
             strategy = resolve_strategy(ref.strategy, self.world_size, "actor_rollout_ref.ref.strategy")
             module = load_model(model_cfg.path, *load_placement(strategy, model_cfg.dtype, self.device),
@@ -92,13 +107,41 @@ class ActorRolloutRefWorker(Worker):
         check_generation_batch(prompts)
         try:
             with gathered(self.module, self.config.actor.fsdp_config.reshard_after_forward):
-                return self.rollout.generate_sequences(prompts)
+                out = self.rollout.generate_sequences(prompts)
         except DivergedError as e:
             if self.engine is None or self.engine.steps_done == 0:
                 raise
             raise DivergedError(f"{e}: the update of training step {self.engine.steps_done} (lr "
                                 f"{self.engine.lr:g}) broke the weights; lower actor_rollout_ref.actor.optim.lr"
                                 ) from e
+        if self.announce:
+            print(f"[rollout] generated {len(out)} responses for {len(prompts)} prompts", flush=True)
+        return out
+
+    # ---------------------------------------------------------------- weight sync
+    def _sync_rollout(self) -> None:
+        """After the actor's weights changed: a rollout engine with its own copy (vLLM) takes the new ones
+        in memory; the Hugging Face rollout samples from the trained module itself and needs nothing."""
+        if self._is_actor and self.rollout is not None and hasattr(self.rollout, "update_weights"):
+            self.rollout.update_weights(policy_weights(self.module))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def get_weights(self) -> dict[str, np.ndarray] | None:
+        """The actor's full weights as numpy arrays on rank 0 (None elsewhere; every rank takes part, since
+        gathering FSDP2 shards is a collective), for a rollout worker in another process
+        (``trainer.placement=split``)."""
+        self._require(self.engine, "actor", "get_weights")
+        weights = to_numpy(policy_weights(self.module))
+        return weights if self.rank == 0 else None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def update_weights(self, weights: dict[str, np.ndarray]) -> None:
+        """Load the actor's weights (``get_weights``) into this rollout worker's model and engine."""
+        self._require(self.rollout, "rollout", "update_weights")
+        named = list(from_numpy(weights, next(self.module.parameters()).dtype))
+        self.module.load_state_dict(dict(named))
+        if hasattr(self.rollout, "update_weights"):
+            self.rollout.update_weights(named)
 
     # ---------------------------------------------------------------- log-probs
     def _log_probs(self, module: torch.nn.Module, data: DataProto, with_entropy: bool,
@@ -147,15 +190,16 @@ class ActorRolloutRefWorker(Worker):
         # On-policy shortcut: with one pass over the data the old policy *is* the current one, so the
         # driver may skip the extra forward pass and let the ratio start at exactly 1.
         old = micro.batch["old_log_probs"] if "old_log_probs" in micro.batch.keys() else log_prob.detach()
+        advantages, tis_metrics = self._tis_corrected(micro, old, mask)
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = get_policy_loss_fn(actor.policy_loss.loss_mode)(
-            old_log_prob=old, log_prob=log_prob, advantages=micro.batch["advantages"], response_mask=mask,
+            old_log_prob=old, log_prob=log_prob, advantages=advantages, response_mask=mask,
             loss_agg_mode=actor.loss_agg_mode, cliprange=actor.clip_ratio, cliprange_low=actor.clip_ratio_low,
             cliprange_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c)
         entropy_loss = agg_loss(entropy, mask, actor.loss_agg_mode)
         loss = pg_loss - entropy_coeff * entropy_loss
         metrics = {"actor/pg_loss": pg_loss.item(), "actor/pg_clipfrac": _scalar(clipfrac),
                    "actor/ppo_kl": _scalar(ppo_kl), "actor/pg_clipfrac_lower": _scalar(clipfrac_lower),
-                   "actor/entropy": entropy_loss.item()}
+                   "actor/entropy": entropy_loss.item(), **tis_metrics}
         if "ref_log_prob" in micro.batch.keys():  # KL(policy || reference), k1 estimate over the sampled tokens
             metrics["actor/kl_ref"] = float(masked_mean(log_prob.detach() - micro.batch["ref_log_prob"], mask))
         if actor.use_kl_loss:
@@ -166,6 +210,17 @@ class ActorRolloutRefWorker(Worker):
         if "rollout_log_probs" in micro.batch.keys() and "old_log_probs" not in micro.batch.keys():
             metrics.update(logprob_diff_metrics(micro.batch["rollout_log_probs"], log_prob.detach(), mask))
         return loss, metrics
+
+    def _tis_corrected(self, micro: DataProto, old: torch.Tensor,
+                       mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """Advantages ``(bs, L)`` weighted by truncated importance sampling (``actor.tis_imp_ratio_cap``)
+        when it is on and the rollout engine's log-probs came with the batch; else unchanged."""
+        cap, advantages = self.config.actor.tis_imp_ratio_cap, micro.batch["advantages"]
+        if cap <= 0 or "rollout_log_probs" not in micro.batch.keys():
+            return advantages, {}
+        weights, tis_clipfrac = truncated_importance_weights(old, micro.batch["rollout_log_probs"], mask, cap)
+        return advantages * weights, {"actor/tis_clipfrac": float(tis_clipfrac),
+                                      "actor/tis_weight_mean": float(masked_mean(weights, mask))}
 
     def _sft_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         """Supervised NLL on demonstration responses (prompt tokens masked out)."""
@@ -192,6 +247,7 @@ class ActorRolloutRefWorker(Worker):
             extra = [(sft_data, self._sft_loss, float(sft_data.meta_info.get("loss_coef", 1.0)))]
         metrics = self.engine.update(data, mini_batch, actor.ppo_micro_batch_size_per_gpu, self._policy_loss,
                                      actor.loss_agg_mode, actor.ppo_epochs, actor.shuffle, self.seed, extra)
+        self._sync_rollout()
         return DataProto(meta_info={"metrics": metrics})
 
     # ---------------------------------------------------------------- offline training (SFT, DPO, KTO)
@@ -251,6 +307,7 @@ class ActorRolloutRefWorker(Worker):
     def load_checkpoint(self, path: str) -> None:
         self._require(self.engine, "actor", "load_checkpoint")
         load_worker_state(path, self.module, self.engine, self.rank)
+        self._sync_rollout()
 
     def _require(self, part: Any, role: str, method: str) -> None:
         if part is None:

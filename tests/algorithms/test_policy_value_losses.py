@@ -12,6 +12,7 @@ from hybridflow.algorithms import (
     compute_value_loss,
     get_policy_loss_fn,
     register_policy_loss,
+    truncated_importance_weights,
 )
 
 # Five response tokens (row 1 has one padding token) with known ratios pi / pi_old and advantages:
@@ -200,3 +201,20 @@ def test_sft_loss_is_masked_negative_log_likelihood():
     assert compute_sft_loss(log_prob, mask, "seq-mean-token-mean").item() == pytest.approx(
         2.25
     )  # (1.5 + 3) / 2
+
+
+def test_truncated_importance_weights_hand_values():
+    old = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
+    rollout = torch.log(torch.tensor([[0.25, 0.4, 0.1]]))  # ratios 2, 0.5, 9 (the last off the mask)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    weights, clipfrac = truncated_importance_weights(old, rollout, mask, cap=1.5)
+    assert torch.allclose(weights, torch.tensor([[1.5, 0.5, 1.0]]))  # capped, kept, 1 off the mask
+    assert clipfrac.item() == pytest.approx(0.5)
+    # weighting the advantages scales each token's clipped surrogate by the weight
+    log_prob = old + torch.tensor([[0.1, -0.3, 0.0]])
+    adv = torch.tensor([[1.0, -2.0, 3.0]])
+    plain = compute_policy_loss(old, log_prob, adv * weights, mask, loss_agg_mode="seq-mean-token-sum")[0]
+    ratio = (log_prob - old).exp()
+    # token 0: A' = 1.5, r = e^0.1 inside the clip range; token 1: A' = -1, r = e^-0.3 clipped up to 0.8
+    by_hand = -1.5 * ratio[0, 0] + 1.0 * 0.8
+    assert plain.item() == pytest.approx(by_hand.item(), rel=1e-6)

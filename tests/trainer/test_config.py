@@ -125,8 +125,21 @@ def test_vllm_keys_do_not_warn_when_vllm_is_used(monkeypatch):
     assert cfg.trainer.device == "cuda" and cfg.actor_rollout_ref.model.dtype == "bf16"
 
 
-def test_vllm_on_cpu_is_an_error():
-    assert "vLLM is CUDA-only" in _error("actor_rollout_ref.rollout.name=vllm", "trainer.device=cpu")
+def test_vllm_on_cpu_reads_its_engine_keys_and_warns_for_the_gpu_only_ones():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", IgnoredKeyWarning)
+        cfg = _load("actor_rollout_ref.rollout.name=vllm", "trainer.device=cpu", "data.max_prompt_length=100",
+                    "data.max_response_length=28", "actor_rollout_ref.rollout.max_num_seqs=64",
+                    "actor_rollout_ref.rollout.free_cache_engine=false")
+    ignored = [str(w.message) for w in caught if issubclass(w.category, IgnoredKeyWarning)]
+    assert len(ignored) == 1 and "actor_rollout_ref.rollout.free_cache_engine = False" in ignored[0]
+    rollout = cfg.actor_rollout_ref.rollout
+    assert (rollout.max_num_seqs, rollout.max_model_len, rollout.dtype, rollout.seed) == (64, 128, "fp32", 42)
+
+
+def test_vllm_engine_keys_warn_with_the_hf_rollout():
+    with pytest.warns(IgnoredKeyWarning, match=r"actor_rollout_ref\.rollout\.max_num_seqs = 64 \(a vLLM engine key"):
+        _load("actor_rollout_ref.rollout.max_num_seqs=64")
 
 
 @pytest.mark.parametrize(("override", "nearest"), [

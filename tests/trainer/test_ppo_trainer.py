@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.data.prepare import main as prepare_data
 from hybridflow.trainer import PPOTrainer, load_config
 
 EXPECTED_METRICS = [
@@ -23,13 +22,6 @@ FIRST_DIGIT_REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return 1.0 if solution_str[:1].isdigit() else 0.0
 '''
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("arith")
-    prepare_data(["arithmetic", str(out), "--train-size", "64", "--test-size", "8", "--seed", "0"])
-    return out
 
 
 def config(data_dir: Path, model: str, run_dir: Path, *overrides: str):

@@ -182,3 +182,23 @@ def test_update_reports_the_kl_to_the_reference(actor_group, chat_prompts):
     metrics = actor_group.update_actor(out).meta_info["metrics"]
     assert metrics["actor/kl_ref"][0] == pytest.approx(0.05, abs=1e-4)
     assert metrics["actor/ppo_kl"][0] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_tis_caps_the_rollout_trainer_ratio(tiny_model_path, chat_prompts):
+    """With actor.tis_imp_ratio_cap, tokens whose trainer/rollout probability ratio exceeds the cap are
+    counted (actor/tis_clipfrac): here the rollout's log-probs are lowered by 1 on every second token."""
+    group = LocalWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, actor_config(tiny_model_path,
+                                                                                   tis_imp_ratio_cap=2.0),
+                                               role="actor_rollout", response_length=6))
+    group.init_model()
+    torch.manual_seed(0)
+    out = group.generate_sequences(chat_prompts(group.workers[0].tokenizer, ["Compute 3+4."]))
+    mask = out.batch["response_mask"]
+    shifted = torch.zeros_like(out.batch["rollout_log_probs"])
+    shifted[:, ::2] = 1.0  # ratio e^1 = 2.7 > cap on these tokens, ~1 elsewhere
+    out.batch["rollout_log_probs"] = out.batch["rollout_log_probs"] - shifted
+    out.batch["advantages"] = torch.ones_like(mask, dtype=torch.float32)
+    metrics = group.update_actor(out).meta_info["metrics"]
+    expected = float((shifted * mask).sum() / mask.sum())
+    assert metrics["actor/tis_clipfrac"][0] == pytest.approx(expected)
+    assert 1.0 < metrics["actor/tis_weight_mean"][0] < 2.0

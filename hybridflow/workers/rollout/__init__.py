@@ -1,4 +1,5 @@
-"""Rollout engines: ``hf`` (Hugging Face ``generate``, runs anywhere torch does), optionally driven by the
+"""Rollout engines: ``hf`` (Hugging Face ``generate``, runs anywhere torch does) and ``vllm`` (vLLM in the
+actor's process, CUDA or CPU build; imported only when asked for), either optionally driven by the
 multi-turn agent loop (``rollout.multi_turn.enable``)."""
 
 from __future__ import annotations
@@ -9,11 +10,17 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hybridflow.protocol import DataProto
 from hybridflow.tools import load_tools
+from hybridflow.workers.modeling import resolve_dtype
 from hybridflow.workers.rollout.agent_loop import AgentLoop, agent_metrics
-from hybridflow.workers.rollout.hf_rollout import HFRollout, SamplingParams, response_mask_from
+from hybridflow.workers.rollout.hf_rollout import (
+    HFRollout,
+    SamplingParams,
+    assemble_rollout,
+    response_mask_from,
+)
 
-__all__ = ["AgentLoop", "HFRollout", "SamplingParams", "agent_metrics", "build_rollout", "check_generation_batch",
-           "response_mask_from"]
+__all__ = ["AgentLoop", "HFRollout", "SamplingParams", "agent_metrics", "assemble_rollout", "build_rollout",
+           "check_generation_batch", "response_mask_from"]
 
 _HOW = "build it with hybridflow.generation_batch(prompts, tokenizer) (strings or chat messages)"
 
@@ -34,18 +41,25 @@ def check_generation_batch(prompts: DataProto) -> None:
                          f"the padding; prompts must be left-padded: {_HOW}, or tokenizer.padding_side='left'")
 
 
-def build_rollout(rollout: Any, module: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                  response_length: int) -> HFRollout | AgentLoop:
-    """The engine named by ``rollout.name`` (``rollout``: a ``RolloutConfig``), sampling from ``module``
-    (shared with the actor); wrapped in the agent loop when ``rollout.multi_turn.enable``."""
+def build_rollout(rollout: Any, module: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, response_length: int,
+                  model_path: str | None = None, seed: int = 0) -> Any:
+    """The engine named by ``rollout.name`` (``rollout``: a ``RolloutConfig``). ``hf`` samples from ``module``
+    itself (shared with the actor); ``vllm`` loads its own copy from ``model_path`` (in ``rollout.dtype``) and
+    must be sent the weights after each change (``update_weights``). Wrapped in the agent loop when
+    ``rollout.multi_turn.enable``."""
     name = rollout.name
     if name == "hf":
         engine = HFRollout(module, tokenizer, rollout, response_length)
     elif name == "vllm":
-        raise NotImplementedError("actor_rollout_ref.rollout.name=vllm: the vLLM rollout engine is not "
-                                  "implemented yet; use rollout.name=hf (Hugging Face generate)")
+        from hybridflow.workers.rollout.vllm_rollout import VLLMRollout
+
+        if model_path is None:
+            raise ValueError("rollout.name=vllm needs model_path: vLLM loads the model from its folder")
+        device = next(module.parameters()).device
+        engine = VLLMRollout(model_path, tokenizer, rollout, response_length, rollout.max_model_len,
+                             resolve_dtype(rollout.dtype, device), device, seed)
     else:
-        raise ValueError(f"unknown rollout engine {name!r}; known: hf")
+        raise ValueError(f"unknown rollout engine {name!r}; known: hf, vllm")
     multi_turn = rollout.multi_turn
     if not multi_turn.enable:
         return engine

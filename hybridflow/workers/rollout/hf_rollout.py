@@ -61,6 +61,29 @@ class FiniteScores(LogitsProcessor):
         return scores
 
 
+def assemble_rollout(expanded: DataProto, responses: torch.Tensor, rollout_log_probs: torch.Tensor,
+                     eos_token_ids: list[int], pad_token_id: int) -> DataProto:
+    """The rollout contract every engine returns, from its raw samples.
+
+    ``expanded``: the prompts repeated ``n`` times (interleaved), ``(bs*n, P)`` left-padded;
+    ``responses`` ``(bs*n, L)`` sampled tokens (anything after the first EOS is replaced by pad);
+    ``rollout_log_probs`` ``(bs*n, L)`` the engine's log-prob of each sampled token (zero when greedy).
+    Adds ``prompts``, ``responses``, ``response_mask``, ``rollout_log_probs`` and the whole sequence's
+    ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs*n, P + L)``."""
+    response_mask = response_mask_from(responses, eos_token_ids)
+    responses = torch.where(response_mask.bool(), responses, pad_token_id)
+    prompt_ids, prompt_positions = expanded.batch["input_ids"], expanded.batch["position_ids"]
+    response_positions = prompt_positions[:, -1:] + torch.arange(1, responses.shape[1] + 1)
+    expanded.batch["prompts"] = prompt_ids
+    expanded.batch["responses"] = responses
+    expanded.batch["response_mask"] = response_mask
+    expanded.batch["rollout_log_probs"] = rollout_log_probs * response_mask
+    expanded.batch["input_ids"] = torch.cat([prompt_ids, responses], dim=1)
+    expanded.batch["attention_mask"] = torch.cat([expanded.batch["attention_mask"], response_mask], dim=1)
+    expanded.batch["position_ids"] = torch.cat([prompt_positions, response_positions], dim=1)
+    return expanded
+
+
 class HFRollout:
     """``generate_sequences`` over left-padded prompts with ``model.generate``."""
 
@@ -120,27 +143,13 @@ class HFRollout:
             output_logits=params.do_sample, return_dict_in_generate=True,
             logits_processor=LogitsProcessorList([FiniteScores()]), **sampling)
         self.model.train(was_training)
-        prompt_len = input_ids.shape[1]
-        generated = out.sequences[:, prompt_len:]
+        generated = out.sequences[:, input_ids.shape[1]:]
         responses = torch.full((generated.shape[0], params.response_length), self.pad_token_id,
                                dtype=generated.dtype, device=device)
         responses[:, :generated.shape[1]] = generated
-        response_mask = response_mask_from(responses, self.eos_token_ids)
-        responses = torch.where(response_mask.bool(), responses, self.pad_token_id)
         rollout_log_probs = torch.zeros(responses.shape, dtype=torch.float32, device=device)
         if params.do_sample and out.logits:
             logits = torch.stack(out.logits, dim=1).float() / params.temperature
             rollout_log_probs[:, :generated.shape[1]] = logprobs_from_logits(logits, generated)
-            rollout_log_probs *= response_mask
-        prompt_ids = expanded.batch["input_ids"]
-        prompt_positions = expanded.batch["position_ids"]
-        response_positions = prompt_positions[:, -1:] + torch.arange(1, params.response_length + 1)
-        responses, response_mask = responses.cpu(), response_mask.cpu()
-        expanded.batch["prompts"] = prompt_ids
-        expanded.batch["responses"] = responses
-        expanded.batch["response_mask"] = response_mask
-        expanded.batch["rollout_log_probs"] = rollout_log_probs.cpu()
-        expanded.batch["input_ids"] = torch.cat([prompt_ids, responses], dim=1)
-        expanded.batch["attention_mask"] = torch.cat([expanded.batch["attention_mask"], response_mask], dim=1)
-        expanded.batch["position_ids"] = torch.cat([prompt_positions, response_positions], dim=1)
-        return expanded
+        return assemble_rollout(expanded, responses.cpu(), rollout_log_probs.cpu(), self.eos_token_ids,
+                                self.pad_token_id)

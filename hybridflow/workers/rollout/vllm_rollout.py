@@ -1,0 +1,151 @@
+"""Rollout with vLLM, in the actor worker's own process (the hybrid engine).
+
+Why in the same process: the engine then reads the new weights straight from the trainer's tensors after
+each update (``load_weights`` through ``collective_rpc``), no files and no second process. vLLM keeps its
+own copy of the weights (its layers are fused: ``qkv_proj``, ``gate_up_proj``), so unlike the Hugging Face
+rollout it must be told after every change (``update_weights``).
+
+The same code runs on vLLM's CPU build (``vllm-cpu``) and on the CUDA ``vllm`` package. On a GPU with
+``free_cache_engine`` the engine sleeps between generations (level 1: KV cache dropped, weights moved to
+host memory), so the actor has the GPU to itself while it trains; on CPU there is nothing to free.
+
+``vllm`` is imported only when this engine is built (``rollout.name=vllm``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from hybridflow.protocol import DataProto
+from hybridflow.workers.rollout.hf_rollout import SamplingParams, assemble_rollout
+
+# GiB of KV cache on CPU when the user sets none: a tiny or 135M-parameter model needs far less.
+DEFAULT_CPU_KVCACHE_GIB = "1"
+
+
+def _import_vllm() -> Any:
+    # The engine core must run in this process (else it starts a spawned process that cannot see the
+    # model we update); the CPU build sizes its KV cache from this variable instead of GPU memory.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(
+            "actor_rollout_ref.rollout.name=vllm needs vLLM: `pip install vllm` on a CUDA machine, or build the "
+            "CPU environment with `scripts/vllm_cpu_env.sh` (README: vLLM rollout); or use rollout.name=hf"
+        ) from err
+    return vllm
+
+
+def _load_weights(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> int:
+    """Runs inside vLLM's worker: copy ``weights`` (Hugging Face names) into its model.
+
+    ``reload_weights`` (recent vLLM) re-runs the post-load processing that some platforms apply (the CPU
+    build repacks linear weights for its kernels, after which ``load_weights`` alone no longer works);
+    older versions only have the model's ``load_weights``."""
+    if hasattr(worker, "reload_weights"):
+        worker.reload_weights(weights_iterator=iter(weights))
+    else:
+        worker.model_runner.model.load_weights(weights)
+    return len(weights)
+
+
+class VLLMRollout:
+    """``generate_sequences`` with a ``vllm.LLM`` built from ``model_path``; same contract as ``HFRollout``.
+
+    ``config``: the rollout section (sampling defaults, engine keys); ``max_model_len``: the longest
+    prompt + response; ``device``: where the actor trains (``cuda`` enables sleep mode)."""
+
+    def __init__(self, model_path: str, tokenizer: PreTrainedTokenizerBase, config: Any, response_length: int,
+                 max_model_len: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
+        vllm = _import_vllm()
+        self.config, self.response_length, self.dtype = config, response_length, dtype
+        self.pad_token_id = tokenizer.pad_token_id
+        eos = tokenizer.eos_token_id
+        self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
+        self.on_gpu = device.type == "cuda"
+        self.sleep_mode = self.on_gpu and config.free_cache_engine
+        self._sampling_cls = vllm.SamplingParams
+        self._tokens_prompt = vllm.inputs.TokensPrompt
+        gpu_only = {"gpu_memory_utilization": config.gpu_memory_utilization,
+                    "enable_sleep_mode": self.sleep_mode} if self.on_gpu else {}
+        self.llm = vllm.LLM(
+            model=model_path, tokenizer=model_path, dtype=str(dtype).removeprefix("torch."),
+            max_model_len=max_model_len, enforce_eager=config.enforce_eager, seed=seed,
+            tensor_parallel_size=config.tensor_model_parallel_size, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=max(config.max_num_batched_tokens, max_model_len or 0),
+            enable_chunked_prefill=config.enable_chunked_prefill, enable_prefix_caching=True,
+            # the log-prob of each sampled token under the distribution it was sampled from (temperature
+            # applied), which is what the trainer recomputes: rollout/logprob_diff compares like with like
+            logprobs_mode="processed_logprobs", **gpu_only)
+        self._asleep: set[str] = set()  # what sleep mode has moved out of GPU memory: weights, kv_cache
+        self._sleep()
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load the trainer's current weights (Hugging Face names) into the engine, in memory; returns how
+        many tensors it took. On GPU with sleep mode only the weights wake up, not the KV cache."""
+        if "weights" in self._asleep:
+            self.llm.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
+        weights = [(name, t.to(self.dtype)) for name, t in weights]
+        if self.config.tensor_model_parallel_size > 1:  # crosses into vLLM's worker processes: host memory
+            weights = [(name, t.cpu()) for name, t in weights]
+        counts = self.llm.collective_rpc(_load_weights, args=(weights,))
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        return int(counts[0])
+
+    @contextlib.contextmanager
+    def awake(self) -> Iterator[Any]:
+        """The engine (``vllm.LLM``) with its weights and KV cache in GPU memory for the block, asleep again
+        after it in sleep mode; on CPU it never sleeps."""
+        if self._asleep:  # the KV cache, and the weights unless an update woke them already
+            self.llm.wake_up(tags=sorted(self._asleep))
+            self._asleep.clear()
+        try:
+            yield self.llm
+        finally:
+            self._sleep()
+
+    def _sleep(self) -> None:
+        if self.sleep_mode:
+            self.llm.sleep(level=1)
+            self._asleep = {"weights", "kv_cache"}
+
+    # ------------------------------------------------------------------ generation
+    def _sampling_params(self, params: SamplingParams) -> Any:
+        sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                    "logprobs": 0} if params.do_sample else {"temperature": 0.0}
+        return self._sampling_cls(n=params.n, max_tokens=params.response_length, stop_token_ids=self.eos_token_ids,
+                                  detokenize=False, **sampling)
+
+    @torch.no_grad()
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Sample ``n`` responses per prompt (vLLM's ``n``: each prompt's prefix is computed once).
+
+        In: ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, P)``, left-padded. Out: ``bs * n`` rows,
+        laid out exactly as ``HFRollout.generate_sequences`` returns them (``rollout_log_probs`` zero when
+        greedy)."""
+        params = SamplingParams.from_config(self.config, self.response_length, prompts.meta_info)
+        ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
+        requests = [self._tokens_prompt(prompt_token_ids=row[keep].tolist()) for row, keep in zip(ids, mask)]
+        with self.awake() as llm:
+            outputs = llm.generate(requests, self._sampling_params(params), use_tqdm=False)
+        rows = len(prompts) * params.n
+        responses = torch.full((rows, params.response_length), self.pad_token_id, dtype=ids.dtype)
+        log_probs = torch.zeros((rows, params.response_length), dtype=torch.float32)
+        for i, sample in enumerate(s for out in outputs for s in out.outputs):  # prompt-major, like repeat(n)
+            tokens = list(sample.token_ids)[:params.response_length]
+            responses[i, :len(tokens)] = torch.tensor(tokens, dtype=ids.dtype)
+            if params.do_sample and sample.logprobs:
+                log_probs[i, :len(tokens)] = torch.tensor(
+                    [step[token].logprob for step, token in zip(sample.logprobs, tokens)])
+        expanded = prompts.repeat(params.n, interleave=True)
+        return assemble_rollout(expanded, responses, log_probs, self.eos_token_ids, self.pad_token_id)
