@@ -4,7 +4,7 @@ actor) checkpoints in a form that resumes on 1 local worker. (LoRA learning: tes
 import math
 
 import pytest
-from test_ppo_trainer import config, data_dir, logged  # noqa: F401 (data_dir: a fixture)
+from test_ppo_trainer import config, logged
 from transformers import AutoModelForCausalLM
 
 from hybridflow.trainer import PPOTrainer
