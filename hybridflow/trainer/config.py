@@ -101,6 +101,9 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False
     dtype: Dtype = "auto"
     use_remove_padding: bool = False
+    #: compute each prompt once for the n responses sampled from it (log-probs, values and updates); an
+    #: exact rewrite (same log-probs and gradients); false = score every row on its own
+    share_prompt_prefix: bool = True
 
 
 @dataclass
@@ -136,6 +139,8 @@ class ActorConfig:
     strategy: Literal["auto", "fsdp2", "ddp", "single"] = "auto"
     ppo_mini_batch_size: int = 8
     ppo_micro_batch_size_per_gpu: int = 4
+    use_dynamic_bsz: bool = False  #: micro-batches filled to ppo_max_token_len_per_gpu tokens, not a row count
+    ppo_max_token_len_per_gpu: int = 16384  #: real tokens per micro-batch when use_dynamic_bsz
     ppo_epochs: int = 1
     shuffle: bool = False
     clip_ratio: float = 0.2
@@ -157,6 +162,8 @@ class ActorConfig:
 class RefConfig:
     """The frozen reference policy (used when a KL loss or KL reward penalty is on)."""
     log_prob_micro_batch_size_per_gpu: int = 8
+    log_prob_use_dynamic_bsz: bool = False  #: reference log-prob micro-batches filled to a token budget
+    log_prob_max_token_len_per_gpu: int = 16384  #: real tokens per reference log-prob micro-batch
 
 
 @dataclass
@@ -174,6 +181,8 @@ class RolloutConfig(SamplingConfig):
     """Generation: the engine, sampling for training, and ``val_kwargs`` for validation."""
     name: Literal["hf", "vllm"] = "hf"
     log_prob_micro_batch_size_per_gpu: int = 8
+    log_prob_use_dynamic_bsz: bool = False  #: old-log-prob micro-batches filled to a token budget
+    log_prob_max_token_len_per_gpu: int = 16384  #: real tokens per old-log-prob micro-batch
     micro_batch_size: int | None = None
     gpu_memory_utilization: float = 0.5
     tensor_model_parallel_size: int = 1
@@ -198,6 +207,8 @@ class CriticConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_mini_batch_size: int | None = None
     ppo_micro_batch_size_per_gpu: int = 4
+    use_dynamic_bsz: bool = False  #: value and update micro-batches filled to ppo_max_token_len_per_gpu tokens
+    ppo_max_token_len_per_gpu: int = 32768  #: real tokens per critic micro-batch when use_dynamic_bsz
     ppo_epochs: int | None = None
     cliprange_value: float = 0.5
     loss_agg_mode: LossAggMode = "token-mean"

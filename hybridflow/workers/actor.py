@@ -17,7 +17,8 @@ from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.checkpointing import load_worker_state, save_worker_state
 from hybridflow.workers.engine import TrainingEngine
-from hybridflow.workers.modeling import batched, load_model, load_tokenizer, response_log_probs
+from hybridflow.workers.modeling import load_model, load_tokenizer, response_log_probs
+from hybridflow.workers.packing import MicroBatching, batched
 from hybridflow.workers.rollout import build_rollout
 
 ROLES = ("actor", "rollout", "ref")
@@ -77,21 +78,27 @@ class ActorRolloutRefWorker(Worker):
         return self.rollout.generate_sequences(prompts)
 
     # ---------------------------------------------------------------- log-probs
-    def _log_probs(self, module: torch.nn.Module, data: DataProto, with_entropy: bool) -> tuple[torch.Tensor, Any]:
+    def _log_probs(self, module: torch.nn.Module, data: DataProto, with_entropy: bool,
+                   role_cfg: Any) -> tuple[torch.Tensor, Any]:
+        """Log-probs without gradients, micro-batched by ``role_cfg``'s ``log_prob_*`` keys (the rollout's
+        for the current policy, the reference's for the reference)."""
         was_training = module.training
         module.eval()
-        micro = self.config.rollout.log_prob_micro_batch_size_per_gpu or len(data)
+        share = self.config.model.share_prompt_prefix
+        micro = MicroBatching(role_cfg.log_prob_micro_batch_size_per_gpu or len(data),
+                              role_cfg.log_prob_max_token_len_per_gpu if role_cfg.log_prob_use_dynamic_bsz else None,
+                              share)
         temperature = self.config.rollout.temperature
-        parts = batched(lambda d: response_log_probs(module, d, temperature, with_entropy), data, micro)
+        log_probs, entropy = batched(lambda d: response_log_probs(module, d, temperature, with_entropy,
+                                                                  share_prompt=share), data, micro)
         module.train(was_training)
-        log_probs = torch.cat([lp for lp, _ in parts])
-        return log_probs, torch.cat([e for _, e in parts]) if with_entropy else None
+        return log_probs, entropy
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs`` and ``entropys`` ``(bs, L)`` under the current policy."""
         self._require(self.module, "actor", "compute_log_prob")
-        log_probs, entropy = self._log_probs(self.module, data, with_entropy=True)
+        log_probs, entropy = self._log_probs(self.module, data, True, self.config.rollout)
         metrics = {}
         if "rollout_log_probs" in data.batch.keys() and data.batch["rollout_log_probs"].abs().sum() > 0:
             metrics = logprob_diff_metrics(data.batch["rollout_log_probs"], log_probs, data.batch["response_mask"])
@@ -102,7 +109,7 @@ class ActorRolloutRefWorker(Worker):
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob`` ``(bs, L)`` under the frozen reference policy."""
         self._require(self.ref_module, "ref", "compute_ref_log_prob")
-        log_probs, _ = self._log_probs(self.ref_module, data, with_entropy=False)
+        log_probs, _ = self._log_probs(self.ref_module, data, False, self.config.ref)
         return DataProto.from_dict({"ref_log_prob": log_probs})
 
     # ---------------------------------------------------------------- training
@@ -112,7 +119,8 @@ class ActorRolloutRefWorker(Worker):
         mask = micro.batch["response_mask"].float()
         entropy_coeff = actor.entropy_coeff or 0.0
         log_prob, entropy = response_log_probs(self.module, micro, self.config.rollout.temperature,
-                                               with_entropy=True, entropy_grad=entropy_coeff != 0)
+                                               with_entropy=True, entropy_grad=entropy_coeff != 0,
+                                               share_prompt=self.config.model.share_prompt_prefix)
         # On-policy shortcut: with one pass over the data the old policy *is* the current one, so the
         # driver may skip the extra forward pass and let the ratio start at exactly 1.
         old = micro.batch["old_log_probs"] if "old_log_probs" in micro.batch.keys() else log_prob.detach()
@@ -136,7 +144,8 @@ class ActorRolloutRefWorker(Worker):
 
     def _sft_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         """Supervised NLL on demonstration responses (prompt tokens masked out)."""
-        log_prob, _ = response_log_probs(self.module, micro, temperature=1.0)
+        log_prob, _ = response_log_probs(self.module, micro, temperature=1.0,
+                                         share_prompt=self.config.model.share_prompt_prefix)
         loss = compute_sft_loss(log_prob, micro.batch["response_mask"].float(), self.config.actor.loss_agg_mode)
         return loss, {"actor/sft_loss": loss.item()}
 
@@ -157,7 +166,10 @@ class ActorRolloutRefWorker(Worker):
         extra = []
         if sft_data is not None and len(sft_data):
             extra = [(sft_data, self._sft_loss, float(sft_data.meta_info.get("loss_coef", 1.0)))]
-        metrics = self.engine.update(data, mini_batch, actor.ppo_micro_batch_size_per_gpu, self._policy_loss,
+        micro = MicroBatching(actor.ppo_micro_batch_size_per_gpu,
+                              actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
+                              self.config.model.share_prompt_prefix)
+        metrics = self.engine.update(data, mini_batch, micro, self._policy_loss,
                                      actor.loss_agg_mode, actor.ppo_epochs, actor.shuffle, self.seed, extra)
         return DataProto(meta_info={"metrics": metrics})
 

@@ -6,7 +6,7 @@ averaging and gradient clipping, and the model's checkpoint state.
 
 Data parallelism is DDP-style: every rank holds the whole model, computes gradients on its shard, and one
 all-reduce sums them before the step. Each micro-batch's loss is weighted by its share of the *global*
-mini-batch (tokens for ``token-mean``, sequences otherwise), so an update on 2 ranks equals the update on
+mini-batch (tokens for ``token-mean``, non-empty responses otherwise), so an update on 2 ranks equals the update on
 1 rank over the same global batch, up to float rounding.
 """
 
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.protocol import DataProto
+from hybridflow.workers.packing import MicroBatching, as_micro_batching
 
 LossFn = Callable[[DataProto], tuple[torch.Tensor, dict[str, float]]]
 
@@ -84,7 +85,7 @@ class TrainingEngine:
         dist.all_reduce(t)
         return float(t.item())
 
-    def update(self, data: DataProto, mini_batch_size: int, micro_batch_size: int, loss_fn: LossFn,
+    def update(self, data: DataProto, mini_batch_size: int, micro_batch_size: int | MicroBatching, loss_fn: LossFn,
                loss_agg_mode: str = "token-mean", epochs: int = 1, shuffle: bool = False, seed: int = 0,
                extra_terms: list[tuple[DataProto, LossFn, float]] = ()) -> dict[str, list[float]]:
         """One training step's update: ``epochs`` passes over ``data`` (this rank's shard) in mini-batches,
@@ -99,13 +100,14 @@ class TrainingEngine:
         self.scheduler.step()
         return metrics
 
-    def train_mini_batch(self, mini_batch: DataProto, micro_batch_size: int, loss_fn: LossFn,
+    def train_mini_batch(self, mini_batch: DataProto, micro_batch_size: int | MicroBatching, loss_fn: LossFn,
                          loss_agg_mode: str = "token-mean",
                          extra_terms: list[tuple[DataProto, LossFn, float]] = ()) -> dict[str, float]:
         """One optimiser step over ``mini_batch`` (this rank's shard), accumulating micro-batches.
 
-        ``loss_fn(micro)`` returns the micro-batch loss aggregated with ``loss_agg_mode`` and its metrics;
-        the engine reweights it by the micro-batch's share of the global mini-batch. ``extra_terms``
+        ``micro_batch_size``: rows per micro-batch, or a ``MicroBatching`` (a token budget). ``loss_fn(micro)``
+        returns the micro-batch loss aggregated with ``loss_agg_mode`` and its metrics; the engine reweights
+        it by the micro-batch's share of the global mini-batch, so how the batch is cut does not matter. ``extra_terms``
         adds ``coef * loss`` over other data to the same step (supervised data mixed into RL)."""
         self.optimizer.zero_grad(set_to_none=True)
         metrics: dict[str, list[float]] = {}
@@ -121,13 +123,14 @@ class TrainingEngine:
         out[f"{self.name}/grad_norm"] = grad_norm
         return out
 
-    def _accumulate(self, data: DataProto, micro_batch_size: int, loss_fn: LossFn, loss_agg_mode: str,
+    def _accumulate(self, data: DataProto, micro_batch_size: int | MicroBatching, loss_fn: LossFn, loss_agg_mode: str,
                     coef: float, metrics: dict[str, list[float]]) -> None:
         """Backward every micro-batch's loss, weighted by its share of the global batch."""
-        by_tokens = loss_agg_mode == "token-mean"
-        weight = (lambda d: float(d.batch["response_mask"].sum())) if by_tokens else (lambda d: float(len(d)))
+        def weight(d: DataProto) -> float:  # what the loss averages over: tokens, or responses with a token
+            mask = d.batch["response_mask"]
+            return float(mask.sum() if loss_agg_mode == "token-mean" else (mask.sum(dim=-1) > 0).sum())
         total_weight = self._global_sum(weight(data))
-        for micro in data.split(micro_batch_size):
+        for micro in as_micro_batching(micro_batch_size).split(data):
             loss, micro_metrics = loss_fn(micro)
             if not torch.isfinite(loss):
                 details = ", ".join(f"{k}={v:.4g}" for k, v in micro_metrics.items())
