@@ -162,3 +162,27 @@ def test_embedded_model_shares_prompts_exactly():
     torch.testing.assert_close(grads[True][0][mask], grads[False][0][mask], atol=1e-5, rtol=0)
     for name, grad in grads[False][1].items():
         assert (grads[True][1][name] - grad).norm() <= 1e-4 * grad.norm(), name
+
+
+def test_actor_worker_config_switches_give_the_same_log_probs(tiny_model_path, chat_prompts):
+    """The worker reads share_prompt_prefix and the token-budget keys; rows come back in their order."""
+    from hybridflow.single_controller import ClassWithInitArgs, LocalWorkerGroup
+    from hybridflow.trainer.config import PPOConfig
+    from hybridflow.workers import ActorRolloutRefWorker
+
+    cfg = PPOConfig()
+    cfg.actor_rollout_ref.model.path = tiny_model_path
+    cfg.actor_rollout_ref.rollout.n = 3
+    arr = cfg.resolve().actor_rollout_ref
+    group = LocalWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, arr, role="actor_rollout", response_length=6))
+    group.init_model()
+    prompts = chat_prompts(group.workers[0].tokenizer, ["Compute 1+2.", "Say hello to the world please.", "Hi"])
+    batch = group.generate_sequences(prompts)
+    results = []
+    for share, dynamic in ((False, False), (True, False), (True, True)):
+        arr.model.share_prompt_prefix, arr.rollout.log_prob_use_dynamic_bsz = share, dynamic
+        arr.rollout.log_prob_max_token_len_per_gpu = 40  # several micro-batches, sorted by length
+        results.append(group.compute_log_prob(batch).batch["old_log_probs"])
+    mask = batch.batch["response_mask"].bool()
+    for other in results[1:]:
+        torch.testing.assert_close(other[mask], results[0][mask], atol=1e-5, rtol=0)
