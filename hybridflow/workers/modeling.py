@@ -2,9 +2,10 @@
 
 Every role (actor, reference, critic, reward model) reads ``(bs, prompt_length + response_length)``
 sequences laid out the same way: left-padded prompt, then the response, right-padded. The functions here
-turn such a batch into per-response-token quantities, micro-batch by micro-batch, and compute the output
-layer only over the response positions (``logits_to_keep``): on a 49k-token vocabulary the output layer is
-a fifth of the model's arithmetic, and the prompt positions' logits are never needed.
+turn such a batch into per-response-token quantities, and compute the output layer only over the positions
+that predict response tokens (``logits_to_keep``): on a 49k-token vocabulary the output layer is a fifth of
+the model's arithmetic, and the prompt positions' logits are never needed. Rows that share a prompt (GRPO's
+``n`` samples) are packed so the prompt is computed once (``hybridflow.workers.packing``).
 """
 
 from __future__ import annotations
@@ -70,10 +71,13 @@ def response_outputs(model: PreTrainedModel, data: DataProto, share_prompt: bool
 
     ``data.batch``: ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, T)`` and ``responses``
     ``(bs, L)``. With ``share_prompt`` and at least two rows sharing a prompt, each group's prompt is
-    computed once (``hybridflow.workers.packing``); otherwise every row is run as it is. ``keeps_logits``:
+    computed once (``hybridflow.workers.packing``; eager and SDPA attention, which take a 4-D mask);
+    otherwise every row is run as it is. ``keeps_logits``:
     the model takes ``logits_to_keep`` (causal LMs do; token-classification models do not)."""
     device = next(model.parameters()).device
     length = data.batch["responses"].shape[1]
+    # flash-attention kernels take no 4-D mask: those models score row by row
+    share_prompt = share_prompt and getattr(model.config, "_attn_implementation", "eager") in ("eager", "sdpa")
     groups = prompt_groups(data) if share_prompt else []
     if groups and len(groups) < len(data):
         packed = pack_shared_prompts(data, groups, next(model.parameters()).dtype)

@@ -66,7 +66,7 @@ class PackedBatch:
     def gather(self, outputs: torch.Tensor) -> torch.Tensor:
         """``outputs`` ``(G, W - first_kept + 1, ...)`` (the model's outputs from column ``first_kept - 1``
         on) -> ``(bs, L, ...)``: the output that predicts each response token (or its value)."""
-        return outputs[self.rows[:, None], self.cols]
+        return outputs[self.rows[:, None].to(outputs.device), self.cols.to(outputs.device)]
 
 
 def _real_extent(mask_row: torch.Tensor, from_left: bool) -> int:
