@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--max-token-len", type=int, default=4096, help="token budget of the last variant")
     parser.add_argument("--out", default="bench/results/update.json")
     args = parser.parse_args()
@@ -70,6 +70,7 @@ def main() -> None:
             start = time.perf_counter()
             group.update_actor(batch)
             times[name].append(time.perf_counter() - start)
+            print(f"{name}: {times[name][-1]:.1f} s", flush=True)
     medians = {name: statistics.median(t) for name, t in times.items()}
     base = medians["row by row (before)"]
     width = batch.batch["input_ids"].shape[1] - args.new_tokens
