@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--reverse", action="store_true", help="run the variants in reverse order")
     parser.add_argument("--max-token-len", type=int, default=4096, help="token budget of the last variant")
     parser.add_argument("--out", default="bench/results/update.json")
     args = parser.parse_args()
@@ -65,7 +66,7 @@ def main() -> None:
 
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for _ in range(args.repeats):
-        for name, (share, dynamic) in VARIANTS.items():
+        for name, (share, dynamic) in (reversed if args.reverse else list)(VARIANTS.items()):
             arr.model.share_prompt_prefix, arr.actor.use_dynamic_bsz = share, dynamic
             start = time.perf_counter()
             group.update_actor(batch)
