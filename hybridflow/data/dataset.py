@@ -16,9 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from torch.utils.data import Dataset
+
+from hybridflow.utils.errors import InputError, MissingInputError
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +46,14 @@ def read_rows(path: str | Path) -> list[dict]:
     """All rows of one parquet (`.parquet`) or JSON-lines (`.jsonl`, `.json`) file, as dicts."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"data file not found: {path}")
+        what = "is a folder, not a file" if path.is_dir() else "not found"
+        raise MissingInputError(f"data file {what}: {path}; check data.train_files / data.val_files")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except pa.ArrowException as e:
+            raise InputError(f"{path}: not a readable parquet file ({e})") from e
     if suffix in (".jsonl", ".json"):
         rows = []
         with path.open(encoding="utf-8") as f:
@@ -56,17 +63,18 @@ def read_rows(path: str | Path) -> list[dict]:
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}: line {line_no} is not valid JSON: {e}") from e
+                    raise InputError(f"{path}: line {line_no} is not valid JSON ({e}): fix or remove that line"
+                                     ) from e
         return rows
-    raise ValueError(f"{path}: unknown data file type {suffix!r}; expected .parquet or .jsonl")
+    raise InputError(f"{path}: unknown data file type {suffix!r}; expected .parquet or .jsonl")
 
 
-def _messages(value: Any, where: str) -> list[dict[str, str]]:
+def as_messages(value: Any, where: str) -> list[dict[str, str]]:
     """The prompt as chat messages; a plain string becomes one user message."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
-        raise ValueError(
+        raise InputError(
             f"{where}: must be a string or a non-empty list of chat messages, got {value!r:.200}"
         )
     for i, message in enumerate(value):
@@ -75,7 +83,7 @@ def _messages(value: Any, where: str) -> list[dict[str, str]]:
             or not isinstance(message.get("role"), str)
             or not isinstance(message.get("content"), str)
         ):
-            raise ValueError(
+            raise InputError(
                 f"{where}[{i}]: a chat message needs string 'role' and 'content', got {message!r:.200}"
             )
     return [{"role": m["role"], "content": m["content"]} for m in value]
@@ -85,22 +93,33 @@ def parse_row(raw: Any, file: str, row: int, position: int, prompt_key: str = "p
     """Validate one raw row; every error names the file, the row and the field."""
     where = f"{file}: row {row}"
     if not isinstance(raw, dict):
-        raise ValueError(f"{where}: a row must be an object, got {type(raw).__name__}")
+        raise InputError(f"{where}: a row must be an object, got {type(raw).__name__}")
     if raw.get(prompt_key) is None:
-        raise ValueError(f"{where}: field {prompt_key!r} is missing")
-    messages = _messages(raw[prompt_key], f"{where}: field {prompt_key!r}")
+        raise InputError(f"{where}: field {prompt_key!r} is missing or null; every row needs a prompt "
+                         "(or set data.prompt_key to the field that holds it)")
+    messages = as_messages(raw[prompt_key], f"{where}: field {prompt_key!r}")
     data_source = raw.get("data_source")
     if data_source is not None and not isinstance(data_source, str):
-        raise ValueError(f"{where}: field 'data_source' must be a string, got {data_source!r:.200}")
+        raise InputError(f"{where}: field 'data_source' must be a string, got {data_source!r:.200}")
     reward_model = raw.get("reward_model") or {}
     if not isinstance(reward_model, dict):
-        raise ValueError(
+        raise InputError(
             f"{where}: field 'reward_model' must be an object with 'ground_truth', got {reward_model!r:.200}"
         )
     extra_info = raw.get("extra_info") or {}
     if not isinstance(extra_info, dict):
-        raise ValueError(f"{where}: field 'extra_info' must be an object, got {extra_info!r:.200}")
+        raise InputError(f"{where}: field 'extra_info' must be an object, got {extra_info!r:.200}")
     return PromptRow(file, row, position, messages, data_source, reward_model.get("ground_truth"), extra_info)
+
+
+def render_prompt(tokenizer, messages: list[dict[str, str]], apply_chat_template: bool = True,
+                  chat_template_kwargs: dict | None = None) -> str:
+    """The prompt text a model sees: the chat template with the assistant generation prompt, or (for base
+    models without a template) the message contents joined with newlines."""
+    if apply_chat_template:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **(chat_template_kwargs or {}))
+    return "\n".join(m["content"] for m in messages)
 
 
 def left_pad(ids: Sequence[int], length: int, pad_id: int) -> dict[str, torch.Tensor]:
@@ -158,22 +177,24 @@ class RLHFDataset(Dataset):
         files = [data_files] if isinstance(data_files, str | Path) else list(data_files)
         if not files:
             raise ValueError("RLHFDataset needs at least one data file")
-        raw_rows = [(str(path), i, raw) for path in files for i, raw in enumerate(read_rows(path))]
+        raw_rows = []
+        for path in files:
+            rows_of_file = read_rows(path)
+            if not rows_of_file:
+                raise InputError(f"{path}: the file has no rows; give a file with prompts in it")
+            raw_rows += [(str(path), i, raw) for i, raw in enumerate(rows_of_file)]
         rows = [parse_row(raw, path, i, pos, prompt_key) for pos, (path, i, raw) in enumerate(raw_rows)]
         token_ids = self._tokenize([r.messages for r in rows])
         self.rows, self.prompt_ids, self.num_filtered = self._fit(rows, token_ids, filter_overlong_prompts)
         if not self.rows:
-            raise ValueError(
-                f"no prompts left in {files}: all {len(rows)} are longer than {max_prompt_length} tokens"
+            raise InputError(
+                f"no prompts left in {files}: all {len(rows)} are longer than {max_prompt_length} tokens; "
+                "raise data.max_prompt_length or set data.filter_overlong_prompts=false with a truncation"
             )
 
     def render(self, messages: list[dict[str, str]]) -> str:
         """The prompt text the model sees for these messages."""
-        if self.apply_chat_template:
-            return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
-            )
-        return "\n".join(m["content"] for m in messages)
+        return render_prompt(self.tokenizer, messages, self.apply_chat_template, self.chat_template_kwargs)
 
     def _tokenize(self, all_messages: list[list[dict[str, str]]]) -> list[list[int]]:
         texts = [self.render(m) for m in all_messages]
@@ -191,7 +212,7 @@ class RLHFDataset(Dataset):
                     dropped.append(row)
                     continue
                 if self.truncation == "error":
-                    raise ValueError(
+                    raise InputError(
                         f"{row.file}: row {row.row}: prompt has {len(ids)} tokens, more than "
                         f"max_prompt_length={limit}; raise it, set truncation to 'left'/'right' "
                         f"or filter_overlong_prompts=True"

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hybridflow.protocol import DataProto
+from hybridflow.utils.errors import InputError
 
 
 def collate_fn(items: Sequence[dict[str, Any]]) -> DataProto:
@@ -71,7 +72,8 @@ class PromptLoader:
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         if len(dataset) < batch_size:
-            raise ValueError(f"the dataset has {len(dataset)} rows, fewer than batch_size={batch_size}")
+            raise InputError(f"the dataset has {len(dataset)} rows, fewer than batch_size={batch_size}: "
+                             "use a smaller batch size or more rows")
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle = shuffle

@@ -2,8 +2,8 @@
 
 Tasks:
 - `arithmetic`: two-digit addition with a one-shot chat example, the embedded demo task. On it
-  SmolLM2-135M-Instruct starts near 25 % and RL lifts it visibly within minutes on a CPU (see
-  FACTS.md); without the one-shot example the model barely ever answers in a gradable form.
+  SmolLM2-135M-Instruct starts near 25 % and RL lifts it visibly within minutes on a CPU (see the
+  README's demo); without the one-shot example the model barely ever answers in a gradable form.
 - `countdown`: reach a target from a few numbers with + - * /; every target is reachable.
 - `gsm8k`: from a local JSONL copy with `question` and `answer` (ending in `#### N`); no download.
 
@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hybridflow.data.dataset import read_rows
+from hybridflow.utils.errors import InputError
 
 Row = dict[str, Any]
 ONE_SHOT = (14, 27)
@@ -50,9 +51,9 @@ def _label(rows: list[Row], split: str) -> list[Row]:
 
 def _sizes_fit(train_size: int, test_size: int, available: int, what: str) -> None:
     if train_size < 0 or test_size < 0:
-        raise ValueError(f"sizes must be non-negative, got train {train_size}, test {test_size}")
+        raise InputError(f"sizes must be non-negative, got train {train_size}, test {test_size}")
     if train_size + test_size > available:
-        raise ValueError(
+        raise InputError(
             f"asked for {train_size}+{test_size} {what} but only {available} distinct ones exist"
         )
 
@@ -173,7 +174,7 @@ def gsm8k_rows(path: str | Path) -> list[Row]:
     for i, raw in enumerate(read_rows(path)):
         question, answer = raw.get("question"), raw.get("answer")
         if not isinstance(question, str) or not isinstance(answer, str) or "####" not in answer:
-            raise ValueError(
+            raise InputError(
                 f"{path}: row {i}: needs string fields 'question' and 'answer' with '#### N' at the end"
             )
         truth = answer.rsplit("####", 1)[1].strip().replace(",", "")
@@ -197,7 +198,7 @@ def gsm8k_splits(
         train, test = rows, gsm8k_rows(test_source)
     else:
         if not 0 < test_fraction < 1:
-            raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+            raise InputError(f"test_fraction must be in (0, 1), got {test_fraction}")
         random.Random(seed).shuffle(rows)
         n_test = round(len(rows) * test_fraction)
         train, test = rows[n_test:], rows[:n_test]
@@ -207,7 +208,7 @@ def gsm8k_splits(
 # ----------------------------------------------------------------------------------------------- CLI
 def write_parquet(rows: list[Row], path: Path) -> None:
     if not rows:
-        raise ValueError(f"no rows to write to {path}")
+        raise InputError(f"no rows to write to {path}")
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hybridflow.data.dataset import RLHFDataset, read_rows
+from hybridflow.utils.errors import InputError
 
 
 class SFTDataset(Dataset):
@@ -33,7 +34,7 @@ class SFTDataset(Dataset):
         for row in self.prompts.rows:
             response = raw_rows[row.file][row.row].get(response_key)
             if not isinstance(response, str):
-                raise ValueError(f"{row.file}: row {row.row}: field {response_key!r} must be a string, "
+                raise InputError(f"{row.file}: row {row.row}: field {response_key!r} must be a string, "
                                  f"got {response!r:.200}")
             ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             self.responses.append(ids[:max_response_length])

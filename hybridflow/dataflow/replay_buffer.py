@@ -289,23 +289,18 @@ class ScheduledSampler:
             raise ValueError(f"ScheduledSampler: until_step values must increase, got {bounds}")
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any] | Any) -> ScheduledSampler:
-        """From a replay-buffer config (dict, DictConfig or dataclass) with keys ``strategy``, ``alpha``,
-        ``beta`` and ``schedule``; a missing or null ``schedule`` gives one constant phase.  Other keys
-        (``capacity``, ...) are ignored: they belong to the buffer.
+    def from_config(cls, replay_buffer: Any) -> ScheduledSampler:
+        """From the ``replay_buffer`` config section (``ReplayBufferConfig``, or anything with its attributes
+        ``strategy``, ``alpha``, ``beta``, ``schedule``); a null ``schedule`` gives one constant phase.
 
-        Config phases may be dataclasses, and a null value counts as omitted.  When the last phase has an
-        ``until_step`` (as every entry of ``PPOConfig.replay_buffer.schedule`` does), the top-level
+        Config phases may be dataclasses or mappings, and a null value counts as omitted.  When the last
+        phase has an ``until_step`` (as every entry of ``replay_buffer.schedule`` does), the top-level
         ``strategy``/``alpha``/``beta`` cover the steps after it."""
-        def get(key: str, default: Any) -> Any:
-            value = cfg.get(key, default) if isinstance(cfg, Mapping) else getattr(cfg, key, default)
-            return default if value is None else value
-
-        phases = [_phase_dict(p) for p in get("schedule", [])]
+        phases = [_phase_dict(p) for p in replay_buffer.schedule or []]
         if not phases or "until_step" in phases[-1]:
             phases.append({})
-        return cls(phases, strategy=get("strategy", "uniform"), alpha=float(get("alpha", 0.6)),
-                   beta=float(get("beta", 0.4)))
+        return cls(phases, strategy=replay_buffer.strategy, alpha=float(replay_buffer.alpha),
+                   beta=float(replay_buffer.beta))
 
     def params(self, step: int) -> dict[str, Any]:
         """``{"strategy", "alpha", "beta"}`` in force at ``step``."""

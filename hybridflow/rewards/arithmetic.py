@@ -2,7 +2,7 @@
 
 `acc` is the task's accuracy: the integer right after the reply's first `=` is the sum. The
 `score` also rewards the reply's form, because a reward that ignores what follows the answer teaches
-the model to keep talking (FACTS.md): 1.0 for exactly `A+B=<sum>`, 0.5 for the right sum followed by
+the model to keep talking (seen in the demo's early runs): 1.0 for exactly `A+B=<sum>`, 0.5 for the right sum followed by
 anything else, 0.0 otherwise.
 """
 

@@ -7,15 +7,33 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from hybridflow.algorithms import sequence_to_token_scores
 from hybridflow.protocol import DataProto
 from hybridflow.rewards.registry import Score, default_compute_score
+from hybridflow.utils.errors import InputError, UserError
 
 
 def _function_name(fn: Callable) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+SCORE_RULE = "a score is a number (bool, int, float or a 0-d tensor) or a dict with a numeric 'score'"
+
+
+def _as_score(value: Any, where: str) -> float:
+    """``value`` as a finite float when it is a number; text (even ``"1.0"``), None, lists... are refused:
+    a scorer that returns them has a bug that a silent conversion would hide."""
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_complex():
+        value = value.item()
+    if not isinstance(value, bool | int | float | np.bool_ | np.integer | np.floating):
+        raise InputError(f"{where} returned {type(value).__name__} {value!r:.60}: {SCORE_RULE}")
+    score = float(value)
+    if not math.isfinite(score):
+        raise InputError(f"{where} returned the score {score}: a score must be finite")
+    return score
 
 
 class RewardManager:
@@ -53,22 +71,18 @@ class RewardManager:
         name = _function_name(self.compute_score)
         try:
             result = self.compute_score(data_source, text, ground_truth, extra_info)
+        except UserError as e:  # e.g. no rule scorer for this data_source: the input, not the scorer, is wrong
+            raise UserError(f"sample {i} (data_source {data_source!r}): {e}") from e
         except Exception as e:
             raise RuntimeError(
                 f"reward function {name} failed on sample {i} (data_source {data_source!r}): "
                 f"{type(e).__name__}: {e}"
             ) from e
+        where = f"reward function {name} on sample {i} (data_source {data_source!r}, response {text!r:.60})"
         result = dict(result) if isinstance(result, dict) else {"score": result}
         if "score" not in result:
-            raise ValueError(
-                f"reward function {name} returned a dict without 'score' for sample {i}: {sorted(result)}"
-            )
-        score = float(result["score"])
-        if not math.isfinite(score):
-            raise ValueError(
-                f"reward function {name} returned score {score} for sample {i} (data_source {data_source!r})"
-            )
-        result["score"] = score
+            raise InputError(f"{where} returned a dict without 'score' (keys {sorted(result)}): {SCORE_RULE}")
+        result["score"] = _as_score(result["score"], where)
         return result
 
     def __call__(self, data: DataProto, return_dict: bool = False) -> torch.Tensor | dict[str, Any]:

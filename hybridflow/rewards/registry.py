@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.rewards import arithmetic, countdown, gsm8k, math_answer
+from hybridflow.utils.errors import MissingInputError, UserError
 
 Score = float | dict[str, Any]
 RULE_SCORERS: dict[str, Callable[..., Score]] = {
@@ -27,9 +28,9 @@ def default_compute_score(
     """Score one response with the rule scorer registered for its `data_source`."""
     scorer = RULE_SCORERS.get(data_source)
     if scorer is None:
-        raise NotImplementedError(
+        raise UserError(
             f"no rule reward for data_source {data_source!r}; known: {sorted(RULE_SCORERS)}. "
-            "Pass a custom reward function for other data."
+            "For other data set custom_reward_function.path (and .name) to your scoring function."
         )
     return scorer(solution_str, ground_truth, extra_info)
 
@@ -42,16 +43,17 @@ def load_custom_reward_function(path: str | Path, name: str = "compute_score") -
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"custom reward file not found: {path}")
+        raise MissingInputError(f"custom_reward_function.path: reward file not found: {path}")
     spec = importlib.util.spec_from_file_location(f"hybridflow_custom_reward_{path.stem}", path)
     if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {path} as a Python module (is it a .py file?)")
+        raise UserError(f"custom_reward_function.path: cannot load {path} as a Python module (is it a .py file?)")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     fn = getattr(module, name, None)
     if fn is None:
         defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise AttributeError(f"{path} has no function {name!r}; it defines {defined}")
+        raise UserError(f"custom_reward_function.name: {path} has no function {name!r}; it defines {defined}")
     if not callable(fn):
-        raise TypeError(f"{name!r} in {path} is a {type(fn).__name__}, not a function")
+        raise UserError(f"custom_reward_function.name: {name!r} in {path} is a {type(fn).__name__}, "
+                        "not a function")
     return fn

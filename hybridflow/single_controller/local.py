@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 from hybridflow.single_controller.decorator import Shards
 from hybridflow.single_controller.worker import SIMULATED_RANKS_ENV, ClassWithInitArgs
-from hybridflow.single_controller.worker_group import WorkerError, WorkerGroup
+from hybridflow.single_controller.worker_group import WorkerError, WorkerGroup, worker_failure
 
 
 class LocalWorkerGroup(WorkerGroup):
@@ -37,7 +37,8 @@ class LocalWorkerGroup(WorkerGroup):
                 try:
                     workers.append(cls_with_init())
                 except Exception as e:
-                    raise WorkerError(name, rank, "__init__", traceback.format_exc()) from e
+                    raised, cause = worker_failure(WorkerError(name, rank, "__init__", traceback.format_exc()), e)
+                    raise raised from cause
         super().__init__(_LocalBackend(workers), cls_with_init.cls, name)
 
 
@@ -61,7 +62,8 @@ class _LocalBackend:
             try:
                 results.append(getattr(self._workers[rank], method)(*args, **kwargs))
             except Exception as e:
-                raise WorkerError(group, rank, label, traceback.format_exc()) from e
+                raised, cause = worker_failure(WorkerError(group, rank, label, traceback.format_exc()), e)
+                raise raised from cause
         return results
 
     def fetch(self, handles: list, group: str, label: str, timeout_s: float | None = None) -> list:

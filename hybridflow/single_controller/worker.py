@@ -27,11 +27,15 @@ logger = logging.getLogger(__name__)
 class Worker:
     """Base class for worker classes; subclasses call ``super().__init__()`` first.
 
-    Exposes ``rank``, ``world_size``, ``local_rank`` and ``device`` (``cuda:<local rank>`` when CUDA is
-    visible, else ``cpu``). Methods decorated with ``@register`` become methods of the worker group.
+    Exposes ``rank``, ``world_size``, ``local_rank`` and ``device``. ``device_type`` (a run's
+    ``trainer.device``) decides it: ``cpu``, ``cuda`` (``cuda:<local rank>``), or ``auto`` (cuda when
+    visible, else cpu). Methods decorated with ``@register`` become methods of the worker group.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str = "auto") -> None:
+        if device_type not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device_type must be auto, cpu or cuda, got {device_type!r}")
+        self._device_type = device_type
         env = os.environ
         self._rank = int(env.get("RANK", "0"))
         self._world_size = int(env.get("WORLD_SIZE", "1"))
@@ -56,8 +60,10 @@ class Worker:
 
     @property
     def device(self) -> torch.device:
-        """``cuda:<local rank>`` (modulo the visible GPUs, since Ray may show each actor only its own)."""
-        if torch.cuda.is_available():
+        """``cuda:<local rank>`` (modulo the visible GPUs, since Ray may show each actor only its own), or cpu."""
+        if self._device_type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("this worker was asked for device cuda (trainer.device=cuda), but torch sees no GPU")
+        if self._device_type == "cuda" or (self._device_type == "auto" and torch.cuda.is_available()):
             return torch.device("cuda", self._local_rank % torch.cuda.device_count())
         return torch.device("cpu")
 

@@ -26,6 +26,7 @@ from hybridflow.single_controller.decorator import (
     method_spec,
     registered_methods,
 )
+from hybridflow.utils.errors import UserError
 
 
 class WorkerError(RuntimeError):
@@ -42,6 +43,16 @@ class WorkerError(RuntimeError):
 
 class WorkerDiedError(WorkerError):
     """The process of a worker is gone (killed, crashed, out of memory): later calls cannot succeed."""
+
+
+def worker_failure(error: WorkerError, cause: BaseException | None) -> tuple[BaseException, BaseException | None]:
+    """``(what the driver raises, its __cause__)`` for a failed worker call whose exception was ``cause``.
+
+    A ``UserError`` (the worker found the user's input wrong: a damaged checkpoint, weights that went
+    NaN under a huge learning rate) is raised as itself, same type and message, so the command line still
+    prints it as one line; ``error`` (group, rank, method, remote traceback) becomes its ``__cause__`` for
+    ``--debug``. Anything else raises ``error``, which carries the worker's traceback."""
+    return (cause, error) if isinstance(cause, UserError) else (error, cause)
 
 
 class WorkerBackend(Protocol):

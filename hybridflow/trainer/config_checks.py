@@ -11,11 +11,13 @@ import fnmatch
 import warnings
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from hybridflow.utils.errors import UserError
+
 if TYPE_CHECKING:
     from hybridflow.trainer.config import PPOConfig
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration that cannot be used; the message names the key (full dotted path)."""
 
 
@@ -42,6 +44,8 @@ IGNORED_KEYS: tuple[IgnoredKey, ...] = (
     IgnoredKey("*.megatron", "the Megatron-LM backend is not supported"),
     IgnoredKey("*.ulysses_sequence_parallel_size", "sequence parallelism is not supported"),
     IgnoredKey("critic.forward_max_token_len_per_gpu", "the critic's value pass uses critic.ppo_max_token_len_per_gpu"),
+    IgnoredKey("*.model.lora_*", "LoRA adapters are not implemented yet; every weight is trained"),
+    IgnoredKey("*.model.target_modules", "LoRA adapters are not implemented yet; every weight is trained"),
     IgnoredKey("*.use_remove_padding", "padding-free attention needs flash-attention kernels on a GPU"),
     IgnoredKey("*.use_torch_compile", "GPU kernel option"),
     IgnoredKey("*.use_liger", "GPU kernel option"),
@@ -64,14 +68,14 @@ IGNORED_KEYS: tuple[IgnoredKey, ...] = (
     IgnoredKey("trainer.default_hdfs_dir", "HDFS checkpoint copies are not supported"),
     IgnoredKey("trainer.del_local_ckpt_after_load", "HDFS checkpoint copies are not supported"),
     IgnoredKey("trainer.ray_wait_register_center_timeout", "verl's Ray register-center tuning"),
-    # verl keys kept in the schema whose alternatives hybridflow does not have (yet): they warn when changed
-    IgnoredKey("actor_rollout_ref.hybrid_engine", "the rollout always shares the actor's module here"),
-    IgnoredKey("actor_rollout_ref.actor.strategy", "data parallelism is DDP-style (full replicas); FSDP2 "
-                                                   "sharding is not implemented yet"),
     IgnoredKey("actor_rollout_ref.actor.checkpoint", "checkpoints always hold the model, optimizer and extra state"),
     IgnoredKey("reward_model.reward_manager", "one reward manager (naive: one call per sample)"),
     IgnoredKey("reward_model.launch_reward_fn_async", "rewards are computed in the step, not in the background"),
     IgnoredKey("trainer.balance_batch", "batches are not reordered by token count"),
+    # schema keys whose alternatives hybridflow does not have (yet): they warn when set away from the default
+    IgnoredKey("actor_rollout_ref.hybrid_engine", "the rollout always shares the actor's module here"),
+    IgnoredKey("actor_rollout_ref.actor.strategy", "data parallelism is DDP-style (full replicas); FSDP2 "
+                                                   "sharding is not implemented yet"),
 )
 
 
@@ -179,6 +183,9 @@ def check_ranges(cfg: PPOConfig) -> None:
 def check_batch_sizes(cfg: PPOConfig) -> None:
     """The batch arithmetic: prompts -> sequences (x rollout.n) -> workers -> mini- and micro-batches."""
     prompts, n, workers = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n, cfg.trainer.n_workers
+    if cfg.trainer.backend == "local" and workers != 1:
+        raise ConfigError(f"trainer.n_workers={workers} needs trainer.backend=ray: the local backend runs one "
+                          "worker in this process; set trainer.backend=ray for data-parallel workers")
     if prompts * n % workers:
         raise ConfigError(
             f"data.train_batch_size * {_ROLLOUT}.n = {prompts} * {n} = {prompts * n} sequences do not divide "

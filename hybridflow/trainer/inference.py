@@ -10,6 +10,7 @@ from transformers.utils import logging as hf_logging
 
 from hybridflow.models import resolve_model_path
 from hybridflow.trainer.checkpoint import find_latest_checkpoint
+from hybridflow.utils.errors import MissingInputError
 
 
 def actor_folder(path: str | Path) -> Path:
@@ -20,7 +21,7 @@ def actor_folder(path: str | Path) -> Path:
         return path
     step = path if (path / "actor").exists() else find_latest_checkpoint(path)
     if step is None or not (Path(step) / "actor" / "huggingface" / "config.json").exists():
-        raise FileNotFoundError(f"{path} is neither a model folder, a checkpoint, nor a run folder with a "
+        raise MissingInputError(f"{path} is neither a model folder, a checkpoint, nor a run folder with a "
                                 "complete checkpoint")
     return Path(step) / "actor" / "huggingface"
 

@@ -19,14 +19,37 @@ def reduce_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: float(np.mean(v)) if isinstance(v, list | tuple) else float(v) for k, v in metrics.items()}
 
 
+#: The worker group each stage of a training step runs on ("driver": the trainer's own process), validation
+#: and checkpointing after it included; the run report draws one timeline lane per group.
+STAGE_GROUPS: dict[str, str] = {
+    "gen": "actor_rollout", "old_log_prob": "actor_rollout", "update_actor": "actor_rollout",
+    "replay_priorities": "actor_rollout", "ref": "ref", "values": "critic", "update_critic": "critic",
+    "reward": "driver", "adv": "driver", "step": "driver",
+    "validate": "actor_rollout", "checkpoint": "actor_rollout",
+}
+
+
+class StepTimings(dict):
+    """Seconds per stage (``{"gen": 3.1, ...}``, what ``timer`` adds up) plus each stage's wall-clock span
+    ``{"stage", "group", "start", "end"}`` (Unix seconds), so a report can draw which group ran what, when."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spans: list[dict[str, Any]] = []
+
+
 @contextmanager
 def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
-    """Adds the block's wall time to ``timings[name]`` (seconds)."""
-    start = time.perf_counter()
+    """Adds the block's wall time to ``timings[name]`` (seconds); a ``StepTimings`` also keeps its span."""
+    start, wall = time.perf_counter(), time.time()
     try:
         yield
     finally:
-        timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        timings[name] = timings.get(name, 0.0) + elapsed
+        if isinstance(timings, StepTimings):
+            timings.spans.append({"stage": name, "group": STAGE_GROUPS.get(name, "driver"),
+                                  "start": wall, "end": wall + elapsed})
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:

@@ -24,12 +24,20 @@ from hybridflow.rewards import RewardManager, default_compute_score, load_custom
 from hybridflow.trainer.checkpoint import CheckpointManager, remove_stale_temporaries, resolve_checkpoint
 from hybridflow.trainer.config import PPOConfig
 from hybridflow.trainer.hooks import Hook, HookRegistry
-from hybridflow.trainer.metrics import compute_data_metrics, compute_throughput_metrics, reduce_metrics, timer
+from hybridflow.trainer.metrics import (
+    StepTimings,
+    compute_data_metrics,
+    compute_throughput_metrics,
+    reduce_metrics,
+    timer,
+)
 from hybridflow.trainer.replay import ActorReplay
+from hybridflow.trainer.run_lock import RunLock
 from hybridflow.trainer.tracking import Tracking
 from hybridflow.trainer.two_stage_reward import TwoStageRewardFn
 from hybridflow.trainer.validation import validation_metrics
 from hybridflow.trainer.worker_groups import WorkerGroups, build_worker_groups
+from hybridflow.utils.errors import UserError
 from hybridflow.workers.modeling import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -43,8 +51,7 @@ class PPOTrainer:
 
     def __init__(self, config: PPOConfig, *, worker_groups: WorkerGroups | None = None,
                  reward_fn: Any = None, val_reward_fn: Any = None) -> None:
-        config.validate()
-        self.config = config = config.resolve()
+        self.config = config = config.validate()  # resolved and checked
         self.tokenizer = load_tokenizer(config.actor_rollout_ref.model.path,
                                         config.actor_rollout_ref.model.trust_remote_code)
         data = config.data
@@ -77,9 +84,10 @@ class PPOTrainer:
         self.wg = worker_groups
 
     def _dataset(self, files: list[str]) -> RLHFDataset:
-        d = self.config.data
-        return RLHFDataset(files, self.tokenizer, max_prompt_length=d.max_prompt_length, prompt_key=d.prompt_key,
-                           truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts)
+        data = self.config.data
+        return RLHFDataset(files, self.tokenizer, max_prompt_length=data.max_prompt_length,
+                           prompt_key=data.prompt_key, truncation=data.truncation,
+                           filter_overlong_prompts=data.filter_overlong_prompts)
 
     def _sft_loader(self, data: Any) -> PromptLoader:
         sft = SFTDataset(data.sft.files, self.tokenizer, max_prompt_length=data.max_prompt_length,
@@ -137,9 +145,11 @@ class PPOTrainer:
         return (actor.ppo_epochs > 1 or actor.ppo_mini_batch_size < d.train_batch_size
                 or self.config.algorithm.use_kl_in_reward or self.replay is not None)
 
-    def train_step(self, batch: DataProto, metrics: dict[str, float]) -> DataProto:
-        """One PPO iteration on a batch of prompts; returns the batch with everything computed."""
-        cfg, wg, t = self.config, self.wg, {}
+    def train_step(self, batch: DataProto, metrics: dict[str, float],
+                   timings: StepTimings | None = None) -> DataProto:
+        """One PPO iteration on a batch of prompts; returns the batch with everything computed.
+        ``timings`` receives each stage's seconds and wall-clock span (the run report's timeline)."""
+        cfg, wg, t = self.config, self.wg, StepTimings() if timings is None else timings
         use_critic = wg.critic is not None
         with timer("step", t):
             self.hooks.emit("on_step_start", self, self.global_step, metrics, batch)
@@ -199,8 +209,9 @@ class PPOTrainer:
         return batch
 
     # ------------------------------------------------------------------ validation
-    def validate(self) -> dict[str, float]:
-        """Generate on the validation set with ``rollout.val_kwargs``; ``val/<source>/...`` metrics."""
+    def validate(self, tracker: Tracking | None = None) -> dict[str, float]:
+        """Generate on the validation set with ``rollout.val_kwargs``; ``val/<source>/...`` metrics.
+        The ``trainer.log_val_generations`` samples shown also go to ``tracker`` (``val_generations.jsonl``)."""
         if self.val_dataset is None:
             return {}
         kw = self.config.actor_rollout_ref.rollout.val_kwargs
@@ -213,18 +224,26 @@ class PPOTrainer:
             result = self.val_reward_fn(out, return_dict=True)
             rows.append((out, result))
         metrics = validation_metrics(rows, kw.n)
-        self._show_generations(rows[0][0], rows[0][1]["reward_tensor"], self.config.trainer.log_val_generations)
+        samples = self._show_generations(rows[0][0], rows[0][1]["reward_tensor"],
+                                         self.config.trainer.log_val_generations)
+        if tracker is not None and samples:
+            tracker.log_records("val_generations", samples, step=self.global_step)
         self.hooks.emit("on_validation_end", self, self.global_step, metrics, None)
         return metrics
 
-    def _show_generations(self, batch: DataProto, rewards: torch.Tensor, count: int) -> None:
+    def _show_generations(self, batch: DataProto, rewards: torch.Tensor, count: int) -> list[dict[str, Any]]:
         """Print the first ``count`` validation samples (question, answer, score): a look at what the
-        numbers mean (``trainer.log_val_generations``)."""
+        numbers mean (``trainer.log_val_generations``). Returns them as ``{"index", "prompt", "response",
+        "score"}`` records."""
+        samples = []
         for i in range(min(count, len(batch))):
             question = batch.non_tensor_batch["raw_prompt"][i][-1]["content"]
             length = int(batch.batch["response_mask"][i].sum())
             answer = self.tokenizer.decode(batch.batch["responses"][i, :length], skip_special_tokens=True)
-            tqdm.write(f"[val step {self.global_step}] score {rewards[i].sum().item():.3g} | {question!r} -> {answer!r}")
+            score = rewards[i].sum().item()
+            tqdm.write(f"[val step {self.global_step}] score {score:.3g} | {question!r} -> {answer!r}")
+            samples.append({"index": i, "prompt": question, "response": answer, "score": score})
+        return samples
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
@@ -240,21 +259,25 @@ class PPOTrainer:
         return self.checkpoints.path(self.global_step)
 
     def load_checkpoint(self) -> None:
-        """Restore ``trainer.resume_mode``'s checkpoint: ``auto`` the run folder's newest complete one (none:
+        """Restore ``trainer.resume_mode``'s checkpoint: ``auto`` the run folder's newest intact one (none:
         start fresh), ``resume_path`` the complete checkpoint or run folder ``resume_from_path``.
 
-        The run folder's ``.tmp-*`` leftovers of a save that a killed process never finished are deleted."""
+        The run folder's ``.tmp-*`` leftovers of a save that a killed process never finished are deleted; with
+        ``auto``, a damaged newer checkpoint is set aside (the run resumes from the previous one), and the
+        latest-step file and ``max_ckpt_to_keep`` are repaired. Optimiser settings changed since the save
+        (lr, betas, weight decay, schedule) apply from here on; the change is logged by the workers."""
         tr = self.config.trainer
         remove_stale_temporaries(self.checkpoints.root)
         if tr.resume_mode == "disable":
             return
         if tr.resume_mode == "auto":
-            folder = self.checkpoints.latest()
+            folder = self.checkpoints.latest_intact()
         else:
             folder = resolve_checkpoint(tr.resume_from_path)
         if folder is None:
             return
         state = torch.load(folder / "trainer_state.pt", weights_only=False)
+        self._check_same_data(folder, state["loader"])
         self.wg.actor_rollout.load_checkpoint(str(folder / "actor"))
         if self.wg.critic is not None:
             self.wg.critic.load_checkpoint(str(folder / "critic"))
@@ -262,15 +285,44 @@ class PPOTrainer:
         self.train_loader.load_state_dict(state["loader"])
         if self.sft_loader and state["sft_loader"]:
             self.sft_loader.load_state_dict(state["sft_loader"])
-        self.kl_ctrl.value = state["kl_coef"]
+        self._restore_kl_coef(state["kl_coef"])
         if self.replay and state.get("replay"):
             self.replay.load_state_dict(state["replay"])
         logger.info("resumed from %s at step %d", folder, self.global_step)
 
+    def _restore_kl_coef(self, saved: float) -> None:
+        """An adaptive coefficient is state and comes back; a fixed one is a setting, and a changed
+        ``algorithm.kl_ctrl.kl_coef`` applies from the resumed step on (logged), as optimiser settings do."""
+        kl = self.config.algorithm.kl_ctrl
+        if kl.type == "fixed" and saved != kl.kl_coef:
+            logger.warning("resuming with algorithm.kl_ctrl.kl_coef %s instead of the checkpoint's %s: applied "
+                           "from this step on", kl.kl_coef, saved)
+        else:
+            self.kl_ctrl.value = saved
+
+    def _check_same_data(self, folder: Path, saved: dict[str, Any]) -> None:
+        """A checkpoint's data position only means something for the same prompts, batch size and order:
+        refuse to resume with others, naming the keys, rather than fail deep in the loader."""
+        keys = {"batch_size": "data.train_batch_size", "num_rows": "the number of training prompts",
+                "seed": "data.seed", "shuffle": "data.shuffle"}
+        mine = self.train_loader.state_dict()
+        changed = [f"{name} {saved.get(key)!r} -> {mine[key]!r}" for key, name in keys.items()
+                   if saved.get(key) != mine[key]]
+        if changed:
+            raise UserError(f"cannot resume from {folder}: it was saved with other data settings ("
+                            f"{', '.join(changed)}); resume with the saved values, or start a new run in another "
+                            "trainer.default_local_dir (or set trainer.resume_mode=disable)")
+
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
         """Train for ``total_training_steps``; returns the last step's metrics (validation included)."""
-        self.init_workers()
+        tr = self.config.trainer
+        with RunLock(tr.default_local_dir):  # held until the run ends (or its process dies)
+            self.init_workers()
+            return self._fit()
+
+    def _fit(self) -> dict[str, float]:
+        """``fit`` once the run folder is ours and the workers are up: resume, validate, train."""
         tr = self.config.trainer
         tracker = Tracking(tr.project_name, tr.experiment_name, tr.logger, tr.default_local_dir,
                            self.config.to_dict())
@@ -280,7 +332,7 @@ class PPOTrainer:
             metrics: dict[str, float] = {}
             fresh = self.global_step == 0
             if self.val_dataset is not None and (tr.val_only or tr.val_before_train and fresh):
-                metrics = self.validate()
+                metrics = self.validate(tracker)
                 tracker.log(metrics, step=self.global_step)
             if not tr.val_only:
                 metrics = self._train(tracker)
@@ -297,18 +349,21 @@ class PPOTrainer:
         metrics: dict[str, float] = {}
         with tqdm(total=self.total_steps, initial=self.global_step, desc="training", unit="step") as bar:
             while self.global_step < self.total_steps:
-                metrics = {}
-                batch = self.train_step(next(train_batches), metrics)
+                metrics, timings = {}, StepTimings()
+                batch = self.train_step(next(train_batches), metrics, timings)
                 self.global_step += 1
                 last = self.global_step == self.total_steps
                 if self.val_dataset is not None and (last or _every(tr.test_freq, self.global_step)):
-                    metrics.update(self.validate())
+                    with timer("validate", timings):
+                        metrics.update(self.validate(tracker))
                 metrics["training/global_step"] = self.global_step
                 metrics["training/kl_coef"] = self.kl_ctrl.value
                 tracker.log(metrics, step=self.global_step)
                 self.hooks.emit("on_step_end", self, self.global_step, metrics, batch)
                 if last or _every(tr.save_freq, self.global_step):
-                    self.save_checkpoint()
+                    with timer("checkpoint", timings):
+                        self.save_checkpoint()
+                tracker.log_records("timeline", timings.spans, step=self.global_step)
                 bar.update(1)
         return metrics
 

@@ -143,7 +143,8 @@ class ActorReplay:
         self.buffer.push(fresh, priorities=advantage_priorities(fresh))
         metrics.update({"replay/rows": len(rows) - len(fresh), "replay/buffer_size": len(self.buffer),
                         "replay/prioritized": float(params["strategy"] == "priority"),
-                        "replay/alpha": params["alpha"]})
+                        # the exponent in force: uniform sampling is alpha 0, whatever the config's alpha
+                        "replay/alpha": params["alpha"] if params["strategy"] == "priority" else 0.0})
         return set_prompt_width(rows, used_prompt_width(rows), self.pad_token_id)
 
     def update_priorities(self, actor_rollout: Any, metrics: dict[str, float]) -> None:

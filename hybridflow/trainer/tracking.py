@@ -7,13 +7,15 @@ asked for, with an install hint if missing.
 
 Resuming: the JSONL file is appended to, and the first step logged after a restart drops the lines of that
 step and later ones (they were logged after the checkpoint the run resumed from), so the file ends up
-with one line per step as if the run had never stopped.
+with one line per step as if the run had never stopped. A line that does not parse (the process died
+while writing it) is dropped with a warning: a resume never depends on the log being well-formed.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -22,10 +24,15 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
+logger = logging.getLogger(__name__)
+
 # (label, metric keys tried in order) of the console line's summary fields.
 _CONSOLE_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward", ("critic/score/mean", "critic/rewards/mean")),
-    ("kl", ("actor/ppo_kl", "actor/kl_loss")),
+    # KL to the reference policy (the tutorials' "healthy KL 0.02-0.06"), present when a reference is loaded;
+    # ppo_kl: how far one update moved the policy (0 with one on-policy epoch)
+    ("kl_ref", ("actor/kl_ref", "actor/reward_kl_penalty")),
+    ("ppo_kl", ("actor/ppo_kl",)),
     ("pg_loss", ("actor/pg_loss",)),
     ("vf_loss", ("critic/vf_loss",)),
     ("resp_len", ("response_length/mean",)),
@@ -36,7 +43,7 @@ _CONSOLE_TIMINGS: tuple[tuple[str, str], ...] = (
 
 
 def format_step_line(step: int, metrics: Mapping[str, float]) -> str:
-    """``step 3 | reward 0.42 | kl 0.013 | pg_loss -0.187 | resp_len 12.5 | gen 3.1s upd 5.2s step 9.8s``.
+    """``step 3 | reward 0.42 | kl_ref 0.031 | ppo_kl 0.013 | pg_loss -0.187 | resp_len 12.5 | gen 3.1s ...``.
 
     Missing metrics are left out; every ``val/*`` metric present is appended as ``val/<name> <value>``.
     """
@@ -76,25 +83,50 @@ class ConsoleBackend:
         pass
 
 
-class JsonlBackend:
-    """``<log_dir>/metrics.jsonl``: ``{"step": N, ...metrics}`` per line, appended and flushed each step."""
+class JsonlFile:
+    """A JSONL file of ``{"step": N, ...}`` objects, appended and flushed each write; the first write of a
+    resumed run drops the lines of that step and later ones (they were logged after the checkpoint)."""
 
-    def __init__(self, project_name: str, experiment_name: str, log_dir: Path, config: dict | None) -> None:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.path = log_dir / "metrics.jsonl"
+    def __init__(self, path: Path) -> None:
+        self.path = path
         self._file: Any = None
 
-    def log(self, data: dict[str, float], step: int) -> None:
+    def write(self, step: int, rows: Iterable[Mapping[str, Any]]) -> None:
         if self._file is None:
             _drop_lines_from_step(self.path, step)
-            self._file = open(self.path, "a")  # kept open for the run, closed in finish()
-        self._file.write(json.dumps({"step": step, **data}) + "\n")
+            self._file = open(self.path, "a")  # kept open for the run, closed in close()
+        self._file.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
         self._file.flush()
 
-    def finish(self) -> None:
+    def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+class JsonlBackend:
+    """``<log_dir>/metrics.jsonl``: ``{"step": N, ...metrics}`` per line, appended and flushed each step.
+
+    ``log_records`` writes structured per-step records (the stage timeline, validation samples) the same
+    way into ``<log_dir>/<name>.jsonl``, one line per record."""
+
+    def __init__(self, project_name: str, experiment_name: str, log_dir: Path, config: dict | None) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = log_dir
+        self.path = log_dir / "metrics.jsonl"
+        self._files = {"metrics": JsonlFile(self.path)}
+
+    def log(self, data: dict[str, float], step: int) -> None:
+        self._files["metrics"].write(step, [data])
+
+    def log_records(self, name: str, records: list[dict[str, Any]], step: int) -> None:
+        if name not in self._files:
+            self._files[name] = JsonlFile(self.log_dir / f"{name}.jsonl")
+        self._files[name].write(step, records)
+
+    def finish(self) -> None:
+        for file in self._files.values():
+            file.close()
 
 
 def _drop_lines_from_step(path: Path, step: int) -> None:
@@ -102,11 +134,21 @@ def _drop_lines_from_step(path: Path, step: int) -> None:
     if not path.exists():
         return
     lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if line.strip() and json.loads(line).get("step", -1) < step]
+    kept = [line for line in lines if line.strip() and _step_of(path, lines, line) < step]
     if len(kept) != len(lines):
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp = path.with_name(f".{path.name}.tmp")  # one writer per run folder (RunLock): a fixed name, reused
         tmp.write_text("".join(kept))
         os.replace(tmp, path)
+
+
+def _step_of(path: Path, lines: list[str], line: str) -> float:
+    """The step a JSONL line was logged at; +inf (so it is dropped) for a line torn by a crash."""
+    try:
+        return json.loads(line).get("step", -1)
+    except (json.JSONDecodeError, AttributeError):
+        logger.warning("%s: dropped line %d of %d, which is not a complete JSON object (the process writing it "
+                       "was stopped mid-line): %r", path, lines.index(line) + 1, len(lines), line[:80])
+        return float("inf")
 
 
 class TensorBoardBackend:
@@ -196,6 +238,13 @@ class Tracking:
         values = {key: _scalar(key, value) for key, value in data.items()}
         for backend in self.backends:
             backend.log(values, step)
+
+    def log_records(self, name: str, records: list[dict[str, Any]], step: int) -> None:
+        """JSON-serialisable records of ``step`` into ``<log_dir>/<name>.jsonl`` (``file`` logger only):
+        data that is not one scalar per step, e.g. the stage ``timeline`` or ``val_generations``."""
+        for backend in self.backends:
+            if isinstance(backend, JsonlBackend):
+                backend.log_records(name, records, step)
 
     def finish(self) -> None:
         """Flush and close every backend."""

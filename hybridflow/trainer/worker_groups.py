@@ -4,6 +4,7 @@ Every role a run needs (actor + rollout, reference, critic, reward model) is col
 rank (the hybrid engine: the roles share the devices instead of each taking its own), then split back
 into one group view per role. Only the backend differs between a laptop and a cluster: a
 ``LocalWorkerGroup`` of one rank in the driver's process, or a ``RayWorkerGroup`` of ``n_workers`` ranks.
+Every worker runs on ``trainer.device``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from hybridflow.single_controller import (
     WorkerGroup,
     create_colocated_worker_cls,
 )
+from hybridflow.utils.errors import UserError
 from hybridflow.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
 
@@ -47,18 +49,33 @@ def needs_ref(config: Any) -> bool:
 def role_inits(config: Any) -> dict[Role, ClassWithInitArgs]:
     """The deferred constructor of each role's worker for this config."""
     arr = config.actor_rollout_ref
-    response_length, seed = config.data.max_response_length, config.trainer.seed
+    response_length, seed, device = config.data.max_response_length, config.trainer.seed, config.trainer.device
     inits = {Role.ACTOR_ROLLOUT: ClassWithInitArgs(ActorRolloutRefWorker, arr, role="actor_rollout",
-                                                   response_length=response_length, seed=seed)}
+                                                   response_length=response_length, seed=seed, device=device)}
     if needs_ref(config):
         inits[Role.REF] = ClassWithInitArgs(ActorRolloutRefWorker, arr, role="ref",
-                                            response_length=response_length, seed=seed)
+                                            response_length=response_length, seed=seed, device=device)
     if config.critic.enable:
-        inits[Role.CRITIC] = ClassWithInitArgs(CriticWorker, config.critic, rollout_n=arr.rollout.n, seed=seed)
+        inits[Role.CRITIC] = ClassWithInitArgs(CriticWorker, config.critic, rollout_n=arr.rollout.n, seed=seed,
+                                               device=device)
     if config.reward_model.enable:
         inits[Role.REWARD_MODEL] = ClassWithInitArgs(RewardModelWorker, config.reward_model,
-                                                     policy_tokenizer_path=arr.model.path)
+                                                     policy_tokenizer_path=arr.model.path, device=device)
     return inits
+
+
+def check_ray_resources(needed: dict[str, float], n_workers: int) -> None:
+    """Refuse up front a run that Ray cannot place (else the placement waits, then fails with Ray's
+    resource message): each of ``trainer.n_workers`` workers takes one CPU (and one GPU on cuda)."""
+    import ray
+
+    available, total = ray.available_resources(), ray.cluster_resources()
+    for kind, amount in needed.items():
+        if amount > available.get(kind, 0.0) + 1e-9:
+            raise UserError(
+                f"trainer.n_workers={n_workers} needs {amount:g} {kind}s on Ray, but Ray sees "
+                f"{available.get(kind, 0.0):g} available (of {total.get(kind, 0.0):g}): lower trainer.n_workers "
+                f"or give Ray more (trainer.ray_kwargs.num_{kind.lower()}s=..., or a larger Ray cluster)")
 
 
 def build_worker_groups(config: Any) -> WorkerGroups:
@@ -72,6 +89,7 @@ def build_worker_groups(config: Any) -> WorkerGroups:
         init_ray(**dict(trainer.ray_kwargs))
         pool = RayResourcePool(process_on_nodes=[trainer.n_workers],
                                use_gpu=trainer.device == "cuda", max_colocate_count=1)
+        check_ray_resources(pool.required_resources(), trainer.n_workers)
         group: WorkerGroup = RayWorkerGroup(pool, fused, name_prefix="hybridflow")
 
         def release() -> None:

@@ -16,10 +16,10 @@ from hybridflow.algorithms import agg_loss, compute_sft_loss, get_policy_loss_fn
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.checkpointing import load_worker_state, save_worker_state
-from hybridflow.workers.engine import TrainingEngine
+from hybridflow.workers.engine import DivergedError, TrainingEngine
 from hybridflow.workers.modeling import load_model, load_tokenizer, response_log_probs
 from hybridflow.workers.packing import MicroBatching, batched
-from hybridflow.workers.rollout import build_rollout
+from hybridflow.workers.rollout import build_rollout, check_generation_batch
 
 ROLES = ("actor", "rollout", "ref")
 
@@ -39,10 +39,11 @@ def _scalar(value: torch.Tensor | float) -> float:
 
 class ActorRolloutRefWorker(Worker):
     """``config``: the ``actor_rollout_ref`` config section; ``role``: roles joined by ``_``
-    (``actor_rollout``, ``actor_rollout_ref``, ``ref``, ``rollout``...)."""
+    (``actor_rollout``, ``actor_rollout_ref``, ``ref``, ``rollout``...); ``device``: ``trainer.device``."""
 
-    def __init__(self, config: Any, role: str = "actor_rollout", response_length: int = 64, seed: int = 0) -> None:
-        super().__init__()
+    def __init__(self, config: Any, role: str = "actor_rollout", response_length: int = 64, seed: int = 0,
+                 device: str = "auto") -> None:
+        super().__init__(device)
         unknown = [r for r in role.split("_") if r not in ROLES]
         if unknown:
             raise ValueError(f"unknown role part(s) {unknown} in {role!r}; roles combine {ROLES}")
@@ -75,19 +76,24 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         self._require(self.rollout, "rollout", "generate_sequences")
-        return self.rollout.generate_sequences(prompts)
+        check_generation_batch(prompts)
+        try:
+            return self.rollout.generate_sequences(prompts)
+        except DivergedError as e:
+            if self.engine is None or self.engine.steps_done == 0:
+                raise
+            raise DivergedError(f"{e}: the update of training step {self.engine.steps_done} (lr "
+                                f"{self.engine.lr:g}) broke the weights; lower actor_rollout_ref.actor.optim.lr"
+                                ) from e
 
     # ---------------------------------------------------------------- log-probs
-    def _log_probs(self, module: torch.nn.Module, data: DataProto, with_entropy: bool,
-                   role_cfg: Any) -> tuple[torch.Tensor, Any]:
-        """Log-probs without gradients, micro-batched by ``role_cfg``'s ``log_prob_*`` keys (the rollout's
-        for the current policy, the reference's for the reference)."""
+    def _log_probs(self, module: torch.nn.Module, data: DataProto, with_entropy: bool, micro_batch_size: int,
+                   max_token_len: int | None) -> tuple[torch.Tensor, Any]:
+        """Log-probs without gradients: ``micro_batch_size`` rows, or ``max_token_len`` tokens, a forward."""
         was_training = module.training
         module.eval()
         share = self.config.model.share_prompt_prefix
-        micro = MicroBatching(role_cfg.log_prob_micro_batch_size_per_gpu or len(data),
-                              role_cfg.log_prob_max_token_len_per_gpu if role_cfg.log_prob_use_dynamic_bsz else None,
-                              share)
+        micro = MicroBatching(micro_batch_size or len(data), max_token_len, share)
         temperature = self.config.rollout.temperature
         log_probs, entropy = batched(lambda d: response_log_probs(module, d, temperature, with_entropy,
                                                                   share_prompt=share), data, micro)
@@ -98,7 +104,10 @@ class ActorRolloutRefWorker(Worker):
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs`` and ``entropys`` ``(bs, L)`` under the current policy."""
         self._require(self.module, "actor", "compute_log_prob")
-        log_probs, entropy = self._log_probs(self.module, data, True, self.config.rollout)
+        rollout = self.config.rollout
+        log_probs, entropy = self._log_probs(
+            self.module, data, True, rollout.log_prob_micro_batch_size_per_gpu,
+            rollout.log_prob_max_token_len_per_gpu if rollout.log_prob_use_dynamic_bsz else None)
         metrics = {}
         if "rollout_log_probs" in data.batch.keys() and data.batch["rollout_log_probs"].abs().sum() > 0:
             metrics = logprob_diff_metrics(data.batch["rollout_log_probs"], log_probs, data.batch["response_mask"])
@@ -109,7 +118,9 @@ class ActorRolloutRefWorker(Worker):
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob`` ``(bs, L)`` under the frozen reference policy."""
         self._require(self.ref_module, "ref", "compute_ref_log_prob")
-        log_probs, _ = self._log_probs(self.ref_module, data, False, self.config.ref)
+        ref = self.config.ref
+        log_probs, _ = self._log_probs(self.ref_module, data, False, ref.log_prob_micro_batch_size_per_gpu,
+                                       ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None)
         return DataProto.from_dict({"ref_log_prob": log_probs})
 
     # ---------------------------------------------------------------- training
@@ -117,7 +128,7 @@ class ActorRolloutRefWorker(Worker):
         """Policy-gradient loss (+ KL to the reference, - entropy bonus, + supervised NLL on SFT rows)."""
         actor = self.config.actor
         mask = micro.batch["response_mask"].float()
-        entropy_coeff = actor.entropy_coeff or 0.0
+        entropy_coeff = actor.entropy_coeff
         log_prob, entropy = response_log_probs(self.module, micro, self.config.rollout.temperature,
                                                with_entropy=True, entropy_grad=entropy_coeff != 0,
                                                share_prompt=self.config.model.share_prompt_prefix)
@@ -133,6 +144,8 @@ class ActorRolloutRefWorker(Worker):
         metrics = {"actor/pg_loss": pg_loss.item(), "actor/pg_clipfrac": _scalar(clipfrac),
                    "actor/ppo_kl": _scalar(ppo_kl), "actor/pg_clipfrac_lower": _scalar(clipfrac_lower),
                    "actor/entropy": entropy_loss.item()}
+        if "ref_log_prob" in micro.batch.keys():  # KL(policy || reference), k1 estimate over the sampled tokens
+            metrics["actor/kl_ref"] = float(masked_mean(log_prob.detach() - micro.batch["ref_log_prob"], mask))
         if actor.use_kl_loss:
             kl = kl_penalty(log_prob, micro.batch["ref_log_prob"], actor.kl_loss_type)
             kl_loss = agg_loss(kl, mask, actor.loss_agg_mode)

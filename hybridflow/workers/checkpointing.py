@@ -12,9 +12,11 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from hybridflow.utils.errors import MissingInputError, UserError
 from hybridflow.utils.rng import get_rng_state, set_rng_state
 from hybridflow.workers.engine import TrainingEngine
 
@@ -41,20 +43,25 @@ def load_hf_weights(module: PreTrainedModel, folder: str | Path) -> None:
         "model.safetensors"]
     state = {}
     for name in files:
-        state.update(load_file(folder / name))
+        try:
+            state.update(load_file(folder / name))
+        except (OSError, SafetensorError) as e:
+            raise UserError(f"{folder / name} cannot be read ({e}): the checkpoint is damaged; resume from an "
+                            "earlier one") from e
     missing, unexpected = module.load_state_dict(state, strict=False)
     tied = set(getattr(module, "all_tied_weights_keys", None) or getattr(module, "_tied_weights_keys", None) or [])
     really_missing = [k for k in missing if k not in tied]
     if really_missing or unexpected:
-        raise ValueError(f"checkpoint {folder} does not match the model: missing {really_missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
+        raise UserError(f"checkpoint {folder} does not match the model: missing {really_missing[:5]}, "
+                        f"unexpected {unexpected[:5]}; resume with the model (actor_rollout_ref.model.path) it "
+                        "was trained from")
 
 
 def load_worker_state(path: str | Path, module: PreTrainedModel, engine: TrainingEngine, rank: int) -> None:
     path = Path(path)
     for needed in (path / HF_DIR, path / "optim.pt"):
         if not needed.exists():
-            raise FileNotFoundError(f"incomplete checkpoint: {needed} is missing")
+            raise MissingInputError(f"incomplete checkpoint: {needed} is missing; resume from an earlier one")
     load_hf_weights(module, path / HF_DIR)
     engine.load_state_dict(torch.load(path / "optim.pt", weights_only=False))
     rng = path / f"rng_rank{rank}.pt"

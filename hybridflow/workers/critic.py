@@ -22,10 +22,10 @@ from hybridflow.workers.packing import MicroBatching, batched
 
 class CriticWorker(Worker):
     """``config``: the ``critic`` config section (its ``model.path`` already resolved by the trainer);
-    ``rollout_n``: samples per prompt, since ``ppo_mini_batch_size`` counts prompts."""
+    ``rollout_n``: samples per prompt, since ``ppo_mini_batch_size`` counts prompts; ``device``: ``trainer.device``."""
 
-    def __init__(self, config: Any, rollout_n: int = 1, seed: int = 0) -> None:
-        super().__init__()
+    def __init__(self, config: Any, rollout_n: int = 1, seed: int = 0, device: str = "auto") -> None:
+        super().__init__(device)
         self.config, self.rollout_n, self.seed = config, rollout_n, seed
         self.module = self.engine = self.tokenizer = None
 
@@ -34,12 +34,14 @@ class CriticWorker(Worker):
         torch.manual_seed(self.seed)  # the same fresh value head on every rank
         self.init_process_group()
         model_cfg = self.config.model
-        self.tokenizer = load_tokenizer(model_cfg.path)
-        self.module = load_model(model_cfg.path, self.device, getattr(model_cfg, "dtype", "auto"),
+        self.tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
+        self.module = load_model(model_cfg.path, self.device, model_cfg.dtype,
                                  auto_cls=AutoModelForTokenClassification, num_labels=1,
+                                 trust_remote_code=model_cfg.trust_remote_code, new_head="the critic's value head",
                                  gradient_checkpointing=model_cfg.enable_gradient_checkpointing)
         self.module.config.pad_token_id = self.tokenizer.pad_token_id
-        self.engine = TrainingEngine(self.module, self.config.optim, self.config.grad_clip, "critic",
+        critic = self.config
+        self.engine = TrainingEngine(self.module, critic.optim, critic.grad_clip, "critic",
                                      self.world_size)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -52,10 +54,10 @@ class CriticWorker(Worker):
         return DataProto.from_dict({"values": values * data.batch["response_mask"]})
 
     def _micro_batching(self) -> MicroBatching:
-        cfg = self.config
-        return MicroBatching(cfg.ppo_micro_batch_size_per_gpu,
-                             cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
-                             cfg.model.share_prompt_prefix)
+        critic = self.config
+        return MicroBatching(critic.ppo_micro_batch_size_per_gpu,
+                             critic.ppo_max_token_len_per_gpu if critic.use_dynamic_bsz else None,
+                             critic.model.share_prompt_prefix)
 
     def _value_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         mask = micro.batch["response_mask"].float()
@@ -67,13 +69,13 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
-        cfg = self.config
-        mini_batch = cfg.ppo_mini_batch_size * self.rollout_n // self.world_size
+        critic = self.config
+        mini_batch = critic.ppo_mini_batch_size * self.rollout_n // self.world_size
         keys = ["responses", "response_mask", "input_ids", "attention_mask", "position_ids", "values", "returns"]
         data = data.select(batch_keys=keys, non_tensor_batch_keys=[], meta_info_keys=[])
         self.module.train()
         metrics = self.engine.update(data, mini_batch, self._micro_batching(), self._value_loss,
-                                     cfg.loss_agg_mode, cfg.ppo_epochs, seed=self.seed)
+                                     critic.loss_agg_mode, critic.ppo_epochs, seed=self.seed)
         return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

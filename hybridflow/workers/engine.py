@@ -12,6 +12,7 @@ mini-batch (tokens for ``token-mean``, non-empty responses otherwise), so an upd
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -20,20 +21,35 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.protocol import DataProto
+from hybridflow.utils.errors import UserError
 from hybridflow.workers.packing import MicroBatching, as_micro_batching
+
+logger = logging.getLogger(__name__)
 
 LossFn = Callable[[DataProto], tuple[torch.Tensor, dict[str, float]]]
 
 
-def _cfg(obj: Any, key: str, default: Any) -> Any:
-    value = getattr(obj, key, default)
-    return default if value is None else value
+class DivergedError(UserError, FloatingPointError):
+    """The weights (or what the model computes from them) stopped being finite: an input problem (a
+    learning rate far too high, NaN in the rewards), reported naming the step and the learning rate."""
+
+
+# optimiser settings a checkpoint holds that the config may have changed since (applied on resume)
+_OPTIM_SETTINGS = ("initial_lr", "betas", "weight_decay")
+
+
+def _as_list(value: Any) -> Any:
+    """Betas compare equal whether a checkpoint kept them as a tuple or a list."""
+    return list(value) if isinstance(value, tuple | list) else value
 
 
 class TrainingEngine:
-    """Optimises ``module``; ``name`` (e.g. ``actor``) prefixes error messages and metrics."""
+    """Optimises ``module``; ``name`` (e.g. ``actor``) prefixes error messages and metrics.
 
-    def __init__(self, module: torch.nn.Module, optim_config: Any, grad_clip: float | None, name: str,
+    ``optim``: an ``OptimConfig`` (``actor_rollout_ref.actor.optim`` or ``critic.optim``), read as is:
+    its defaults are the schema's, not the engine's."""
+
+    def __init__(self, module: torch.nn.Module, optim: Any, grad_clip: float | None, name: str,
                  world_size: int = 1) -> None:
         self.module = module
         self.name = name
@@ -42,18 +58,16 @@ class TrainingEngine:
         if self.world_size > 1:  # identical starting weights on every rank (a fresh value head is random)
             for param in module.state_dict().values():
                 dist.broadcast(param, src=0)
-        betas = tuple(_cfg(optim_config, "betas", (0.9, 0.999)))
         self.optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad],
-                                           lr=optim_config.lr, betas=betas,
-                                           weight_decay=_cfg(optim_config, "weight_decay", 0.0))
+                                           lr=optim.lr, betas=tuple(optim.betas),
+                                           weight_decay=optim.weight_decay)
         self.lr_scale = 1.0
-        total = int(_cfg(optim_config, "total_training_steps", -1))
-        warmup = int(_cfg(optim_config, "lr_warmup_steps", -1))
+        total, warmup = optim.total_training_steps, optim.lr_warmup_steps
         if warmup < 0:
-            warmup = int(_cfg(optim_config, "lr_warmup_steps_ratio", 0.0) * max(total, 0))
+            warmup = int(optim.lr_warmup_steps_ratio * max(total, 0))
         self._warmup, self._total = warmup, total
-        self._style = _cfg(optim_config, "warmup_style", "constant")
-        self._min_lr_ratio = _cfg(optim_config, "min_lr_ratio", 0.0)
+        self._style = optim.warmup_style
+        self._min_lr_ratio = optim.min_lr_ratio
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
 
     def _lr_factor(self, step: int) -> float:
@@ -116,12 +130,28 @@ class TrainingEngine:
         grad_norm = self._reduce_and_clip()
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"{self.name}: the gradient norm is {grad_norm}; no update was applied. "
-                                     "Lower the learning rate or check the inputs for NaN.")
+            raise DivergedError(f"{self.name}: the gradient norm is {grad_norm} at training step "
+                                f"{self.steps_done + 1} (lr {self.lr:g}); no update was applied. Lower {self.name} "
+                                "optim.lr or check the inputs for NaN.")
         self.optimizer.step()
+        self._check_finite_weights()
         out = {key: sum(values) / len(values) for key, values in metrics.items()}
         out[f"{self.name}/grad_norm"] = grad_norm
         return out
+
+    def _check_finite_weights(self) -> None:
+        """Stop at the update that broke the weights, not in the next step's sampling ("probability tensor
+        contains inf/nan"): the largest absolute weight is NaN or inf exactly when one weight is."""
+        params = [p.detach() for p in self.module.parameters() if p.requires_grad]
+        largest = float(torch.nn.utils.get_total_norm(params, norm_type=math.inf))
+        if not math.isfinite(largest):
+            raise DivergedError(f"{self.name}: the weights are {largest} after the update of training step "
+                                f"{self.steps_done + 1} with lr {self.lr:g}; lower {self.name} optim.lr")
+
+    @property
+    def steps_done(self) -> int:
+        """Training steps (``update`` calls) completed, resumes included."""
+        return self.scheduler.last_epoch
 
     def _accumulate(self, data: DataProto, micro_batch_size: int | MicroBatching, loss_fn: LossFn, loss_agg_mode: str,
                     coef: float, metrics: dict[str, list[float]]) -> None:
@@ -134,8 +164,9 @@ class TrainingEngine:
             loss, micro_metrics = loss_fn(micro)
             if not torch.isfinite(loss):
                 details = ", ".join(f"{k}={v:.4g}" for k, v in micro_metrics.items())
-                raise FloatingPointError(f"{self.name}: the loss is {loss.item()} ({details}); no update was "
-                                         "applied. Lower the learning rate or check the rewards for NaN.")
+                raise DivergedError(f"{self.name}: the loss is {loss.item()} ({details}) at training step "
+                                    f"{self.steps_done + 1} (lr {self.lr:g}); no update was applied. Lower "
+                                    f"{self.name} optim.lr or check the rewards for NaN.")
             (loss * (coef * weight(micro) / max(total_weight, 1e-8))).backward()
             for key, value in micro_metrics.items():
                 metrics.setdefault(key, []).append(value)
@@ -157,6 +188,20 @@ class TrainingEngine:
                 "lr_scale": self.lr_scale}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the optimiser moments, the schedule position and ``lr_scale``. Settings in the config
+        (base lr, betas, weight decay; the warmup and decay shape are never saved) win over the checkpoint's:
+        a changed value is applied from the next step on, the schedule continuing from the new base lr,
+        and logged."""
+        configured = [{k: group[k] for k in _OPTIM_SETTINGS} for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
         self.lr_scale = state["lr_scale"]
         self.scheduler.load_state_dict(state["scheduler"])
+        for group, wanted in zip(self.optimizer.param_groups, configured):
+            for key, value in wanted.items():
+                if _as_list(group[key]) != _as_list(value):
+                    logger.warning("%s: resuming with %s %s instead of the checkpoint's %s: applied from this step "
+                                   "on", self.name, "lr" if key == "initial_lr" else key, value, group[key])
+                    group[key] = value
+        self.scheduler.base_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * self._lr_factor(self.scheduler.last_epoch)

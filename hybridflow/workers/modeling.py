@@ -10,6 +10,7 @@ the model's arithmetic, and the prompt positions' logits are never needed. Rows 
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -20,7 +21,10 @@ from transformers.utils import logging as hf_logging
 from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
 from hybridflow.models import resolve_model_path
 from hybridflow.protocol import DataProto
+from hybridflow.utils.errors import MissingInputError
 from hybridflow.workers.packing import pack_shared_prompts, prompt_groups
+
+logger = logging.getLogger(__name__)
 
 # Per-load progress bars from transformers would drown the trainer's own progress line.
 hf_logging.disable_progress_bar()
@@ -38,13 +42,15 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 
 def model_location(path: str) -> str:
-    """``default`` -> the embedded model's folder; a path that looks local must exist (else transformers
-    would take it for a hub id and fail with an unrelated message)."""
-    resolved = resolve_model_path(path)
-    looks_local = resolved.startswith((".", "/", "~")) or resolved.count("/") > 1
-    if looks_local and not os.path.isdir(os.path.expanduser(resolved)):
-        raise FileNotFoundError(f"model folder not found: {resolved}")
-    return os.path.expanduser(resolved)
+    """``default`` -> the embedded model's folder; a path that looks local must be a model folder (else
+    transformers would take it for a hub id and fail with an unrelated message)."""
+    resolved = os.path.expanduser(resolve_model_path(path))
+    looks_local = resolved.startswith((".", "/")) or resolved.count("/") > 1 or os.path.exists(resolved)
+    if looks_local and not os.path.isdir(resolved):
+        problem = "is a file, not a model folder" if os.path.exists(resolved) else "not found"
+        raise MissingInputError(f"model path {problem}: {resolved}; give a Hugging Face model folder (with "
+                                "config.json), a hub id, or 'default'")
+    return resolved
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
@@ -55,14 +61,41 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
 
 
 def load_model(path: str, device: torch.device, dtype: str | None = "auto", auto_cls: Any = AutoModelForCausalLM,
-               trust_remote_code: bool = False, gradient_checkpointing: bool = False,
+               trust_remote_code: bool = False, gradient_checkpointing: bool = False, new_head: str | None = None,
                **kwargs: Any) -> PreTrainedModel:
-    """A Hugging Face model on ``device``; ``path`` may be ``default`` (the embedded SmolLM2)."""
-    model = auto_cls.from_pretrained(model_location(path), dtype=resolve_dtype(dtype, device),
-                                     trust_remote_code=trust_remote_code, **kwargs).to(device)
+    """A Hugging Face model on ``device``; ``path`` may be ``default`` (the embedded SmolLM2).
+
+    ``new_head`` (e.g. ``"the critic's value head"``): a head the checkpoint is expected to lack. Its
+    fresh weights are reported in one line instead of transformers' table of MISSING keys, which reads
+    like an error; any *other* missing weight is still reported as a warning."""
+    if new_head is None:
+        model = auto_cls.from_pretrained(model_location(path), dtype=resolve_dtype(dtype, device),
+                                         trust_remote_code=trust_remote_code, **kwargs)
+    else:
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            model, info = auto_cls.from_pretrained(model_location(path), dtype=resolve_dtype(dtype, device),
+                                                   trust_remote_code=trust_remote_code, output_loading_info=True,
+                                                   **kwargs)
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        _report_new_head(model, sorted(info.get("missing_keys", [])), new_head, path)
+    model = model.to(device)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def _report_new_head(model: PreTrainedModel, missing: list[str], new_head: str, path: str) -> None:
+    head = {name for name, _ in model.named_parameters() if name.split(".")[0] in ("score", "classifier")}
+    fresh, other = [k for k in missing if k in head], [k for k in missing if k not in head]
+    if fresh:
+        logger.info("%s starts from scratch (%s, as expected: %s holds no such head)", new_head,
+                    ", ".join(fresh), path)
+    if other:
+        logger.warning("%s: weights missing from %s were initialised randomly: %s", new_head, path, ", ".join(other))
+
 
 
 def response_outputs(model: PreTrainedModel, data: DataProto, share_prompt: bool = True,
@@ -77,7 +110,7 @@ def response_outputs(model: PreTrainedModel, data: DataProto, share_prompt: bool
     device = next(model.parameters()).device
     length = data.batch["responses"].shape[1]
     # flash-attention kernels take no 4-D mask: those models score row by row
-    share_prompt = share_prompt and getattr(model.config, "_attn_implementation", "eager") in ("eager", "sdpa")
+    share_prompt = share_prompt and model.config._attn_implementation in ("eager", "sdpa")
     groups = prompt_groups(data) if share_prompt else []
     if groups and len(groups) < len(data):
         packed = pack_shared_prompts(data, groups, next(model.parameters()).dtype)

@@ -2,8 +2,11 @@
 
 The reward model may use another tokenizer and chat template than the policy, so the worker decodes the
 policy's response text and re-renders the conversation (the raw prompt messages plus the response as the
-assistant turn) with its own template. ``dummy=True`` loads nothing and scores by response length (longer
-is better, capped at 1): a stand-in that tests a pipeline end to end before a real reward model exists.
+assistant turn) with its own template. A classifier without a chat template (a safety classifier, a
+DeBERTa reward model) reads the plain text instead: the prompt's message contents, a newline, the
+response (``input_format``). ``dummy=True`` loads nothing and scores each response by its length and its
+share of distinct tokens: a stand-in whose rewards move with the responses, so a pipeline test sees them
+change before a real reward model exists.
 """
 
 from __future__ import annotations
@@ -19,11 +22,21 @@ from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.modeling import load_model, load_tokenizer
 
 
+def dummy_scores(data: DataProto) -> torch.Tensor:
+    """``(bs,)`` in [0, 1]: half for the response's length (its share of the response width), half for the
+    share of distinct tokens in it. Deterministic, and 1.0 only for a full-width response of distinct
+    tokens, so a smoke run's reward moves with what the policy writes instead of saturating at once."""
+    mask, responses = data.batch["response_mask"], data.batch["responses"]
+    lengths = mask.sum(-1)
+    distinct = torch.tensor([len(set(row[:n].tolist())) for row, n in zip(responses, lengths.tolist())])
+    return 0.5 * lengths.float() / mask.shape[-1] + 0.5 * distinct.float() / lengths.clamp(min=1).float()
+
+
 class RewardModelWorker(Worker):
     """``config``: the ``reward_model`` section; ``policy_tokenizer_path``: to decode the policy's tokens."""
 
-    def __init__(self, config: Any, policy_tokenizer_path: str) -> None:
-        super().__init__()
+    def __init__(self, config: Any, policy_tokenizer_path: str, device: str = "auto") -> None:
+        super().__init__(device)
         self.config, self.policy_tokenizer_path = config, policy_tokenizer_path
         self.model = None
 
@@ -37,15 +50,24 @@ class RewardModelWorker(Worker):
         self.model = load_model(path, self.device, "auto", auto_cls=AutoModelForSequenceClassification,
                                 num_labels=1).eval()
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        has_template = bool(self.tokenizer.chat_template)
+        self.chat = self.config.input_format == "chat" or (self.config.input_format == "auto" and has_template)
+        if self.chat and not has_template:
+            raise ValueError(f"reward_model.input_format=chat, but the tokenizer of {path} has no chat template; "
+                             "set reward_model.input_format=plain (or auto) to score the plain prompt + response text")
 
-    def _conversations(self, data: DataProto) -> list[str]:
+    def _texts(self, data: DataProto) -> list[str]:
+        """What the reward model reads for each sample: the rendered conversation, or the plain text."""
         texts = []
         for i in range(len(data)):
             n_tokens = int(data.batch["response_mask"][i].sum())
             response = self.policy_tokenizer.decode(data.batch["responses"][i, :n_tokens], skip_special_tokens=True)
             messages = list(data.non_tensor_batch["raw_prompt"][i])  # chat messages: the dataset made them so
-            texts.append(self.tokenizer.apply_chat_template(
-                messages + [{"role": "assistant", "content": response}], tokenize=False))
+            if self.chat:
+                texts.append(self.tokenizer.apply_chat_template(
+                    messages + [{"role": "assistant", "content": response}], tokenize=False))
+            else:
+                texts.append("\n".join(m["content"] for m in messages) + "\n" + response)
         return texts
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -54,12 +76,12 @@ class RewardModelWorker(Worker):
         """``rm_scores`` ``(bs, L)``: the model's scalar on the last response token."""
         mask = data.batch["response_mask"]
         if self.config.dummy:
-            scores = (mask.sum(-1).float() / mask.shape[-1]).clamp(max=1.0)
-            return DataProto.from_dict({"rm_scores": sequence_to_token_scores(scores, mask)})
+            return DataProto.from_dict({"rm_scores": sequence_to_token_scores(dummy_scores(data), mask)})
         scores = []
         for start in range(0, len(data), self.config.micro_batch_size_per_gpu):
             chunk = data[start:start + self.config.micro_batch_size_per_gpu]
-            inputs = self.tokenizer(self._conversations(chunk), return_tensors="pt", padding=True,
-                                    add_special_tokens=False).to(self.device)
+            # a rendered template holds its special tokens already; plain text gets the tokenizer's (BOS, CLS...)
+            inputs = self.tokenizer(self._texts(chunk), return_tensors="pt", padding=True,
+                                    add_special_tokens=not self.chat).to(self.device)
             scores.append(self.model(**inputs).logits[:, 0].float().cpu())
         return DataProto.from_dict({"rm_scores": sequence_to_token_scores(torch.cat(scores), mask)})

@@ -149,6 +149,20 @@ def test_compute_advantage_grpo_values_and_extra_config():
     assert dr.batch["advantages"][:2, 0].tolist() == [0.5, -0.5]
 
 
+def test_a_reward_per_sequence_is_placed_on_the_last_response_token():
+    """A (bs,) reward where token-level rewards belong used to raise IndexError: too many indices."""
+    per_sequence = outcome_batch()
+    per_sequence.batch["token_level_rewards"] = torch.tensor([1.0, 0.0, 2.0, 2.0])
+    placed = compute_advantage(per_sequence, "grpo")
+    assert placed.batch["token_level_rewards"].tolist() == outcome_batch().batch["token_level_rewards"].tolist()
+    assert torch.equal(placed.batch["advantages"], compute_advantage(outcome_batch(), "grpo").batch["advantages"])
+    wrong = outcome_batch()
+    wrong.batch["token_level_rewards"] = torch.zeros(4, 2)
+    with pytest.raises(ValueError, match=r"token_level_rewards has shape \(4, 2\); give one reward per sequence "
+                                         r"\(4,\) or one per response token \(4, 3\)"):
+        compute_advantage(wrong, "grpo")
+
+
 def test_user_registered_estimator_runs_through_compute_advantage():
     @register_adv_est("test_best_of_group")
     def best_of_group(token_level_rewards, response_mask, index, bonus=0.0):

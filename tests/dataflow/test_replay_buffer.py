@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 from hybridflow import DataProto
 from hybridflow.dataflow import ReplayBuffer, ScheduledSampler, importance_weights, priority_probabilities
+from hybridflow.trainer.config import PPOConfig
 
 
 def rows(values, width=3):
@@ -232,7 +233,8 @@ def test_schedule_from_config_and_its_errors():
 
     constant = ScheduledSampler.from_config(Cfg())
     assert constant.params(0) == constant.params(10**6) == {"strategy": "priority", "alpha": 0.7, "beta": 0.3}
-    scheduled = ScheduledSampler.from_config({"capacity": 10, "alpha": 0.9, "schedule": SCHEDULE})
+    typed = PPOConfig.from_dict({"replay_buffer": {"capacity": 10, "alpha": 0.9, "schedule": SCHEDULE[:2]}})
+    scheduled = ScheduledSampler.from_config(typed.replay_buffer)
     assert scheduled.params(0) == {"strategy": "uniform", "alpha": 0.9, "beta": 0.4}
     assert scheduled.params(2000)["alpha"] == 0.6
     from_yaml = ScheduledSampler.from_config(OmegaConf.create({"strategy": "uniform", "alpha": 0.6, "beta": 0.4,

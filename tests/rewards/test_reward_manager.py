@@ -6,6 +6,7 @@ import torch
 from hybridflow.models import make_tiny_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RewardManager, load_custom_reward_function
+from hybridflow.utils.errors import UserError
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def test_custom_function_from_file(tmp_path, tok):
     assert out["reward_extra_info"]["source_ok"] == [True, False]
 
     with pytest.raises(
-        AttributeError,
+        UserError,
         match=r"my_reward.py has no function 'compute_score'; it defines \['helper', "
         r"'length_reward'\]",
     ):
@@ -102,7 +103,7 @@ def test_raising_function_names_sample_source_and_function(tok):
         RewardManager(tok, compute_score=picky_score)(data)
     assert isinstance(err.value.__cause__, KeyError)
 
-    with pytest.raises(RuntimeError, match=r"sample 0 \(data_source 'unknown/src'\).*NotImplementedError"):
+    with pytest.raises(UserError, match=r"sample 0 \(data_source 'unknown/src'\): no rule reward"):
         RewardManager(tok)(batch(tok, ["a"], ["unknown/src"], ["x"]))
 
 
@@ -110,7 +111,7 @@ def test_non_finite_score_and_missing_columns(tok):
     def nan_score(data_source, solution_str, ground_truth, extra_info=None):
         return math.nan if solution_str == "b" else 0.0
 
-    with pytest.raises(ValueError, match=r"nan_score returned score nan for sample 1"):
+    with pytest.raises(ValueError, match=r"nan_score on sample 1 .* returned the score nan"):
         RewardManager(tok, compute_score=nan_score)(batch(tok, ["a", "b"], ["x", "x"], ["", ""]))
     data = DataProto.from_dict(
         {

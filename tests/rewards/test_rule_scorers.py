@@ -3,6 +3,7 @@ import json
 import pytest
 
 from hybridflow.rewards import RULE_SCORERS, arithmetic, countdown, default_compute_score, gsm8k, math_answer
+from hybridflow.utils.errors import UserError
 
 
 @pytest.mark.parametrize(
@@ -106,6 +107,6 @@ def test_dispatch_by_data_source():
     )
     assert {"gsm8k", "math", "lighteval/MATH"} <= set(RULE_SCORERS)
     with pytest.raises(
-        NotImplementedError, match=r"data_source 'my/task'; known: \[.*'arithmetic'.*'openai/gsm8k'"
+        UserError, match=r"data_source 'my/task'; known: \[.*'arithmetic'.*'openai/gsm8k'"
     ):
         default_compute_score("my/task", "x", "y")

@@ -16,6 +16,7 @@ from toy_workers import ToyWorker
 
 from hybridflow import DataProto
 from hybridflow.single_controller import ClassWithInitArgs, LocalWorkerGroup, WorkerError, WorkerFuture
+from hybridflow.utils.errors import InputError
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +108,17 @@ def test_worker_exception_names_group_rank_method_and_traceback(group):
     assert "'toy', rank 1, method 'fail_on'" in message
     assert "ValueError: boom from rank 1" in message and "toy_workers.py" in message
     assert group.fail_on(-1) == [0, 1]  # the group still works afterwards
+
+
+def test_an_input_error_in_a_worker_reaches_the_driver_as_itself(group):
+    """Same type and message as raised in the worker (so ``hybridflow train`` prints it as one line); where
+    it happened is its ``__cause__``."""
+    with pytest.raises(InputError) as info:
+        group.refuse_input(1)
+    assert str(info.value) == "data.bin: row 1 is malformed"
+    where = info.value.__cause__
+    assert isinstance(where, WorkerError) and (where.group, where.rank, where.method) == ("toy", 1, "refuse_input")
+    assert "toy_workers.py" in where.remote_traceback
 
 
 def test_dataproto_argument_is_not_resized_for_the_caller(group):

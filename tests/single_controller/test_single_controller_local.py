@@ -33,6 +33,27 @@ def test_worker_standalone_is_rank_zero_of_one(monkeypatch):
     assert worker.init_process_group() is False
 
 
+def test_trainer_device_decides_the_worker_device(monkeypatch):
+    """trainer.device reaches every role's worker: cpu stays cpu even where a GPU is visible."""
+    from hybridflow.trainer.config import PPOConfig
+    from hybridflow.trainer.worker_groups import role_inits
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert Worker("cpu").device == torch.device("cpu")
+    assert Worker("cuda").device == Worker("auto").device == torch.device("cuda", 1)
+    cfg = PPOConfig(train_files="x.parquet", use_kl_loss=True, **{"reward_model.enable": True, "reward_model.dummy": True,
+                                                                  "trainer.device": "cpu"})
+    inits = role_inits(cfg.resolve())
+    assert len(inits) == 4 and {init.kwargs["device"] for init in inits.values()} == {"cpu"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="asked for device cuda"):
+        _ = Worker("cuda").device
+    with pytest.raises(ValueError, match="device_type must be auto, cpu or cuda"):
+        Worker("gpu")
+
+
 def test_worker_reads_its_rank_from_the_environment(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "3")

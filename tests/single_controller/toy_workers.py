@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from hybridflow import DataProto
 from hybridflow.single_controller import Dispatch, Execute, Shards, Worker, register, register_dispatch_mode
+from hybridflow.utils.errors import InputError
 
 
 def deal_round_robin(world_size: int, args: tuple, kwargs: dict) -> Shards:
@@ -88,6 +89,13 @@ class ToyWorker(Worker):
     def fail_on(self, rank: int) -> int:
         if self.rank == rank:
             raise ValueError(f"boom from rank {self.rank}")
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def refuse_input(self, rank: int) -> int:
+        """An input error found by one rank (a damaged file, a diverged model)."""
+        if self.rank == rank:
+            raise InputError(f"data.bin: row {self.rank} is malformed")
         return self.rank
 
     @register(Dispatch.ONE_TO_ALL)

@@ -66,9 +66,11 @@ def test_yaml_and_dataclass_defaults_agree():
 
 
 def test_every_yaml_key_has_a_comment():
-    for number, line in enumerate(DEFAULT_CONFIG_PATH.read_text().splitlines(), 1):
+    lines = DEFAULT_CONFIG_PATH.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
         if re.match(r"\s*[A-Za-z_]+:\s*[^\s#]", line):  # a key with a value (sections may go without)
-            assert " # " in line, f"ppo_trainer.yaml line {number} has no comment: {line!r}"
+            above = lines[number - 2].strip()  # a long doc sits above its key
+            assert " # " in line or above.startswith("# "), f"ppo_trainer.yaml line {number} has no comment: {line!r}"
 
 
 def test_verl_quickstart_line_parses_and_gpu_keys_warn():
@@ -91,10 +93,17 @@ def test_verl_quickstart_line_parses_and_gpu_keys_warn():
 
 
 def test_gpu_only_keys_outside_the_schema_are_dropped_with_a_warning():
+    with pytest.warns(IgnoredKeyWarning, match=r"ignored on this backend: actor_rollout_ref\.actor\."
+                                               r"ulysses_sequence_parallel_size = 2"):
+        cfg = _load("+actor_rollout_ref.actor.ulysses_sequence_parallel_size=2")
+    assert "ulysses_sequence_parallel_size" not in cfg.to_dict()["actor_rollout_ref"]["actor"]
+
+
+def test_schema_keys_not_implemented_yet_warn_when_changed():
     with pytest.warns(IgnoredKeyWarning, match=r"ignored on this backend: actor_rollout_ref\.actor\.fsdp_config"
                                                r"\.param_offload = True"):
-        cfg = _load("+actor_rollout_ref.actor.fsdp_config.param_offload=True")
-    assert "fsdp_config" not in cfg.to_dict()["actor_rollout_ref"]["actor"]
+        cfg = _load("actor_rollout_ref.actor.fsdp_config.param_offload=True")
+    assert cfg.actor_rollout_ref.actor.fsdp_config.param_offload is True  # kept: hybridflow doctor reads it
 
 
 def test_vllm_keys_do_not_warn_when_vllm_is_used(monkeypatch):
@@ -180,19 +189,20 @@ def test_train_batch_not_a_multiple_of_mini_batch():
 
 
 def test_sequences_must_divide_across_workers():
-    message = _error("data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "trainer.n_workers=3")
+    message = _error("data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "trainer.n_workers=3",
+                     "trainer.backend=ray")
     assert message == ("data.train_batch_size * actor_rollout_ref.rollout.n = 8 * 4 = 32 sequences do not "
                        "divide evenly across trainer.n_workers (3)")
 
 
 def test_mini_batch_sequences_must_split_into_micro_batches():
     # 8 prompts * 4 responses = 32 sequences per mini-batch; 2 workers * 3 per micro-batch = 6 does not divide.
-    message = _error("actor_rollout_ref.rollout.n=4", "trainer.n_workers=2",
+    message = _error("actor_rollout_ref.rollout.n=4", "trainer.n_workers=2", "trainer.backend=ray",
                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3")
     assert ("actor_rollout_ref.actor.ppo_mini_batch_size * actor_rollout_ref.rollout.n = 8 * 4 = 32 sequences "
             "per mini-batch is not divisible by actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu * "
             "trainer.n_workers = 3 * 2 = 6") in message
-    assert _load("actor_rollout_ref.rollout.n=4", "trainer.n_workers=2",
+    assert _load("actor_rollout_ref.rollout.n=4", "trainer.n_workers=2", "trainer.backend=ray",
                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8").trainer.n_workers == 2
 
 
@@ -279,6 +289,71 @@ def test_verl_keys_without_an_alternative_here_warn_when_changed(override):
     key = override.split("=")[0]
     with pytest.warns(IgnoredKeyWarning, match=rf"ignored on this backend: {re.escape(key)} = "):
         _load(override)
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    # the cases a new user hit: a wrong guess (test_freq, val_only) or none at all
+    ("trainer.output_dir=out", "did you mean 'trainer.default_local_dir'? ('output_dir' is another library's name"),
+    ("trainer.save_total_limit=2", "did you mean 'trainer.max_ckpt_to_keep'?"),
+    ("trainer.exp_name=x", "did you mean 'trainer.experiment_name'?"),
+    ("exp_name=x", "did you mean 'trainer.experiment_name'?"),
+    ("trainer.learning_rate=1e-5", "did you mean 'actor_rollout_ref.actor.optim.lr'?"),
+    ("critic.optim.learning_rate=1e-5", "did you mean 'critic.optim.lr'?"),  # the sibling, not the alias
+    ("num_generations=4", "did you mean 'actor_rollout_ref.rollout.n'?"),
+    ("trainer.max_steps=10", "did you mean 'trainer.total_training_steps'?"),
+])
+def test_names_from_other_libraries_map_to_the_hybridflow_key(override, expected):
+    assert expected in _error(override)
+
+
+@pytest.mark.parametrize("override", ["trainer.checkpoint_dir=x", "trainer.foo_bar=1", "data.column=x", "lr=1e-5"])
+def test_no_suggestion_rather_than_a_wrong_one(override):
+    message = _error(override)
+    assert message.startswith(f"unknown config key '{override.split('=')[0]}'") and "did you mean" not in message
+    if override == "lr=1e-5":  # no guess, but where it lives
+        assert message.endswith("'lr' is a key of several sections: actor_rollout_ref.actor.optim.lr, critic.optim.lr")
+
+
+def test_ppo_config_takes_a_flat_convenience_form():
+    cfg = PPOConfig(train_files="a.parquet", adv_estimator="grpo", n=4, temperature=0.7,
+                    **{"critic.optim.lr": 3e-5}, trainer=TrainerConfig(experiment_name="flat"))
+    assert cfg.data.train_files == ["a.parquet"]  # typed like an override: a bare path becomes a list
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.actor_rollout_ref.rollout.n == 4
+    assert cfg.actor_rollout_ref.rollout.temperature == 0.7  # rollout's, not val_kwargs'
+    assert cfg.actor_rollout_ref.rollout.val_kwargs.temperature == 0.0
+    assert cfg.critic.optim.lr == 3e-5 and cfg.trainer.experiment_name == "flat"
+    assert PPOConfig(actor=ActorConfig(ppo_epochs=2)).actor_rollout_ref.actor.ppo_epochs == 2
+
+
+@pytest.mark.parametrize(("keywords", "message"), [
+    ({"lr": 1e-5}, "PPOConfig got lr=, which exists in actor_rollout_ref.actor.optim or critic.optim: pass it "
+                   "inside its section"),
+    ({"learning_rate": 1e-5}, "'learning_rate' is another library's name; hybridflow's key is "
+                              "'actor_rollout_ref.actor.optim.lr'"),
+    ({"model": {}}, "PPOConfig got model=, which exists in actor_rollout_ref or critic or reward_model"),
+    ({"n": "four"}, "actor_rollout_ref.rollout.n must be int, got 'four' (str)"),
+    ({"temprature": 0.5}, "PPOConfig got an unknown keyword temprature=; did you mean temperature=?"),
+])
+def test_ppo_config_keyword_errors_say_where_it_belongs(keywords, message):
+    with pytest.raises(ConfigError) as info:
+        PPOConfig(**keywords)
+    assert message in str(info.value)
+
+
+def test_section_classes_are_importable_from_hybridflow():
+    import hybridflow
+    from hybridflow.config import DataConfig as FromConfig
+    from hybridflow.config import OptimConfig
+
+    assert hybridflow.DataConfig is FromConfig is DataConfig and hybridflow.OptimConfig is OptimConfig
+    assert hybridflow.PPOConfig is PPOConfig
+
+
+def test_n_workers_is_refused_on_the_local_backend():
+    """It used to be ignored there while the batch checks divided by it."""
+    assert _error("trainer.n_workers=2") == ("trainer.n_workers=2 needs trainer.backend=ray: the local backend "
+                                             "runs one worker in this process; set trainer.backend=ray for "
+                                             "data-parallel workers")
 
 
 def test_token_budget_keys_are_read_and_lift_the_micro_batch_divisibility_rule():

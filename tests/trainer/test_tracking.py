@@ -66,19 +66,20 @@ def test_tensorboard_event_file_holds_the_scalars(tmp_path):
 def test_console_line_format():
     metrics = {
         "critic/score/mean": 0.42, "critic/rewards/mean": 0.40, "actor/ppo_kl": 0.0131, "actor/kl_loss": 0.5,
+        "actor/kl_ref": 0.0312,
         "actor/pg_loss": -0.1874, "critic/vf_loss": 0.021, "response_length/mean": 12.5,
         "timing_s/gen": 3.14, "timing_s/update_actor": 5.16, "timing_s/step": 9.83, "timing_s/ref": 1.0,
         "val/arith/acc/mean@1": 0.5, "perf/throughput": 123.0,
     }
     assert format_step_line(3, metrics) == (
-        "step 3 | reward 0.42 | kl 0.0131 | pg_loss -0.187 | vf_loss 0.021 | resp_len 12.5 | "
+        "step 3 | reward 0.42 | kl_ref 0.0312 | ppo_kl 0.0131 | pg_loss -0.187 | vf_loss 0.021 | resp_len 12.5 | "
         "gen 3.1s upd 5.2s step 9.8s | val/arith/acc/mean@1 0.5"
     )
 
 
 def test_console_line_falls_back_and_omits_missing_keys():
-    assert format_step_line(7, {"critic/rewards/mean": 1.0, "actor/kl_loss": 0.002, "response_length/mean": 250.4}) \
-        == "step 7 | reward 1 | kl 0.002 | resp_len 250"
+    assert format_step_line(7, {"critic/rewards/mean": 1.0, "actor/reward_kl_penalty": 0.002,
+                                "response_length/mean": 250.4}) == "step 7 | reward 1 | kl_ref 0.002 | resp_len 250"
     assert format_step_line(0, {"val/arith/reward/mean@1": 0.25}) == "step 0 | val/arith/reward/mean@1 0.25"
 
 
@@ -101,3 +102,20 @@ def test_missing_package_names_the_install_command(tmp_path, monkeypatch, name):
     with pytest.raises(ImportError, match=f"trainer.logger includes '{name}' but the package is not installed: "
                                           f"pip install {name}"):
         Tracking("p", "e", ["file", name], tmp_path)
+
+
+def test_records_go_to_their_own_file_and_resume_like_the_metrics(tmp_path):
+    first = Tracking("p", "e", ["console", "file"], tmp_path)
+    first.log_records("timeline", [{"stage": "gen", "start": 1.0}, {"stage": "adv", "start": 2.0}], step=1)
+    first.log_records("timeline", [{"stage": "gen", "start": 3.0}], step=2)
+    first.finish()  # resumed from the step-1 checkpoint: step 2 runs again
+    resumed = Tracking("p", "e", ["file"], tmp_path)
+    resumed.log_records("timeline", [{"stage": "gen", "start": 4.0}], step=2)
+    resumed.finish()
+    assert _read_jsonl(tmp_path / "timeline.jsonl") == [
+        {"step": 1, "stage": "gen", "start": 1.0}, {"step": 1, "stage": "adv", "start": 2.0},
+        {"step": 2, "stage": "gen", "start": 4.0}]
+    assert not (tmp_path / "metrics.jsonl").exists()
+    console_only = Tracking("p", "e", ["console"], tmp_path / "c")
+    console_only.log_records("timeline", [{"stage": "gen"}], step=1)  # no file logger: nothing written
+    assert not (tmp_path / "c").exists()

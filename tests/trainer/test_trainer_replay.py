@@ -118,6 +118,18 @@ def test_mix_replays_weighted_rows_of_other_widths_and_rescores_them():
     assert mixer.replayed is None
 
 
+def test_replay_logs_the_alpha_in_force():
+    """A uniform phase samples as alpha 0; it used to log the top-level alpha of a later priority phase."""
+    schedule = PPOConfig.from_dict({"replay_buffer": {"schedule": [{"until_step": 1, "strategy": "uniform"}]}})
+    mixer = replay(alpha=0.8, schedule=schedule.replay_buffer.schedule)
+    logged = []
+    for step in range(3):
+        metrics = {}
+        mixer.mix(rollouts([1, 1], width=1, advantages=[[1.0, 1.0]] * 2), step=step, metrics=metrics)
+        logged.append((metrics["replay/prioritized"], metrics["replay/alpha"]))
+    assert logged == [(0.0, 0.0), (1.0, 0.8), (1.0, 0.8)]
+
+
 def test_priority_replay_waits_for_a_row_with_signal():
     mixer, metrics = replay(), {}
     mixer.mix(rollouts([1, 1], width=1, advantages=[[0.0, 0.0]] * 2), step=0, metrics=metrics)

@@ -2,8 +2,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from hybridflow import DataProto, generation_batch
 from hybridflow.algorithms import compute_advantage
-from hybridflow.single_controller import ClassWithInitArgs, LocalWorkerGroup
+from hybridflow.single_controller import ClassWithInitArgs, LocalWorkerGroup, WorkerError
 from hybridflow.trainer.config import PPOConfig
 from hybridflow.workers import ActorRolloutRefWorker
 from hybridflow.workers.rollout import response_mask_from
@@ -131,3 +132,53 @@ def test_missing_role_is_a_clear_error(tiny_model_path, chat_prompts):
         group.generate_sequences(chat_prompts(group.workers[0].tokenizer, ["hi"]))
     with pytest.raises(ValueError, match=r"unknown role part\(s\) \['critic'\]"):
         ActorRolloutRefWorker(actor_config(tiny_model_path), role="actor_critic")
+
+
+def test_generation_batch_from_strings_and_chat_messages(actor_group, chat_prompts):
+    """The helper builds what the dataset builds: left-padded, positions counting real tokens only."""
+    tokenizer = actor_group.workers[0].tokenizer
+    questions = ["Compute 1+2.", "Say hello to the world please."]
+    batch = generation_batch([questions[0], [{"role": "user", "content": questions[1]}]], tokenizer)
+    expected = chat_prompts(tokenizer, questions)
+    for key in ("input_ids", "attention_mask", "position_ids"):
+        assert torch.equal(batch.batch[key], expected.batch[key]), key
+    assert batch.batch["attention_mask"][0, 0] == 0 and batch.batch["attention_mask"][:, -1].tolist() == [1, 1]
+    assert batch.non_tensor_batch["raw_prompt"][0] == [{"role": "user", "content": questions[0]}]
+    out = actor_group.generate_sequences(batch)
+    assert out.batch["responses"].shape == (4, 6)
+    plain = generation_batch(["a b", "a"], tokenizer, apply_chat_template=False)  # a base model's prompt text
+    ids = tokenizer(["a b", "a"], add_special_tokens=False)["input_ids"]
+    assert plain.batch["input_ids"][1, -len(ids[1]):].tolist() == ids[1]
+    assert plain.batch["attention_mask"].sum(-1).tolist() == [len(ids[0]), len(ids[1])]
+
+
+def test_generate_sequences_refuses_what_is_not_a_generation_batch(actor_group, chat_prompts):
+    """A right-padded batch used to generate garbage silently; one without position_ids raised a raw KeyError."""
+    tokenizer = actor_group.workers[0].tokenizer
+    left = chat_prompts(tokenizer, ["Compute 1+2.", "Say hello to the world please."])
+    tokenizer.padding_side = "right"
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+             for q in ["Compute 1+2.", "Say hello to the world please."]]
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    tokenizer.padding_side = "left"
+    right = DataProto.from_dict({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask,
+                                 "position_ids": (enc.attention_mask.cumsum(-1) - 1).clamp(min=0)})
+    with pytest.raises(WorkerError, match=r"prompt row\(s\) \[0\] end in padding .* right-padded.*"
+                                          r"hybridflow.generation_batch"):
+        actor_group.generate_sequences(right)
+    no_positions = DataProto.from_dict({k: left.batch[k] for k in ("input_ids", "attention_mask")})
+    with pytest.raises(WorkerError, match=r"the batch has no position_ids; .*hybridflow.generation_batch"):
+        actor_group.generate_sequences(no_positions)
+
+
+def test_update_reports_the_kl_to_the_reference(actor_group, chat_prompts):
+    """actor/kl_ref is KL(policy || reference) (k1 over the sampled tokens), not how far one update moved
+    the policy (actor/ppo_kl, 0 with one on-policy epoch)."""
+    worker = actor_group.workers[0]
+    out = actor_group.generate_sequences(chat_prompts(worker.tokenizer, ["Compute 5+6."]))
+    current = actor_group.compute_log_prob(out).batch["old_log_probs"]
+    out.batch["ref_log_prob"] = current - 0.05 * out.batch["response_mask"]  # the reference: 0.05 nats below
+    out.batch["advantages"] = torch.zeros_like(current)
+    metrics = actor_group.update_actor(out).meta_info["metrics"]
+    assert metrics["actor/kl_ref"][0] == pytest.approx(0.05, abs=1e-4)
+    assert metrics["actor/ppo_kl"][0] == pytest.approx(0.0, abs=1e-6)

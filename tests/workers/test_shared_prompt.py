@@ -1,7 +1,6 @@
 """One forward per shared prompt is an exact rewrite: same log-probs, values and gradients as row by row;
 token-budget micro-batches give the same update as fixed-size ones."""
 
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -9,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from hybridflow import DataProto
+from hybridflow.trainer.config import OptimConfig
 from hybridflow.workers.engine import TrainingEngine
 from hybridflow.workers.modeling import response_log_probs, response_values
 from hybridflow.workers.packing import MicroBatching, batched, pack_shared_prompts, prompt_groups
@@ -126,7 +126,7 @@ def test_token_budget_update_equals_fixed_size_update(tiny_model_path, agg):
     def updated(micro):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-        engine = TrainingEngine(model, SimpleNamespace(lr=1e-2), 1e9, "actor")
+        engine = TrainingEngine(model, OptimConfig(lr=1e-2, weight_decay=0.0), 1e9, "actor")
 
         def loss_fn(part):
             log_probs, _ = response_log_probs(model, part)

@@ -20,14 +20,20 @@ import numpy as np
 import ray
 import torch
 from ray import cloudpickle
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller.decorator import Shards
 from hybridflow.single_controller.ray.resource_pool import Placement, RayResourcePool
 from hybridflow.single_controller.worker import SIMULATED_RANKS_ENV, ClassWithInitArgs
-from hybridflow.single_controller.worker_group import WorkerDiedError, WorkerError, WorkerGroup
+from hybridflow.single_controller.worker_group import (
+    WorkerDiedError,
+    WorkerError,
+    WorkerGroup,
+    worker_failure,
+)
+from hybridflow.utils.errors import UserError
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # Arguments worth storing once in the object store when several ranks get the very same object.
@@ -157,7 +163,10 @@ class _RayBackend:
         except RayError as error:
             rank, error = _first_failure(refs, error)
             kind = WorkerDiedError if isinstance(error, RayActorError) else WorkerError
-            raise kind(group, rank, label, _ANSI.sub("", str(error))) from None
+            # the worker's own exception, when it is an input error (the message already holds the rest)
+            cause = error.cause if isinstance(error, RayTaskError) and isinstance(error.cause, UserError) else None
+            raised, cause = worker_failure(kind(group, rank, label, _ANSI.sub("", str(error))), cause)
+            raise raised from cause
 
     def kill(self) -> None:
         for actor in self._actors:

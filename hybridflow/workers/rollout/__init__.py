@@ -6,17 +6,37 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from hybridflow.protocol import DataProto
 from hybridflow.workers.rollout.hf_rollout import HFRollout, SamplingParams, response_mask_from
 
-__all__ = ["HFRollout", "SamplingParams", "build_rollout", "response_mask_from"]
+__all__ = ["HFRollout", "SamplingParams", "build_rollout", "check_generation_batch", "response_mask_from"]
+
+_HOW = "build it with hybridflow.generation_batch(prompts, tokenizer) (strings or chat messages)"
 
 
-def build_rollout(config: Any, module: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+def check_generation_batch(prompts: DataProto) -> None:
+    """A ValueError saying what to do when ``prompts`` is not a generation batch: ``input_ids``,
+    ``attention_mask``, ``position_ids`` ``(bs, P)``, left-padded (every prompt ends at the last column)."""
+    keys = prompts.batch.keys() if prompts.batch is not None else []
+    missing = [k for k in ("input_ids", "attention_mask", "position_ids") if k not in keys]
+    if missing:
+        raise ValueError(f"generate_sequences: the batch has no {', '.join(missing)}; it needs left-padded "
+                         f"input_ids, attention_mask and position_ids (bs, P): {_HOW}")
+    mask = prompts.batch["attention_mask"]
+    ends_in_padding = (mask[:, -1] == 0).nonzero().flatten().tolist()
+    if ends_in_padding:
+        raise ValueError(f"generate_sequences: prompt row(s) {ends_in_padding[:5]} end in padding (attention_mask "
+                         "0 in the last column): the batch is right-padded, and the model would continue after "
+                         f"the padding; prompts must be left-padded: {_HOW}, or tokenizer.padding_side='left'")
+
+
+def build_rollout(rollout: Any, module: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                   response_length: int) -> HFRollout:
-    """The engine named by ``config.name``, sampling from ``module`` (shared with the actor)."""
-    name = getattr(config, "name", "hf") or "hf"
+    """The engine named by ``rollout.name`` (``rollout``: a ``RolloutConfig``), sampling from ``module``
+    (shared with the actor)."""
+    name = rollout.name
     if name == "hf":
-        return HFRollout(module, tokenizer, config, response_length)
+        return HFRollout(module, tokenizer, rollout, response_length)
     if name == "vllm":
         raise NotImplementedError("actor_rollout_ref.rollout.name=vllm: the vLLM rollout engine is not "
                                   "implemented yet; use rollout.name=hf (Hugging Face generate)")

@@ -11,29 +11,31 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from hybridflow.algorithms import logprobs_from_logits
 from hybridflow.protocol import DataProto
+from hybridflow.workers.engine import DivergedError
 
 SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "n", "response_length")
 
 
 @dataclass
 class SamplingParams:
-    """How to sample; the rollout config gives the defaults, ``meta_info`` may override any of them."""
+    """How to sample; the rollout config (a ``SamplingConfig``) gives the values, ``meta_info`` may override
+    any of them. No defaults here: the schema holds them."""
 
     response_length: int
-    n: int = 1
-    do_sample: bool = True
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    n: int
+    do_sample: bool
+    temperature: float
+    top_p: float
+    top_k: int
 
     @classmethod
     def from_config(cls, config: Any, response_length: int, overrides: dict | None = None) -> SamplingParams:
-        values = {k: getattr(config, k) for k in SAMPLING_KEYS if getattr(config, k, None) is not None}
-        values.setdefault("response_length", response_length)
+        values = {"n": config.n, "do_sample": config.do_sample, "temperature": config.temperature,
+                  "top_p": config.top_p, "top_k": config.top_k, "response_length": response_length}
         values.update({k: v for k, v in (overrides or {}).items() if k in SAMPLING_KEYS and v is not None})
         params = cls(**values)
         if params.temperature <= 0:  # temperature 0 means greedy, as in vLLM
@@ -46,6 +48,17 @@ def response_mask_from(responses: torch.Tensor, eos_token_ids: list[int]) -> tor
     is_eos = torch.isin(responses, torch.tensor(eos_token_ids, device=responses.device))
     eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
     return (eos_before == 0).long()
+
+
+class FiniteScores(LogitsProcessor):
+    """Raise ``DivergedError`` when the model's next-token scores hold inf or NaN, instead of sampling
+    garbage (greedy) or failing inside ``torch.multinomial`` with a message that names neither the cause nor
+    the fix. Costs one ``isfinite`` over ``(bs, vocab)`` per generated token."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if not torch.isfinite(scores).all():
+            raise DivergedError("the model's next-token scores are not finite (inf or NaN)")
+        return scores
 
 
 class HFRollout:
@@ -74,7 +87,7 @@ class HFRollout:
         ``response_mask``, ``rollout_log_probs`` ``(bs*n, L)`` (zero when greedy), and ``input_ids``,
         ``attention_mask``, ``position_ids`` ``(bs*n, P + L)`` for the whole sequence."""
         params = SamplingParams.from_config(self.config, self.response_length, prompts.meta_info)
-        micro = getattr(self.config, "micro_batch_size", None) or len(prompts)
+        micro = self.config.micro_batch_size or len(prompts)  # null: all prompts in one call
         parts = [self._generate(part, params) for part in prompts.split(micro)]
         return DataProto.concat(parts) if len(parts) > 1 else parts[0]
 
@@ -104,7 +117,8 @@ class HFRollout:
         out = self.model.generate(
             input_ids=input_ids, attention_mask=expanded.batch["attention_mask"].to(device), **cache, do_sample=params.do_sample,
             max_new_tokens=params.response_length, eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
-            output_logits=params.do_sample, return_dict_in_generate=True, **sampling)
+            output_logits=params.do_sample, return_dict_in_generate=True,
+            logits_processor=LogitsProcessorList([FiniteScores()]), **sampling)
         self.model.train(was_training)
         prompt_len = input_ids.shape[1]
         generated = out.sequences[:, prompt_len:]

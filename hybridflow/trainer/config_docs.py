@@ -1,0 +1,199 @@
+"""Each config key's doc, read from the schema's ``#:`` comments, and what is rendered from it.
+
+The docs are the ``#:`` comments in ``config.py``: ``name: type = default  #: doc`` or, for a long doc,
+``#: ...`` lines directly above the field. They are read from the source (``ast`` for the fields,
+``tokenize`` for the comments), so a field is documented where it is defined and nowhere else. From the
+schema and these docs come the shipped ``config/ppo_trainer.yaml``, ``hybridflow config keys`` (every key
+with type, default and doc) and ``hybridflow config show`` (a resolved config as commented YAML).
+
+``hybridflow config yaml --write`` (or ``python -m hybridflow.trainer.config_docs yaml --write``) regenerates
+the shipped YAML after a field changes; a test fails while it is stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import io
+import sys
+import textwrap
+import tokenize
+import warnings
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+from hybridflow.trainer.config import DEFAULT_CONFIG_PATH, PPOConfig
+from hybridflow.trainer.config_checks import IGNORED_KEYS, ConfigError
+from hybridflow.trainer.config_loader import hints, is_section, load_unvalidated, type_name
+
+YAML_HEADER = """\
+# hybridflow PPO/GRPO trainer configuration: verl's key names, one comment per key.
+# Generated from the dataclasses in hybridflow/trainer/config.py (`hybridflow config yaml --write`):
+# edit the `#:` docs and defaults there, not this file.
+# Override on the command line: key=value, +key=value (add inside trainer.ray_kwargs), ~key (delete there).
+"""
+
+
+@cache
+def _module_docs(path: str) -> dict[tuple[str, str], str]:
+    """``(class name, field name) -> doc`` for every annotated field of every class in the file."""
+    source = Path(path).read_text()
+    comments = {tok.start[0]: tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                if tok.type == tokenize.COMMENT and tok.string.startswith("#:")}
+    lines = source.splitlines()
+    docs: dict[tuple[str, str], str] = {}
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for stmt in node.body:
+            if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+                continue
+            trailing = [comments[n] for n in range(stmt.lineno, stmt.end_lineno + 1) if n in comments]
+            above, line = [], stmt.lineno - 1
+            while line in comments and lines[line - 1].strip().startswith("#:"):
+                above.insert(0, comments[line])
+                line -= 1
+            parts = [c[2:].strip() for c in above + trailing[:1]]
+            if parts:
+                docs[(node.name, stmt.target.id)] = " ".join(parts)
+    return docs
+
+
+def field_doc(cls: type, name: str) -> str:
+    """The ``#:`` doc of field ``name`` of the schema class ``cls`` (or of the base class defining it)."""
+    for klass in cls.__mro__:
+        try:
+            docs = _module_docs(inspect.getsourcefile(klass) or "")
+        except (TypeError, OSError):
+            continue
+        if (klass.__name__, name) in docs:
+            return docs[(klass.__name__, name)]
+    return ""
+
+
+def undocumented_keys() -> list[str]:
+    """Keys of the schema without a ``#:`` doc (a test keeps this empty)."""
+    missing: list[str] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        for name, tp in hints(cls).items():
+            if not field_doc(cls, name):
+                missing.append(prefix + name)
+            if is_section(tp):
+                walk(tp, f"{prefix}{name}.")
+
+    walk(PPOConfig, "")
+    return missing
+
+
+def _yaml_doc(cls: type, name: str, tp: Any) -> str:
+    """The doc, with the allowed values appended for a ``Literal`` field whose doc does not list them."""
+    doc = field_doc(cls, name)
+    choices = get_args(tp) if get_origin(tp) is Literal else ()
+    if choices and " | " not in doc:
+        doc = f"{doc}: {' | '.join(map(str, choices))}" if doc else " | ".join(map(str, choices))
+    return doc
+
+
+def _flow(value: Any) -> str:
+    """One value as one line of YAML: ``null``, ``1.0e-06``, ``[console, file]``, ``{}``."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=1 << 20, sort_keys=False).strip()
+    return text.removesuffix("\n...").removesuffix("...").strip()
+
+
+def render_yaml(tree: dict[str, Any], cls: type = PPOConfig, indent: int = 0) -> list[str]:
+    """The lines of ``tree`` (a ``to_dict()`` of ``cls``) as block YAML, each key with its doc."""
+    out: list[str] = []
+    pad = " " * indent
+    for name, tp in hints(cls).items():
+        doc = _yaml_doc(cls, name, tp)
+        value = tree[name]
+        if indent == 0 and out and is_section(tp):  # a blank line before each top-level section
+            out.append("")
+        section = is_section(tp) and isinstance(value, dict)
+        line = f"{pad}{name}:" + ("" if section else f" {_flow(value)}")
+        if doc and len(line) + len(doc) + 4 > _WIDTH:  # a long doc goes above its key, wrapped
+            out.extend(textwrap.wrap(doc, _WIDTH, initial_indent=f"{pad}# ", subsequent_indent=f"{pad}# ",
+                                     break_on_hyphens=False))
+            out.append(line)
+        else:
+            out.append(line + (f"  # {doc}" if doc else ""))
+        if section:
+            out.extend(render_yaml(value, tp, indent + 2))
+    return out
+
+
+_WIDTH = 110
+
+
+def default_yaml() -> str:
+    """The text of the shipped ``ppo_trainer.yaml``: the schema's defaults and docs."""
+    return YAML_HEADER + "\n" + "\n".join(render_yaml(PPOConfig().to_dict())) + "\n"
+
+
+def key_table() -> list[str]:
+    """``key: type = default  # doc`` for every leaf key of the schema, in schema order."""
+    rows: list[str] = []
+
+    def walk(cls: type, tree: dict[str, Any], prefix: str) -> None:
+        for name, tp in hints(cls).items():
+            if is_section(tp) and isinstance(tree[name], dict):
+                walk(tp, tree[name], f"{prefix}{name}.")
+            else:
+                doc = field_doc(cls, name)
+                rows.append(f"{prefix}{name}: {type_name(tp)} = {_flow(tree[name])}" + (f"  # {doc}" if doc else ""))
+
+    walk(PPOConfig, PPOConfig().to_dict(), "")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``hybridflow config show [--config FILE] [overrides]``, ``config keys``, ``config yaml [--write]``."""
+    parser = argparse.ArgumentParser(prog="hybridflow config", description="Inspect the trainer configuration.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    show = sub.add_parser("show", help="print the resolved config as YAML, each key with its doc")
+    show.add_argument("--config", help="a YAML file merged over the defaults")
+    show.add_argument("overrides", nargs="*", help="key=value overrides, as for hybridflow train")
+    sub.add_parser("keys", help="list every key with its type, default and doc")
+    gen = sub.add_parser("yaml", help="print (or --write) the shipped ppo_trainer.yaml, generated from the schema")
+    gen.add_argument("--write", action="store_true", help=f"write it to {DEFAULT_CONFIG_PATH}")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "keys":
+        print("\n".join(key_table()))
+        print("\n# accepted with a warning (verl keys that do nothing here; a glob covers every key below it):")
+        print("\n".join(f"{rule.pattern}  # {rule.why}" for rule in IGNORED_KEYS))
+    elif args.command == "yaml":
+        if args.write:
+            DEFAULT_CONFIG_PATH.write_text(default_yaml())
+            print(f"wrote {DEFAULT_CONFIG_PATH}")
+        else:
+            print(default_yaml(), end="")
+    else:
+        return _show(args.overrides, args.config)
+    return 0
+
+
+def _show(overrides: list[str], config_path: str | None) -> int:
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cfg = load_unvalidated(overrides, config_path)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    print("\n".join(render_yaml(cfg.to_dict())))
+    for warning in caught:
+        print(f"warning: {warning.message}", file=sys.stderr)
+    try:
+        cfg.validate()
+    except ConfigError as err:  # still worth seeing: the user is usually fixing exactly this
+        print(f"note: a run with this config would stop: {err}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,387 @@
+"""Loading the trainer config: YAML files, ``a.b=c`` overrides, typing a nested dict into ``PPOConfig``.
+
+The schema (``config.py``) says what exists; this module turns what a user wrote into it, and when a key
+does not exist says what they meant: a name from TRL or OpenRLHF (``learning_rate``, ``output_dir``) gets
+the hybridflow key it corresponds to (``ALIASES``), a typo gets the nearest key, and anything else gets no
+guess at all (a wrong guess costs more than none).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import os
+import re
+import types
+from functools import cache
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from hybridflow.trainer.config import PPOConfig
+from hybridflow.trainer.config_checks import ConfigError, get_key, ignored_rule, warn_ignored
+
+__all__ = ["ALIASES", "apply_flat_keywords", "build_config", "known_keys", "load_config", "merge", "nearest_key",
+           "schema_entry"]
+
+#: Names users bring from TRL, OpenRLHF or Hugging Face ``TrainingArguments`` -> the hybridflow key.
+ALIASES: dict[str, str] = {
+    "output_dir": "trainer.default_local_dir", "save_path": "trainer.default_local_dir",
+    "logging_dir": "trainer.default_local_dir",
+    "exp_name": "trainer.experiment_name", "run_name": "trainer.experiment_name",
+    "project": "trainer.project_name", "wandb_project": "trainer.project_name",
+    "report_to": "trainer.logger", "use_wandb": "trainer.logger",
+    "save_total_limit": "trainer.max_ckpt_to_keep", "save_steps": "trainer.save_freq",
+    "eval_steps": "trainer.test_freq", "max_steps": "trainer.total_training_steps",
+    "num_train_epochs": "trainer.total_epochs", "max_epochs": "trainer.total_epochs",
+    "learning_rate": "actor_rollout_ref.actor.optim.lr", "actor_learning_rate": "actor_rollout_ref.actor.optim.lr",
+    "critic_learning_rate": "critic.optim.lr",
+    "warmup_ratio": "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio",
+    "warmup_steps": "actor_rollout_ref.actor.optim.lr_warmup_steps",
+    "lr_scheduler_type": "actor_rollout_ref.actor.optim.warmup_style",
+    "max_grad_norm": "actor_rollout_ref.actor.grad_clip",
+    "num_generations": "actor_rollout_ref.rollout.n", "n_samples_per_prompt": "actor_rollout_ref.rollout.n",
+    "num_return_sequences": "actor_rollout_ref.rollout.n",
+    "max_completion_length": "data.max_response_length", "max_new_tokens": "data.max_response_length",
+    "generate_max_len": "data.max_response_length", "response_length": "data.max_response_length",
+    "prompt_max_len": "data.max_prompt_length", "prompt_data": "data.train_files",
+    "rollout_batch_size": "data.train_batch_size",
+    "per_device_train_batch_size": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "micro_train_batch_size": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "num_iterations": "actor_rollout_ref.actor.ppo_epochs",
+    "epsilon": "actor_rollout_ref.actor.clip_ratio", "epsilon_high": "actor_rollout_ref.actor.clip_ratio_high",
+    "cliprange": "actor_rollout_ref.actor.clip_ratio", "loss_type": "actor_rollout_ref.actor.loss_agg_mode",
+    "init_kl_coef": "algorithm.kl_ctrl.kl_coef",
+    "model_name_or_path": "actor_rollout_ref.model.path", "pretrain": "actor_rollout_ref.model.path",
+    "gradient_checkpointing": "actor_rollout_ref.model.enable_gradient_checkpointing",
+}
+
+
+def load_config(overrides: list[str] | None = None, config_path: str | os.PathLike | None = None) -> PPOConfig:
+    """See ``hybridflow.trainer.config.load_config``: defaults, a user YAML, overrides; resolved, validated."""
+    return load_unvalidated(overrides, config_path).validate()
+
+
+def load_unvalidated(overrides: list[str] | None = None,
+                     config_path: str | os.PathLike | None = None) -> PPOConfig:
+    """Defaults + file + overrides, typed and resolved but not checked for consistency (``config show``)."""
+    tree = PPOConfig().to_dict()
+    if config_path is not None:
+        merge(tree, load_yaml(config_path), [], f"config file {os.fspath(config_path)}")
+    for text in overrides or []:
+        apply_override(tree, text)
+    return build_config(tree).resolve()
+
+
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    tree = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file {os.fspath(path)} must hold a mapping of sections, got {type(tree).__name__}")
+    return tree
+
+
+def warn_ignored_schema_keys(cfg: PPOConfig) -> None:
+    """Warn for schema keys in IGNORED_KEYS set away from their default (a default changes nothing)."""
+    defaults, vllm = PPOConfig(), cfg.actor_rollout_ref.rollout.name == "vllm"
+    for key in known_keys():
+        rule = ignored_rule(key)
+        value = get_key(cfg, key)
+        if dataclasses.is_dataclass(value):  # a section: its changed leaves warn, each by name
+            continue
+        if rule and not (rule.used_with_vllm and vllm) and value != get_key(defaults, key):
+            warn_ignored(key, rule, value)
+
+
+# ------------------------------------------------------------------------------------- the schema's keys
+
+
+@cache
+def hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def schema_entry(path: list[str]) -> tuple[Any, bool] | None:
+    """(type, inside_free_form_dict) of the key at ``path``; None for a key the schema does not have."""
+    tp: Any = PPOConfig
+    for seg in path:
+        if get_origin(tp) is dict:
+            return Any, True
+        if not is_section(tp) or seg not in hints(tp):
+            return None
+        tp = hints(tp)[seg]
+    return tp, False
+
+
+@cache
+def known_keys() -> tuple[str, ...]:
+    """Every dotted key of the schema, sections included, in schema order."""
+    keys: list[str] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        for name, tp in hints(cls).items():
+            keys.append(prefix + name)
+            if is_section(tp):
+                walk(tp, f"{prefix}{name}.")
+
+    walk(PPOConfig, "")
+    return tuple(keys)
+
+
+def _initials(name: str) -> str:
+    words = name.split("_")
+    return "".join(w[0] for w in words if w) if len(words) > 1 else ""
+
+
+def nearest_key(key: str, known: list[str] | tuple[str, ...]) -> str | None:
+    """The known key the user most likely meant, or None when nothing is convincingly close.
+
+    In order: a sibling that abbreviates the leaf or is abbreviated by it (lr ~ learning_rate) or extends
+    it (ppo_micro_batch_size -> ..._per_gpu); a sibling whose leaf name is a near-typo; an alias from
+    another library (``ALIASES``); the same leaf name in another section (the closest such path).
+    Leaves are compared alone: on whole dotted paths the shared section prefix makes unrelated leaves look
+    alike (``trainer.output_dir`` and ``trainer.test_freq``).
+    """
+    section, _, leaf = key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == section}
+    for name, full in siblings.items():
+        if leaf == _initials(name) or name == _initials(leaf) or name.startswith(f"{leaf}_"):
+            return full
+    close = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.8)
+    if close:
+        return siblings[close[0]]
+    if leaf in ALIASES and ALIASES[leaf] in known:
+        return ALIASES[leaf]
+    same_leaf = [k for k in known if k.rpartition(".")[2] == leaf]
+    if not section and len(same_leaf) > 1:  # a bare `lr`: nothing says which section's was meant
+        return None
+    close = difflib.get_close_matches(key, same_leaf, n=1, cutoff=0.0)
+    return close[0] if close else None
+
+
+def unknown_key_error(key: str, known: list[str] | tuple[str, ...], source: str) -> ConfigError:
+    near = nearest_key(key, known)
+    where = f" in {source}" if source else ""
+    hint = f"; did you mean '{near}'?" if near else ""
+    leaf = key.rpartition(".")[2]
+    if near is not None and ALIASES.get(leaf) == near:
+        hint += f" ('{leaf}' is another library's name for it)"
+    same_leaf = [k for k in known if k.rpartition(".")[2] == leaf]
+    if near is None and len(same_leaf) > 1:
+        hint = f"; '{leaf}' is a key of several sections: {', '.join(same_leaf)}"
+    return ConfigError(f"unknown config key '{key}'{where}{hint}")
+
+
+# ------------------------------------------------------------------------------- merging and overrides
+
+
+def merge(tree: dict[str, Any], updates: Any, prefix: list[str], source: str) -> None:
+    """Merge the nested dict ``updates`` into ``tree`` in place, checking every key against the schema."""
+    if not isinstance(updates, dict):
+        raise ConfigError(f"{'.'.join(prefix) or 'the config'} in {source} must be a mapping, got {updates!r}")
+    for name, value in updates.items():
+        path = [*prefix, str(name)]
+        key = ".".join(path)
+        if schema_entry(path) is None:
+            rule = ignored_rule(key)
+            for leaf, leaf_value in _leaves(key, value):
+                if rule is None:
+                    raise unknown_key_error(leaf, known_keys(), source)
+                warn_ignored(leaf, rule, leaf_value)
+        elif isinstance(value, dict) and isinstance(tree.get(name), dict):
+            merge(tree[name], value, path, source)
+        else:
+            tree[name] = copy.deepcopy(value)
+
+
+def _leaves(key: str, value: Any) -> list[tuple[str, Any]]:
+    """The dotted leaf keys under ``key`` (so messages name ``a.b.c``, not the section ``a``)."""
+    if not isinstance(value, dict) or not value:
+        return [(key, value)]
+    return [leaf for name, v in value.items() for leaf in _leaves(f"{key}.{name}", v)]
+
+
+class _ValueLoader(yaml.SafeLoader):
+    """YAML 1.1 SafeLoader that also reads ``1e-6`` (no dot) as a float, as YAML 1.2 and OmegaConf do."""
+
+
+_ValueLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\d[\d_]*)?(?:\.\d*)?[eE][-+]?\d+$"), list("-+0123456789.")
+)
+
+_OVERRIDE = re.compile(r"(?P<op>\+\+|\+|~)?(?P<key>[A-Za-z_][\w-]*(?:\.[\w-]+)*)(?:=(?P<value>.*))?", re.DOTALL)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """``"+a.b=[1,2]"`` -> ``("+", "a.b", [1, 2])``."""
+    match = _OVERRIDE.fullmatch(text)
+    if match is None or (match["op"] != "~" and match["value"] is None):
+        raise ConfigError(f"cannot parse override {text!r}: expected key=value, +key=value, ++key=value or ~key")
+    try:
+        value = None if match["value"] is None else yaml.load(match["value"], Loader=_ValueLoader)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"cannot parse the value of override {text!r} as YAML: {err}") from None
+    return match["op"] or "", match["key"], value
+
+
+def apply_override(tree: dict[str, Any], text: str) -> None:
+    op, key, value = parse_override(text)
+    path, source = key.split("."), f"override {text!r}"
+    entry = schema_entry(path)
+    if entry is not None:
+        parent = _lookup(tree, path[:-1])
+        exists = isinstance(parent, dict) and path[-1] in parent
+        free_form = entry[1]
+        if op == "~":
+            if not free_form:
+                raise ConfigError(f"{source}: {key} is part of the config schema and cannot be deleted; "
+                                  "set it to a value instead")
+            if not exists:
+                raise ConfigError(f"{source}: cannot delete {key}: it is not set")
+            del parent[path[-1]]
+            return
+        if op == "+" and exists:
+            raise ConfigError(f"{source}: {key} already exists; drop the '+' to change it")
+        if op == "" and not exists:
+            raise ConfigError(f"{source}: {key} is not set; add it with +{key}=...")
+    nested: Any = value
+    for name in reversed(path):
+        nested = {name: nested}
+    merge(tree, nested, [], source)
+
+
+def _lookup(tree: Any, path: list[str]) -> Any:
+    for name in path:
+        if not isinstance(tree, dict) or name not in tree:
+            return None
+        tree = tree[name]
+    return tree
+
+
+# ------------------------------------------------------------------------------------------- typing
+
+
+def build_config(tree: dict[str, Any]) -> PPOConfig:
+    """Resolve ``${...}`` interpolations, then type the nested dict into PPOConfig."""
+    if "${" in repr(tree):  # OmegaConf is slow (~0.1 s); a resolved tree skips it
+        try:
+            tree = OmegaConf.to_container(OmegaConf.create(tree), resolve=True)
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"cannot resolve an interpolation in the config: {err}") from None
+    return build(PPOConfig, tree, "")
+
+
+def type_name(tp: Any) -> str:
+    """How an annotation reads in messages and in ``config keys``: ``int or null``, ``a list of str``."""
+    origin, args = get_origin(tp), get_args(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else type_name(a) for a in args)
+    if origin is list:
+        return f"a list of {type_name(args[0])}"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is dict or is_section(tp):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _type_error(key: str, tp: Any, value: Any) -> ConfigError:
+    got = "null" if value is None else f"{value!r} ({type(value).__name__})"
+    return ConfigError(f"{key} must be {type_name(tp)}, got {got}")
+
+
+def build(tp: Any, value: Any, key: str) -> Any:
+    """``value`` checked against (and converted to) the annotation ``tp``; ``key`` names it in errors."""
+    origin, args = get_origin(tp), get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = (a for a in args if a is not type(None))
+        return build(inner, value, key)
+    if is_section(tp) and isinstance(value, dict):
+        return _build_section(tp, value, key)
+    if is_section(tp) and isinstance(value, tp):
+        return value
+    if origin is list and value is not None:
+        items = value if isinstance(value, list) else [value]  # trainer.logger=console -> [console]
+        return [build(args[0], item, f"{key}[{i}]") for i, item in enumerate(items)]
+    if origin is dict and isinstance(value, dict):
+        return value
+    if origin is Literal and isinstance(value, str) and value in args:
+        return value
+    accepted = _SCALARS.get(tp, ())
+    if isinstance(value, accepted) and (tp is bool or not isinstance(value, bool)):
+        return tp(value)
+    raise _type_error(key, tp, value)
+
+
+# Scalar annotation -> the parsed value types it accepts (bools only for bool, although bool is an int).
+# A str field takes numbers too: YAML reads experiment_name=2024 as an int.
+_SCALARS: dict[type, tuple[type, ...]] = {bool: (bool,), int: (int,), float: (int, float), str: (str, int, float)}
+
+
+def _build_section(cls: type, values: dict[str, Any], key: str) -> Any:
+    fields = hints(cls)
+    names = {name: f"{key}.{name}" if key else name for name in fields}
+    for name in values:
+        if name not in fields:
+            raise unknown_key_error(f"{key}.{name}" if key else name, list(names.values()), "")
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [name for name in required if name not in values]
+    if missing:
+        raise ConfigError(f"{names[missing[0]]} is required")
+    return cls(**{name: build(fields[name], value, names[name]) for name, value in values.items()})
+
+
+# ----------------------------------------------------------------------------- PPOConfig(flat=keywords)
+
+
+def apply_flat_keywords(cfg: PPOConfig, keywords: dict[str, Any]) -> None:
+    """Set ``PPOConfig(...)`` keywords on ``cfg``: top-level sections, leaf names unique in the schema
+    (``n=4``), or dotted keys (``**{"critic.optim.lr": 1e-5}``), each typed as an override would be."""
+    for name, value in keywords.items():
+        key = name if "." in name or name in hints(PPOConfig) else _key_of_keyword(name)
+        path = key.split(".")
+        entry = schema_entry(path)
+        if entry is None:
+            raise unknown_key_error(key, known_keys(), "PPOConfig(...)")
+        parent = get_key(cfg, ".".join(path[:-1])) if len(path) > 1 else cfg
+        setattr(parent, path[-1], build(entry[0], copy.deepcopy(value), key))
+
+
+def _key_of_keyword(name: str) -> str:
+    """The dotted key a bare ``PPOConfig`` keyword means; a ConfigError when it is ambiguous or unknown."""
+    if name in ALIASES:
+        raise ConfigError(f"PPOConfig got {name}=: '{name}' is another library's name; hybridflow's key is "
+                          f"'{ALIASES[name]}': pass **{{'{ALIASES[name]}': ...}} or set it in its section")
+    matches = [k for k in known_keys() if k.rpartition(".")[2] == name]
+    # rollout.n over rollout.val_kwargs.n: of two matches where one's section holds the other, the outer
+    matches = [k for k in matches if not any(k.startswith(o.rpartition(".")[0] + ".") and k != o
+                                              and o.count(".") < k.count(".") for o in matches)]
+    if len(matches) == 1:
+        return matches[0]
+    if len(matches) > 1:
+        sections = " or ".join(k.rpartition(".")[0] for k in matches)
+        raise ConfigError(f"PPOConfig got {name}=, which exists in {sections}: pass it inside its section, e.g. "
+                          f"PPOConfig.from_dict({_nested_example(matches[0])}) or **{{'{matches[0]}': ...}}")
+    leaves = sorted({k.rpartition(".")[2] for k in known_keys()})
+    close = difflib.get_close_matches(name, leaves, n=1, cutoff=0.8)
+    hint = f"; did you mean {close[0]}=?" if close else ""
+    raise ConfigError(f"PPOConfig got an unknown keyword {name}={hint} (sections: "
+                      f"{', '.join(hints(PPOConfig))}; `hybridflow config keys` lists every key)")
+
+
+def _nested_example(key: str) -> str:
+    text = "..."
+    for part in reversed(key.split(".")):
+        text = f"{{'{part}': {text}}}"
+    return text

@@ -1,0 +1,174 @@
+"""``hybridflow doctor``: every check passes on a good (and the demo's) configuration and fails on its own
+crafted bad input; the memory estimate's arithmetic by hand."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from hybridflow.cli import main as cli
+from hybridflow.data.prepare import main as prepare_data
+from hybridflow.demo import DEMO_SETTINGS
+from hybridflow.trainer.config import load_config
+from hybridflow.trainer.config_loader import load_unvalidated
+from hybridflow.trainer.doctor import run_checks
+from hybridflow.trainer.memory_estimate import GB, RUNTIME_BYTES, ModelShape, estimate_memory
+
+NAMES = ["config", "paths", "model", "dataset", "batch", "reward", "memory", "environment"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("arith")
+    prepare_data(["arithmetic", str(out), "--train-size", "16", "--test-size", "4", "--seed", "0"])
+    return out
+
+
+@pytest.fixture
+def base(data_dir, tiny_model_path, tmp_path) -> list[str]:
+    return [f"data.train_files={data_dir / 'train.parquet'}", f"data.val_files={data_dir / 'test.parquet'}",
+            f"actor_rollout_ref.model.path={tiny_model_path}", f"trainer.default_local_dir={tmp_path / 'run'}",
+            "data.max_prompt_length=96", "data.max_response_length=8", "data.train_batch_size=4",
+            "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "algorithm.adv_estimator=grpo"]
+
+
+def verdicts(overrides: list[str], **kw) -> dict[str, object]:
+    return {c.name: c for c in run_checks(overrides, **kw)}
+
+
+def failed(checks: dict) -> list[str]:
+    return [name for name, c in checks.items() if c.verdict == "fail"]
+
+
+def test_good_config_passes_every_check_and_exits_0(base, capsys):
+    assert cli(["doctor", *base]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines[:8]] == NAMES and all(line.startswith("ok") for line in lines[:8])
+    assert lines[-1] == "8 checks: 8 ok"
+    assert cli(["doctor", "--json", *base]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is True and [c["name"] for c in report["checks"]] == NAMES
+    dataset = next(c for c in report["checks"] if c["name"] == "dataset")
+    assert dataset["data"]["rows"] == 16 and dataset["data"]["over"] == 0
+    assert dataset["data"]["p50"] <= dataset["data"]["max"] <= 96
+
+
+def test_the_demo_settings_pass(data_dir, tiny_model_path, tmp_path):
+    """The demo's own settings (batch sizes, lengths, samples), on the tiny model for speed."""
+    checks = verdicts([f"data.train_files={data_dir / 'train.parquet'}", f"actor_rollout_ref.model.path="
+                       f"{tiny_model_path}", f"trainer.default_local_dir={tmp_path}", *DEMO_SETTINGS])
+    assert {name: c.verdict for name, c in checks.items()} == dict.fromkeys(NAMES, "ok")
+    assert "8 prompts x 4 = 32 sequences per step" in checks["batch"].detail
+
+
+def test_wrong_batch_size_fails_the_batch_check(base, capsys):
+    assert cli(["doctor", *base, "data.train_batch_size=6"]) == 1
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.split()[1] == "batch")
+    assert line.startswith("FAIL") and "not a multiple of actor_rollout_ref.actor.ppo_mini_batch_size (4)" in line
+    assert "-> fix:" in line
+    assert failed(verdicts([*base, "data.train_batch_size=6"])) == ["batch"]
+    # 16 prompts in the file, 32 per step: not one full batch
+    checks = verdicts([*base, "data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=32"])
+    assert failed(checks) == ["batch"] and "only 16 training prompts" in checks["batch"].detail
+
+
+def test_keys_ignored_on_this_backend_are_a_warning(base):
+    check = verdicts([*base, "actor_rollout_ref.actor.use_dynamic_bsz=true"])["config"]
+    assert check.verdict == "warn" and "actor_rollout_ref.actor.use_dynamic_bsz = True" in check.detail
+
+
+def test_missing_file_fails_the_paths_check(base, tmp_path):
+    checks = verdicts([*base, f"data.val_files={tmp_path / 'nope.parquet'}"])
+    assert failed(checks) == ["paths"]
+    assert f"data.val_files: {tmp_path / 'nope.parquet'}" in checks["paths"].detail
+
+
+def test_model_folder_without_weights_fails_the_model_check(base, tiny_model_path, tmp_path):
+    broken = tmp_path / "no_weights"
+    shutil.copytree(tiny_model_path, broken, ignore=shutil.ignore_patterns("*.safetensors"))
+    checks = verdicts([*base, f"actor_rollout_ref.model.path={broken}"])
+    assert checks["model"].verdict == "fail" and "no weights" in checks["model"].detail
+
+
+def test_raising_reward_fails_and_an_always_zero_reward_warns(base, tmp_path):
+    (tmp_path / "bad.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                     "    return int(solution_str)\n")
+    checks = verdicts([*base, f"custom_reward_function.path={tmp_path / 'bad.py'}"])
+    assert failed(checks) == ["reward"]
+    assert "raised on a ground-truth response for data_source 'arithmetic'" in checks["reward"].detail
+    assert "ValueError: invalid literal for int() with base 10: '=" in checks["reward"].detail
+    (tmp_path / "zero.py").write_text("def compute_score(*args, **kwargs):\n    return 0.0\n")
+    checks = verdicts([*base, f"custom_reward_function.path={tmp_path / 'zero.py'}"])
+    assert checks["reward"].verdict == "warn" and "ground-truth 0, wrong 0" in checks["reward"].detail
+    # the built-in arithmetic scorer: a bare "=<sum>" has the right answer but not the A+B= form
+    assert "arithmetic: ground-truth 0.5, wrong 0" in verdicts(base)["reward"].detail
+
+
+def test_overlong_dataset_fails_the_dataset_check(base):
+    checks = verdicts([*base, "data.max_prompt_length=16", "data.filter_overlong_prompts=false"])
+    assert failed(checks) == ["dataset"]
+    assert "16 prompts are too long and truncation is 'error'" in checks["dataset"].detail
+    assert "raise data.max_prompt_length to" in checks["dataset"].fix
+    checks = verdicts([*base, "data.max_prompt_length=16"])  # filtering on: nothing left
+    assert checks["dataset"].verdict == "fail" and "would be dropped" in checks["dataset"].detail
+    checks = verdicts([*base, "data.max_prompt_length=16", "data.filter_overlong_prompts=false",
+                       "data.truncation=left"])  # kept, but cut: a warning
+    assert checks["dataset"].verdict == "warn" and "16 of 16 (100%) would be truncated (left)" in checks["dataset"].detail
+
+
+def test_model_too_large_for_the_stated_memory_fails_naming_the_knob(base):
+    checks = verdicts(base, memory_gb=0.001)
+    assert failed(checks) == ["memory"]
+    assert "will not fit" in checks["memory"].detail and "vs 0.0 GB (--memory-gb)" in checks["memory"].detail
+    assert "actor_rollout_ref" in checks["memory"].fix
+
+
+def test_config_error_fails_and_skips_what_needs_it(base):
+    checks = verdicts([*base, "actor_rollout_ref.actor.optim.learning_rate=1e-5"])
+    assert [c.verdict for c in checks.values()] == ["fail"] + ["skip"] * 6 + ["ok"]
+    assert "did you mean 'actor_rollout_ref.actor.optim.lr'" in checks["config"].detail
+
+
+@pytest.mark.filterwarnings("ignore::hybridflow.trainer.config_checks.IgnoredKeyWarning")  # lora, fsdp2 (not yet)
+def test_memory_estimate_by_hand():
+    shape = ModelShape(params=10_000_000, vocab_size=1000, hidden_size=64, num_layers=2, intermediate_size=128,
+                       kv_dim=32, linear_in_out=100_000)
+    cfg = load_config(["data.train_files=x.parquet", "data.max_prompt_length=24", "data.max_response_length=8",
+                       "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "algorithm.adv_estimator=grpo",
+                       "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+                       "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2"])
+    est = estimate_memory(cfg, shape, world_size=1)  # fp32 on CPU, no reference model, no critic
+    assert est.static == {"actor weights": 40e6, "actor grads": 40e6, "AdamW state": 80e6}
+    update = 2 * 9 * 1000 * 4 * 3 + 2 * 32 * 2 * (14 * 64 + 4 * 128) * 4  # logits x3 + activations
+    assert est.passes["policy update"] == update
+    assert est.passes["generation KV cache"] == 2 * 2 * 32 * 4 * 8 * 32 + 8 * 1000 * 4  # all 8 sequences
+    assert est.device == 160e6 + update + RUNTIME_BYTES
+    lora = estimate_memory(load_config(["data.train_files=x.parquet", "algorithm.adv_estimator=grpo",
+                                        "actor_rollout_ref.model.lora_rank=8"]), shape, world_size=1)
+    assert lora.static == {"actor weights": 40e6, "actor grads": 8 * 100_000 * 4, "AdamW state": 2 * 8 * 100_000 * 4}
+    fsdp = estimate_memory(load_config(["data.train_files=x.parquet", "algorithm.adv_estimator=grpo",
+                                        "actor_rollout_ref.actor.strategy=fsdp2",
+                                        "actor_rollout_ref.actor.use_kl_loss=true"]), shape, world_size=4)
+    assert fsdp.static == {"actor weights": 10e6, "actor grads": 10e6, "AdamW state": 20e6,
+                           "reference weights": 10e6}
+    assert est.device < GB
+
+
+def test_environment_fails_when_the_rollout_engine_does_not_import(tmp_path, monkeypatch):
+    from hybridflow.trainer.doctor import _import_error, check_environment
+
+    (tmp_path / "broken_engine.py").write_text("raise RuntimeError('no CUDA driver found')\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.syspath_prepend(str(tmp_path))  # find_spec in this process sees it too
+    assert _import_error("broken_engine") == "RuntimeError: no CUDA driver found"
+    assert _import_error("json") == "" and _import_error("no_such_engine_xyz") == "not installed"
+    cfg = load_unvalidated(["data.train_files=x.parquet", "actor_rollout_ref.rollout.name=vllm"])
+    monkeypatch.setattr("hybridflow.trainer.doctor._import_error", lambda module: f"{module}: not installed")
+    check = check_environment(cfg)
+    assert check.verdict == "fail" and "rollout.name is vllm but it does not import: vllm" in check.detail
