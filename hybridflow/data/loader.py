@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -67,7 +67,8 @@ class PromptLoader:
     """
 
     def __init__(
-        self, dataset: Dataset, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = True
+        self, dataset: Dataset, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = True,
+        collate: Callable[[Sequence[Any]], DataProto] = collate_fn,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -79,6 +80,7 @@ class PromptLoader:
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
+        self.collate = collate  # items -> DataProto; the offline datasets bring their own
         self.epoch = 0
         self.position = 0  # batches of `epoch` already yielded
 
@@ -99,7 +101,7 @@ class PromptLoader:
         while self.position < len(self):
             rows = order[self.position * self.batch_size : (self.position + 1) * self.batch_size]
             self.position += 1  # before the yield, so a checkpoint taken on this batch resumes after it
-            yield collate_fn([self.dataset[int(i)] for i in rows])
+            yield self.collate([self.dataset[int(i)] for i in rows])
 
     def state_dict(self) -> dict[str, int | bool]:
         """Where the loader stands, plus the settings that give positions their meaning."""

@@ -4,6 +4,11 @@ Tasks:
 - `arithmetic`: two-digit addition with a one-shot chat example, the embedded demo task. On it
   SmolLM2-135M-Instruct starts near 25 % and RL lifts it visibly within minutes on a CPU (see the
   README's demo); without the one-shot example the model barely ever answers in a gradable form.
+  `--format sft|dpo|kto` writes the same split for the offline trainers (`offline_tasks`): correct
+  demonstrations, or the correct reply against a wrong one (`--rejected rule`: a near miss, instant;
+  `--rejected model`: the base model's own wrong samples, minutes on a CPU).
+- `calculator`: products of two 3-digit numbers with a calculator tool, a multi-turn task (run it with
+  `actor_rollout_ref.rollout.multi_turn.enable=true` and a tool config listing `calculator`).
 - `countdown`: reach a target from a few numbers with + - * /; every target is reachable.
 - `gsm8k`: from a local JSONL copy with `question` and `answer` (ending in `#### N`); no download.
 
@@ -87,6 +92,43 @@ def arithmetic_splits(
         make_row("arithmetic", arithmetic_messages(a, b), "arithmetic", str(a + b), {"a": a, "b": b})
         for a, b in chosen
     ]
+    return _label(rows[:train_size], "train"), _label(rows[train_size:], "test")
+
+
+# ---------------------------------------------------------------------------------------- calculator
+CALCULATOR_ONE_SHOT = (314, 271)
+CALCULATOR_INSTRUCTION = "Use the calculator, then reply in the form A*B=<answer>."
+
+
+def calculator_call(expression: str) -> str:
+    """The Hermes tool call the one-shot example shows."""
+    return f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
+
+
+def calculator_messages(a: int, b: int) -> list[dict[str, str]]:
+    """A one-shot chat that calls the calculator and answers, then the real question (kept short: every
+    prompt token is recomputed for each sample in the update)."""
+    x, y = CALCULATOR_ONE_SHOT
+    return [
+        {"role": "user", "content": f"Compute {x}*{y}. {CALCULATOR_INSTRUCTION}"},
+        {"role": "assistant", "content": calculator_call(f"{x}*{y}")},
+        {"role": "tool", "content": str(x * y)},
+        {"role": "assistant", "content": f"{x}*{y}={x * y}"},
+        {"role": "user", "content": f"Compute {a}*{b}. {CALCULATOR_INSTRUCTION}"},
+    ]
+
+
+def calculator_splits(train_size: int, test_size: int, seed: int) -> tuple[list[Row], list[Row]]:
+    """Products of two 3-digit numbers, a multi-turn tool task: the embedded model cannot multiply them
+    in its head, but can copy the one-shot call to the calculator and then the calculator's result."""
+    rng, need, seen = random.Random(seed), train_size + test_size, {CALCULATOR_ONE_SHOT}
+    _sizes_fit(train_size, test_size, 900 * 900 - 1, "3-digit products")
+    while len(seen) < need + 1:
+        seen.add((rng.randint(100, 999), rng.randint(100, 999)))
+    pairs = sorted(seen - {CALCULATOR_ONE_SHOT})
+    rng.shuffle(pairs)
+    rows = [make_row("calculator", calculator_messages(a, b), "arithmetic", str(a * b), {"a": a, "b": b})
+            for a, b in pairs]
     return _label(rows[:train_size], "train"), _label(rows[train_size:], "test")
 
 
@@ -226,6 +268,19 @@ def _parser() -> argparse.ArgumentParser:
     arith.add_argument("--test-size", type=int, default=100)
     arith.add_argument("--min-operand", type=int, default=10)
     arith.add_argument("--max-operand", type=int, default=99)
+    arith.add_argument("--format", choices=["rl", "sft", "dpo", "kto"], default="rl",
+                       help="rl: prompts + ground truth; sft: {prompt, response}; dpo: {prompt, chosen, rejected}; "
+                            "kto: {prompt, completion, label}")
+    arith.add_argument("--rejected", choices=["rule", "model"], default="rule",
+                       help="dpo/kto wrong replies: a near miss (rule) or the model's own wrong samples (model)")
+    arith.add_argument("--model", default="default", help="the model sampled by --rejected model")
+    arith.add_argument("--samples", type=int, default=4, help="samples per prompt for --rejected model")
+
+    calc = tasks.add_parser(
+        "calculator", parents=[common], help="3-digit products with a calculator tool (multi-turn)"
+    )
+    calc.add_argument("--train-size", type=int, default=1000)
+    calc.add_argument("--test-size", type=int, default=100)
 
     count = tasks.add_parser("countdown", parents=[common], help="reach a target from numbers with + - * /")
     count.add_argument("--train-size", type=int, default=1000)
@@ -243,10 +298,31 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _arithmetic(args: argparse.Namespace) -> tuple[list[Row], list[Row]]:
+    """The RL rows, or their offline form (``--format``)."""
+    from hybridflow.data import offline_tasks
+
+    splits = arithmetic_splits(args.train_size, args.test_size, args.seed, args.min_operand, args.max_operand)
+    if args.format == "rl":
+        return splits
+    if args.format == "sft":
+        return offline_tasks.sft_rows(splits[0]), offline_tasks.sft_rows(splits[1])
+    out = []
+    for rows in splits:
+        if args.rejected == "model":
+            wrong, accuracy = offline_tasks.model_wrong_replies(rows, args.model, args.samples, seed=args.seed)
+            print(f"sampled {args.samples} replies to {len(rows)} prompts from {args.model}: "
+                  f"{accuracy:.0%} correct")
+        else:
+            wrong = offline_tasks.rule_wrong_replies(rows, args.seed)
+        out.append(offline_tasks.preference_rows(rows, wrong) if args.format == "dpo"
+                   else offline_tasks.kto_rows(rows, wrong))
+    return out[0], out[1]
+
+
 _BUILDERS: dict[str, Callable[[argparse.Namespace], tuple[list[Row], list[Row]]]] = {
-    "arithmetic": lambda a: arithmetic_splits(
-        a.train_size, a.test_size, a.seed, a.min_operand, a.max_operand
-    ),
+    "arithmetic": _arithmetic,
+    "calculator": lambda a: calculator_splits(a.train_size, a.test_size, a.seed),
     "countdown": lambda a: countdown_splits(
         a.train_size, a.test_size, a.seed, a.num_numbers, a.max_number, a.max_target
     ),

@@ -169,6 +169,31 @@ def make_tiny_model(
     return str(out)
 
 
+def teach_conversations(model_dir: str | Path, conversations: list[list[dict[str, str]]], steps: int = 120,
+                        lr: float = 1e-2, seed: int = 0) -> str:
+    """Train the tiny model in ``model_dir`` (in place) until it reproduces ``conversations`` greedily.
+
+    Why: a random model never writes a tool call, so multi-turn tests and examples would only ever see
+    one turn. A few seconds of supervised steps on whole chats (tool calls and answers) give a real model
+    whose real generations exercise tools. Returns the folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in conversations]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        model(**batch, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return str(model_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`hybridflow make-tiny-model OUT_DIR [...]`: write a tiny model folder and print its path."""
     parser = argparse.ArgumentParser(

@@ -15,6 +15,8 @@ from hybridflow.protocol import DataProto
 from hybridflow.rewards.registry import Score, default_compute_score
 from hybridflow.utils.errors import InputError, UserError
 
+CONVERSATION_KEYS = ("messages", "tool_calls", "tool_rewards")
+
 
 def _function_name(fn: Callable) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
@@ -44,6 +46,10 @@ class RewardManager:
     accuracy to log next to a shaped score). It defaults to the rule scorers of
     `default_compute_score`. The first `num_examine` responses of each data source are printed, to
     eyeball what the model writes and how it is graded.
+
+    Multi-turn rollouts: `solution_str` is every model turn (tool output left out), and `extra_info`
+    also holds the conversation: `messages` (the chat, tool results included), `tool_calls` (per turn,
+    what the model called) and `tool_rewards` (the sum of the tools' own rewards).
     """
 
     def __init__(
@@ -104,6 +110,9 @@ class RewardManager:
             [row[m].tolist() for row, m in zip(responses, mask)], skip_special_tokens=True
         )
         extra_infos = columns.get("extra_info", [None] * len(texts))
+        if "messages" in columns:
+            extra_infos = [{**(info or {}), **{k: columns[k][i] for k in CONVERSATION_KEYS if k in columns}}
+                           for i, info in enumerate(extra_infos)]
         results = [
             self._score_one(
                 i, columns[self.reward_fn_key][i], text, columns["ground_truth"][i], extra_infos[i]

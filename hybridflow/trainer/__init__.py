@@ -1,14 +1,17 @@
-"""The driver layer: ``PPOTrainer`` and its config, checkpoints, tracking and validation.
+"""The driver layer: ``PPOTrainer``, ``OfflineTrainer`` (SFT, DPO, KTO) and their configs, checkpoints,
+tracking and validation.
 
-``PPOTrainer`` is imported on first use, so tools that only need a checkpoint helper (such as
+The trainers are imported on first use, so tools that only need a checkpoint helper (such as
 ``hybridflow generate``) do not load the workers and Ray.
 """
 
 from typing import Any
 
 from hybridflow.trainer.config import ConfigError, PPOConfig, load_config
+from hybridflow.trainer.offline_config import DPOConfig, KTOConfig, SFTConfig, load_offline_config
 
-__all__ = ["ConfigError", "PPOConfig", "PPOTrainer", "load_config"]
+__all__ = ["ConfigError", "DPOConfig", "KTOConfig", "OfflineTrainer", "PPOConfig", "PPOTrainer", "SFTConfig",
+           "load_config", "load_offline_config"]
 
 
 def __getattr__(name: str) -> Any:
@@ -16,4 +19,8 @@ def __getattr__(name: str) -> Any:
         from hybridflow.trainer.ppo import PPOTrainer
 
         return PPOTrainer
+    if name == "OfflineTrainer":
+        from hybridflow.trainer.offline import OfflineTrainer
+
+        return OfflineTrainer
     raise AttributeError(f"module 'hybridflow.trainer' has no attribute {name!r}")

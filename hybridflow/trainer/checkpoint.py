@@ -293,6 +293,15 @@ class CheckpointManager:
                            checkpoints[-1][0])
         for path in prune_checkpoints(self.root, self.max_to_keep):
             logger.warning("deleted %s: beyond trainer.max_ckpt_to_keep=%s", path, self.max_to_keep)
+    def to_resume(self, resume_mode: str, resume_from_path: str | None) -> Path | None:
+        """The checkpoint a run resumes from (``trainer.resume_mode``): ``auto`` this run folder's newest
+        intact one (None: start fresh; see ``latest_intact``), ``resume_path`` the complete checkpoint or run folder
+        ``resume_from_path``, ``disable`` None. First deletes the ``.tmp-*`` leftovers of a save that a
+        killed process never finished."""
+        remove_stale_temporaries(self.root)
+        if resume_mode == "disable":
+            return None
+        return self.latest_intact() if resume_mode == "auto" else resolve_checkpoint(resume_from_path)
 
 
 def _process_alive(pid: int) -> bool:

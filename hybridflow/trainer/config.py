@@ -50,7 +50,7 @@ Dtype = Literal["auto", "fp32", "bf16", "fp16", "float32", "bfloat16", "float16"
 
 
 @dataclass
-class SFTConfig:
+class SFTMixConfig:
     """An optional supervised loss mixed into the policy update (hybridflow extension)."""
     files: list[str] | None = None  #: (prompt, response) file(s); null = no SFT loss
     every_n_steps: int = 1  #: add the SFT loss every N training steps
@@ -77,7 +77,7 @@ class DataConfig:
     shuffle: bool = True  #: shuffle training prompts each epoch
     seed: int | None = None  #: data order seed; null = trainer.seed
     #: optional supervised loss mixed into the policy update (hybridflow extension)
-    sft: SFTConfig = field(default_factory=SFTConfig)
+    sft: SFTMixConfig = field(default_factory=SFTMixConfig)
 
 
 @dataclass
@@ -90,21 +90,34 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False
     #: auto (fp32 on cpu, bf16 on cuda) | fp32 | bf16 | fp16 (or float32 | bfloat16 | float16)
     dtype: Dtype = "auto"
-    lora_rank: int = 0  #: LoRA adapter rank; 0 = train every weight
-    lora_alpha: int = 16  #: LoRA scaling numerator (the adapter's output is scaled by alpha / rank)
-    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  #: modules given LoRA adapters
     #: compute each prompt once for the n responses sampled from it (log-probs, values and updates); an
     #: exact rewrite (same log-probs and gradients); false = score every row on its own
     share_prompt_prefix: bool = True
 
 
 @dataclass
+class PolicyModelConfig(ModelConfig):
+    """The policy's model, optionally trained through LoRA adapters (``peft``) on frozen base weights."""
+    lora_rank: int = 0  #: LoRA rank; 0 trains every weight, > 0 trains rank-r adapters (the reference is the base)
+    lora_alpha: int = 16  #: LoRA scale numerator: the adapter's update is multiplied by lora_alpha / lora_rank
+    #: which linear layers get adapters: ["all-linear"] (all but the output layer) or module names,
+    #: e.g. [q_proj, v_proj]
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+
+
+@dataclass
 class FSDPConfig:
-    """FSDP2 sharding of a role's model (``strategy: fsdp2``): offload and resharding."""
-    param_offload: bool = False  #: keep the parameters in CPU memory between uses
-    optimizer_offload: bool = False  #: keep the optimizer state in CPU memory
-    reshard_after_forward: bool = True  #: free the gathered parameters after each forward (ZeRO-3 style)
-    fsdp_size: int = -1  #: ranks one model is sharded over; -1 = all
+    """FSDP2 sharding of one model (used when its strategy is fsdp2)."""
+    param_offload: bool = False  #: keep parameter shards in CPU memory between uses (CUDA only; no-op on CPU)
+    optimizer_offload: bool = False  #: keep AdamW moments in CPU memory outside the step (CUDA only)
+    reshard_after_forward: bool = True  #: free gathered layers after the forward (less memory, one more gather)
+    fsdp_size: int = -1  #: ranks one model is sharded over; -1 = all; smaller replicates across groups (HSDP)
+
+
+@dataclass
+class CriticModelConfig(ModelConfig):
+    """The value model; ``path: null`` means the actor's model."""
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  #: sharding when critic.strategy is fsdp2
 
 
 @dataclass
@@ -127,9 +140,16 @@ class PolicyLossConfig:
 
 
 @dataclass
+class CheckpointContentsConfig:
+    """What a checkpoint holds beyond the model, optimizer and trainer state it always holds."""
+    #: with LoRA, skip the merged huggingface/ folder (a full model's size) and keep only lora_adapter/
+    save_lora_only: bool = False
+
+
+@dataclass
 class ActorConfig:
     """The policy update: PPO mini-batches (in prompts) split into micro-batches (in sequences)."""
-    #: verl key; data parallelism is DDP-style, FSDP2 not implemented yet (warns if changed)
+    #: data parallelism: ddp (full replicas), fsdp2 (sharded: for models that do not fit), single; auto = ddp
     strategy: Literal["auto", "fsdp2", "ddp", "single"] = "auto"
     ppo_mini_batch_size: int = 8  #: prompts per optimizer step (times rollout.n sequences)
     #: sequences per forward/backward on one worker (gradient accumulation)
@@ -150,15 +170,18 @@ class ActorConfig:
     kl_loss_coef: float = 0.001  #: weight of that KL loss
     kl_loss_type: KLEstimator = "low_var_kl"  #: KL estimator of that loss
     grad_clip: float = 1.0  #: max gradient norm
-    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  #: FSDP2 sharding (strategy fsdp2)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  #: sharding when strategy is fsdp2
     optim: OptimConfig = field(default_factory=OptimConfig)  #: the actor's optimizer
+    checkpoint: CheckpointContentsConfig = field(default_factory=CheckpointContentsConfig)  #: what checkpoints hold
 
 
 @dataclass
 class RefConfig:
-    """The frozen reference policy (used when a KL loss or KL reward penalty is on)."""
+    """The frozen reference policy (used when a KL loss or KL reward penalty is on; with LoRA it is the
+    actor's module with the adapter off, so these settings do not apply)."""
+    strategy: Literal["auto", "fsdp2", "ddp", "single"] = "auto"  #: as actor.strategy; auto = the actor's
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  #: sharding when strategy is fsdp2
     log_prob_micro_batch_size_per_gpu: int = 8  #: sequences per reference log-prob forward on one worker
-    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  #: FSDP2 sharding (strategy fsdp2)
     log_prob_use_dynamic_bsz: bool = False  #: reference log-prob micro-batches filled to a token budget
     log_prob_max_token_len_per_gpu: int = 16384  #: real tokens per reference log-prob micro-batch
 
@@ -174,6 +197,16 @@ class SamplingConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn, tool-using rollouts (the agent loop, ``hybridflow.workers.rollout.agent_loop``)."""
+    enable: bool = False  #: generate in turns, running the tools the model calls between them
+    max_assistant_turns: int = 5  #: most model turns per conversation (the last one may not call tools)
+    max_user_turns: int = 5  #: most tool-result turns appended per conversation
+    tool_config_path: str | None = None  #: YAML file listing the tools (see hybridflow.tools.base); null = none
+    format: Literal["hermes"] = "hermes"  #: tool-call syntax: hermes = <tool_call>{"name", "arguments"}</tool_call>
+
+
+@dataclass
 class RolloutConfig(SamplingConfig):
     """Generation: the engine, sampling for training, and ``val_kwargs`` for validation."""
     name: Literal["hf", "vllm"] = "hf"  #: generation engine: hf | vllm (CUDA only)
@@ -185,6 +218,7 @@ class RolloutConfig(SamplingConfig):
     tensor_model_parallel_size: int = 1  #: vllm only: tensor-parallel degree
     #: sampling for validation (greedy by default)
     val_kwargs: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, do_sample=False))
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  #: multi-turn tool-using rollouts (agent loop)
 
 
 @dataclass
@@ -192,7 +226,7 @@ class ActorRolloutRefConfig:
     """The policy model in its three roles: trained actor, generating rollout, frozen reference."""
     #: verl key; the rollout always shares the actor's module here (warns if changed)
     hybrid_engine: bool = True
-    model: ModelConfig = field(default_factory=ModelConfig)  #: the policy model
+    model: PolicyModelConfig = field(default_factory=PolicyModelConfig)  #: the policy model
     actor: ActorConfig = field(default_factory=ActorConfig)  #: the policy update
     ref: RefConfig = field(default_factory=RefConfig)  #: the frozen reference policy
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  #: generation
@@ -202,7 +236,9 @@ class ActorRolloutRefConfig:
 class CriticConfig:
     """The value model; ``null`` sizes and epochs follow the actor's, ``enable: null`` follows GAE."""
     enable: bool | None = None  #: train a value model; null = only when algorithm.adv_estimator is gae
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(path=None))  #: the value model's backbone
+    strategy: Literal["auto", "fsdp2", "ddp", "single"] = "auto"  #: as actor.strategy; auto = the actor's
+    #: the value model's backbone
+    model: CriticModelConfig = field(default_factory=lambda: CriticModelConfig(path=None))
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))  #: the critic's optimizer
     ppo_mini_batch_size: int | None = None  #: prompts per optimizer step; null = the actor's
     #: sequences per forward/backward (and per value forward) on one worker
@@ -388,7 +424,7 @@ class PPOConfig:
         Interpolations (``${trainer.project_name}``) are resolved, ``~`` expanded in paths, and:
         trainer.device auto -> cuda if available else cpu; model.dtype auto -> bf16 on cuda, fp32 on cpu
         (aliases like bfloat16 -> bf16); data.seed null -> trainer.seed; critic.enable null -> whether
-        algorithm.adv_estimator is gae; critic.model.path, ppo_mini_batch_size, ppo_epochs null -> the actor's.
+        algorithm.adv_estimator is gae; critic.model.path, ppo_mini_batch_size, ppo_epochs null and ref/critic strategy auto -> the actor's.
         """
         cfg = PPOConfig.from_dict(self.to_dict())
         arr, critic, trainer = cfg.actor_rollout_ref, cfg.critic, cfg.trainer
@@ -402,6 +438,9 @@ class PPOConfig:
             cfg.data.seed = trainer.seed
         if critic.enable is None:
             critic.enable = cfg.algorithm.adv_estimator == "gae"
+        for role in (arr.ref, critic):
+            if role.strategy == "auto":
+                role.strategy = arr.actor.strategy
         if critic.model.path is None:
             critic.model.path = arr.model.path
         if critic.ppo_mini_batch_size is None:

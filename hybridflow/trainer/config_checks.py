@@ -40,18 +40,18 @@ _VLLM_TUNING = "vLLM engine tuning that hybridflow does not expose"
 _PLACEMENT = "GPU placement; hybridflow runs trainer.n_workers workers on trainer.device"
 
 IGNORED_KEYS: tuple[IgnoredKey, ...] = (
-    IgnoredKey("*.fsdp_config", "FSDP sharding/offload tuning; sharding follows actor_rollout_ref.actor.strategy"),
+    *(IgnoredKey(f"*.fsdp_config.{name}", "FSDP tuning not exposed here; fsdp_config has param_offload, "
+                                          "optimizer_offload, reshard_after_forward, fsdp_size")
+      for name in ("wrap_policy", "offload_policy", "forward_prefetch", "model_dtype", "mixed_precision",
+                   "entropy_checkpointing")),
+    IgnoredKey("reward_model.model.fsdp_config", "the reward model is not sharded"),
     IgnoredKey("*.megatron", "the Megatron-LM backend is not supported"),
     IgnoredKey("*.ulysses_sequence_parallel_size", "sequence parallelism is not supported"),
     IgnoredKey("critic.forward_max_token_len_per_gpu", "the critic's value pass uses critic.ppo_max_token_len_per_gpu"),
-    IgnoredKey("*.model.lora_*", "LoRA adapters are not implemented yet; every weight is trained"),
-    IgnoredKey("*.model.target_modules", "LoRA adapters are not implemented yet; every weight is trained"),
     IgnoredKey("*.use_remove_padding", "padding-free attention needs flash-attention kernels on a GPU"),
     IgnoredKey("*.use_torch_compile", "GPU kernel option"),
     IgnoredKey("*.use_liger", "GPU kernel option"),
     IgnoredKey("*.use_fused_kernels", "GPU kernel option"),
-    IgnoredKey("actor_rollout_ref.ref.strategy", "the reference model follows actor_rollout_ref.actor.strategy"),
-    IgnoredKey("critic.strategy", "the critic follows actor_rollout_ref.actor.strategy"),
     IgnoredKey("reward_model.strategy", "the reward model follows actor_rollout_ref.actor.strategy"),
     IgnoredKey("actor_rollout_ref.rollout.gpu_memory_utilization", "vLLM's GPU memory share", True),
     IgnoredKey("actor_rollout_ref.rollout.tensor_model_parallel_size", "vLLM tensor parallelism", True),
@@ -68,14 +68,13 @@ IGNORED_KEYS: tuple[IgnoredKey, ...] = (
     IgnoredKey("trainer.default_hdfs_dir", "HDFS checkpoint copies are not supported"),
     IgnoredKey("trainer.del_local_ckpt_after_load", "HDFS checkpoint copies are not supported"),
     IgnoredKey("trainer.ray_wait_register_center_timeout", "verl's Ray register-center tuning"),
-    IgnoredKey("actor_rollout_ref.actor.checkpoint", "checkpoints always hold the model, optimizer and extra state"),
+    IgnoredKey("actor_rollout_ref.actor.checkpoint.save_contents",
+               "checkpoints always hold the model, optimizer and extra state"),
     IgnoredKey("reward_model.reward_manager", "one reward manager (naive: one call per sample)"),
     IgnoredKey("reward_model.launch_reward_fn_async", "rewards are computed in the step, not in the background"),
     IgnoredKey("trainer.balance_batch", "batches are not reordered by token count"),
     # schema keys whose alternatives hybridflow does not have (yet): they warn when set away from the default
     IgnoredKey("actor_rollout_ref.hybrid_engine", "the rollout always shares the actor's module here"),
-    IgnoredKey("actor_rollout_ref.actor.strategy", "data parallelism is DDP-style (full replicas); FSDP2 "
-                                                   "sharding is not implemented yet"),
 )
 
 
@@ -112,6 +111,7 @@ def path_fields(cfg: PPOConfig) -> list[tuple[Any, str]]:
         (cfg.data, "train_files"), (cfg.data, "val_files"), (cfg.data.sft, "files"),
         (cfg.actor_rollout_ref.model, "path"), (cfg.critic.model, "path"), (cfg.reward_model.model, "path"),
         (cfg.custom_reward_function, "path"), (cfg.trainer, "default_local_dir"), (cfg.trainer, "resume_from_path"),
+        (cfg.actor_rollout_ref.rollout.multi_turn, "tool_config_path"),
     ]
 
 
@@ -152,6 +152,9 @@ _RANGES: dict[str, tuple] = {
     **{k: _POSITIVE for k in (f"{_ACTOR}.ppo_max_token_len_per_gpu", "critic.ppo_max_token_len_per_gpu",
                               f"{_ROLLOUT}.log_prob_max_token_len_per_gpu",
                               "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu")},
+    "actor_rollout_ref.model.lora_rank": _NON_NEGATIVE, "actor_rollout_ref.model.lora_alpha": _GREATER_THAN_0,
+    **{f"{r}.fsdp_config.fsdp_size": (lambda v: v == -1 or v >= 1, "-1 (all ranks) or >= 1")
+       for r in (_ACTOR, "actor_rollout_ref.ref", "critic.model")},
     **_sampling_ranges(_ROLLOUT), **_sampling_ranges(f"{_ROLLOUT}.val_kwargs"),
     **{f"{_ROLLOUT}.{k}": _POSITIVE for k in ("log_prob_micro_batch_size_per_gpu", "micro_batch_size",
                                               "tensor_model_parallel_size")},
@@ -244,6 +247,13 @@ def check_cross_fields(cfg: PPOConfig) -> None:
          "set trainer.resume_mode=resume_path to resume from it"),
         (trainer.device == "cuda" and not cuda_available(),
          "trainer.device is 'cuda' but torch.cuda.is_available() is false"),
+        *((get_key(cfg, key) == "single" and trainer.n_workers > 1,
+           f"{key}=single runs on one worker, but trainer.n_workers is {trainer.n_workers}: use ddp or fsdp2")
+          for key in (f"{_ACTOR}.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")),
+        *((get_key(cfg, key) > 0 and trainer.n_workers % get_key(cfg, key) != 0,
+           f"{key}={get_key(cfg, key)} does not divide trainer.n_workers ({trainer.n_workers}): each model is "
+           "sharded over groups of that many workers; use -1 (all workers) or a divisor")
+          for key in (f"{r}.fsdp_config.fsdp_size" for r in (_ACTOR, "actor_rollout_ref.ref", "critic.model"))),
         (cfg.actor_rollout_ref.rollout.name == "vllm" and trainer.device != "cuda",
          f"{_ROLLOUT}.name 'vllm' needs trainer.device cuda (vLLM is CUDA-only); use {_ROLLOUT}.name=hf"),
     ]

@@ -31,11 +31,18 @@ from hybridflow.trainer.config_checks import IGNORED_KEYS, ConfigError
 from hybridflow.trainer.config_loader import hints, is_section, load_unvalidated, type_name
 
 YAML_HEADER = """\
-# hybridflow PPO/GRPO trainer configuration: verl's key names, one comment per key.
-# Generated from the dataclasses in hybridflow/trainer/config.py (`hybridflow config yaml --write`):
+# hybridflow {what} configuration: verl's key names, one comment per key.
+# Generated from the dataclasses in hybridflow/trainer/{module}.py (`hybridflow config yaml --write`):
 # edit the `#:` docs and defaults there, not this file.
-# Override on the command line: key=value, +key=value (add inside trainer.ray_kwargs), ~key (delete there).
+# Override on the command line: key=value, +key=value (add inside free-form dicts), ~key (delete there).
 """
+
+
+def shipped_configs() -> dict[Path, type]:
+    """Every shipped YAML and the root dataclass it is generated from: PPO's and the offline trainers'."""
+    from hybridflow.trainer.offline_config import DPOConfig, KTOConfig, SFTConfig, default_config_path
+
+    return {DEFAULT_CONFIG_PATH: PPOConfig, **{default_config_path(c): c for c in (SFTConfig, DPOConfig, KTOConfig)}}
 
 
 @cache
@@ -75,8 +82,8 @@ def field_doc(cls: type, name: str) -> str:
     return ""
 
 
-def undocumented_keys() -> list[str]:
-    """Keys of the schema without a ``#:`` doc (a test keeps this empty)."""
+def undocumented_keys(root: type = PPOConfig) -> list[str]:
+    """Keys of the schema ``root`` without a ``#:`` doc (a test keeps this empty)."""
     missing: list[str] = []
 
     def walk(cls: type, prefix: str) -> None:
@@ -86,7 +93,7 @@ def undocumented_keys() -> list[str]:
             if is_section(tp):
                 walk(tp, f"{prefix}{name}.")
 
-    walk(PPOConfig, "")
+    walk(root, "")
     return missing
 
 
@@ -130,9 +137,11 @@ def render_yaml(tree: dict[str, Any], cls: type = PPOConfig, indent: int = 0) ->
 _WIDTH = 110
 
 
-def default_yaml() -> str:
-    """The text of the shipped ``ppo_trainer.yaml``: the schema's defaults and docs."""
-    return YAML_HEADER + "\n" + "\n".join(render_yaml(PPOConfig().to_dict())) + "\n"
+def default_yaml(root: type = PPOConfig) -> str:
+    """The text of the shipped YAML of ``root`` (``ppo_trainer.yaml`` for PPOConfig): defaults and docs."""
+    what = "PPO/GRPO trainer" if root is PPOConfig else f"{root.kind.upper()} trainer"
+    header = YAML_HEADER.format(what=what, module=root.__module__.rpartition(".")[2])
+    return header + "\n" + "\n".join(render_yaml(root().to_dict(), root)) + "\n"
 
 
 def key_table() -> list[str]:
@@ -159,8 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("--config", help="a YAML file merged over the defaults")
     show.add_argument("overrides", nargs="*", help="key=value overrides, as for hybridflow train")
     sub.add_parser("keys", help="list every key with its type, default and doc")
-    gen = sub.add_parser("yaml", help="print (or --write) the shipped ppo_trainer.yaml, generated from the schema")
-    gen.add_argument("--write", action="store_true", help=f"write it to {DEFAULT_CONFIG_PATH}")
+    gen = sub.add_parser("yaml", help="print (or --write) the shipped ppo_trainer.yaml (with --write also the "
+                         "sft/dpo/kto ones), generated from the schema")
+    gen.add_argument("--write", action="store_true", help=f"write them to {DEFAULT_CONFIG_PATH.parent}")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "keys":
         print("\n".join(key_table()))
@@ -168,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(f"{rule.pattern}  # {rule.why}" for rule in IGNORED_KEYS))
     elif args.command == "yaml":
         if args.write:
-            DEFAULT_CONFIG_PATH.write_text(default_yaml())
-            print(f"wrote {DEFAULT_CONFIG_PATH}")
+            for path, root in shipped_configs().items():
+                path.write_text(default_yaml(root))
+                print(f"wrote {path}")
         else:
             print(default_yaml(), end="")
     else:

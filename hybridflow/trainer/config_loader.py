@@ -107,9 +107,10 @@ def is_section(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
-def schema_entry(path: list[str]) -> tuple[Any, bool] | None:
-    """(type, inside_free_form_dict) of the key at ``path``; None for a key the schema does not have."""
-    tp: Any = PPOConfig
+def schema_entry(path: list[str], root: type = PPOConfig) -> tuple[Any, bool] | None:
+    """(type, inside_free_form_dict) of the key at ``path`` in the schema ``root`` (PPOConfig, or an offline
+    trainer's config); None for a key the schema does not have."""
+    tp: Any = root
     for seg in path:
         if get_origin(tp) is dict:
             return Any, True
@@ -120,8 +121,8 @@ def schema_entry(path: list[str]) -> tuple[Any, bool] | None:
 
 
 @cache
-def known_keys() -> tuple[str, ...]:
-    """Every dotted key of the schema, sections included, in schema order."""
+def known_keys(root: type = PPOConfig) -> tuple[str, ...]:
+    """Every dotted key of the schema ``root``, sections included, in schema order."""
     keys: list[str] = []
 
     def walk(cls: type, prefix: str) -> None:
@@ -130,7 +131,7 @@ def known_keys() -> tuple[str, ...]:
             if is_section(tp):
                 walk(tp, f"{prefix}{name}.")
 
-    walk(PPOConfig, "")
+    walk(root, "")
     return tuple(keys)
 
 
@@ -181,21 +182,22 @@ def unknown_key_error(key: str, known: list[str] | tuple[str, ...], source: str)
 # ------------------------------------------------------------------------------- merging and overrides
 
 
-def merge(tree: dict[str, Any], updates: Any, prefix: list[str], source: str) -> None:
-    """Merge the nested dict ``updates`` into ``tree`` in place, checking every key against the schema."""
+def merge(tree: dict[str, Any], updates: Any, prefix: list[str], source: str, root: type = PPOConfig) -> None:
+    """Merge the nested dict ``updates`` into ``tree`` in place, checking every key against the schema
+    ``root`` (verl keys ignored here are accepted with a warning in PPOConfig only)."""
     if not isinstance(updates, dict):
         raise ConfigError(f"{'.'.join(prefix) or 'the config'} in {source} must be a mapping, got {updates!r}")
     for name, value in updates.items():
         path = [*prefix, str(name)]
         key = ".".join(path)
-        if schema_entry(path) is None:
-            rule = ignored_rule(key)
+        if schema_entry(path, root) is None:
+            rule = ignored_rule(key) if root is PPOConfig else None
             for leaf, leaf_value in _leaves(key, value):
                 if rule is None:
-                    raise unknown_key_error(leaf, known_keys(), source)
+                    raise unknown_key_error(leaf, known_keys(root), source)
                 warn_ignored(leaf, rule, leaf_value)
         elif isinstance(value, dict) and isinstance(tree.get(name), dict):
-            merge(tree[name], value, path, source)
+            merge(tree[name], value, path, source, root)
         else:
             tree[name] = copy.deepcopy(value)
 
@@ -230,10 +232,10 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return match["op"] or "", match["key"], value
 
 
-def apply_override(tree: dict[str, Any], text: str) -> None:
+def apply_override(tree: dict[str, Any], text: str, root: type = PPOConfig) -> None:
     op, key, value = parse_override(text)
     path, source = key.split("."), f"override {text!r}"
-    entry = schema_entry(path)
+    entry = schema_entry(path, root)
     if entry is not None:
         parent = _lookup(tree, path[:-1])
         exists = isinstance(parent, dict) and path[-1] in parent
@@ -253,7 +255,7 @@ def apply_override(tree: dict[str, Any], text: str) -> None:
     nested: Any = value
     for name in reversed(path):
         nested = {name: nested}
-    merge(tree, nested, [], source)
+    merge(tree, nested, [], source, root)
 
 
 def _lookup(tree: Any, path: list[str]) -> Any:
@@ -267,14 +269,14 @@ def _lookup(tree: Any, path: list[str]) -> Any:
 # ------------------------------------------------------------------------------------------- typing
 
 
-def build_config(tree: dict[str, Any]) -> PPOConfig:
-    """Resolve ``${...}`` interpolations, then type the nested dict into PPOConfig."""
+def build_config(tree: dict[str, Any], root: type = PPOConfig) -> Any:
+    """Resolve ``${...}`` interpolations, then type the nested dict into ``root``."""
     if "${" in repr(tree):  # OmegaConf is slow (~0.1 s); a resolved tree skips it
         try:
             tree = OmegaConf.to_container(OmegaConf.create(tree), resolve=True)
         except OmegaConfBaseException as err:
             raise ConfigError(f"cannot resolve an interpolation in the config: {err}") from None
-    return build(PPOConfig, tree, "")
+    return build(root, tree, "")
 
 
 def type_name(tp: Any) -> str:

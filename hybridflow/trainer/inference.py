@@ -12,24 +12,37 @@ from hybridflow.models import resolve_model_path
 from hybridflow.trainer.checkpoint import find_latest_checkpoint
 from hybridflow.utils.errors import MissingInputError
 
+ADAPTER_CONFIG = "adapter_config.json"
+
 
 def actor_folder(path: str | Path) -> Path:
     """The Hugging Face folder behind ``path``: a run folder (its newest complete checkpoint), a
-    ``global_step_N`` folder, or a model folder (``default`` for the embedded SmolLM2)."""
+    ``global_step_N`` folder, a model folder (``default`` for the embedded SmolLM2) or a LoRA adapter folder.
+    A checkpoint's merged ``huggingface/`` folder wins over its ``lora_adapter/`` (saved alone with
+    ``save_lora_only``)."""
     path = Path(resolve_model_path(str(path)))
-    if (path / "config.json").exists():
+    if (path / "config.json").exists() or (path / ADAPTER_CONFIG).exists():
         return path
     step = path if (path / "actor").exists() else find_latest_checkpoint(path)
-    if step is None or not (Path(step) / "actor" / "huggingface" / "config.json").exists():
-        raise MissingInputError(f"{path} is neither a model folder, a checkpoint, nor a run folder with a "
-                                "complete checkpoint")
-    return Path(step) / "actor" / "huggingface"
+    for folder in ("huggingface", "lora_adapter") if step is not None else ():
+        if (Path(step) / "actor" / folder / "config.json").exists() or (
+                Path(step) / "actor" / folder / ADAPTER_CONFIG).exists():
+            return Path(step) / "actor" / folder
+    raise MissingInputError(f"{path} is neither a model folder, a LoRA adapter folder, a checkpoint, nor a run "
+                            "folder with a complete checkpoint")
 
 
 def load_trained_actor(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """``(model, tokenizer)`` of a trained actor, loaded by plain transformers."""
+    """``(model, tokenizer)`` of a trained actor, loaded by plain transformers (an adapter folder: by
+    ``peft``, on the base model its ``adapter_config.json`` names, with the adapter merged in)."""
     folder = actor_folder(path)
     hf_logging.disable_progress_bar()  # a per-tensor loading bar would bury the answers
+    if (folder / ADAPTER_CONFIG).exists():
+        from peft import PeftConfig, PeftModel
+
+        base = AutoModelForCausalLM.from_pretrained(PeftConfig.from_pretrained(folder).base_model_name_or_path)
+        model = PeftModel.from_pretrained(base, folder).merge_and_unload()
+        return model.eval(), AutoTokenizer.from_pretrained(folder)
     return AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
 
 

@@ -21,7 +21,8 @@ from hybridflow.data import PromptLoader, RLHFDataset
 from hybridflow.data.sft import SFTDataset
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RewardManager, default_compute_score, load_custom_reward_function
-from hybridflow.trainer.checkpoint import CheckpointManager, remove_stale_temporaries, resolve_checkpoint
+from hybridflow.tools import load_tools
+from hybridflow.trainer.checkpoint import CheckpointManager
 from hybridflow.trainer.config import PPOConfig
 from hybridflow.trainer.hooks import Hook, HookRegistry
 from hybridflow.trainer.metrics import (
@@ -84,10 +85,14 @@ class PPOTrainer:
         self.wg = worker_groups
 
     def _dataset(self, files: list[str]) -> RLHFDataset:
-        data = self.config.data
-        return RLHFDataset(files, self.tokenizer, max_prompt_length=data.max_prompt_length,
-                           prompt_key=data.prompt_key, truncation=data.truncation,
-                           filter_overlong_prompts=data.filter_overlong_prompts)
+        d, multi_turn = self.config.data, self.config.actor_rollout_ref.rollout.multi_turn
+        # templates that know tools (Qwen2.5's) describe them in the prompt; others ignore the argument
+        kwargs = {}
+        if multi_turn.enable and multi_turn.tool_config_path:
+            kwargs["tools"] = [tool.schema for tool in load_tools(multi_turn.tool_config_path).values()]
+        return RLHFDataset(files, self.tokenizer, max_prompt_length=d.max_prompt_length, prompt_key=d.prompt_key,
+                           truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts,
+                           chat_template_kwargs=kwargs)
 
     def _sft_loader(self, data: Any) -> PromptLoader:
         sft = SFTDataset(data.sft.files, self.tokenizer, max_prompt_length=data.max_prompt_length,
@@ -156,6 +161,7 @@ class PPOTrainer:
             with timer("gen", t):
                 batch.meta_info["n"] = cfg.actor_rollout_ref.rollout.n
                 batch = wg.actor_rollout.generate_sequences(batch)
+                metrics.update(reduce_metrics(batch.meta_info.pop("metrics", {})))  # agent/* of multi-turn rollouts
             self.hooks.emit("after_generate", self, self.global_step, metrics, batch)
             with timer("reward", t):
                 batch = self.compute_reward(batch, metrics)
@@ -216,14 +222,16 @@ class PPOTrainer:
             return {}
         kw = self.config.actor_rollout_ref.rollout.val_kwargs
         size = self.config.data.val_batch_size or len(self.val_dataset)
-        rows = []
+        rows, agent = [], []
         for batch in PromptLoader(self.val_dataset, size, shuffle=False, drop_last=False):
             batch.meta_info.update(n=kw.n, temperature=kw.temperature, top_p=kw.top_p, top_k=kw.top_k,
                                    do_sample=kw.do_sample)
             out = self.wg.actor_rollout.generate_sequences(batch)
+            agent.append(reduce_metrics(out.meta_info.pop("metrics", {})))
             result = self.val_reward_fn(out, return_dict=True)
             rows.append((out, result))
         metrics = validation_metrics(rows, kw.n)
+        metrics.update({f"val/{k}": reduce_metrics({k: [m[k] for m in agent]})[k] for k in agent[0]})
         samples = self._show_generations(rows[0][0], rows[0][1]["reward_tensor"],
                                          self.config.trainer.log_val_generations)
         if tracker is not None and samples:
@@ -267,13 +275,7 @@ class PPOTrainer:
         latest-step file and ``max_ckpt_to_keep`` are repaired. Optimiser settings changed since the save
         (lr, betas, weight decay, schedule) apply from here on; the change is logged by the workers."""
         tr = self.config.trainer
-        remove_stale_temporaries(self.checkpoints.root)
-        if tr.resume_mode == "disable":
-            return
-        if tr.resume_mode == "auto":
-            folder = self.checkpoints.latest_intact()
-        else:
-            folder = resolve_checkpoint(tr.resume_from_path)
+        folder = self.checkpoints.to_resume(tr.resume_mode, tr.resume_from_path)
         if folder is None:
             return
         state = torch.load(folder / "trainer_state.pt", weights_only=False)

@@ -50,9 +50,12 @@ def role_inits(config: Any) -> dict[Role, ClassWithInitArgs]:
     """The deferred constructor of each role's worker for this config."""
     arr = config.actor_rollout_ref
     response_length, seed, device = config.data.max_response_length, config.trainer.seed, config.trainer.device
-    inits = {Role.ACTOR_ROLLOUT: ClassWithInitArgs(ActorRolloutRefWorker, arr, role="actor_rollout",
+    # With LoRA the reference is the actor's module with the adapter off: the actor worker takes the role
+    ref_in_actor = needs_ref(config) and arr.model.lora_rank > 0
+    inits = {Role.ACTOR_ROLLOUT: ClassWithInitArgs(ActorRolloutRefWorker, arr,
+                                                   role="actor_rollout_ref" if ref_in_actor else "actor_rollout",
                                                    response_length=response_length, seed=seed, device=device)}
-    if needs_ref(config):
+    if needs_ref(config) and not ref_in_actor:
         inits[Role.REF] = ClassWithInitArgs(ActorRolloutRefWorker, arr, role="ref",
                                             response_length=response_length, seed=seed, device=device)
     if config.critic.enable:
@@ -78,9 +81,10 @@ def check_ray_resources(needed: dict[str, float], n_workers: int) -> None:
                 f"or give Ray more (trainer.ray_kwargs.num_{kind.lower()}s=..., or a larger Ray cluster)")
 
 
-def build_worker_groups(config: Any) -> WorkerGroups:
-    """Start the workers (``trainer.backend``: ``local`` or ``ray``) and load their models."""
-    inits = role_inits(config)
+def build_worker_groups(config: Any, inits: dict[Role, ClassWithInitArgs] | None = None) -> WorkerGroups:
+    """Start the workers (``trainer.backend``: ``local`` or ``ray``) and load their models; ``inits``
+    (default: ``role_inits(config)``, the PPO roles) says which roles with which workers."""
+    inits = inits if inits is not None else role_inits(config)
     fused = create_colocated_worker_cls(inits)
     trainer = config.trainer
     if trainer.backend == "ray":
@@ -101,4 +105,8 @@ def build_worker_groups(config: Any) -> WorkerGroups:
     views = group.spawn(prefix_set=[str(role) for role in inits])
     for view in views.values():
         view.init_model()
-    return WorkerGroups(**{role: view for role, view in views.items()}, release=release)
+    groups = WorkerGroups(**{role: view for role, view in views.items()}, release=release)
+    actor_roles = str(inits[Role.ACTOR_ROLLOUT].kwargs.get("role", "")).split("_")
+    if groups.ref is None and "ref" in actor_roles:  # LoRA: the actor's workers answer compute_ref_log_prob
+        groups.ref = groups.actor_rollout
+    return groups

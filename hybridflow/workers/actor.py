@@ -1,8 +1,9 @@
 """``ActorRolloutRefWorker``: the policy in any combination of roles: actor, rollout, reference.
 
 With ``role="actor_rollout"`` (the hybrid engine) the rollout samples from the very module the actor
-trains: one copy of the weights, no synchronisation step. The reference policy is a second, frozen copy,
-loaded only when the role includes ``ref``.
+trains: one copy of the weights, no synchronisation step (a sharded module is gathered for generation and
+sharded again after it). The reference policy is a second, frozen copy, loaded only when the role includes
+``ref``; with LoRA it is the actor's own module with the adapter switched off, so no second copy exists.
 """
 
 from __future__ import annotations
@@ -12,7 +13,14 @@ from typing import Any
 
 import torch
 
-from hybridflow.algorithms import agg_loss, compute_sft_loss, get_policy_loss_fn, kl_penalty, masked_mean
+from hybridflow.algorithms import (
+    agg_loss,
+    compute_sft_loss,
+    get_offline_objective,
+    get_policy_loss_fn,
+    kl_penalty,
+    masked_mean,
+)
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.checkpointing import load_worker_state, save_worker_state
@@ -20,6 +28,7 @@ from hybridflow.workers.engine import DivergedError, TrainingEngine
 from hybridflow.workers.modeling import load_model, load_tokenizer, response_log_probs
 from hybridflow.workers.packing import MicroBatching, batched
 from hybridflow.workers.rollout import build_rollout, check_generation_batch
+from hybridflow.workers.sharding import gathered, is_lora, load_placement, resolve_strategy, wrap_model
 
 ROLES = ("actor", "rollout", "ref")
 
@@ -56,21 +65,26 @@ class ActorRolloutRefWorker(Worker):
     def init_model(self) -> None:
         torch.manual_seed(self.seed + self.rank)
         self.init_process_group()
-        model_cfg = self.config.model
+        model_cfg, actor, ref = self.config.model, self.config.actor, self.config.ref
         self.tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
         if self._is_actor or self._is_rollout:
-            self.module = load_model(model_cfg.path, self.device, model_cfg.dtype,
-                                     trust_remote_code=model_cfg.trust_remote_code,
-                                     gradient_checkpointing=self._is_actor and model_cfg.enable_gradient_checkpointing)
+            strategy = resolve_strategy(actor.strategy, self.world_size)
+            module = load_model(model_cfg.path, *load_placement(strategy, model_cfg.dtype, self.device),
+                                trust_remote_code=model_cfg.trust_remote_code,
+                                gradient_checkpointing=self._is_actor and model_cfg.enable_gradient_checkpointing)
+            self.module = wrap_model(module, strategy, actor.fsdp_config, self.device, model_cfg.lora_rank,
+                                     model_cfg.lora_alpha, model_cfg.target_modules)
         if self._is_actor:
-            actor = self.config.actor
-            self.engine = TrainingEngine(self.module, actor.optim, actor.grad_clip, "actor", self.world_size)
+            self.engine = TrainingEngine(self.module, actor.optim, actor.grad_clip, "actor", self.world_size,
+                                         actor.fsdp_config.optimizer_offload)
         if self._is_rollout:
             self.rollout = build_rollout(self.config.rollout, self.module, self.tokenizer, self.response_length)
-        if self._is_ref:
-            self.ref_module = load_model(model_cfg.path, self.device, model_cfg.dtype,
-                                         trust_remote_code=model_cfg.trust_remote_code).eval()
-            self.ref_module.requires_grad_(False)
+        if self._is_ref and not (self.module is not None and is_lora(self.module)):
+            strategy = resolve_strategy(ref.strategy, self.world_size, "actor_rollout_ref.ref.strategy")
+            module = load_model(model_cfg.path, *load_placement(strategy, model_cfg.dtype, self.device),
+                                trust_remote_code=model_cfg.trust_remote_code).eval()
+            module.requires_grad_(False)
+            self.ref_module = wrap_model(module, strategy, ref.fsdp_config, self.device)
 
     # ---------------------------------------------------------------- rollout
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -78,7 +92,8 @@ class ActorRolloutRefWorker(Worker):
         self._require(self.rollout, "rollout", "generate_sequences")
         check_generation_batch(prompts)
         try:
-            return self.rollout.generate_sequences(prompts)
+            with gathered(self.module, self.config.actor.fsdp_config.reshard_after_forward):
+                return self.rollout.generate_sequences(prompts)
         except DivergedError as e:
             if self.engine is None or self.engine.steps_done == 0:
                 raise
@@ -116,11 +131,16 @@ class ActorRolloutRefWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
-        """``ref_log_prob`` ``(bs, L)`` under the frozen reference policy."""
-        self._require(self.ref_module, "ref", "compute_ref_log_prob")
+        """``ref_log_prob`` ``(bs, L)`` under the frozen reference policy (with LoRA: the adapter off)."""
         ref = self.config.ref
-        log_probs, _ = self._log_probs(self.ref_module, data, False, ref.log_prob_micro_batch_size_per_gpu,
-                                       ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None)
+        micro, budget = ref.log_prob_micro_batch_size_per_gpu, (
+            ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None)
+        if self._is_ref and self.ref_module is None:
+            with self.module.disable_adapter():
+                log_probs, _ = self._log_probs(self.module, data, False, micro, budget)
+        else:
+            self._require(self.ref_module, "ref", "compute_ref_log_prob")
+            log_probs, _ = self._log_probs(self.ref_module, data, False, micro, budget)
         return DataProto.from_dict({"ref_log_prob": log_probs})
 
     # ---------------------------------------------------------------- training
@@ -186,6 +206,45 @@ class ActorRolloutRefWorker(Worker):
                                      actor.loss_agg_mode, actor.ppo_epochs, actor.shuffle, self.seed, extra)
         return DataProto(meta_info={"metrics": metrics})
 
+    # ---------------------------------------------------------------- offline training (SFT, DPO, KTO)
+    def _offline_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
+        """The objective ``micro.meta_info["offline"]["loss"]`` (``hybridflow.algorithms.preference``) on the
+        policy's log-probs of ``responses`` (temperature 1: the model's own distribution)."""
+        spec = micro.meta_info["offline"]
+        log_prob, _ = response_log_probs(self.module, micro, temperature=1.0)
+        return get_offline_objective(spec["loss"]).fn(log_prob, micro.batch, spec)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_actor_offline(self, data: DataProto) -> DataProto:
+        """One optimiser step over this rank's shard of an offline batch (laid out like rollouts, plus
+        ``ref_log_prob``/``label`` where the objective needs them), micro-batch by micro-batch;
+        ``data.meta_info["offline"]`` names the objective and its settings. Metrics in ``meta_info``."""
+        self._require(self.engine, "actor", "update_actor_offline")
+        objective = get_offline_objective(data.meta_info["offline"]["loss"])
+        self.module.train()
+        metrics = self.engine.update(data, len(data), self.config.actor.ppo_micro_batch_size_per_gpu,
+                                     self._offline_loss, objective.loss_agg_mode, seed=self.seed)
+        return DataProto(meta_info={"metrics": metrics})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def evaluate_offline(self, data: DataProto) -> DataProto:
+        """The offline objective on held-out data without updating: each metric averaged over this shard's
+        micro-batches, weighted as the update weighs them (tokens for SFT, rows otherwise)."""
+        self._require(self.module, "actor", "evaluate_offline")
+        by_tokens = get_offline_objective(data.meta_info["offline"]["loss"]).loss_agg_mode == "token-mean"
+        was_training = self.module.training
+        self.module.eval()
+        sums: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        with torch.no_grad():
+            for micro in data.split(self.config.actor.ppo_micro_batch_size_per_gpu):
+                weight = float(micro.batch["response_mask"].sum()) if by_tokens else float(len(micro))
+                for key, value in self._offline_loss(micro)[1].items():
+                    sums[key] = sums.get(key, 0.0) + weight * value
+                    weights[key] = weights.get(key, 0.0) + weight
+        self.module.train(was_training)
+        return DataProto(meta_info={"metrics": {k: [sums[k] / max(weights[k], 1e-8)] for k in sums}})
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def scale_lr(self, scale: float) -> float:
         self._require(self.engine, "actor", "scale_lr")
@@ -194,9 +253,11 @@ class ActorRolloutRefWorker(Worker):
     # ---------------------------------------------------------------- checkpoints
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
-        """``path/huggingface`` (a plain HF model folder) plus optimiser, schedule and RNG state."""
+        """``path/huggingface`` (a plain HF model folder) plus optimiser, schedule and RNG state
+        (``workers.checkpointing`` has the layout, sharded and LoRA variants included)."""
         self._require(self.engine, "actor", "save_checkpoint")
-        save_worker_state(path, self.module, self.tokenizer, self.engine, self.rank)
+        save_worker_state(path, self.module, self.tokenizer, self.engine, self.rank,
+                          self.config.actor.checkpoint.save_lora_only)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:

@@ -1,8 +1,16 @@
 """A trainable worker's checkpoint: a plain Hugging Face model folder plus its optimiser state.
 
 ``<path>/huggingface/`` loads with ``AutoModel*.from_pretrained`` and no hybridflow (weights, config,
-tokenizer with its chat template); ``<path>/optim.pt`` holds the optimiser and schedule (identical on
-every data-parallel rank, so rank 0 writes it) and ``<path>/rng_rank<r>.pt`` each rank's random state.
+tokenizer with its chat template; a LoRA model's adapters merged in) and ``<path>/rng_rank<r>.pt`` holds each
+rank's random state. The optimiser takes one of two forms:
+
+- full replicas (``ddp``/``single``): ``<path>/optim.pt`` (identical on every rank, so rank 0 writes it);
+  the model is read back from ``huggingface/``.
+- sharded (``fsdp2``) or LoRA models: ``<path>/dcp/``, a torch.distributed.checkpoint of model and optimiser
+  that every rank writes its own shards of, plus ``<path>/schedule.pt``. DCP reshards on load, so a run
+  saved on 2 ranks resumes on 1 or 2 (or 4) ranks, sharded or not. A LoRA model also gets
+  ``<path>/lora_adapter/`` (loadable with ``peft``); ``save_lora_only`` skips the merged ``huggingface/``.
+
 The driver writes all of it inside a temporary folder that it renames only once every part is there.
 """
 
@@ -13,26 +21,61 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hybridflow.utils.errors import MissingInputError, UserError
+from hybridflow.utils.errors import InputError, MissingInputError, UserError
 from hybridflow.utils.rng import get_rng_state, set_rng_state
 from hybridflow.workers.engine import TrainingEngine
+from hybridflow.workers.sharding import full_weights, is_lora, is_sharded, unwrapped
 
 HF_DIR = "huggingface"
+DCP_DIR = "dcp"
+ADAPTER_DIR = "lora_adapter"
 
 
 def save_worker_state(path: str | Path, module: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
-                      engine: TrainingEngine, rank: int) -> None:
+                      engine: TrainingEngine, rank: int, save_lora_only: bool = False) -> None:
+    """Every rank calls it (a sharded model's weights are gathered collectively)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
-        module.save_pretrained(path / HF_DIR, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(path / HF_DIR)
+    lora = is_lora(module)
+    if engine.sharded or lora:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(module, engine.optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path / DCP_DIR))
+        if rank == 0:
+            torch.save(engine.state_dict(with_optimizer=False), path / "schedule.pt")
+    elif rank == 0:
         torch.save(engine.state_dict(), path / "optim.pt")
+    if lora:
+        adapter = dict(full_weights(module, adapter_only=True))
+        if rank == 0:
+            module.peft_config["default"].save_pretrained(path / ADAPTER_DIR)
+            save_file({k: v.contiguous() for k, v in adapter.items()}, path / ADAPTER_DIR / "adapter_model.safetensors")
+    if not (lora and save_lora_only):
+        _save_hf_folder(path / HF_DIR, module, rank)
+    if rank == 0 and tokenizer is not None:
+        for folder in (HF_DIR, ADAPTER_DIR):
+            if (path / folder).is_dir():
+                tokenizer.save_pretrained(path / folder)
     torch.save(get_rng_state(), path / f"rng_rank{rank}.pt")
+
+
+def _save_hf_folder(folder: Path, module: PreTrainedModel, rank: int) -> None:
+    if not (is_lora(module) or is_sharded(module)):  # full replica, no adapters: save as it is
+        if rank == 0:
+            module.save_pretrained(folder, safe_serialization=True)
+        return
+    weights = dict(full_weights(module))  # collective: every rank gathers, rank 0 writes
+    if rank == 0:
+        model = unwrapped(module)
+        tied = getattr(model, "all_tied_weights_keys", None) or {}  # e.g. lm_head.weight -> embed_tokens
+        for name in tied:  # saved once, as save_pretrained does for a live model
+            weights.pop(name, None)
+        model.save_pretrained(folder, state_dict=weights, safe_serialization=True)
 
 
 def load_hf_weights(module: PreTrainedModel, folder: str | Path) -> None:
@@ -58,12 +101,30 @@ def load_hf_weights(module: PreTrainedModel, folder: str | Path) -> None:
 
 
 def load_worker_state(path: str | Path, module: PreTrainedModel, engine: TrainingEngine, rank: int) -> None:
+    """Every rank calls it; a ``dcp/`` checkpoint loads into any number of ranks, sharded or not."""
     path = Path(path)
-    for needed in (path / HF_DIR, path / "optim.pt"):
-        if not needed.exists():
-            raise MissingInputError(f"incomplete checkpoint: {needed} is missing; resume from an earlier one")
-    load_hf_weights(module, path / HF_DIR)
-    engine.load_state_dict(torch.load(path / "optim.pt", weights_only=False))
+    if (path / DCP_DIR).is_dir():
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        if not (path / "schedule.pt").exists():
+            raise MissingInputError(f"incomplete checkpoint: {path / 'schedule.pt'} is missing; resume from an "
+                                    "earlier one")
+        configured = engine.optimizer_settings()  # the config's lr etc. win over the checkpoint's
+        model_state, optim_state = get_state_dict(module, engine.optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=str(path / DCP_DIR))
+        set_state_dict(module, engine.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        engine.load_state_dict(torch.load(path / "schedule.pt", weights_only=False), configured)
+    else:
+        for needed in (path / HF_DIR, path / "optim.pt"):
+            if not needed.exists():
+                raise MissingInputError(f"incomplete checkpoint: {needed} is missing; resume from an earlier one")
+        if is_lora(module) or engine.sharded:
+            raise InputError(f"{path} holds full replicas (saved with strategy ddp and no LoRA); resume it with "
+                             "the same strategy and lora_rank=0, or start a new run from its huggingface/ folder")
+        load_hf_weights(module, path / HF_DIR)
+        engine.load_state_dict(torch.load(path / "optim.pt", weights_only=False))
     rng = path / f"rng_rank{rank}.pt"
     if rng.exists():
         set_rng_state(torch.load(rng, weights_only=True))

@@ -18,6 +18,7 @@ from hybridflow.workers.checkpointing import load_worker_state, save_worker_stat
 from hybridflow.workers.engine import TrainingEngine
 from hybridflow.workers.modeling import load_model, load_tokenizer, response_values
 from hybridflow.workers.packing import MicroBatching, batched
+from hybridflow.workers.sharding import load_placement, resolve_strategy, wrap_model
 
 
 class CriticWorker(Worker):
@@ -35,14 +36,16 @@ class CriticWorker(Worker):
         self.init_process_group()
         model_cfg = self.config.model
         self.tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
-        self.module = load_model(model_cfg.path, self.device, model_cfg.dtype,
-                                 auto_cls=AutoModelForTokenClassification, num_labels=1,
-                                 trust_remote_code=model_cfg.trust_remote_code, new_head="the critic's value head",
-                                 gradient_checkpointing=model_cfg.enable_gradient_checkpointing)
-        self.module.config.pad_token_id = self.tokenizer.pad_token_id
         critic = self.config
+        strategy = resolve_strategy(critic.strategy, self.world_size, "critic.strategy")
+        module = load_model(model_cfg.path, *load_placement(strategy, model_cfg.dtype, self.device),
+                            auto_cls=AutoModelForTokenClassification, num_labels=1,
+                            trust_remote_code=model_cfg.trust_remote_code, new_head="the critic's value head",
+                            gradient_checkpointing=model_cfg.enable_gradient_checkpointing)
+        module.config.pad_token_id = self.tokenizer.pad_token_id
+        self.module = wrap_model(module, strategy, model_cfg.fsdp_config, self.device)
         self.engine = TrainingEngine(self.module, critic.optim, critic.grad_clip, "critic",
-                                     self.world_size)
+                                     self.world_size, model_cfg.fsdp_config.optimizer_offload)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:

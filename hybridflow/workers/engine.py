@@ -4,10 +4,13 @@ One engine owns one model's optimiser (AdamW), learning-rate schedule (warmup, t
 times a user scale that callbacks may change), micro-batch gradient accumulation, data-parallel gradient
 averaging and gradient clipping, and the model's checkpoint state.
 
-Data parallelism is DDP-style: every rank holds the whole model, computes gradients on its shard, and one
-all-reduce sums them before the step. Each micro-batch's loss is weighted by its share of the *global*
-mini-batch (tokens for ``token-mean``, non-empty responses otherwise), so an update on 2 ranks equals the update on
-1 rank over the same global batch, up to float rounding.
+Data parallelism is DDP-style by default: every rank holds the whole model, computes gradients on its shard,
+and one all-reduce sums them before the step. A module sharded with FSDP2 (``sharding.shard_module``)
+reduce-scatters its own gradients in the backward (averaged over ranks, so the engine scales the loss by
+the world size to keep the sum), and the optimiser steps over each rank's shards only. Each micro-batch's
+loss is weighted by its share of the *global* mini-batch (tokens for ``token-mean``, non-empty
+responses otherwise),
+so an update on 2 ranks equals the update on 1 rank over the same global batch, up to float rounding.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.distributed as dist
 from hybridflow.protocol import DataProto
 from hybridflow.utils.errors import UserError
 from hybridflow.workers.packing import MicroBatching, as_micro_batching
+from hybridflow.workers.sharding import broadcast_module, is_sharded
 
 logger = logging.getLogger(__name__)
 
@@ -43,21 +47,29 @@ def _as_list(value: Any) -> Any:
     return list(value) if isinstance(value, tuple | list) else value
 
 
+def _full_float(value: torch.Tensor) -> float:
+    """A norm as a float; over FSDP2 shards it is a DTensor, whose full value needs the other ranks."""
+    return float(value.full_tensor() if hasattr(value, "full_tensor") else value)
+
+
 class TrainingEngine:
     """Optimises ``module``; ``name`` (e.g. ``actor``) prefixes error messages and metrics.
 
     ``optim``: an ``OptimConfig`` (``actor_rollout_ref.actor.optim`` or ``critic.optim``), read as is:
-    its defaults are the schema's, not the engine's."""
+    its defaults are the schema's, not the engine's. ``optimizer_offload`` keeps the AdamW moments in CPU
+    memory except during the step (for a CUDA model; a CPU model's state is in CPU memory anyway)."""
 
     def __init__(self, module: torch.nn.Module, optim: Any, grad_clip: float | None, name: str,
-                 world_size: int = 1) -> None:
+                 world_size: int = 1, optimizer_offload: bool = False) -> None:
         self.module = module
         self.name = name
         self.grad_clip = grad_clip
         self.world_size = world_size if dist.is_initialized() else 1
-        if self.world_size > 1:  # identical starting weights on every rank (a fresh value head is random)
-            for param in module.state_dict().values():
-                dist.broadcast(param, src=0)
+        self.sharded = is_sharded(module)
+        if self.world_size > 1 and not self.sharded:  # shard_module already broadcast a sharded module
+            broadcast_module(module)  # identical starting weights on every rank (a fresh value head is random)
+        device = next(module.parameters()).device
+        self._offload = optimizer_offload and device.type == "cuda"
         self.optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad],
                                            lr=optim.lr, betas=tuple(optim.betas),
                                            weight_decay=optim.weight_decay)
@@ -133,7 +145,7 @@ class TrainingEngine:
             raise DivergedError(f"{self.name}: the gradient norm is {grad_norm} at training step "
                                 f"{self.steps_done + 1} (lr {self.lr:g}); no update was applied. Lower {self.name} "
                                 "optim.lr or check the inputs for NaN.")
-        self.optimizer.step()
+        self._step()
         self._check_finite_weights()
         out = {key: sum(values) / len(values) for key, values in metrics.items()}
         out[f"{self.name}/grad_norm"] = grad_norm
@@ -143,7 +155,7 @@ class TrainingEngine:
         """Stop at the update that broke the weights, not in the next step's sampling ("probability tensor
         contains inf/nan"): the largest absolute weight is NaN or inf exactly when one weight is."""
         params = [p.detach() for p in self.module.parameters() if p.requires_grad]
-        largest = float(torch.nn.utils.get_total_norm(params, norm_type=math.inf))
+        largest = _full_float(torch.nn.utils.get_total_norm(params, norm_type=math.inf))
         if not math.isfinite(largest):
             raise DivergedError(f"{self.name}: the weights are {largest} after the update of training step "
                                 f"{self.steps_done + 1} with lr {self.lr:g}; lower {self.name} optim.lr")
@@ -167,13 +179,15 @@ class TrainingEngine:
                 raise DivergedError(f"{self.name}: the loss is {loss.item()} ({details}) at training step "
                                     f"{self.steps_done + 1} (lr {self.lr:g}); no update was applied. Lower "
                                     f"{self.name} optim.lr or check the rewards for NaN.")
-            (loss * (coef * weight(micro) / max(total_weight, 1e-8))).backward()
+            # FSDP2 averages gradients over ranks where the weights above need their sum
+            scale = coef * weight(micro) / max(total_weight, 1e-8) * (self.world_size if self.sharded else 1)
+            (loss * scale).backward()
             for key, value in micro_metrics.items():
                 metrics.setdefault(key, []).append(value)
 
     def _reduce_and_clip(self) -> float:
         params = [p for p in self.module.parameters() if p.grad is not None]
-        if self.world_size > 1:
+        if self.world_size > 1 and not self.sharded:
             flat = torch.cat([p.grad.reshape(-1) for p in params])
             dist.all_reduce(flat)
             offset = 0
@@ -181,19 +195,40 @@ class TrainingEngine:
                 p.grad.copy_(flat[offset:offset + p.grad.numel()].view_as(p.grad))
                 offset += p.grad.numel()
         max_norm = self.grad_clip if self.grad_clip and self.grad_clip > 0 else float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return _full_float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "lr_scale": self.lr_scale}
+    def _step(self) -> None:
+        if self._offload:
+            self._move_optimizer_state(next(self.module.parameters()).device)
+        self.optimizer.step()
+        if self._offload:
+            self._move_optimizer_state(torch.device("cpu"))
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the optimiser moments, the schedule position and ``lr_scale``. Settings in the config
-        (base lr, betas, weight decay; the warmup and decay shape are never saved) win over the checkpoint's:
-        a changed value is applied from the next step on, the schedule continuing from the new base lr,
-        and logged."""
-        configured = [{k: group[k] for k in _OPTIM_SETTINGS} for group in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(state["optimizer"])
+    def _move_optimizer_state(self, device: torch.device) -> None:
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device, non_blocking=True)
+
+    def state_dict(self, with_optimizer: bool = True) -> dict[str, Any]:
+        """Schedule state, plus the optimiser's unless ``with_optimizer`` is false (a sharded checkpoint
+        saves the optimiser per rank through torch.distributed.checkpoint instead)."""
+        state = {"scheduler": self.scheduler.state_dict(), "lr_scale": self.lr_scale}
+        return {"optimizer": self.optimizer.state_dict(), **state} if with_optimizer else state
+
+    def optimizer_settings(self) -> list[dict[str, Any]]:
+        """The configured base lr, betas and weight decay of each parameter group."""
+        return [{k: group[k] for k in _OPTIM_SETTINGS} for group in self.optimizer.param_groups]
+
+    def load_state_dict(self, state: dict[str, Any], configured: list[dict[str, Any]] | None = None) -> None:
+        """Restore the optimiser moments (unless ``state`` has none: a sharded checkpoint restores them
+        through torch.distributed.checkpoint first), the schedule position and ``lr_scale``. Settings in the
+        config (``configured``, default: the optimiser's now; base lr, betas, weight decay; the warmup and
+        decay shape are never saved) win over the checkpoint's: a changed value is applied from the next step
+        on, the schedule continuing from the new base lr, and logged."""
+        configured = configured or self.optimizer_settings()
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.lr_scale = state["lr_scale"]
         self.scheduler.load_state_dict(state["scheduler"])
         for group, wanted in zip(self.optimizer.param_groups, configured):

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hybridflow.trainer import PPOTrainer
 from hybridflow.trainer.hooks import HookError
@@ -43,7 +43,7 @@ def response_texts(batch, tokenizer) -> list[str]:
 
 def test_every_example_has_a_main_and_an_index_entry():
     scripts = sorted(p.stem for p in EXAMPLES.glob("[0-9][0-9]_*.py"))
-    assert len(scripts) == 6
+    assert len(scripts) == 8
     index = (EXAMPLES / "README.md").read_text()
     for name in scripts:
         assert callable(example(name).main)
@@ -150,3 +150,38 @@ def test_custom_driver_runs_two_finite_steps(tmp_path):
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/vf_loss", "reward/mean"):
             assert np.isfinite(metrics[key]), key
     assert result["history"][1]["actor/kl_loss"] > 0  # the policy moved away from the reference after step 1
+
+
+def test_sft_then_dpo_then_grpo_each_from_the_previous_checkpoint(tmp_path):
+    result = example("07_sft_dpo_grpo").main(tmp_path)
+    sft, dpo = result["sft"], result["dpo"]
+    assert sft[-1]["val/loss"] < sft[0]["val/loss"] - 0.5
+    # DPO's policy and reference both start as the SFT checkpoint: loss ln 2, then the margin grows
+    assert dpo[0]["val/loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert dpo[-1]["val/rewards/margins"] > 0.02
+    # each stage starts from the previous stage's checkpoint, which training changed
+    assert str(result["sft_model"]).endswith("run_sft/global_step_4/actor/huggingface")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    tuned = AutoModelForCausalLM.from_pretrained(result["sft_model"])
+    assert not torch.equal(base.lm_head.weight, tuned.lm_head.weight)
+    assert result["grpo_model_path"] == str(result["dpo_model"])
+    assert [row["step"] for row in result["grpo"]] == [1, 2]
+
+
+def test_custom_tool_is_called_in_rollouts_and_its_results_reach_the_reward(tmp_path):
+    module = example("08_custom_tool")
+    result = module.main(tmp_path)
+    rows = result["rows"]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["agent/tool_calls/mean"] > 0.5 and rows[0]["agent/tool_errors"] == 0  # the taught model calls add
+    for batch in result["batches"]:
+        scores = batch.batch["token_level_scores"].sum(-1).tolist()
+        for messages, calls, score, truth in zip(batch.non_tensor_batch["messages"], batch.non_tensor_batch["tool_calls"],
+                                                 scores, batch.non_tensor_batch["ground_truth"]):
+            for turn, reply in zip(calls, [m for m in messages if m["role"] == "tool"]):
+                args = turn["calls"][0]["arguments"]
+                assert reply["content"] == str(args["a"] + args["b"])  # AddTool's own result, not the model's
+            assert score == module.used_the_tool("arithmetic", "", truth, {"messages": messages})["score"]
+        tool_tokens = batch.batch["attention_mask"][:, -128:].bool() & ~batch.batch["response_mask"].bool()
+        assert tool_tokens.any()  # the model attends to tool output ...
+        assert (batch.batch["advantages"][tool_tokens] == 0).all()  # ... which the loss leaves out

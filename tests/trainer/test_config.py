@@ -99,11 +99,22 @@ def test_gpu_only_keys_outside_the_schema_are_dropped_with_a_warning():
     assert "ulysses_sequence_parallel_size" not in cfg.to_dict()["actor_rollout_ref"]["actor"]
 
 
-def test_schema_keys_not_implemented_yet_warn_when_changed():
-    with pytest.warns(IgnoredKeyWarning, match=r"ignored on this backend: actor_rollout_ref\.actor\.fsdp_config"
-                                               r"\.param_offload = True"):
-        cfg = _load("actor_rollout_ref.actor.fsdp_config.param_offload=True")
-    assert cfg.actor_rollout_ref.actor.fsdp_config.param_offload is True  # kept: hybridflow doctor reads it
+def test_sharding_and_lora_keys_are_typed_and_ref_and_critic_follow_the_actor():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IgnoredKeyWarning)
+        cfg = _load("actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+                    "critic.model.fsdp_config.fsdp_size=2", "trainer.n_workers=2", "trainer.backend=ray",
+                    "actor_rollout_ref.model.lora_rank=8",
+                    "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
+                    "actor_rollout_ref.actor.checkpoint.save_lora_only=true")
+    arr = cfg.actor_rollout_ref
+    assert arr.actor.fsdp_config.param_offload is True and cfg.critic.model.fsdp_config.fsdp_size == 2
+    assert arr.ref.strategy == cfg.critic.strategy == "fsdp2"  # auto follows the actor
+    assert arr.model.lora_rank == 8 and arr.model.target_modules == ["q_proj", "v_proj"]
+    assert "single runs on one worker" in _error("critic.strategy=single", "trainer.n_workers=2",
+                                                 "trainer.backend=ray")
+    assert "does not divide trainer.n_workers (2)" in _error("actor_rollout_ref.actor.fsdp_config.fsdp_size=3",
+                                                             "trainer.n_workers=2", "trainer.backend=ray")
 
 
 def test_vllm_keys_do_not_warn_when_vllm_is_used(monkeypatch):
@@ -283,7 +294,7 @@ def test_python_construction_resolve_and_round_trip():
     assert PPOConfig.from_overrides([TRAIN, "algorithm.lam=0.9"]).algorithm.lam == 0.9
 
 
-@pytest.mark.parametrize("override", ["trainer.balance_batch=true", "actor_rollout_ref.actor.strategy=fsdp2",
+@pytest.mark.parametrize("override", ["trainer.balance_batch=true",
                                       "reward_model.launch_reward_fn_async=true", "actor_rollout_ref.hybrid_engine=false"])
 def test_verl_keys_without_an_alternative_here_warn_when_changed(override):
     key = override.split("=")[0]

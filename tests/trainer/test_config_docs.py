@@ -12,20 +12,30 @@ import pytest
 from hybridflow.cli import main as cli
 from hybridflow.trainer.config import DEFAULT_CONFIG_PATH, PPOConfig
 from hybridflow.trainer.config_checks import ignored_rule
-from hybridflow.trainer.config_docs import default_yaml, field_doc, render_yaml, undocumented_keys
+from hybridflow.trainer.config_docs import (
+    default_yaml,
+    field_doc,
+    render_yaml,
+    shipped_configs,
+    undocumented_keys,
+)
 from hybridflow.trainer.config_loader import hints, is_section, known_keys
 
 PACKAGE = Path(__file__).resolve().parents[2] / "hybridflow"
 CONFIG_MODULES = {"config.py", "config_loader.py", "config_docs.py", "config_checks.py"}
 
 
-def test_shipped_yaml_is_generated_from_the_schema():
-    assert DEFAULT_CONFIG_PATH.read_text() == default_yaml(), (
-        "hybridflow/trainer/config/ppo_trainer.yaml is stale: run `hybridflow config yaml --write`")
+def test_shipped_yamls_are_generated_from_the_schema():
+    configs = shipped_configs()
+    assert DEFAULT_CONFIG_PATH in configs and {p.name for p in configs} >= {"sft_trainer.yaml", "dpo_trainer.yaml"}
+    for path, root in configs.items():
+        assert path.read_text() == default_yaml(root), (
+            f"hybridflow/trainer/config/{path.name} is stale: run `hybridflow config yaml --write`")
 
 
 def test_every_key_has_a_doc():
-    assert undocumented_keys() == []
+    for root in shipped_configs().values():
+        assert undocumented_keys(root) == [], root.__name__
     assert field_doc(_Inner, "plain") == ""  # an undocumented field reads as no doc
 
 

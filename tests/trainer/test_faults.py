@@ -172,7 +172,8 @@ def test_a_bad_input_gives_one_line_naming_it(name, data_dir, tiny_model_path, t
 def test_every_command_prints_an_input_error_as_one_line(tmp_path, capsys):
     assert cli(["generate", "--model", str(tmp_path / "nothing"), "--prompt", "hi"]) == 2
     assert capsys.readouterr().err == (f"hybridflow generate: error: {tmp_path / 'nothing'} is neither a model "
-                                       "folder, a checkpoint, nor a run folder with a complete checkpoint\n")
+                                       "folder, a LoRA adapter folder, a checkpoint, nor a run folder with a complete "
+                                           "checkpoint\n")
     assert cli(["prepare-data", "arithmetic", str(tmp_path), "--train-size", "-1"]) == 2
     assert capsys.readouterr().err.startswith("hybridflow prepare-data: error: sizes must be non-negative")
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from hybridflow import DataProto
 from hybridflow.algorithms import compute_advantage
 from hybridflow.single_controller import ClassWithInitArgs, Dispatch, LocalWorkerGroup, register
 from hybridflow.trainer.config import PPOConfig
@@ -17,10 +18,11 @@ class GradProbe(ActorRolloutRefWorker):
         return {name: p.grad.clone() for name, p in self.module.named_parameters() if p.grad is not None}
 
 
-def config(path: str):
+def config(path: str, strategy: str = "auto"):
     cfg = PPOConfig()
     arr = cfg.actor_rollout_ref
     arr.model.path = path
+    arr.actor.strategy = strategy
     arr.rollout.n = 2
     arr.actor.ppo_mini_batch_size = 5  # prompts: the whole batch of 10 rows is one optimiser step
     arr.actor.ppo_micro_batch_size_per_gpu = 2  # several micro-batches accumulate on each rank
@@ -30,12 +32,8 @@ def config(path: str):
     return cfg.resolve().actor_rollout_ref
 
 
-def test_two_rank_update_equals_one_rank_update(tiny_model_path, chat_prompts, ray_session):
-    from hybridflow.single_controller.ray import RayResourcePool, RayWorkerGroup
-
-    init = ClassWithInitArgs(GradProbe, config(tiny_model_path), role="actor_rollout_ref", response_length=5)
-    single = LocalWorkerGroup(init)
-    single.init_model()
+def grpo_batch(single: LocalWorkerGroup, chat_prompts) -> DataProto:
+    """10 rollouts (5 prompts x 2) of ``single``'s actor with reference log-probs and GRPO advantages."""
     torch.manual_seed(0)
     questions = ["Compute 1+2.", "Compute 30+4.", "Say hi.", "Compute 7+7.", "Name a color."]
     batch = single.generate_sequences(chat_prompts(single.workers[0].tokenizer, questions))
@@ -44,7 +42,16 @@ def test_two_rank_update_equals_one_rank_update(tiny_model_path, chat_prompts, r
     scores = torch.zeros(batch.batch["responses"].shape)
     scores[torch.arange(10), lengths - 1] = torch.arange(10, dtype=torch.float32) % 3
     batch.batch["token_level_rewards"] = scores
-    batch = compute_advantage(batch, "grpo")
+    return compute_advantage(batch, "grpo")
+
+
+def test_two_rank_update_equals_one_rank_update(tiny_model_path, chat_prompts, ray_session):
+    from hybridflow.single_controller.ray import RayResourcePool, RayWorkerGroup
+
+    init = ClassWithInitArgs(GradProbe, config(tiny_model_path), role="actor_rollout_ref", response_length=5)
+    single = LocalWorkerGroup(init)
+    single.init_model()
+    batch = grpo_batch(single, chat_prompts)
 
     pool = RayResourcePool([2], cpus_per_process=1.0, name="dp")
     group = RayWorkerGroup(pool, init, name_prefix="dp")

@@ -1,4 +1,5 @@
-"""Rollout engines: ``hf`` (Hugging Face ``generate``, runs anywhere torch does)."""
+"""Rollout engines: ``hf`` (Hugging Face ``generate``, runs anywhere torch does), optionally driven by the
+multi-turn agent loop (``rollout.multi_turn.enable``)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hybridflow.protocol import DataProto
+from hybridflow.tools import load_tools
+from hybridflow.workers.rollout.agent_loop import AgentLoop, agent_metrics
 from hybridflow.workers.rollout.hf_rollout import HFRollout, SamplingParams, response_mask_from
 
-__all__ = ["HFRollout", "SamplingParams", "build_rollout", "check_generation_batch", "response_mask_from"]
+__all__ = ["AgentLoop", "HFRollout", "SamplingParams", "agent_metrics", "build_rollout", "check_generation_batch",
+           "response_mask_from"]
 
 _HOW = "build it with hybridflow.generation_batch(prompts, tokenizer) (strings or chat messages)"
 
@@ -31,13 +35,19 @@ def check_generation_batch(prompts: DataProto) -> None:
 
 
 def build_rollout(rollout: Any, module: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                  response_length: int) -> HFRollout:
+                  response_length: int) -> HFRollout | AgentLoop:
     """The engine named by ``rollout.name`` (``rollout``: a ``RolloutConfig``), sampling from ``module``
-    (shared with the actor)."""
+    (shared with the actor); wrapped in the agent loop when ``rollout.multi_turn.enable``."""
     name = rollout.name
     if name == "hf":
-        return HFRollout(module, tokenizer, rollout, response_length)
-    if name == "vllm":
+        engine = HFRollout(module, tokenizer, rollout, response_length)
+    elif name == "vllm":
         raise NotImplementedError("actor_rollout_ref.rollout.name=vllm: the vLLM rollout engine is not "
                                   "implemented yet; use rollout.name=hf (Hugging Face generate)")
-    raise ValueError(f"unknown rollout engine {name!r}; known: hf")
+    else:
+        raise ValueError(f"unknown rollout engine {name!r}; known: hf")
+    multi_turn = rollout.multi_turn
+    if not multi_turn.enable:
+        return engine
+    tools = load_tools(multi_turn.tool_config_path) if multi_turn.tool_config_path else {}
+    return AgentLoop(engine, tokenizer, multi_turn, response_length, tools)

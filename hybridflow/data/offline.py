@@ -1,0 +1,269 @@
+"""Datasets for the offline trainers (SFT, DPO, KTO), laid out like rollouts.
+
+Every sample becomes a prompt and a response: ``input_ids``/``attention_mask``/``position_ids`` over the
+left-padded prompt plus the right-padded response, ``responses`` and a ``response_mask`` marking the tokens
+whose log-likelihood counts. So the actor scores demonstrations and preference pairs with the very
+``response_log_probs`` it scores its own samples with, and the reference worker's ``compute_ref_log_prob``
+works unchanged.
+
+Row formats (parquet or JSONL; prompts and completions are strings or chat messages, as in TRL):
+- SFT: ``{prompt, response}`` or a conversation ``{messages: [...]}``. The loss covers the assistant turns
+  only: everything up to the first assistant turn is the prompt, and later user/system/tool turns sit in
+  the response with mask 0.
+- Preferences (DPO): ``{prompt, chosen, rejected}``; a batch interleaves ``chosen_0, rejected_0, ...``.
+- KTO: ``{prompt, completion, label}`` (``label`` true for a desirable completion); a batch of ``B`` rows
+  carries ``2B`` samples: the rows, then each prompt with the next row's completion (the mismatched pairs
+  whose log-ratio estimates KTO's KL reference point).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from hybridflow.data.dataset import TRUNCATION_MODES, as_messages, read_rows
+from hybridflow.protocol import DataProto
+
+
+@dataclass
+class Sample:
+    """One tokenized prompt + response; ``loss_mask`` (0/1 per response token) marks what is trained on."""
+    prompt: list[int]
+    response: list[int]
+    loss_mask: list[int]
+    label: int = 0
+
+
+class Conversations:
+    """Renders chat messages with the tokenizer's template and splits them into a prompt and a response.
+
+    Why turn by turn: the template decides where each turn's tokens start and end, so the prompt is the
+    rendering up to the first assistant turn with the generation prompt (what the model sees when it
+    answers), and each later turn is the difference between consecutive renderings. A template whose
+    renderings are not prefixes of each other cannot be split this way and is refused."""
+
+    def __init__(self, tokenizer: Any, max_length: int, truncation: str = "error") -> None:
+        if truncation not in TRUNCATION_MODES:
+            raise ValueError(f"truncation={truncation!r}; expected one of {TRUNCATION_MODES}")
+        if tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos token)")
+        self.tokenizer, self.max_length, self.truncation = tokenizer, max_length, truncation
+        self.eos = tokenizer.eos_token or ""
+
+    def _render(self, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def encode(self, messages: list[dict[str, str]], where: str, prompt_turns: int | None = None) -> Sample:
+        """Prompt = the first ``prompt_turns`` messages (default: those before the first assistant turn; a
+        prompt may hold assistant turns, e.g. a one-shot example, that are context, not targets); response =
+        the rest up to the last assistant turn, loss on its assistant turns' tokens (their end-of-turn token
+        included, what follows it not)."""
+        assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= (prompt_turns or 0)]
+        if not assistant or assistant[0] == 0:
+            raise ValueError(f"{where}: a conversation needs a turn before the first assistant turn and at least "
+                             f"one assistant turn; roles are {[m['role'] for m in messages]}")
+        first = assistant[0] if prompt_turns is None else prompt_turns
+        prompt_text = previous = self._render(messages[:first], generation_prompt=True)
+        pieces: list[tuple[str, int]] = []
+        for j in range(first, assistant[-1] + 1):
+            if messages[j]["role"] == "assistant" and j > first:
+                opened = self._render(messages[:j], generation_prompt=True)
+                pieces.append((self._after(opened, previous, where), 0))
+                previous = opened
+            text = self._render(messages[:j + 1])
+            piece = self._after(text, previous, where)
+            if messages[j]["role"] == "assistant" and self.eos and self.eos in piece:
+                cut = piece.rindex(self.eos) + len(self.eos)
+                pieces += [(piece[:cut], 1), (piece[cut:], 0)]
+            else:
+                pieces.append((piece, int(messages[j]["role"] == "assistant")))
+            previous = text
+        prompt, response, mask = self._ids(prompt_text), [], []
+        for text, trained in pieces:
+            ids = self._ids(text)
+            response += ids
+            mask += [trained] * len(ids)
+        return self._fit(Sample(prompt, response, mask), where)
+
+    @staticmethod
+    def _after(text: str, prefix: str, where: str) -> str:
+        if not text.startswith(prefix):
+            raise ValueError(f"{where}: the chat template renders a conversation differently from its beginning, "
+                             "so the turns cannot be split into prompt and response")
+        return text[len(prefix):]
+
+    def _fit(self, sample: Sample, where: str) -> Sample:
+        """Apply ``truncation`` when prompt + response exceed ``max_length``: ``error`` raises, ``left`` drops
+        the prompt's first tokens, ``right`` the response's last ones."""
+        excess = len(sample.prompt) + len(sample.response) - self.max_length
+        if excess <= 0:
+            return sample
+        if self.truncation == "error":
+            raise ValueError(f"{where}: {len(sample.prompt)} prompt + {len(sample.response)} response tokens exceed "
+                             f"max_length={self.max_length}; raise data.max_length or set data.truncation to "
+                             "'left' or 'right'")
+        if self.truncation == "left" and excess < len(sample.prompt):
+            sample.prompt = sample.prompt[excess:]
+        else:
+            keep = max(self.max_length - len(sample.prompt), 1)
+            sample.response, sample.loss_mask = sample.response[:keep], sample.loss_mask[:keep]
+        return sample
+
+
+def collate_samples(samples: Sequence[Sample], pad_id: int) -> DataProto:
+    """Samples -> a DataProto as the rollout produces it: prompts left-padded to the batch's longest,
+    responses right-padded to the longest: ``input_ids``/``attention_mask``/``position_ids`` ``(bs, P + R)``,
+    ``responses``/``response_mask`` ``(bs, R)``, ``label`` ``(bs,)``."""
+    width_p = max(len(s.prompt) for s in samples)
+    width_r = max(max(len(s.response) for s in samples), 1)
+    size = len(samples)
+    prompts = torch.full((size, width_p), pad_id, dtype=torch.long)
+    responses = torch.full((size, width_r), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros(size, width_p, dtype=torch.long)
+    response_attention = torch.zeros(size, width_r, dtype=torch.long)
+    response_mask = torch.zeros(size, width_r, dtype=torch.long)
+    for i, s in enumerate(samples):
+        if s.prompt:
+            prompts[i, width_p - len(s.prompt):] = torch.tensor(s.prompt)
+            prompt_mask[i, width_p - len(s.prompt):] = 1
+        if s.response:
+            responses[i, :len(s.response)] = torch.tensor(s.response)
+            response_attention[i, :len(s.response)] = 1
+            response_mask[i, :len(s.response)] = torch.tensor(s.loss_mask)
+    attention = torch.cat([prompt_mask, response_attention], dim=1)
+    return DataProto.from_dict({
+        "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention,
+        "position_ids": (attention.cumsum(1) - 1).clamp(min=0), "responses": responses,
+        "response_mask": response_mask, "label": torch.tensor([s.label for s in samples], dtype=torch.long),
+    })
+
+
+class OfflineDataset(Dataset):
+    """Rows of parquet/JSONL files, each validated and tokenized into samples when the dataset is built, so
+    a malformed row fails at once with its file, row and field named. Subclasses say how a row becomes
+    samples (``encode_row``) and how items become a batch (``collate``)."""
+
+    def __init__(self, data_files: str | Path | Sequence[str | Path], tokenizer: Any, max_length: int = 1024,
+                 truncation: str = "error", prompt_key: str = "prompt") -> None:
+        self.conversations = Conversations(tokenizer, max_length, truncation)
+        self.pad_id = tokenizer.pad_token_id
+        self.prompt_key = prompt_key
+        files = [data_files] if isinstance(data_files, str | Path) else list(data_files)
+        if not files:
+            raise ValueError(f"{type(self).__name__} needs at least one data file")
+        self.items: list[list[Sample]] = []
+        for path in files:
+            for i, row in enumerate(read_rows(path)):
+                where = f"{path}: row {i}"
+                if not isinstance(row, dict):
+                    raise ValueError(f"{where}: a row must be an object, got {type(row).__name__}")
+                self.items.append(self.encode_row(row, where))
+        if not self.items:
+            raise ValueError(f"no rows in {[str(f) for f in files]}")
+
+    def _field(self, row: dict, key: str, where: str) -> Any:
+        if row.get(key) is None:
+            raise ValueError(f"{where}: field {key!r} is missing (present: {sorted(row)})")
+        return row[key]
+
+    def _prompt(self, row: dict, where: str) -> list[dict[str, str]]:
+        return as_messages(self._field(row, self.prompt_key, where), f"{where}: field {self.prompt_key!r}")
+
+    def _completion(self, row: dict, key: str, where: str) -> list[dict[str, str]]:
+        """A completion: a string (one assistant turn) or chat messages."""
+        value = self._field(row, key, where)
+        if isinstance(value, str):
+            return [{"role": "assistant", "content": value}]
+        return as_messages(value, f"{where}: field {key!r}")
+
+    def encode_row(self, row: dict, where: str) -> list[Sample]:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, idx: int) -> list[Sample]:
+        return self.items[idx]
+
+    def collate(self, items: Sequence[list[Sample]]) -> DataProto:
+        """Every item's samples in order (a DPO item's chosen then rejected: the interleaved layout)."""
+        return collate_samples([s for item in items for s in item], self.pad_id)
+
+
+class SFTConversationDataset(OfflineDataset):
+    """Demonstrations: ``{prompt, response}`` rows or ``{messages}`` conversations (``messages_key``)."""
+
+    def __init__(self, data_files: str | Path | Sequence[str | Path], tokenizer: Any, max_length: int = 1024,
+                 truncation: str = "error", prompt_key: str = "prompt", response_key: str = "response",
+                 messages_key: str = "messages") -> None:
+        self.response_key, self.messages_key = response_key, messages_key
+        super().__init__(data_files, tokenizer, max_length, truncation, prompt_key)
+
+    def encode_row(self, row: dict, where: str) -> list[Sample]:
+        if row.get(self.messages_key) is not None:
+            messages = as_messages(row[self.messages_key], f"{where}: field {self.messages_key!r}")
+            return [self.conversations.encode(messages, where)]
+        prompt = self._prompt(row, where)
+        return [self.conversations.encode(prompt + self._completion(row, self.response_key, where), where,
+                                          len(prompt))]
+
+
+class PreferenceDataset(OfflineDataset):
+    """Preference pairs ``{prompt, chosen, rejected}``; an item is ``[chosen, rejected]``."""
+
+    def __init__(self, data_files: str | Path | Sequence[str | Path], tokenizer: Any, max_length: int = 1024,
+                 truncation: str = "error", prompt_key: str = "prompt", chosen_key: str = "chosen",
+                 rejected_key: str = "rejected") -> None:
+        self.chosen_key, self.rejected_key = chosen_key, rejected_key
+        super().__init__(data_files, tokenizer, max_length, truncation, prompt_key)
+
+    def encode_row(self, row: dict, where: str) -> list[Sample]:
+        prompt = self._prompt(row, where)
+        return [self.conversations.encode(prompt + self._completion(row, key, where), f"{where} ({key})",
+                                          len(prompt))
+                for key in (self.chosen_key, self.rejected_key)]
+
+
+class KTODataset(OfflineDataset):
+    """Unpaired completions ``{prompt, completion, label}``; ``label`` true marks a desirable completion."""
+
+    def __init__(self, data_files: str | Path | Sequence[str | Path], tokenizer: Any, max_length: int = 1024,
+                 truncation: str = "error", prompt_key: str = "prompt", completion_key: str = "completion",
+                 label_key: str = "label") -> None:
+        self.completion_key, self.label_key = completion_key, label_key
+        self.prompts: list[list[dict[str, str]]] = []
+        self.completions: list[list[dict[str, str]]] = []
+        super().__init__(data_files, tokenizer, max_length, truncation, prompt_key)
+
+    def encode_row(self, row: dict, where: str) -> list[Sample]:
+        label = self._field(row, self.label_key, where)
+        if not isinstance(label, bool):
+            raise ValueError(f"{where}: field {self.label_key!r} must be true or false, got {label!r}")
+        self.prompts.append(self._prompt(row, where))
+        self.completions.append(self._completion(row, self.completion_key, where))
+        sample = self.conversations.encode(self.prompts[-1] + self.completions[-1], where, len(self.prompts[-1]))
+        sample.label = int(label)
+        return [sample]
+
+    def __getitem__(self, idx: int) -> list[Sample]:
+        """``[sample]``; the collate needs the row's messages for the mismatched pairs, so it gets ``idx`` too."""
+        return [*self.items[idx], idx]
+
+    def collate(self, items: Sequence[list[Any]]) -> DataProto:
+        """``2B`` samples: the ``B`` rows, then row ``i``'s prompt with row ``i+1``'s completion (mod ``B``)."""
+        rows = [item[0] for item in items]
+        indices = [item[1] for item in items]
+        if len(rows) < 2:
+            raise ValueError("KTO needs at least 2 rows per batch to pair prompts with other rows' completions")
+        mismatched = [self.conversations.encode(self.prompts[i] + self.completions[indices[(k + 1) % len(rows)]],
+                                                "a mismatched KTO pair", len(self.prompts[i]))
+                      for k, i in enumerate(indices)]
+        return collate_samples(rows + mismatched, self.pad_id)

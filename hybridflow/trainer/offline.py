@@ -1,0 +1,217 @@
+"""``OfflineTrainer``: SFT, DPO and KTO on the PPO trainer's machinery, one loop for the three.
+
+An offline step is the last stage of a PPO step with another loss: the batch (demonstrations, preference
+pairs, or labelled completions, laid out like rollouts by ``hybridflow.data.offline``) gets the reference
+policy's log-probs from the reference worker (``compute_ref_log_prob``) when the objective needs them, then
+the actor takes one optimiser step on it (``update_actor_offline``: ``TrainingEngine``, micro-batches,
+data-parallel gradient averaging, clipping). Worker groups (local or Ray), checkpoints (``global_step_N/actor/
+huggingface`` is a plain model folder, so it is the next trainer's ``model.partial_pretrain`` or
+``actor_rollout_ref.model.path``), resuming, tracking and the progress bar are the PPO trainer's.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from hybridflow.algorithms import get_offline_objective, kto_kl_estimate, sequence_log_probs
+from hybridflow.data import PromptLoader
+from hybridflow.data.offline import KTODataset, OfflineDataset, PreferenceDataset, SFTConversationDataset
+from hybridflow.protocol import DataProto
+from hybridflow.single_controller import ClassWithInitArgs, Role
+from hybridflow.trainer.checkpoint import CheckpointManager
+from hybridflow.trainer.config import (
+    ActorConfig,
+    ActorRolloutRefConfig,
+    PolicyModelConfig,
+    RefConfig,
+    RolloutConfig,
+)
+from hybridflow.trainer.metrics import reduce_metrics, timer
+from hybridflow.trainer.offline_config import DPOConfig, KTOConfig, SFTConfig
+from hybridflow.trainer.ppo import _endless, _every
+from hybridflow.trainer.tracking import Tracking
+from hybridflow.trainer.worker_groups import WorkerGroups, build_worker_groups
+from hybridflow.workers import ActorRolloutRefWorker
+from hybridflow.workers.modeling import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+OfflineConfig = SFTConfig | DPOConfig | KTOConfig
+
+
+class OfflineTrainer:
+    """Trains on a fixed dataset with the objective of ``config``'s type (``SFTConfig``, ``DPOConfig``,
+    ``KTOConfig``). ``worker_groups`` may be given (e.g. your own Ray groups); else built on ``fit``."""
+
+    def __init__(self, config: OfflineConfig, *, worker_groups: WorkerGroups | None = None) -> None:
+        config.validate()
+        self.config = config = config.resolve()
+        self.objective = get_offline_objective(config.kind)
+        self.tokenizer = load_tokenizer(config.model.partial_pretrain, config.model.trust_remote_code)
+        d = config.data
+        self.train_loader = self._loader(d.train_files, d.train_batch_size, d.shuffle)
+        self.val_loader = self._loader(d.val_files, d.train_batch_size, False) if d.val_files else None
+        self.total_steps = config.trainer.total_training_steps or len(self.train_loader) * config.trainer.total_epochs
+        config.optim.total_training_steps = self.total_steps
+        self.checkpoints = CheckpointManager(config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep)
+        self.global_step = 0
+        self.wg = worker_groups
+
+    def _dataset(self, files: list[str]) -> OfflineDataset:
+        d, tok = self.config.data, self.tokenizer
+        common = {"max_length": d.max_length, "truncation": d.truncation, "prompt_key": d.prompt_key}
+        if isinstance(self.config, DPOConfig):
+            return PreferenceDataset(files, tok, chosen_key=d.chosen_key, rejected_key=d.rejected_key, **common)
+        if isinstance(self.config, KTOConfig):
+            return KTODataset(files, tok, completion_key=d.completion_key, label_key=d.label_key, **common)
+        return SFTConversationDataset(files, tok, response_key=d.response_key, messages_key=d.messages_key, **common)
+
+    def _loader(self, files: list[str], batch_size: int, shuffle: bool) -> PromptLoader:
+        """Batches of ``batch_size`` rows; a validation set smaller than that is one batch (rounded down to a
+        multiple of the workers, so that every worker gets whole pairs)."""
+        dataset = self._dataset(files)
+        if not shuffle and len(dataset) < batch_size:
+            batch_size = max(len(dataset) - len(dataset) % self.config.trainer.n_workers, 1)
+        return PromptLoader(dataset, batch_size, shuffle=shuffle, seed=self.config.data.seed,
+                            collate=dataset.collate)
+
+    # ------------------------------------------------------------------ workers
+    def worker_config(self) -> ActorRolloutRefConfig:
+        """The ``actor_rollout_ref`` section the workers read, from this config: the model, the optimiser,
+        micro-batches in rows (a DPO pair is two rows) and temperature 1 for log-probs."""
+        cfg, m = self.config, self.config.model
+        rows = cfg.data.micro_batch_size_per_gpu * (2 if cfg.kind == "dpo" else 1)
+        return ActorRolloutRefConfig(
+            model=PolicyModelConfig(path=m.partial_pretrain, trust_remote_code=m.trust_remote_code,
+                              enable_gradient_checkpointing=m.enable_gradient_checkpointing, dtype=m.dtype),
+            actor=ActorConfig(ppo_micro_batch_size_per_gpu=rows, grad_clip=cfg.optim.clip_grad, optim=cfg.optim),
+            ref=RefConfig(log_prob_micro_batch_size_per_gpu=rows),
+            rollout=RolloutConfig(temperature=1.0, log_prob_micro_batch_size_per_gpu=rows))
+
+    def init_workers(self) -> None:
+        """The actor (no rollout: nothing is generated) and, for DPO/KTO, the frozen reference."""
+        if self.wg is not None:
+            return
+        arr, seed, device = self.worker_config(), self.config.trainer.seed, self.config.trainer.device
+        inits = {Role.ACTOR_ROLLOUT: ClassWithInitArgs(ActorRolloutRefWorker, arr, role="actor", seed=seed,
+                                                       device=device)}
+        if self.objective.needs_ref:
+            inits[Role.REF] = ClassWithInitArgs(ActorRolloutRefWorker, arr, role="ref", seed=seed, device=device)
+        self.wg = build_worker_groups(self.config, inits)
+
+    def close(self) -> None:
+        """Stop the workers this trainer started; ``with OfflineTrainer(cfg) as t:`` closes too."""
+        if self.wg is not None:
+            self.wg.shutdown()
+            self.wg = None
+
+    def __enter__(self) -> OfflineTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ one step
+    def prepare_batch(self, batch: DataProto) -> DataProto:
+        """Attach the objective's settings and the reference log-probs; for KTO, split off the mismatched
+        pairs and put their KL estimate ``z0`` into the settings."""
+        spec = self.config.loss_spec()
+        if isinstance(self.config, KTOConfig):
+            batch, mismatched = batch.chunk(2)
+            spec["kl"] = self._kto_kl(mismatched)
+        batch.meta_info["offline"] = spec
+        if self.objective.needs_ref:
+            batch = batch.union(self.wg.ref.compute_ref_log_prob(batch))
+        return batch
+
+    def _kto_kl(self, mismatched: DataProto) -> float:
+        """KTO's reference point from the policy's and the reference's log-probs of mismatched pairs
+        (gradient-free by definition, so two plain forward passes)."""
+        policy = self.wg.actor_rollout.compute_log_prob(mismatched).batch["old_log_probs"]
+        ref = self.wg.ref.compute_ref_log_prob(mismatched).batch["ref_log_prob"]
+        mask = mismatched.batch["response_mask"].float()
+        return float(kto_kl_estimate(sequence_log_probs(policy, mask), sequence_log_probs(ref, mask)))
+
+    def train_step(self, batch: DataProto) -> dict[str, float]:
+        """One optimiser step; ``train/loss`` plus the objective's metrics (``rewards/*``, ``logps/*``)."""
+        t: dict[str, float] = {}
+        with timer("step", t):
+            with timer("ref", t):
+                batch = self.prepare_batch(batch)
+            with timer("update_actor", t):
+                metrics = reduce_metrics(self.wg.actor_rollout.update_actor_offline(batch).meta_info["metrics"])
+        metrics["train/loss"] = metrics.pop("loss")
+        metrics.update({f"timing_s/{k}": v for k, v in t.items()})
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        """The objective on the validation files without updating: ``val/loss``, ``val/rewards/*``..."""
+        if self.val_loader is None:
+            return {}
+        sums: dict[str, float] = {}
+        count = 0
+        for batch in self.val_loader:
+            metrics = reduce_metrics(self.wg.actor_rollout.evaluate_offline(self.prepare_batch(batch))
+                                     .meta_info["metrics"])
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + value * len(batch)
+            count += len(batch)
+        return {f"val/{key}": value / count for key, value in sums.items()}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        with self.checkpoints.saving(self.global_step) as folder:
+            self.wg.actor_rollout.save_checkpoint(str(folder / "actor"))
+            torch.save({"global_step": self.global_step, "loader": self.train_loader.state_dict()},
+                       folder / "trainer_state.pt")
+        return self.checkpoints.path(self.global_step)
+
+    def load_checkpoint(self) -> None:
+        """Resume as the PPO trainer does (``trainer.resume_mode``: auto | disable | resume_path)."""
+        tr = self.config.trainer
+        folder = self.checkpoints.to_resume(tr.resume_mode, tr.resume_from_path)
+        if folder is None:
+            return
+        state = torch.load(folder / "trainer_state.pt", weights_only=False)
+        self.wg.actor_rollout.load_checkpoint(str(folder / "actor"))
+        self.global_step = state["global_step"]
+        self.train_loader.load_state_dict(state["loader"])
+        logger.info("resumed from %s at step %d", folder, self.global_step)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict[str, float]:
+        """Train for ``total_steps`` (epochs over the data); returns the last step's metrics."""
+        self.init_workers()
+        tr = self.config.trainer
+        tracker = Tracking(tr.project_name, tr.experiment_name, tr.logger, tr.default_local_dir,
+                           self.config.to_dict())
+        metrics: dict[str, Any] = {}
+        try:
+            self.load_checkpoint()
+            if self.val_loader is not None and (tr.val_only or tr.val_before_train and self.global_step == 0):
+                metrics = self.validate()
+                tracker.log(metrics, step=self.global_step)
+            if tr.val_only:
+                return metrics
+            batches = _endless(self.train_loader)
+            with tqdm(total=self.total_steps, initial=self.global_step, desc=self.config.kind, unit="step") as bar:
+                while self.global_step < self.total_steps:
+                    metrics = self.train_step(next(batches))
+                    self.global_step += 1
+                    last = self.global_step == self.total_steps
+                    if self.val_loader is not None and (last or _every(tr.test_freq, self.global_step)):
+                        metrics.update(self.validate())
+                    metrics["training/global_step"] = self.global_step
+                    metrics["training/epoch"] = self.train_loader.epoch
+                    tracker.log(metrics, step=self.global_step)
+                    if last or _every(tr.save_freq, self.global_step):
+                        self.save_checkpoint()
+                    bar.update(1)
+        finally:
+            tracker.finish()
+        return metrics

@@ -1,0 +1,226 @@
+"""Model wrapping for training what does not fit in one process: FSDP2 sharding and LoRA adapters.
+
+Why: with DDP-style data parallelism every rank holds the whole model, its gradients and two AdamW moments
+(16 bytes per fp32 parameter). ``fully_shard`` (FSDP2) splits each decoder layer's parameters, gradients
+and optimiser state across the worker group's ranks, so each holds ~1/world_size of them and gathers one
+layer's full weights at a time for its forward and backward. LoRA (``peft``) trains small low-rank adapters
+on a frozen base model instead, so gradients and optimiser state shrink to the adapters' size, and the
+reference policy is the same module with the adapter switched off (no second copy of the weights).
+
+Strategies (``actor.strategy``, ``ref.strategy``, ``critic.strategy``):
+
+- ``ddp``: full replicas, gradients all-reduced by ``TrainingEngine`` (the default, ``auto``).
+- ``fsdp2``: ``fully_shard`` on every decoder layer, then the root, over a device mesh of the group's ranks
+  (gloo on CPU, nccl on GPU); ``fsdp_config.fsdp_size`` < world size shards within groups of that size and
+  replicates across them (HSDP). On one rank nothing is sharded, but checkpoints keep the sharded format.
+- ``single``: one rank only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+STRATEGIES = ("auto", "ddp", "fsdp2", "single")
+LORA_MARKERS = (".lora_A.", ".lora_B.")
+
+
+def resolve_strategy(strategy: str, world_size: int, key: str = "actor_rollout_ref.actor.strategy") -> str:
+    """``auto`` -> ``ddp`` (full replicas: fastest while the model fits; set ``fsdp2`` when it does not)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"{key} must be one of {', '.join(STRATEGIES)}; got {strategy!r}")
+    if strategy == "single" and world_size > 1:
+        raise ValueError(f"{key}=single runs on one rank, but the worker group has {world_size}; "
+                         "use ddp or fsdp2, or trainer.n_workers=1")
+    return "ddp" if strategy == "auto" else strategy
+
+
+def load_placement(strategy: str, dtype: str | None, device: torch.device) -> tuple[torch.device, str | None]:
+    """Where and in which dtype to load a model before ``wrap_model``: FSDP2 loads on the CPU (each
+    layer moves to ``device`` as it is sharded, so the full model never sits on one GPU) in fp32 on CUDA
+    (master weights; its mixed-precision policy computes in bf16)."""
+    if strategy != "fsdp2":
+        return device, dtype
+    return torch.device("cpu"), "fp32" if device.type == "cuda" else dtype
+
+
+def wrap_model(module: nn.Module, strategy: str, fsdp_config: Any, device: torch.device, lora_rank: int = 0,
+               lora_alpha: int = 16, target_modules: list[str] | str = ("all-linear",)) -> nn.Module:
+    """LoRA adapters (``lora_rank`` > 0), then FSDP2 sharding for ``strategy`` ``fsdp2``."""
+    module = apply_lora(module, lora_rank, lora_alpha, list(target_modules))
+    return shard_module(module, fsdp_config, device) if strategy == "fsdp2" else module
+
+
+def apply_lora(module: nn.Module, rank: int, alpha: int, target_modules: list[str] | str) -> nn.Module:
+    """``module`` wrapped in a ``peft`` LoRA model (base weights frozen); ``rank`` 0 returns it unchanged.
+
+    ``target_modules``: ``["all-linear"]`` (every linear layer but the output layer) or module names."""
+    if rank <= 0:
+        return module
+    from peft import LoraConfig, get_peft_model
+
+    targets = target_modules
+    if isinstance(targets, (list, tuple)) and list(targets) == ["all-linear"]:
+        targets = "all-linear"
+    return get_peft_model(module, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0,
+                                             bias="none", task_type="CAUSAL_LM"))
+
+
+def is_lora(module: nn.Module) -> bool:
+    return hasattr(module, "peft_config")
+
+
+def broadcast_module(module: nn.Module) -> None:
+    """Rank 0's weights on every rank (a fresh value head or LoRA ``A`` matrix is random per rank).
+
+    nccl only moves GPU memory: a model still on the CPU (FSDP2 shards it from there) goes one tensor at a
+    time through the current GPU."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    staged = dist.get_backend() == "nccl"
+    for tensor in module.state_dict().values():
+        if staged and tensor.device.type == "cpu":
+            on_gpu = tensor.cuda()
+            dist.broadcast(on_gpu, src=0)
+            tensor.copy_(on_gpu)
+        else:
+            dist.broadcast(tensor, src=0)
+
+
+def _decoder_layers(module: nn.Module) -> list[nn.Module]:
+    """Every transformer block: the children of the model's ``layers`` ``ModuleList`` (Llama, Qwen,
+    Mistral...; GPT-2 calls it ``h``)."""
+    for name, child in module.named_modules():
+        if isinstance(child, nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "h") and len(child):
+            return list(child)
+    raise ValueError(f"cannot shard {type(module).__name__}: no decoder-layer list (a ModuleList named "
+                     "'layers' or 'h') was found; use strategy ddp for this model")
+
+
+def shard_module(module: nn.Module, fsdp_config: Any, device: torch.device) -> nn.Module:
+    """``fully_shard`` each decoder layer, then the root, over all ranks of the default process group.
+
+    Returns ``module`` itself (now an ``FSDPModule`` on ``device``) after broadcasting rank 0's weights;
+    without a process group of several ranks it returns ``module.to(device)``. On CUDA, parameters compute
+    in bf16 and gradients reduce in fp32 (``module`` should be loaded in fp32: those are the master
+    weights), and ``fsdp_config.param_offload`` keeps the shards in CPU memory between uses. On CPU both
+    do nothing."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return module.to(device)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    broadcast_module(module)
+    world = dist.get_world_size()
+    shard = world if fsdp_config.fsdp_size in (-1, None) else fsdp_config.fsdp_size
+    if shard < 1 or world % shard:
+        raise ValueError(f"fsdp_config.fsdp_size={fsdp_config.fsdp_size} must divide the {world} ranks (or be -1)")
+    mesh = (init_device_mesh(device.type, (world,)) if shard == world else
+            init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard")))
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": fsdp_config.reshard_after_forward}
+    if device.type == "cuda":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if fsdp_config.param_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+    for layer in _decoder_layers(module):
+        fully_shard(layer, **kwargs)
+    fully_shard(module, **kwargs)
+    return module
+
+
+def is_sharded(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+@contextlib.contextmanager
+def gathered(module: nn.Module, reshard_after_forward: bool = True) -> Iterator[nn.Module]:
+    """Full weights on every rank inside the block, sharded again after it (freeing the gathered copies);
+    then forwards reshard as ``reshard_after_forward`` (the module's ``fsdp_config``) says.
+
+    Why: a sharded forward all-gathers each layer's weights from the other ranks, so every rank must run
+    the same forwards in step; ``generate`` stops when *this rank's* sequences end, which would deadlock
+    ranks whose samples differ in length. Inside the block forwards are purely local."""
+    if not is_sharded(module):
+        yield module
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    parts = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for part in parts:
+        part.unshard()
+        part.set_reshard_after_forward(False)
+    try:
+        yield module
+    finally:
+        for part in parts:
+            part.reshard()
+            part.set_reshard_after_forward(reshard_after_forward)
+
+
+def _full(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return full.detach().to(device)
+
+
+def full_weights(module: nn.Module, adapter_only: bool = False,
+                 device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's full weights as ``(name, tensor on device)`` pairs, one tensor gathered at a time
+    (``device="cuda"`` keeps them on the GPU for an in-memory weight sync into another engine).
+
+    Names are the base Hugging Face model's (``model.layers.0.self_attn.q_proj.weight``), what
+    ``save_pretrained``, vLLM's ``load_weights`` and ``load_state_dict`` of an unwrapped model expect. A LoRA
+    model yields its base weights with the adapters merged in (``W + alpha/r * B @ A``); with
+    ``adapter_only`` it yields only the adapter tensors under peft's names (what ``PeftModel`` saves:
+    ``base_model.model.<...>.lora_A.weight``).
+
+    A collective on a sharded module: every rank must iterate it to the end, in step; all ranks receive
+    the same tensors. Unsharded tensors already on ``device`` are the module's own (read, do not modify)."""
+    lora = is_lora(module)
+    scaling = {}
+    if lora:
+        from peft.tuners.lora import LoraLayer
+
+        scaling = {name: sub.scaling["default"] for name, sub in module.named_modules() if isinstance(sub, LoraLayer)}
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in module.state_dict().items():
+        is_adapter = lora and any(marker in name for marker in LORA_MARKERS)
+        if adapter_only and not is_adapter:
+            continue
+        tensor = _full(tensor, device)
+        if not lora:
+            yield name, tensor
+            continue
+        if adapter_only:
+            yield name.replace(".default.", "."), tensor
+            continue
+        owner = name.split(".base_layer.")[0] if ".base_layer." in name else name.split(".lora_")[0]
+        if owner in scaling:  # a LoRA layer's base weight or adapter matrices: merge once all three are here
+            kind = "A" if ".lora_A." in name else "B" if ".lora_B." in name else name.split(".base_layer.")[1]
+            parts = pending.setdefault(owner, {})
+            parts[kind] = tensor
+            if "A" in parts and "B" in parts and "weight" in parts:
+                merged = parts.pop("weight") + scaling[owner] * (parts.pop("B") @ parts.pop("A"))
+                yield _base_name(owner + ".weight"), merged
+                yield from ((_base_name(f"{owner}.{k}"), v) for k, v in parts.items())
+                del pending[owner]
+        elif not is_adapter:
+            yield _base_name(name), tensor
+
+
+def _base_name(name: str) -> str:
+    return name.removeprefix("base_model.model.")
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The Hugging Face model under a peft wrapper (``module`` itself otherwise): its class and config
+    describe what ``full_weights`` yields."""
+    return module.get_base_model() if is_lora(module) else module

@@ -1,0 +1,114 @@
+"""The offline trainers end to end on the tiny model: configs, DPO (local and 2 Ray workers), KTO, SFT."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from hybridflow.cli import main as cli
+from hybridflow.data.prepare import main as prepare_data
+from hybridflow.trainer.checkpoint import find_latest_checkpoint
+from hybridflow.trainer.config import ConfigError
+from hybridflow.trainer.inference import load_trained_actor
+from hybridflow.trainer.offline import OfflineTrainer
+from hybridflow.trainer.offline_config import (
+    CONFIGS,
+    DPOConfig,
+    SFTConfig,
+    default_config_path,
+    load_offline_config,
+)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("offline")
+    for fmt in ("sft", "dpo", "kto"):
+        prepare_data(["arithmetic", str(out / fmt), "--format", fmt, "--train-size", "16", "--test-size", "4"])
+    return out
+
+
+def overrides(data: Path, kind: str, model: str, run: Path, *extra: str, val: str = "train.parquet") -> list[str]:
+    """Validation on the training rows by default: whether the objective is learned, not generalisation."""
+    return [f"data.train_files={data / kind / 'train.parquet'}", f"data.val_files={data / kind / val}",
+            f"model.partial_pretrain={model}", f"trainer.default_local_dir={run}", "data.train_batch_size=4",
+            "data.micro_batch_size_per_gpu=2", "data.max_length=128", "optim.lr=2e-3", "trainer.logger=[file]",
+            "trainer.total_training_steps=4", *extra]
+
+
+def logged(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_packaged_yaml_equals_the_dataclass_defaults(kind):
+    path = default_config_path(CONFIGS[kind])
+    assert OmegaConf.to_container(OmegaConf.load(path)) == CONFIGS[kind]().to_dict()
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip() and not line.startswith("#"):
+            assert " # " in line, f"{path.name} line {number} has no comment: {line!r}"
+
+
+def test_config_uses_verl_sft_names_and_names_bad_keys(tmp_path):
+    cfg = load_offline_config(SFTConfig, ["data.train_files=a.parquet", "model.partial_pretrain=~/m",
+                                          "data.max_length=256", "optim.lr=1e-4", "trainer.total_epochs=2"])
+    assert (cfg.data.max_length, cfg.optim.lr, cfg.trainer.total_epochs) == (256, 1e-4, 2)
+    assert not cfg.model.partial_pretrain.startswith("~") and cfg.data.seed == cfg.trainer.seed
+    with pytest.raises(ConfigError, match="unknown config key 'optim.learning_rate'.*did you mean 'optim.lr'"):
+        load_offline_config(SFTConfig, ["data.train_files=a", "optim.learning_rate=1"])
+    with pytest.raises(ConfigError, match="dpo.loss_type: unknown preference loss 'kto'"):
+        load_offline_config(DPOConfig, ["data.train_files=a", "dpo.loss_type=kto"])
+    with pytest.raises(ConfigError, match="label_smoothing only applies to dpo.loss_type=sigmoid, not ipo"):
+        load_offline_config(DPOConfig, ["data.train_files=a", "dpo.loss_type=ipo", "dpo.label_smoothing=0.1"])
+    with pytest.raises(ConfigError, match="data.train_files is required"):
+        load_offline_config(SFTConfig, [])
+
+
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_dpo_starts_at_ln2_and_learns_the_preferences(data, tiny_model_path, tmp_path, backend, request):
+    extra = ["trainer.backend=ray", "trainer.n_workers=2"] if backend == "ray" else []
+    if backend == "ray":
+        request.getfixturevalue("ray_session")
+    with OfflineTrainer(load_offline_config(DPOConfig, overrides(data, "dpo", tiny_model_path, tmp_path, *extra))) \
+            as trainer:
+        trainer.fit()
+    rows = logged(tmp_path)
+    before, first, after = rows[0], rows[1], rows[-1]
+    assert before["val/loss"] == pytest.approx(math.log(2), abs=1e-5)  # policy = reference
+    assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert before["val/rewards/margins"] == pytest.approx(0, abs=1e-5)
+    assert after["val/rewards/margins"] > 0.02 and after["val/loss"] < math.log(2) - 0.01
+    assert after["val/rewards/accuracies"] >= 0.75
+    assert {"rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "actor/grad_norm"} <= set(first)
+    model, _ = load_trained_actor(tmp_path)  # the checkpoint is a plain Hugging Face model
+    assert find_latest_checkpoint(tmp_path).name == "global_step_4" and model.config.model_type == "llama"
+
+
+def test_kto_cli_run_starts_at_one_half_and_separates_good_from_bad(data, tiny_model_path, tmp_path):
+    assert cli(["kto", *overrides(data, "kto", tiny_model_path, tmp_path, "kto.undesirable_weight=2")]) == 0
+    rows = logged(tmp_path)
+    # policy = reference: z0 = 0 and every row costs its weight x (1 - sigmoid(0)); half the rows weigh 2
+    assert rows[0]["val/loss"] == pytest.approx(0.5 * (1 + 2) / 2, abs=1e-5)
+    assert rows[-1]["val/rewards/chosen"] > rows[-1]["val/rewards/rejected"]
+    assert rows[-1]["val/loss"] < rows[0]["val/loss"]
+
+
+def test_sft_lowers_the_validation_loss_and_cli_names_config_errors(data, tiny_model_path, tmp_path, capsys):
+    assert cli(["sft", *overrides(data, "sft", tiny_model_path, tmp_path, val="test.parquet")]) == 0
+    rows = logged(tmp_path)
+    assert rows[-1]["val/loss"] < rows[0]["val/loss"] - 0.5
+    assert cli(["sft", "data.train_files=x", "data.max_lenght=3"]) == 2
+    assert "did you mean 'data.max_length'" in capsys.readouterr().err
+
+
+def test_sft_resumes_from_its_last_checkpoint(data, tiny_model_path, tmp_path):
+    with OfflineTrainer(load_offline_config(SFTConfig, overrides(data, "sft", tiny_model_path, tmp_path,
+                                                                 "trainer.total_training_steps=2"))) as trainer:
+        trainer.fit()
+    resumed = OfflineTrainer(load_offline_config(SFTConfig, overrides(data, "sft", tiny_model_path, tmp_path)))
+    resumed.init_workers()
+    resumed.load_checkpoint()
+    assert (resumed.global_step, resumed.train_loader.position) == (2, 2)
+    resumed.close()
