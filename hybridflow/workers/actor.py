@@ -27,13 +27,8 @@ from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.checkpointing import load_worker_state, save_worker_state
 from hybridflow.workers.engine import DivergedError, TrainingEngine
-from hybridflow.workers.modeling import (
-    batched,
-    load_model,
-    load_tokenizer,
-    model_location,
-    response_log_probs,
-)
+from hybridflow.workers.modeling import load_model, load_tokenizer, model_location, response_log_probs
+from hybridflow.workers.packing import MicroBatching, batched
 from hybridflow.workers.rollout import build_rollout, check_generation_batch
 from hybridflow.workers.sharding import gathered, is_lora, load_placement, resolve_strategy, wrap_model
 from hybridflow.workers.weight_sync import from_numpy, policy_weights, to_numpy
@@ -144,23 +139,27 @@ class ActorRolloutRefWorker(Worker):
             self.rollout.update_weights(named)
 
     # ---------------------------------------------------------------- log-probs
-    def _log_probs(self, module: torch.nn.Module, data: DataProto, with_entropy: bool,
-                   micro: int) -> tuple[torch.Tensor, Any]:
-        """Log-probs (and entropy) of ``data``'s responses, ``micro`` sequences per forward pass."""
+    def _log_probs(self, module: torch.nn.Module, data: DataProto, with_entropy: bool, micro_batch_size: int,
+                   max_token_len: int | None) -> tuple[torch.Tensor, Any]:
+        """Log-probs without gradients: ``micro_batch_size`` rows, or ``max_token_len`` tokens, a forward."""
         was_training = module.training
         module.eval()
+        share = self.config.model.share_prompt_prefix
+        micro = MicroBatching(micro_batch_size or len(data), max_token_len, share)
         temperature = self.config.rollout.temperature
-        parts = batched(lambda d: response_log_probs(module, d, temperature, with_entropy), data, micro)
+        log_probs, entropy = batched(lambda d: response_log_probs(module, d, temperature, with_entropy,
+                                                                  share_prompt=share), data, micro)
         module.train(was_training)
-        log_probs = torch.cat([lp for lp, _ in parts])
-        return log_probs, torch.cat([e for _, e in parts]) if with_entropy else None
+        return log_probs, entropy
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs`` and ``entropys`` ``(bs, L)`` under the current policy."""
         self._require(self.module, "actor", "compute_log_prob")
-        log_probs, entropy = self._log_probs(self.module, data, with_entropy=True,
-                                             micro=self.config.rollout.log_prob_micro_batch_size_per_gpu)
+        rollout = self.config.rollout
+        log_probs, entropy = self._log_probs(
+            self.module, data, True, rollout.log_prob_micro_batch_size_per_gpu,
+            rollout.log_prob_max_token_len_per_gpu if rollout.log_prob_use_dynamic_bsz else None)
         metrics = {}
         if "rollout_log_probs" in data.batch.keys() and data.batch["rollout_log_probs"].abs().sum() > 0:
             metrics = logprob_diff_metrics(data.batch["rollout_log_probs"], log_probs, data.batch["response_mask"])
@@ -170,13 +169,15 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob`` ``(bs, L)`` under the frozen reference policy (with LoRA: the adapter off)."""
-        micro = self.config.ref.log_prob_micro_batch_size_per_gpu
+        ref = self.config.ref
+        micro, budget = ref.log_prob_micro_batch_size_per_gpu, (
+            ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None)
         if self._is_ref and self.ref_module is None:
             with self.module.disable_adapter():
-                log_probs, _ = self._log_probs(self.module, data, with_entropy=False, micro=micro)
+                log_probs, _ = self._log_probs(self.module, data, False, micro, budget)
         else:
             self._require(self.ref_module, "ref", "compute_ref_log_prob")
-            log_probs, _ = self._log_probs(self.ref_module, data, with_entropy=False, micro=micro)
+            log_probs, _ = self._log_probs(self.ref_module, data, False, micro, budget)
         return DataProto.from_dict({"ref_log_prob": log_probs})
 
     # ---------------------------------------------------------------- training
@@ -186,7 +187,8 @@ class ActorRolloutRefWorker(Worker):
         mask = micro.batch["response_mask"].float()
         entropy_coeff = actor.entropy_coeff
         log_prob, entropy = response_log_probs(self.module, micro, self.config.rollout.temperature,
-                                               with_entropy=True, entropy_grad=entropy_coeff != 0)
+                                               with_entropy=True, entropy_grad=entropy_coeff != 0,
+                                               share_prompt=self.config.model.share_prompt_prefix)
         # On-policy shortcut: with one pass over the data the old policy *is* the current one, so the
         # driver may skip the extra forward pass and let the ratio start at exactly 1.
         old = micro.batch["old_log_probs"] if "old_log_probs" in micro.batch.keys() else log_prob.detach()
@@ -224,7 +226,8 @@ class ActorRolloutRefWorker(Worker):
 
     def _sft_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         """Supervised NLL on demonstration responses (prompt tokens masked out)."""
-        log_prob, _ = response_log_probs(self.module, micro, temperature=1.0)
+        log_prob, _ = response_log_probs(self.module, micro, temperature=1.0,
+                                         share_prompt=self.config.model.share_prompt_prefix)
         loss = compute_sft_loss(log_prob, micro.batch["response_mask"].float(), self.config.actor.loss_agg_mode)
         return loss, {"actor/sft_loss": loss.item()}
 
@@ -245,7 +248,10 @@ class ActorRolloutRefWorker(Worker):
         extra = []
         if sft_data is not None and len(sft_data):
             extra = [(sft_data, self._sft_loss, float(sft_data.meta_info.get("loss_coef", 1.0)))]
-        metrics = self.engine.update(data, mini_batch, actor.ppo_micro_batch_size_per_gpu, self._policy_loss,
+        micro = MicroBatching(actor.ppo_micro_batch_size_per_gpu,
+                              actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
+                              self.config.model.share_prompt_prefix)
+        metrics = self.engine.update(data, mini_batch, micro, self._policy_loss,
                                      actor.loss_agg_mode, actor.ppo_epochs, actor.shuffle, self.seed, extra)
         self._sync_rollout()
         return DataProto(meta_info={"metrics": metrics})

@@ -16,7 +16,8 @@ from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.checkpointing import load_worker_state, save_worker_state
 from hybridflow.workers.engine import TrainingEngine
-from hybridflow.workers.modeling import batched, load_model, load_tokenizer, response_values
+from hybridflow.workers.modeling import load_model, load_tokenizer, response_values
+from hybridflow.workers.packing import MicroBatching, batched
 from hybridflow.workers.sharding import load_placement, resolve_strategy, wrap_model
 
 
@@ -50,15 +51,20 @@ class CriticWorker(Worker):
     def compute_values(self, data: DataProto) -> DataProto:
         """``values`` ``(bs, L)``, zero outside the response mask."""
         self.module.eval()
-        critic = self.config
-        micro = critic.ppo_micro_batch_size_per_gpu
-        values = torch.cat(batched(lambda d: response_values(self.module, d), data, micro))
+        share = self.config.model.share_prompt_prefix
+        values = batched(lambda d: response_values(self.module, d, share), data, self._micro_batching())
         self.module.train()
         return DataProto.from_dict({"values": values * data.batch["response_mask"]})
 
+    def _micro_batching(self) -> MicroBatching:
+        critic = self.config
+        return MicroBatching(critic.ppo_micro_batch_size_per_gpu,
+                             critic.ppo_max_token_len_per_gpu if critic.use_dynamic_bsz else None,
+                             critic.model.share_prompt_prefix)
+
     def _value_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         mask = micro.batch["response_mask"].float()
-        vpreds = response_values(self.module, micro)
+        vpreds = response_values(self.module, micro, self.config.model.share_prompt_prefix)
         vf_loss, clipfrac = compute_value_loss(vpreds, micro.batch["returns"], micro.batch["values"], mask,
                                                self.config.cliprange_value, self.config.loss_agg_mode)
         return vf_loss, {"critic/vf_loss": vf_loss.item(), "critic/vf_clipfrac": float(clipfrac.detach()),
@@ -71,7 +77,7 @@ class CriticWorker(Worker):
         keys = ["responses", "response_mask", "input_ids", "attention_mask", "position_ids", "values", "returns"]
         data = data.select(batch_keys=keys, non_tensor_batch_keys=[], meta_info_keys=[])
         self.module.train()
-        metrics = self.engine.update(data, mini_batch, critic.ppo_micro_batch_size_per_gpu, self._value_loss,
+        metrics = self.engine.update(data, mini_batch, self._micro_batching(), self._value_loss,
                                      critic.loss_agg_mode, critic.ppo_epochs, seed=self.seed)
         return DataProto(meta_info={"metrics": metrics})
 

@@ -8,7 +8,8 @@ Data parallelism is DDP-style by default: every rank holds the whole model, comp
 and one all-reduce sums them before the step. A module sharded with FSDP2 (``sharding.shard_module``)
 reduce-scatters its own gradients in the backward (averaged over ranks, so the engine scales the loss by
 the world size to keep the sum), and the optimiser steps over each rank's shards only. Each micro-batch's
-loss is weighted by its share of the *global* mini-batch (tokens for ``token-mean``, sequences otherwise),
+loss is weighted by its share of the *global* mini-batch (tokens for ``token-mean``, non-empty
+responses otherwise),
 so an update on 2 ranks equals the update on 1 rank over the same global batch, up to float rounding.
 """
 
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from hybridflow.protocol import DataProto
 from hybridflow.utils.errors import UserError
+from hybridflow.workers.packing import MicroBatching, as_micro_batching
 from hybridflow.workers.sharding import broadcast_module, is_sharded
 
 logger = logging.getLogger(__name__)
@@ -109,7 +111,7 @@ class TrainingEngine:
         dist.all_reduce(t)
         return float(t.item())
 
-    def update(self, data: DataProto, mini_batch_size: int, micro_batch_size: int, loss_fn: LossFn,
+    def update(self, data: DataProto, mini_batch_size: int, micro_batch_size: int | MicroBatching, loss_fn: LossFn,
                loss_agg_mode: str = "token-mean", epochs: int = 1, shuffle: bool = False, seed: int = 0,
                extra_terms: list[tuple[DataProto, LossFn, float]] = ()) -> dict[str, list[float]]:
         """One training step's update: ``epochs`` passes over ``data`` (this rank's shard) in mini-batches,
@@ -124,13 +126,14 @@ class TrainingEngine:
         self.scheduler.step()
         return metrics
 
-    def train_mini_batch(self, mini_batch: DataProto, micro_batch_size: int, loss_fn: LossFn,
+    def train_mini_batch(self, mini_batch: DataProto, micro_batch_size: int | MicroBatching, loss_fn: LossFn,
                          loss_agg_mode: str = "token-mean",
                          extra_terms: list[tuple[DataProto, LossFn, float]] = ()) -> dict[str, float]:
         """One optimiser step over ``mini_batch`` (this rank's shard), accumulating micro-batches.
 
-        ``loss_fn(micro)`` returns the micro-batch loss aggregated with ``loss_agg_mode`` and its metrics;
-        the engine reweights it by the micro-batch's share of the global mini-batch. ``extra_terms``
+        ``micro_batch_size``: rows per micro-batch, or a ``MicroBatching`` (a token budget). ``loss_fn(micro)``
+        returns the micro-batch loss aggregated with ``loss_agg_mode`` and its metrics; the engine reweights
+        it by the micro-batch's share of the global mini-batch, so how the batch is cut does not matter. ``extra_terms``
         adds ``coef * loss`` over other data to the same step (supervised data mixed into RL)."""
         self.optimizer.zero_grad(set_to_none=True)
         metrics: dict[str, list[float]] = {}
@@ -162,13 +165,14 @@ class TrainingEngine:
         """Training steps (``update`` calls) completed, resumes included."""
         return self.scheduler.last_epoch
 
-    def _accumulate(self, data: DataProto, micro_batch_size: int, loss_fn: LossFn, loss_agg_mode: str,
+    def _accumulate(self, data: DataProto, micro_batch_size: int | MicroBatching, loss_fn: LossFn, loss_agg_mode: str,
                     coef: float, metrics: dict[str, list[float]]) -> None:
         """Backward every micro-batch's loss, weighted by its share of the global batch."""
-        by_tokens = loss_agg_mode == "token-mean"
-        weight = (lambda d: float(d.batch["response_mask"].sum())) if by_tokens else (lambda d: float(len(d)))
+        def weight(d: DataProto) -> float:  # what the loss averages over: tokens, or responses with a token
+            mask = d.batch["response_mask"]
+            return float(mask.sum() if loss_agg_mode == "token-mean" else (mask.sum(dim=-1) > 0).sum())
         total_weight = self._global_sum(weight(data))
-        for micro in data.split(micro_batch_size):
+        for micro in as_micro_batching(micro_batch_size).split(data):
             loss, micro_metrics = loss_fn(micro)
             if not torch.isfinite(loss):
                 details = ", ".join(f"{k}={v:.4g}" for k, v in micro_metrics.items())

@@ -2,16 +2,16 @@
 
 Every role (actor, reference, critic, reward model) reads ``(bs, prompt_length + response_length)``
 sequences laid out the same way: left-padded prompt, then the response, right-padded. The functions here
-turn such a batch into per-response-token quantities, micro-batch by micro-batch, and compute the output
-layer only over the response positions (``logits_to_keep``): on a 49k-token vocabulary the output layer is
-a fifth of the model's arithmetic, and the prompt positions' logits are never needed.
+turn such a batch into per-response-token quantities, and compute the output layer only over the positions
+that predict response tokens (``logits_to_keep``): on a 49k-token vocabulary the output layer is a fifth of
+the model's arithmetic, and the prompt positions' logits are never needed. Rows that share a prompt (GRPO's
+``n`` samples) are packed so the prompt is computed once (``hybridflow.workers.packing``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
 from hybridflow.models import resolve_model_path
 from hybridflow.protocol import DataProto
 from hybridflow.utils.errors import MissingInputError
+from hybridflow.workers.packing import pack_shared_prompts, prompt_groups
 
 logger = logging.getLogger(__name__)
 
@@ -96,27 +97,48 @@ def _report_new_head(model: PreTrainedModel, missing: list[str], new_head: str, 
         logger.warning("%s: weights missing from %s were initialised randomly: %s", new_head, path, ", ".join(other))
 
 
-def _forward_inputs(data: DataProto, device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: data.batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")}
+
+def response_outputs(model: PreTrainedModel, data: DataProto, share_prompt: bool = True,
+                     keeps_logits: bool = True) -> torch.Tensor:
+    """The model's outputs that predict each response token: ``(bs, L, ...)`` (logits, or one value).
+
+    ``data.batch``: ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, T)`` and ``responses``
+    ``(bs, L)``. With ``share_prompt`` and at least two rows sharing a prompt, each group's prompt is
+    computed once (``hybridflow.workers.packing``; eager and SDPA attention, which take a 4-D mask);
+    otherwise every row is run as it is. ``keeps_logits``:
+    the model takes ``logits_to_keep`` (causal LMs do; token-classification models do not)."""
+    device = next(model.parameters()).device
+    length = data.batch["responses"].shape[1]
+    # flash-attention kernels take no 4-D mask: those models score row by row
+    share_prompt = share_prompt and model.config._attn_implementation in ("eager", "sdpa")
+    groups = prompt_groups(data) if share_prompt else []
+    if groups and len(groups) < len(data):
+        packed = pack_shared_prompts(data, groups, next(model.parameters()).dtype)
+        kept = packed.input_ids.shape[1] - packed.first_kept + 1
+        outputs = model(input_ids=packed.input_ids.to(device), attention_mask=packed.attention_mask.to(device),
+                        position_ids=packed.position_ids.to(device), use_cache=False,
+                        **({"logits_to_keep": kept} if keeps_logits else {})).logits
+        return packed.gather(outputs[:, -kept:])
+    inputs = {k: data.batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")}
+    outputs = model(**inputs, use_cache=False, **({"logits_to_keep": length + 1} if keeps_logits else {})).logits
+    return outputs[:, -length - 1:-1]
 
 
 def response_log_probs(model: PreTrainedModel, data: DataProto, temperature: float = 1.0,
-                       with_entropy: bool = False,
-                       entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       with_entropy: bool = False, entropy_grad: bool = False,
+                       share_prompt: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of ``responses`` under ``model`` (logits divided by the sampling temperature,
     so they match what the rollout sampled from).
 
     ``data.batch``: ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, T)`` and ``responses``
     ``(bs, L)``. Returns ``(log_probs (bs, L), entropy (bs, L) or None)``; gradients flow if enabled, and
-    through the entropy only with ``entropy_grad`` (an entropy bonus): a metric-only entropy keeps no graph."""
+    through the entropy only with ``entropy_grad`` (an entropy bonus): a metric-only entropy keeps no graph.
+    ``share_prompt``: one forward per shared prompt (see ``response_outputs``)."""
     responses = data.batch["responses"]
-    device = next(model.parameters()).device
-    length = responses.shape[1]
-    logits = model(**_forward_inputs(data, device), logits_to_keep=length + 1, use_cache=False).logits
-    logits = logits[:, :-1].float()
+    logits = response_outputs(model, data, share_prompt).float()
     if temperature != 1.0:
         logits = logits / temperature
-    log_probs = logprobs_from_logits(logits, responses.to(device))
+    log_probs = logprobs_from_logits(logits, responses.to(logits.device))
     entropy = None
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
@@ -124,16 +146,7 @@ def response_log_probs(model: PreTrainedModel, data: DataProto, temperature: flo
     return log_probs, entropy
 
 
-def response_values(model: PreTrainedModel, data: DataProto) -> torch.Tensor:
+def response_values(model: PreTrainedModel, data: DataProto, share_prompt: bool = True) -> torch.Tensor:
     """Values ``(bs, L)`` of a token-classification (value-head) model: the value at each position is
     predicted from the state *before* the response token there, as GAE expects."""
-    length = data.batch["responses"].shape[1]
-    device = next(model.parameters()).device
-    values = model(**_forward_inputs(data, device), use_cache=False).logits.squeeze(-1).float()
-    return values[:, -length - 1:-1]
-
-
-@torch.no_grad()
-def batched(fn: Callable[[DataProto], Any], data: DataProto, micro_batch_size: int) -> list[Any]:
-    """``fn(micro_batch)`` over micro-batches without gradients (log-prob and value passes)."""
-    return [fn(micro) for micro in data.split(max(1, micro_batch_size))]
+    return response_outputs(model, data, share_prompt, keeps_logits=False).squeeze(-1).float()

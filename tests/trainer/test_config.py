@@ -378,3 +378,19 @@ def test_n_workers_is_refused_on_the_local_backend():
     assert _error("trainer.n_workers=2") == ("trainer.n_workers=2 needs trainer.backend=ray: the local backend "
                                              "runs one worker in this process; set trainer.backend=ray for "
                                              "data-parallel workers")
+
+
+def test_token_budget_keys_are_read_and_lift_the_micro_batch_divisibility_rule():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IgnoredKeyWarning)  # implemented now, no longer ignored
+        cfg = _load("actor_rollout_ref.actor.use_dynamic_bsz=true",
+                    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048",
+                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
+                    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+                    "actor_rollout_ref.model.share_prompt_prefix=false")
+    actor = cfg.actor_rollout_ref.actor
+    assert actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu == 2048
+    assert cfg.actor_rollout_ref.rollout.log_prob_use_dynamic_bsz
+    assert not cfg.actor_rollout_ref.model.share_prompt_prefix
+    assert "ppo_micro_batch_size_per_gpu" in _error("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3")
+    assert "must be >= 1" in _error("actor_rollout_ref.actor.ppo_max_token_len_per_gpu=0")

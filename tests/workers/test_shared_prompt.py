@@ -1,0 +1,188 @@
+"""One forward per shared prompt is an exact rewrite: same log-probs, values and gradients as row by row;
+token-budget micro-batches give the same update as fixed-size ones."""
+
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+from hybridflow import DataProto
+from hybridflow.trainer.config import OptimConfig
+from hybridflow.workers.engine import TrainingEngine
+from hybridflow.workers.modeling import response_log_probs, response_values
+from hybridflow.workers.packing import MicroBatching, batched, pack_shared_prompts, prompt_groups
+
+
+def grouped_batch(group_sizes, prompt_lens, vocab=1000, prompt_width=12, length=7, seed=0) -> DataProto:
+    """Left-padded prompts of the given real lengths, each repeated for its group; right-padded responses
+    of random lengths (one empty, one full) laid out as the rollout lays them out."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for size, plen in zip(group_sizes, prompt_lens):
+        prompt = torch.randint(3, vocab, (plen,), generator=gen)
+        for _ in range(size):
+            rlen = int(torch.randint(0, length + 1, (1,), generator=gen))
+            rows.append((prompt, torch.randint(3, vocab, (rlen,), generator=gen)))
+    rows[1] = (rows[1][0], torch.randint(3, vocab, (length,), generator=gen))
+    return layout(rows, prompt_width, length)
+
+
+def layout(rows, prompt_width, length) -> DataProto:
+    """``(prompt ids, response ids)`` pairs as the rollout lays them out."""
+    bs, total = len(rows), prompt_width + length
+    ids, mask = torch.zeros(bs, total, dtype=torch.long), torch.zeros(bs, total, dtype=torch.long)
+    for r, (prompt, response) in enumerate(rows):
+        ids[r, prompt_width - len(prompt):prompt_width] = prompt
+        ids[r, prompt_width:prompt_width + len(response)] = response
+        mask[r, prompt_width - len(prompt):prompt_width + len(response)] = 1
+    prompt_pos = (mask[:, :prompt_width].cumsum(-1) - 1).clamp(min=0)
+    pos = torch.cat([prompt_pos, prompt_pos[:, -1:] + torch.arange(1, length + 1)], dim=1)
+    return DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": pos,
+                                "responses": ids[:, prompt_width:], "response_mask": mask[:, prompt_width:]})
+
+
+GROUPS = ([1, 2, 5, 1], [5, 9, 3, 12])  # n = 1, 2, 5 and a lone row; prompts of different lengths
+
+
+def test_groups_are_found_by_prompt_content_and_packed_once():
+    data = grouped_batch(*GROUPS)
+    groups = prompt_groups(data)
+    assert groups == [(0, 1), (1, 3), (3, 8), (8, 9)]
+    packed = pack_shared_prompts(data, groups, torch.float32)
+    # one packed row per group; every prompt ends at the longest prompt's last column, padding dropped
+    lens = data.batch["response_mask"].sum(1).tolist()
+    assert packed.first_kept == 12
+    assert packed.input_ids.shape == (4, 12 + max(sum(lens[a:b]) for a, b in groups))
+    start = 12 + lens[3]  # the n = 5 group's second response starts here
+    visible = packed.attention_mask[2, 0, start + 1] == 0  # what its second token attends to
+    assert visible.nonzero().flatten().tolist() == [9, 10, 11, start, start + 1]  # 3 prompt tokens + itself
+    assert packed.position_ids[2, start:start + 2].tolist() == data.batch["position_ids"][4, 12:14].tolist()
+
+
+@pytest.fixture(scope="module", params=["sdpa", "eager"])
+def tiny_lm(request, tiny_model_path):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation=request.param)
+
+
+def _grads(model, data, share, micro):
+    model.zero_grad(set_to_none=True)
+    for part in MicroBatching(micro, share_prompt=share).split(data):
+        log_probs, _ = response_log_probs(model, part, temperature=0.7, share_prompt=share)
+        weights = torch.linspace(-1, 1, log_probs.shape[1])
+        (log_probs * part.batch["response_mask"] * weights).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("micro", [9, 4])  # 4 rows a micro-batch splits the n = 5 group
+def test_log_probs_and_gradients_match_the_unshared_path(tiny_lm, micro):
+    data = grouped_batch(*GROUPS)
+    mask = data.batch["response_mask"].bool()
+    plain = batched(lambda d: response_log_probs(tiny_lm, d, 0.7, True, share_prompt=False), data, 9)
+    shared = batched(lambda d: response_log_probs(tiny_lm, d, 0.7, True, share_prompt=True), data, micro)
+    assert mask.sum() > 20 and torch.isfinite(shared[0]).all()
+    torch.testing.assert_close(shared[0][mask], plain[0][mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared[1][mask], plain[1][mask], atol=1e-5, rtol=0)
+    g_plain, g_shared = _grads(tiny_lm, data, False, 9), _grads(tiny_lm, data, True, micro)
+    for name, grad in g_plain.items():
+        assert grad.abs().max() > 0, name
+        assert (g_shared[name] - grad).norm() <= 1e-4 * grad.norm(), name
+
+
+def test_values_match_the_unshared_path(tiny_model_path):
+    torch.manual_seed(0)
+    critic = AutoModelForTokenClassification.from_pretrained(tiny_model_path, num_labels=1)
+    data = grouped_batch(*GROUPS, seed=1)
+    mask = data.batch["response_mask"].bool()
+    plain, shared = response_values(critic, data, share_prompt=False), response_values(critic, data)
+    torch.testing.assert_close(shared[mask], plain[mask], atol=1e-5, rtol=0)
+    (shared * mask).sum().backward()
+    g_shared = {n: p.grad.clone() for n, p in critic.named_parameters()}
+    critic.zero_grad()
+    (plain * mask).sum().backward()
+    for name, p in critic.named_parameters():
+        assert (g_shared[name] - p.grad).norm() <= 1e-4 * p.grad.norm(), name
+
+
+def test_token_budget_keeps_groups_whole_and_sorts_by_length():
+    data = grouped_batch([2, 2, 2, 1], [3, 12, 6, 4], seed=2)
+    counts = data.batch["attention_mask"].sum(1)
+    batching = MicroBatching(0, max_token_len=int(counts[2:4].sum() - counts[3] + data.batch["response_mask"][3].sum()))
+    parts = batching.indices(data)
+    assert sorted(np.concatenate(parts).tolist()) == list(range(7))
+    assert [2, 3] in [p.tolist() for p in parts]  # the longest group, alone in its micro-batch
+    for p in parts:  # groups are never split (none exceeds the budget here)
+        assert all((r ^ 1) in p for r in p.tolist() if r < 6)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_token_budget_update_equals_fixed_size_update(tiny_model_path, agg):
+    from hybridflow.algorithms import agg_loss
+
+    data = grouped_batch([2, 2, 2, 2], [5, 9, 3, 12], seed=3)
+    data.batch["advantages"] = torch.linspace(-1, 1, len(data))[:, None].expand(-1, 7).contiguous()
+
+    def updated(micro):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+        engine = TrainingEngine(model, OptimConfig(lr=1e-2, weight_decay=0.0), 1e9, "actor")
+
+        def loss_fn(part):
+            log_probs, _ = response_log_probs(model, part)
+            return agg_loss(-log_probs * part.batch["advantages"], part.batch["response_mask"].float(), agg), {}
+
+        engine.train_mini_batch(data, micro, loss_fn, agg)  # the gradients stay on the parameters
+        return {name: p.grad for name, p in model.named_parameters()}
+
+    fixed, budget = updated(MicroBatching(2, share_prompt=False)), updated(MicroBatching(0, max_token_len=25))
+    assert len(MicroBatching(0, max_token_len=25).indices(data)) > 2  # really cut differently
+    for name, grad in fixed.items():
+        assert grad.abs().max() > 0 and (budget[name] - grad).norm() <= 1e-5 * grad.norm(), name
+
+
+def test_embedded_model_shares_prompts_exactly():
+    from hybridflow.models import default_model_path
+    from hybridflow.workers.modeling import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(default_model_path())
+    tokenizer = load_tokenizer(default_model_path())
+    encode = lambda text: torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    question, other = encode("Compute 14+27. Reply in the form 14+27=<answer>."), encode("Compute 3+4.")
+    rows = [(question, encode("14+27=41")), (question, encode("14+27 = 42, I think")), (other, encode("7"))]
+    data = layout(rows, prompt_width=len(question), length=max(len(r) for _, r in rows))
+    mask = data.batch["response_mask"].bool()
+    grads = {}
+    for share in (False, True):
+        model.zero_grad(set_to_none=True)
+        log_probs, _ = response_log_probs(model, data, share_prompt=share)
+        (log_probs * mask).sum().backward()
+        grads[share] = (log_probs.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                              if n.endswith(("q_proj.weight", "embed_tokens.weight"))})
+    torch.testing.assert_close(grads[True][0][mask], grads[False][0][mask], atol=1e-5, rtol=0)
+    for name, grad in grads[False][1].items():
+        assert (grads[True][1][name] - grad).norm() <= 1e-4 * grad.norm(), name
+
+
+def test_actor_worker_config_switches_give_the_same_log_probs(tiny_model_path, chat_prompts):
+    """The worker reads share_prompt_prefix and the token-budget keys; rows come back in their order."""
+    from hybridflow.single_controller import ClassWithInitArgs, LocalWorkerGroup
+    from hybridflow.trainer.config import PPOConfig
+    from hybridflow.workers import ActorRolloutRefWorker
+
+    cfg = PPOConfig()
+    cfg.actor_rollout_ref.model.path = tiny_model_path
+    cfg.actor_rollout_ref.rollout.n = 3
+    arr = cfg.resolve().actor_rollout_ref
+    group = LocalWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, arr, role="actor_rollout", response_length=6))
+    group.init_model()
+    prompts = chat_prompts(group.workers[0].tokenizer, ["Compute 1+2.", "Say hello to the world please.", "Hi"])
+    batch = group.generate_sequences(prompts)
+    results = []
+    for share, dynamic in ((False, False), (True, False), (True, True)):
+        arr.model.share_prompt_prefix, arr.rollout.log_prob_use_dynamic_bsz = share, dynamic
+        arr.rollout.log_prob_max_token_len_per_gpu = 40  # several micro-batches, sorted by length
+        results.append(group.compute_log_prob(batch).batch["old_log_probs"])
+    mask = batch.batch["response_mask"].bool()
+    for other in results[1:]:
+        torch.testing.assert_close(other[mask], results[0][mask], atol=1e-5, rtol=0)
