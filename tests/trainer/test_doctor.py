@@ -77,8 +77,8 @@ def test_wrong_batch_size_fails_the_batch_check(base, capsys):
 
 
 def test_keys_ignored_on_this_backend_are_a_warning(base):
-    check = verdicts([*base, "actor_rollout_ref.actor.use_dynamic_bsz=true"])["config"]
-    assert check.verdict == "warn" and "actor_rollout_ref.actor.use_dynamic_bsz = True" in check.detail
+    check = verdicts([*base, "actor_rollout_ref.hybrid_engine=false"])["config"]
+    assert check.verdict == "warn" and "actor_rollout_ref.hybrid_engine = False" in check.detail
 
 
 def test_missing_file_fails_the_paths_check(base, tmp_path):
