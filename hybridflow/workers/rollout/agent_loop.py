@@ -30,6 +30,7 @@ from hybridflow.data.dataset import left_pad
 from hybridflow.protocol import DataProto
 from hybridflow.tools import BaseTool, ToolCall, ToolError, parse_tool_calls
 from hybridflow.workers.rollout.chat_template import Messages, TemplateDelta
+from hybridflow.workers.rollout.hf_rollout import attach_responses
 
 SAMPLING_OVERRIDES = ("do_sample", "temperature", "top_p", "top_k")
 
@@ -177,15 +178,7 @@ class AgentLoop:
             response_mask[i, :k] = torch.tensor(c.mask, dtype=torch.long)
             attention[i, :k] = 1
             log_probs[i, :k] = torch.tensor(c.log_probs, dtype=torch.float32)
-        prompt_ids, prompt_positions = rows.batch["input_ids"], rows.batch["position_ids"]
-        rows.batch["prompts"] = prompt_ids
-        rows.batch["responses"] = responses
-        rows.batch["response_mask"] = response_mask
-        rows.batch["rollout_log_probs"] = log_probs * response_mask
-        rows.batch["input_ids"] = torch.cat([prompt_ids, responses], dim=1)
-        rows.batch["attention_mask"] = torch.cat([rows.batch["attention_mask"], attention], dim=1)
-        rows.batch["position_ids"] = torch.cat(
-            [prompt_positions, prompt_positions[:, -1:] + torch.arange(1, length + 1)], dim=1)
+        rows = attach_responses(rows, responses, response_mask, log_probs, attended=attention)
         columns = {"messages": [c.messages for c in conversations], "tool_calls": [c.tool_calls for c in conversations],
                    "num_turns": [c.assistant_turns for c in conversations],
                    "tool_rewards": [c.tool_reward for c in conversations]}

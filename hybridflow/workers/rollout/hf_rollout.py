@@ -68,20 +68,29 @@ def assemble_rollout(expanded: DataProto, responses: torch.Tensor, rollout_log_p
     ``expanded``: the prompts repeated ``n`` times (interleaved), ``(bs*n, P)`` left-padded;
     ``responses`` ``(bs*n, L)`` sampled tokens (anything after the first EOS is replaced by pad);
     ``rollout_log_probs`` ``(bs*n, L)`` the engine's log-prob of each sampled token (zero when greedy).
-    Adds ``prompts``, ``responses``, ``response_mask``, ``rollout_log_probs`` and the whole sequence's
-    ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs*n, P + L)``."""
+    See ``attach_responses`` for the columns added."""
     response_mask = response_mask_from(responses, eos_token_ids)
     responses = torch.where(response_mask.bool(), responses, pad_token_id)
-    prompt_ids, prompt_positions = expanded.batch["input_ids"], expanded.batch["position_ids"]
+    return attach_responses(expanded, responses, response_mask, rollout_log_probs)
+
+
+def attach_responses(rows: DataProto, responses: torch.Tensor, response_mask: torch.Tensor,
+                     rollout_log_probs: torch.Tensor, attended: torch.Tensor | None = None) -> DataProto:
+    """Add ``prompts``, ``responses``, ``response_mask``, ``rollout_log_probs`` (masked) and the whole
+    sequence's ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, P + L)`` to left-padded prompt
+    ``rows``. ``attended`` ``(bs, L)`` marks the response tokens the model sees (default: ``response_mask``);
+    a multi-turn rollout's tool output is seen but not trained on."""
+    attended = response_mask if attended is None else attended
+    prompt_ids, prompt_positions = rows.batch["input_ids"], rows.batch["position_ids"]
     response_positions = prompt_positions[:, -1:] + torch.arange(1, responses.shape[1] + 1)
-    expanded.batch["prompts"] = prompt_ids
-    expanded.batch["responses"] = responses
-    expanded.batch["response_mask"] = response_mask
-    expanded.batch["rollout_log_probs"] = rollout_log_probs * response_mask
-    expanded.batch["input_ids"] = torch.cat([prompt_ids, responses], dim=1)
-    expanded.batch["attention_mask"] = torch.cat([expanded.batch["attention_mask"], response_mask], dim=1)
-    expanded.batch["position_ids"] = torch.cat([prompt_positions, response_positions], dim=1)
-    return expanded
+    rows.batch["prompts"] = prompt_ids
+    rows.batch["responses"] = responses
+    rows.batch["response_mask"] = response_mask
+    rows.batch["rollout_log_probs"] = rollout_log_probs * response_mask
+    rows.batch["input_ids"] = torch.cat([prompt_ids, responses], dim=1)
+    rows.batch["attention_mask"] = torch.cat([rows.batch["attention_mask"], attended], dim=1)
+    rows.batch["position_ids"] = torch.cat([prompt_positions, response_positions], dim=1)
+    return rows
 
 
 class HFRollout:
