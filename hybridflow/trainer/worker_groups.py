@@ -160,8 +160,9 @@ def build_worker_groups(config: Any, reward_fn: Callable[..., dict] | None = Non
     pool_of = {name: roles["actor" if name == str(Role.ACTOR_ROLLOUT) else name] for name in inits}
     used = {pool: nodes for pool, nodes in pools.items() if pool in pool_of.values()}
     processes = sum(sum(nodes) for nodes in used.values())
-    needed = {"CPU": processes * trainer.cpus_per_worker, **({"GPU": float(processes)} if trainer.device == "cuda"
-                                                              else {})}
+    needed = {"CPU": processes * trainer.cpus_per_worker}
+    if trainer.device == "cuda":
+        needed["GPU"] = float(processes)
     check_ray_resources(needed, trainer.n_workers)
     manager = ResourcePoolManager(used, {name: pool_of[name] for name in inits}, use_gpu=trainer.device == "cuda",
                                   cpus_per_process=trainer.cpus_per_worker, max_colocate_count=1)
