@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from hybridflow.cli import main as cli
-from hybridflow.data.prepare import main as prepare_data
 from hybridflow.demo import DEMO_SETTINGS
 from hybridflow.trainer.config import load_config
 from hybridflow.trainer.config_loader import load_unvalidated
@@ -20,10 +19,8 @@ NAMES = ["config", "paths", "model", "dataset", "batch", "reward", "memory", "en
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("arith")
-    prepare_data(["arithmetic", str(out), "--train-size", "16", "--test-size", "4", "--seed", "0"])
-    return out
+def data_dir(arithmetic_data) -> Path:
+    return arithmetic_data(16, 4)
 
 
 @pytest.fixture

@@ -22,7 +22,6 @@ from safetensors.torch import load_file
 
 from hybridflow.cli import main as cli
 from hybridflow.data.dataset import read_rows
-from hybridflow.data.prepare import main as prepare_data
 from hybridflow.trainer import PPOTrainer, load_config
 from hybridflow.trainer.checkpoint import LATEST_FILE
 from hybridflow.trainer.hooks import EVENTS
@@ -33,10 +32,8 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("arith")
-    prepare_data(["arithmetic", str(out), "--train-size", "16", "--test-size", "4", "--seed", "0"])
-    return out
+def data_dir(arithmetic_data) -> Path:
+    return arithmetic_data(16, 4)
 
 
 def overrides(data_dir: Path, model: str, run_dir: Path, *extra: str) -> list[str]:

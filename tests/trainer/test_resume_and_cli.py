@@ -19,7 +19,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hybridflow
 from hybridflow.cli import main as cli
-from hybridflow.data.prepare import main as prepare_data
 from hybridflow.trainer import PPOTrainer, load_config
 from hybridflow.trainer.checkpoint import COMPLETE_MARKER, LATEST_FILE, resolve_checkpoint
 from hybridflow.trainer.hooks import HookError
@@ -89,10 +88,8 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("arith")
-    prepare_data(["arithmetic", str(out), "--train-size", "32", "--test-size", "4", "--seed", "0"])
-    return out
+def data_dir(arithmetic_data) -> Path:
+    return arithmetic_data(32, 4)
 
 
 def overrides(data_dir: Path, model: str, run_dir: Path, *extra: str) -> list[str]:
