@@ -96,13 +96,19 @@ class ModelConfig:
 
 
 @dataclass
-class PolicyModelConfig(ModelConfig):
-    """The policy's model, optionally trained through LoRA adapters (``peft``) on frozen base weights."""
+class LoRAConfig:
+    """Training through LoRA adapters (``peft``) on frozen base weights; the reference policy is then the same
+    module with the adapter switched off, so no second copy of the weights is loaded."""
     lora_rank: int = 0  #: LoRA rank; 0 trains every weight, > 0 trains rank-r adapters (the reference is the base)
     lora_alpha: int = 16  #: LoRA scale numerator: the adapter's update is multiplied by lora_alpha / lora_rank
     #: which linear layers get adapters: ["all-linear"] (all but the output layer) or module names,
     #: e.g. [q_proj, v_proj]
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+
+
+@dataclass
+class PolicyModelConfig(LoRAConfig, ModelConfig):
+    """The policy's model, optionally trained through LoRA adapters (``peft``) on frozen base weights."""
 
 
 @dataclass

@@ -82,25 +82,33 @@ class OfflineTrainer:
 
     # ------------------------------------------------------------------ workers
     def worker_config(self) -> ActorRolloutRefConfig:
-        """The ``actor_rollout_ref`` section the workers read, from this config: the model, the optimiser,
-        micro-batches in rows (a DPO pair is two rows) and temperature 1 for log-probs."""
+        """The ``actor_rollout_ref`` section the workers read, from this config: the model (and its LoRA
+        adapters), the optimiser, micro-batches in rows (a DPO pair is two rows) or, for SFT, in tokens, and
+        temperature 1 for log-probs."""
         cfg, m = self.config, self.config.model
         rows = cfg.data.micro_batch_size_per_gpu * (2 if cfg.kind == "dpo" else 1)
+        actor = ActorConfig(ppo_micro_batch_size_per_gpu=rows, grad_clip=cfg.optim.clip_grad, optim=cfg.optim)
+        if isinstance(cfg, SFTConfig):  # SFT rows are independent; a DPO pair must stay in one micro-batch
+            actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu = cfg.data.use_dynamic_bsz, \
+                cfg.data.max_token_len_per_gpu
         return ActorRolloutRefConfig(
             model=PolicyModelConfig(path=m.partial_pretrain, trust_remote_code=m.trust_remote_code,
-                              enable_gradient_checkpointing=m.enable_gradient_checkpointing, dtype=m.dtype),
-            actor=ActorConfig(ppo_micro_batch_size_per_gpu=rows, grad_clip=cfg.optim.clip_grad, optim=cfg.optim),
-            ref=RefConfig(log_prob_micro_batch_size_per_gpu=rows),
+                                    enable_gradient_checkpointing=m.enable_gradient_checkpointing, dtype=m.dtype,
+                                    lora_rank=m.lora_rank, lora_alpha=m.lora_alpha,
+                                    target_modules=list(m.target_modules)),
+            actor=actor, ref=RefConfig(log_prob_micro_batch_size_per_gpu=rows),
             rollout=RolloutConfig(temperature=1.0, log_prob_micro_batch_size_per_gpu=rows))
 
     def init_workers(self) -> None:
-        """The actor (no rollout: nothing is generated) and, for DPO/KTO, the frozen reference."""
+        """The actor (no rollout: nothing is generated) and, for DPO/KTO, the frozen reference: a second
+        model, or with LoRA the actor's own module with the adapter off (the actor's workers take the role)."""
         if self.wg is not None:
             return
         arr, seed, device = self.worker_config(), self.config.trainer.seed, self.config.trainer.device
-        inits = {Role.ACTOR_ROLLOUT: ClassWithInitArgs(ActorRolloutRefWorker, arr, role="actor", seed=seed,
-                                                       device=device)}
-        if self.objective.needs_ref:
+        ref_in_actor = self.objective.needs_ref and arr.model.lora_rank > 0
+        inits = {Role.ACTOR_ROLLOUT: ClassWithInitArgs(ActorRolloutRefWorker, arr, seed=seed, device=device,
+                                                       role="actor_ref" if ref_in_actor else "actor")}
+        if self.objective.needs_ref and not ref_in_actor:
             inits[Role.REF] = ClassWithInitArgs(ActorRolloutRefWorker, arr, role="ref", seed=seed, device=device)
         self.wg = build_worker_groups(self.config, inits=inits)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from hybridflow.trainer import config_loader as base
-from hybridflow.trainer.config import ConfigError, Dtype, OptimConfig, TrainerConfig
+from hybridflow.trainer.config import ConfigError, Dtype, LoRAConfig, OptimConfig, TrainerConfig
 from hybridflow.trainer.config_checks import DTYPE_ALIASES, cuda_available
 
 CONFIG_DIR = Path(__file__).parent / "config"
@@ -42,6 +42,10 @@ class SFTDataConfig(OfflineDataConfig):
     """Demonstrations: ``{prompt, response}`` rows or ``{messages}`` conversations."""
     response_key: str = "response"  #: column holding the target response (string or assistant messages)
     messages_key: str = "messages"  #: column holding a whole conversation; loss on assistant turns only
+    #: micro-batches filled to max_token_len_per_gpu real tokens (rows of similar length together, little
+    #: padding) instead of micro_batch_size_per_gpu rows; the update is the same, the cost follows the tokens
+    use_dynamic_bsz: bool = False
+    max_token_len_per_gpu: int = 8192  #: real tokens per micro-batch when use_dynamic_bsz
 
 
 @dataclass
@@ -59,12 +63,18 @@ class KTODataConfig(OfflineDataConfig):
 
 
 @dataclass
-class OfflineModelConfig:
+class _StartingModel:
     """The starting model: a Hugging Face folder, a checkpoint's ``actor/huggingface`` folder, or ``default``."""
     partial_pretrain: str = "default"  #: model folder or hub id; "default" = the embedded SmolLM2-135M-Instruct
     trust_remote_code: bool = False  #: allow model code shipped with the checkpoint
     enable_gradient_checkpointing: bool = False  #: recompute activations in backward: less memory, slower
     dtype: Dtype = "auto"  #: auto (fp32 on cpu, bf16 on cuda) | fp32 | bf16 | fp16
+
+
+@dataclass
+class OfflineModelConfig(LoRAConfig, _StartingModel):
+    """The starting model, optionally trained through LoRA adapters (verl SFT's ``model.lora_rank`` ...); DPO
+    and KTO then take their reference log-probs from the same module with the adapter off."""
 
 
 @dataclass
@@ -141,6 +151,9 @@ class _OfflineConfig:
         for key in ("train_batch_size", "micro_batch_size_per_gpu", "max_length"):
             if getattr(d, key) < 1:
                 raise ConfigError(f"data.{key} must be >= 1, got {getattr(d, key)}")
+        if cfg.model.lora_rank < 0 or cfg.model.lora_alpha <= 0:
+            raise ConfigError(f"model.lora_rank must be >= 0 and model.lora_alpha > 0, got {cfg.model.lora_rank} "
+                              f"and {cfg.model.lora_alpha}")
         if d.train_batch_size % tr.n_workers:
             raise ConfigError(f"data.train_batch_size ({d.train_batch_size}) does not divide evenly across "
                               f"trainer.n_workers ({tr.n_workers})")
@@ -153,7 +166,7 @@ class _OfflineConfig:
         self._validate_loss(cfg)
 
     def _validate_loss(self, cfg: Any) -> None:
-        """Checks of the objective's own section."""
+        """Checks of the objective's own keys."""
 
     def loss_spec(self) -> dict[str, Any]:
         """What the actor's offline update needs to know: the objective's name and settings."""
@@ -166,6 +179,10 @@ class SFTConfig(_OfflineConfig):
     data: SFTDataConfig = field(default_factory=SFTDataConfig)  #: demonstrations and batch sizes
 
     kind = "sft"
+
+    def _validate_loss(self, cfg: Any) -> None:
+        if cfg.data.max_token_len_per_gpu < 1:
+            raise ConfigError(f"data.max_token_len_per_gpu must be >= 1, got {cfg.data.max_token_len_per_gpu}")
 
 
 @dataclass

@@ -248,20 +248,26 @@ class ActorRolloutRefWorker(Worker):
         extra = []
         if sft_data is not None and len(sft_data):
             extra = [(sft_data, self._sft_loss, float(sft_data.meta_info.get("loss_coef", 1.0)))]
-        micro = MicroBatching(actor.ppo_micro_batch_size_per_gpu,
-                              actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
-                              self.config.model.share_prompt_prefix)
-        metrics = self.engine.update(data, mini_batch, micro, self._policy_loss,
+        metrics = self.engine.update(data, mini_batch, self._micro_batching(), self._policy_loss,
                                      actor.loss_agg_mode, actor.ppo_epochs, actor.shuffle, self.seed, extra)
         self._sync_rollout()
         return DataProto(meta_info={"metrics": metrics})
+
+    def _micro_batching(self) -> MicroBatching:
+        """How the actor's updates cut their batch: ``ppo_micro_batch_size_per_gpu`` rows, or with
+        ``use_dynamic_bsz`` up to ``ppo_max_token_len_per_gpu`` real tokens per micro-batch."""
+        actor = self.config.actor
+        return MicroBatching(actor.ppo_micro_batch_size_per_gpu,
+                             actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
+                             self.config.model.share_prompt_prefix)
 
     # ---------------------------------------------------------------- offline training (SFT, DPO, KTO)
     def _offline_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         """The objective ``micro.meta_info["offline"]["loss"]`` (``hybridflow.algorithms.preference``) on the
         policy's log-probs of ``responses`` (temperature 1: the model's own distribution)."""
         spec = micro.meta_info["offline"]
-        log_prob, _ = response_log_probs(self.module, micro, temperature=1.0)
+        log_prob, _ = response_log_probs(self.module, micro, temperature=1.0,
+                                         share_prompt=self.config.model.share_prompt_prefix)
         return get_offline_objective(spec["loss"]).fn(log_prob, micro.batch, spec)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -272,8 +278,8 @@ class ActorRolloutRefWorker(Worker):
         self._require(self.engine, "actor", "update_actor_offline")
         objective = get_offline_objective(data.meta_info["offline"]["loss"])
         self.module.train()
-        metrics = self.engine.update(data, len(data), self.config.actor.ppo_micro_batch_size_per_gpu,
-                                     self._offline_loss, objective.loss_agg_mode, seed=self.seed)
+        metrics = self.engine.update(data, len(data), self._micro_batching(), self._offline_loss,
+                                     objective.loss_agg_mode, seed=self.seed)
         return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -287,7 +293,7 @@ class ActorRolloutRefWorker(Worker):
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
         with torch.no_grad():
-            for micro in data.split(self.config.actor.ppo_micro_batch_size_per_gpu):
+            for micro in self._micro_batching().split(data):
                 weight = float(micro.batch["response_mask"].sum()) if by_tokens else float(len(micro))
                 for key, value in self._offline_loss(micro)[1].items():
                     sums[key] = sums.get(key, 0.0) + weight * value

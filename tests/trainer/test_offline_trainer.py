@@ -1,12 +1,17 @@
-"""The offline trainers end to end on the tiny model: configs, DPO (local and 2 Ray workers), KTO, SFT."""
+"""The offline trainers end to end on the tiny model: configs, DPO (local and 2 Ray workers, and with LoRA), KTO,
+SFT (fixed-size and token-budget micro-batches)."""
 
 import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from omegaconf import OmegaConf
+from transformers import AutoModelForCausalLM
 
+import hybridflow.workers.actor as actor_worker
 from hybridflow.cli import main as cli
 from hybridflow.data.prepare import main as prepare_data
 from hybridflow.trainer.checkpoint import find_latest_checkpoint
@@ -20,6 +25,8 @@ from hybridflow.trainer.offline_config import (
     default_config_path,
     load_offline_config,
 )
+from hybridflow.workers.modeling import response_log_probs
+from hybridflow.workers.packing import MicroBatching
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +68,10 @@ def test_config_uses_verl_sft_names_and_names_bad_keys(tmp_path):
         load_offline_config(DPOConfig, ["data.train_files=a", "dpo.loss_type=ipo", "dpo.label_smoothing=0.1"])
     with pytest.raises(ConfigError, match="data.train_files is required"):
         load_offline_config(SFTConfig, [])
+    with pytest.raises(ConfigError, match="data.max_token_len_per_gpu must be >= 1, got 0"):
+        load_offline_config(SFTConfig, ["data.train_files=a", "data.use_dynamic_bsz=true", "data.max_token_len_per_gpu=0"])
+    with pytest.raises(ConfigError, match="model.lora_rank must be >= 0"):
+        load_offline_config(DPOConfig, ["data.train_files=a", "model.lora_rank=-1"])
 
 
 @pytest.mark.parametrize("backend", ["local", "ray"])
@@ -109,3 +120,52 @@ def test_sft_resumes_from_its_last_checkpoint(data, tiny_model_path, tmp_path):
     resumed.load_checkpoint()
     assert (resumed.global_step, resumed.train_loader.position) == (2, 2)
     resumed.close()
+
+
+def test_dpo_with_lora_takes_the_reference_from_the_adapter_off(data, tiny_model_path, tmp_path, monkeypatch):
+    loaded = []  # every model the workers build (the real loader, counted)
+    load_model = actor_worker.load_model
+    monkeypatch.setattr(actor_worker, "load_model", lambda *a, **k: loaded.append(a[0]) or load_model(*a, **k))
+    config = load_offline_config(DPOConfig, overrides(data, "dpo", tiny_model_path, tmp_path, "model.lora_rank=4",
+                                                      "model.lora_alpha=8", "optim.lr=1e-2",
+                                                      "trainer.total_training_steps=2"))
+    with OfflineTrainer(config) as trainer:
+        trainer.fit()
+        assert loaded == [tiny_model_path] and trainer.wg.ref is trainer.wg.actor_rollout  # one model, no copy
+        batch = next(iter(trainer.val_loader))
+        ref = trainer.wg.ref.compute_ref_log_prob(batch).batch["ref_log_prob"]
+        policy = trainer.wg.actor_rollout.compute_log_prob(batch).batch["old_log_probs"]
+    base, _ = response_log_probs(AutoModelForCausalLM.from_pretrained(tiny_model_path).eval(), batch)
+    mask = batch.batch["response_mask"].bool()
+    torch.testing.assert_close(ref[mask], base[mask], rtol=1e-5, atol=1e-5)  # adapter off = the base model
+    assert (policy - ref)[mask].abs().max() > 1e-3  # while the trained adapter did move the policy
+    rows = logged(tmp_path)
+    assert rows[0]["val/loss"] == pytest.approx(math.log(2), abs=1e-5)  # LoRA's B starts at 0: policy = reference
+    assert rows[1]["train/loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert rows[-1]["val/rewards/margins"] > 0
+
+
+def test_sft_token_budget_micro_batches_give_the_fixed_size_update(data, tiny_model_path, tmp_path, monkeypatch):
+    cuts = []  # rows of each micro-batch the update ran (the real split, recorded)
+    split = MicroBatching.split
+    monkeypatch.setattr(MicroBatching, "split", lambda self, d: cuts.append([len(m) for m in split(self, d)])
+                        or split(self, d))
+
+    def one_step(*extra: str) -> tuple[dict, dict, float, object]:
+        """Weights before and after one SFT step, its gradient norm (before clipping), the batch."""
+        config = load_offline_config(SFTConfig, overrides(data, "sft", tiny_model_path, tmp_path, *extra))
+        with OfflineTrainer(config) as trainer:
+            trainer.init_workers()
+            start = {k: v.copy() for k, v in trainer.wg.actor_rollout.get_weights()[0].items()}  # local: views
+            batch = next(iter(trainer.train_loader))
+            norm = trainer.train_step(batch)["actor/grad_norm"]
+            return start, trainer.wg.actor_rollout.get_weights()[0], norm, batch
+
+    start, fixed, fixed_norm, batch = one_step()
+    longest = int(batch.batch["attention_mask"].sum(-1).max())  # a budget of one row: 4 micro-batches, not 2
+    _, budget, budget_norm, _ = one_step("data.use_dynamic_bsz=true", f"data.max_token_len_per_gpu={longest}")
+    assert cuts == [[2, 2], [1, 1, 1, 1]]
+    assert budget_norm == pytest.approx(fixed_norm, rel=1e-5)  # the same gradient
+    assert max(float(np.abs(fixed[k] - start[k]).max()) for k in start) > 1e-4  # the step moved the weights
+    for name, value in fixed.items():
+        np.testing.assert_allclose(budget[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
