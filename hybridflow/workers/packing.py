@@ -49,78 +49,105 @@ def prompt_groups(data: DataProto) -> list[tuple[int, int]]:
 
 @dataclass
 class PackedBatch:
-    """One packed row per group; the model's outputs over columns ``first_kept - 1 ..`` are gathered back
-    into per-response positions with ``rows`` and ``cols``.
+    """Rows packed as prefix trees, one tree per packed row; the model's outputs at columns ``keep`` are
+    gathered back into per-response positions with ``rows`` and ``cols``.
 
-    ``input_ids``, ``position_ids`` ``(G, W)``; ``attention_mask`` ``(G, 1, W, W)`` additive (0 or the
-    dtype's minimum); ``rows`` ``(bs,)`` the packed row of each original row; ``cols`` ``(bs, L)`` the column
-    (counted from ``first_kept - 1``) whose output predicts each response token."""
+    ``input_ids``, ``position_ids`` ``(G, W)``; ``attention_mask`` ``(G, 1, W, W)`` additive (0 or the dtype's
+    minimum); ``keep`` ``(K,)`` the columns whose outputs predict a response token (in some packed row);
+    ``rows`` ``(bs,)`` the packed row of each original row; ``cols`` ``(bs, L)`` the index into ``keep`` of
+    the output that predicts each response token (0 where the row has no token there)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     position_ids: torch.Tensor
-    first_kept: int
+    keep: torch.Tensor
     rows: torch.Tensor
     cols: torch.Tensor
 
     def gather(self, outputs: torch.Tensor) -> torch.Tensor:
-        """``outputs`` ``(G, W - first_kept + 1, ...)`` (the model's outputs from column ``first_kept - 1``
-        on) -> ``(bs, L, ...)``: the output that predicts each response token (or its value)."""
+        """``outputs`` ``(G, K, ...)`` (the model's outputs at columns ``keep``) -> ``(bs, L, ...)``: the
+        output that predicts each response token (or its value)."""
         return outputs[self.rows[:, None].to(outputs.device), self.cols.to(outputs.device)]
 
 
-def _real_extent(mask_row: torch.Tensor, from_left: bool) -> int:
-    """Columns from the first attended one to the end (prompt), or up to the last attended one (response)."""
-    nonzero = torch.nonzero(mask_row).flatten()
-    if len(nonzero) == 0:
-        return 0
-    return len(mask_row) - int(nonzero[0]) if from_left else int(nonzero[-1]) + 1
+class _Tree:
+    """A prefix tree of ``(token, position)`` nodes, numbered in insertion order (a parent precedes its
+    children)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.positions: list[int] = []
+        self.parents: list[int] = []
+        self.children: dict[tuple[int, int, int], int] = {}  # (parent, token, position) -> node
+
+    def walk(self, tokens: list[int], positions: list[int]) -> list[int]:
+        """Insert one row's real tokens; returns the node of each."""
+        nodes, node = [], -1
+        for token, position in zip(tokens, positions):
+            key = (node, token, position)
+            child = self.children.get(key)
+            if child is None:
+                child = self.children[key] = len(self.tokens)
+                self.tokens.append(token)
+                self.positions.append(position)
+                self.parents.append(node)
+            nodes.append(child)
+            node = child
+        return nodes
+
+    def ancestors(self, width: int) -> torch.Tensor:
+        """``(width, width)`` bool: node ``i`` attends to ``j`` iff ``j`` is ``i`` or one of its ancestors;
+        columns past the tree's nodes (padding) attend to themselves only."""
+        allowed = torch.eye(width, dtype=torch.bool)
+        for node, parent in enumerate(self.parents):
+            if parent >= 0:
+                allowed[node] |= allowed[parent]
+        return allowed
 
 
-def pack_shared_prompts(data: DataProto, groups: list[tuple[int, int]], dtype: torch.dtype) -> PackedBatch:
-    """Lay every group out as ``[pad, prompt, response_1, ..., response_k, pad]`` with all prompts ending at
-    the same column, so one ``logits_to_keep`` keeps exactly the outputs that predict response tokens.
+def pack_prefix_tree(data: DataProto, dtype: torch.dtype, max_width: int = 1024) -> PackedBatch | None:
+    """Pack rows into prefix trees: a run of tokens (with their positions) that several rows begin with is
+    one set of columns, computed once, and each token attends to exactly the tokens before it in its row(s),
+    so outputs and gradients are those of the rows run one by one. Rows fill a packed row in order until it
+    holds ``max_width`` tokens (the dense 4-D mask costs ``W^2``), so a group of samples of one prompt
+    (consecutive rows) stays together when it fits.
 
     ``data.batch``: ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, P + L)`` (left-padded prompt,
-    right-padded response) and ``responses`` ``(bs, L)``. Padding columns are dropped (a key the row would
-    mask anyway), so a group of one is the plain row without its padding."""
+    right-padded response) and ``responses`` ``(bs, L)``. Tokens with attention mask 0 are left out: no token
+    attends to them and no response token is predicted from them. ``None`` when no two rows begin with the
+    same token: packing would then only trade padding for a wider mask."""
     ids, mask, pos = (data.batch[k] for k in ("input_ids", "attention_mask", "position_ids"))
     length = data.batch["responses"].shape[1]
     width = ids.shape[1] - length
-    prompt_lens = [max(1, _real_extent(mask[a, :width], from_left=True)) for a, _ in groups]
-    response_lens = [_real_extent(mask[r, width:], from_left=False) for r in range(len(data))]
-    lead = max(prompt_lens)
-    total = lead + max(sum(response_lens[a:b]) for a, b in groups)
-    n_groups = len(groups)
-    packed_ids = torch.zeros(n_groups, total, dtype=ids.dtype)
-    packed_pos = torch.zeros(n_groups, total, dtype=pos.dtype)
-    key_ok = torch.zeros(n_groups, total, dtype=torch.bool)
-    segment = torch.full((n_groups, total), -1, dtype=torch.long)  # -1 padding, 0 prompt, i + 1 response i
-    rows = torch.zeros(len(data), dtype=torch.long)
+    trees: list[_Tree] = [_Tree()]
+    predictors: list[tuple[int, list[int]]] = []  # per row: its tree, the node predicting each response token
+    for r in range(len(data)):
+        if len(trees[-1].tokens) >= max_width:
+            trees.append(_Tree())
+        real = mask[r].bool()
+        nodes = trees[-1].walk(ids[r][real].tolist(), pos[r][real].tolist())
+        prompt_len, response_len = int(real[:width].sum()), int(real[width:].sum())
+        # response token t is predicted by the node of the token before it (the last prompt token for t = 0)
+        before = ([-1] + nodes)[prompt_len:prompt_len + response_len]
+        predictors.append((len(trees) - 1, before))
+    if sum(len(tree.tokens) for tree in trees) == int(mask.sum()):
+        return None
+    packed_width = max(len(tree.tokens) for tree in trees)
+    packed_ids = torch.zeros(len(trees), packed_width, dtype=ids.dtype)
+    packed_pos = torch.zeros(len(trees), packed_width, dtype=pos.dtype)
+    allowed = torch.zeros(len(trees), packed_width, packed_width, dtype=torch.bool)
+    for g, tree in enumerate(trees):
+        packed_ids[g, :len(tree.tokens)] = torch.tensor(tree.tokens, dtype=ids.dtype)
+        packed_pos[g, :len(tree.tokens)] = torch.tensor(tree.positions, dtype=pos.dtype)
+        allowed[g] = tree.ancestors(packed_width)
+    keep = sorted({node for _, before in predictors for node in before if node >= 0}) or [0]
+    index = {node: k for k, node in enumerate(keep)}
     cols = torch.zeros(len(data), length, dtype=torch.long)
-    for g, (a, b) in enumerate(groups):
-        p = prompt_lens[g]
-        packed_ids[g, lead - p:lead] = ids[a, width - p:width]
-        packed_pos[g, lead - p:lead] = pos[a, width - p:width]
-        key_ok[g, lead - p:lead] = mask[a, width - p:width].bool()
-        segment[g, lead - p:lead] = 0
-        start = lead
-        for i, r in enumerate(range(a, b)):
-            n = response_lens[r]
-            packed_ids[g, start:start + n] = ids[r, width:width + n]
-            packed_pos[g, start:start + n] = pos[r, width:width + n]
-            key_ok[g, start:start + n] = mask[r, width:width + n].bool()
-            segment[g, start:start + n] = i + 1
-            rows[r] = g
-            # token t is predicted by the output at column start + t - 1 (token 0 by the prompt's last column)
-            cols[r, 1:n] = torch.arange(start, start + max(n - 1, 0)) - (lead - 1)
-            start += n
-    causal = torch.ones(total, total, dtype=torch.bool).tril()
-    same_part = (segment[:, None, :] == 0) | (segment[:, None, :] == segment[:, :, None])
-    allowed = causal & same_part & key_ok[:, None, :]
-    allowed |= torch.eye(total, dtype=torch.bool)  # no fully masked row (its output is never used)
+    for r, (_, before) in enumerate(predictors):
+        cols[r, :len(before)] = torch.tensor([index.get(node, 0) for node in before], dtype=torch.long)
     additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return PackedBatch(packed_ids, additive[:, None], packed_pos, lead, rows, cols)
+    return PackedBatch(packed_ids, additive[:, None], packed_pos, torch.tensor(keep, dtype=torch.long),
+                       torch.tensor([g for g, _ in predictors], dtype=torch.long), cols)
 
 
 def _token_counts(data: DataProto, groups: list[tuple[int, int]], share_prompt: bool) -> list[int]:
