@@ -18,7 +18,7 @@ from hybridflow.workers.checkpointing import load_worker_state, save_worker_stat
 from hybridflow.workers.engine import TrainingEngine
 from hybridflow.workers.modeling import load_model, load_tokenizer, response_values
 from hybridflow.workers.packing import MicroBatching, batched
-from hybridflow.workers.sharding import load_placement, resolve_strategy, wrap_model
+from hybridflow.workers.sharding import agreed_count, load_placement, resolve_strategy, wrap_model
 
 
 class CriticWorker(Worker):
@@ -52,7 +52,9 @@ class CriticWorker(Worker):
         """``values`` ``(bs, L)``, zero outside the response mask."""
         self.module.eval()
         share = self.config.model.share_prompt_prefix
-        values = batched(lambda d: response_values(self.module, d, share), data, self._micro_batching())
+        micro = self._micro_batching()
+        values = batched(lambda d: response_values(self.module, d, share), data, micro,
+                         agreed_count(micro.count(data), self.module))
         self.module.train()
         return DataProto.from_dict({"values": values * data.batch["response_mask"]})
 

@@ -68,7 +68,7 @@ def tiny_lm(request, tiny_model_path):
 
 def _grads(model, data, share, micro):
     model.zero_grad(set_to_none=True)
-    for part in MicroBatching(micro, share_prompt=share).split(data):
+    for part, _ in MicroBatching(micro, share_prompt=share).split(data):
         log_probs, _ = response_log_probs(model, part, temperature=0.7, share_prompt=share)
         weights = torch.linspace(-1, 1, log_probs.shape[1])
         (log_probs * part.batch["response_mask"] * weights).sum().backward()
