@@ -155,11 +155,13 @@ class TrainingEngine:
 
     def _check_finite_weights(self) -> None:
         """Stop at the update that broke the weights, not in the next step's sampling ("probability tensor
-        contains inf/nan"): the largest absolute weight is NaN or inf exactly when one weight is."""
+        contains inf/nan"): the weights' norm is NaN or inf when one weight is (or when their squares
+        overflow, ~1e19: broken too). The 2-norm, not the largest weight: an FSDP2 shard may be empty (the
+        critic's one-row value head on 2 ranks), and the inf-norm of an empty tensor is an error."""
         params = [p.detach() for p in self.module.parameters() if p.requires_grad]
-        largest = _full_float(torch.nn.utils.get_total_norm(params, norm_type=math.inf))
-        if not math.isfinite(largest):
-            raise DivergedError(f"{self.name}: the weights are {largest} after the update of training step "
+        norm = _full_float(torch.nn.utils.get_total_norm(params))
+        if not math.isfinite(norm):
+            raise DivergedError(f"{self.name}: the weights' norm is {norm} after the update of training step "
                                 f"{self.steps_done + 1} with lr {self.lr:g}; lower {self.name} optim.lr")
 
     @property
