@@ -43,6 +43,9 @@ class CriticWorker(Worker):
                             trust_remote_code=model_cfg.trust_remote_code, new_head="the critic's value head",
                             gradient_checkpointing=model_cfg.enable_gradient_checkpointing)
         module.config.pad_token_id = self.tokenizer.pad_token_id
+        for part in module.modules():  # transformers puts a 0.1 dropout before the head: the update would fit
+            if isinstance(part, torch.nn.Dropout):  # noisy values, not those compute_values returned (eval mode)
+                part.p = 0.0
         self.module = wrap_model(module, strategy, model_cfg.fsdp_config, self.device)
         self.engine = TrainingEngine(self.module, critic.optim, critic.grad_clip, "critic",
                                      self.world_size, model_cfg.fsdp_config.optimizer_offload)
