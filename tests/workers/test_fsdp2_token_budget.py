@@ -91,3 +91,36 @@ def test_token_budget_ranks_agree_and_equal_the_fixed_size_update(tiny_model_pat
     for name, tensor in one_weights.items():
         torch.testing.assert_close(two_weights[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
     assert two["actor/grad_norm"][0] == pytest.approx(one["actor/grad_norm"][0], rel=1e-5)
+
+
+def critic_config(path: str, dynamic: bool):
+    cfg = PPOConfig()
+    cfg.actor_rollout_ref.model.path = path
+    cfg.actor_rollout_ref.actor.ppo_mini_batch_size = 6
+    critic = cfg.critic
+    critic.strategy, critic.optim.lr, critic.grad_clip = "fsdp2", 1e-3, 1e9
+    critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu = 2, dynamic, BUDGET
+    return cfg.resolve().critic
+
+
+def test_critic_values_and_update_with_token_budgets_on_two_fsdp2_ranks(tiny_model_path, ray_session):
+    from hybridflow.workers import CriticWorker
+
+    batch = uneven_batch()
+    batch.batch["returns"] = batch.batch["advantages"] * batch.batch["response_mask"]
+    single = LocalWorkerGroup(ClassWithInitArgs(CriticWorker, critic_config(tiny_model_path, False), rollout_n=2))
+    single.init_model()
+    group, pool = ray_group(ClassWithInitArgs(CriticWorker, critic_config(tiny_model_path, True), rollout_n=2),
+                            "critic_budget")
+    try:
+        two_values = group.compute_values(batch).batch["values"]
+        two = group.update_critic(batch.union(DataProto.from_dict({"values": two_values})))
+    finally:
+        group.shutdown()
+        pool.remove()
+    one_values = single.compute_values(batch).batch["values"]
+    one = single.update_critic(batch.union(DataProto.from_dict({"values": one_values})))
+    assert one_values.abs().max() > 0
+    torch.testing.assert_close(two_values, one_values, rtol=0, atol=1e-5)
+    norm = "critic/grad_norm"  # the global gradient's norm: equal only if the gradients are
+    assert two.meta_info["metrics"][norm][0] == pytest.approx(one.meta_info["metrics"][norm][0], rel=1e-5)
