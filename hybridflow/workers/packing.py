@@ -17,7 +17,8 @@ replayed row, ``n = 1``) is a group of one: packed alone it only loses its paddi
 filled up to ``max_token_len`` real tokens, after sorting by length so that rows of similar length (little
 padding) travel together; groups are never split unless one alone exceeds the budget. The engine still
 weights each micro-batch's loss by its share of the global batch, so the update does not depend on how the
-batch was cut.
+batch was cut. Under FSDP2 the ranks first agree on one count (the largest any shard needs), and every
+shard is cut into exactly that many micro-batches, balanced by tokens (``MicroBatching``).
 """
 
 from __future__ import annotations
@@ -159,22 +160,66 @@ def _token_counts(data: DataProto, groups: list[tuple[int, int]], share_prompt: 
     return [sum(per_row[a:b]) - (b - a - 1) * prompt[a] if share_prompt else sum(per_row[a:b]) for a, b in groups]
 
 
+def _greedy_parts(costs: list[int], budget: int) -> list[int]:
+    """Start index of each part when ``costs`` are taken in order and a part closes before it would pass
+    ``budget`` (a cost over the budget alone still makes one part)."""
+    starts, used = [], budget + 1
+    for i, cost in enumerate(costs):
+        if used + cost > budget:
+            starts.append(i)
+            used = 0
+        used += cost
+    return starts
+
+
+def _balanced_parts(costs: list[int], parts: int) -> list[int]:
+    """Start indices of exactly ``parts`` (<= ``len(costs)``) consecutive parts of ``costs`` whose largest
+    sum is smallest: the least budget the greedy cut fits in ``parts`` parts (found by bisection), then the
+    heaviest parts split until there are ``parts`` of them (which never raises the largest sum)."""
+    low, high = max(costs), sum(costs)
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if len(_greedy_parts(costs, mid)) <= parts else (mid + 1, high)
+    starts = _greedy_parts(costs, low)
+    while len(starts) < parts:
+        bounds = starts + [len(costs)]
+        a, b = max(((s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e - s > 1),
+                   key=lambda r: sum(costs[r[0]:r[1]]))
+        cut = min(range(a + 1, b), key=lambda c: max(sum(costs[a:c]), sum(costs[c:b])))
+        starts = sorted(starts + [cut])
+    return starts
+
+
 @dataclass
 class MicroBatching:
     """How a batch is cut into micro-batches: ``size`` rows each, or (``max_token_len`` set) as many rows as
     fit in that many real tokens; ``share_prompt`` says the forward shares prompts (a group's cost is then
-    one prompt plus its responses)."""
+    one prompt plus its responses).
+
+    Ranks of an FSDP2-sharded model must run the same number of forwards and backwards (each all-gathers
+    weights with the other ranks), but a token budget gives each rank's shard its own count. So the worker
+    takes the largest of the ranks' ``count(shard)`` (an all-reduce) and passes it to ``indices``/``split``/
+    ``batched``, which cut every shard into exactly that many micro-batches, balanced by tokens."""
 
     size: int
     max_token_len: int | None = None
     share_prompt: bool = True
 
-    def indices(self, data: DataProto) -> list[np.ndarray]:
-        """Row indices of each micro-batch; together a permutation of ``range(len(data))``."""
+    def count(self, data: DataProto) -> int:
+        """Micro-batches ``data`` needs on its own (what this rank contributes to the agreed count)."""
+        return len(self.indices(data))
+
+    def indices(self, data: DataProto, count: int = 0) -> list[np.ndarray]:
+        """Row indices of each micro-batch: at least ``count`` of them, together a permutation of
+        ``range(len(data))``. With a token budget the micro-batches are consecutive runs of the groups
+        sorted by length (little padding) whose largest token count is smallest; groups are split into
+        row-chunks only when one alone exceeds the budget or there are fewer groups than micro-batches.
+        With fewer rows than ``count``, the last ones are empty: fillers (see ``split``)."""
         n = len(data)
         if not self.max_token_len:
             step = max(1, self.size)
-            return [np.arange(i, min(i + step, n)) for i in range(0, n, step)]
+            batches = [np.arange(i, min(i + step, n)) for i in range(0, n, step)]
+            return batches + [np.arange(0)] * (count - len(batches))
         groups = prompt_groups(data) if self.share_prompt else [(i, i + 1) for i in range(n)]
         units: list[tuple[int, int]] = []
         for a, b in groups:  # a group over the budget goes in as many row-chunks as it needs
@@ -183,19 +228,29 @@ class MicroBatching:
             bounds = np.linspace(a, b, chunks + 1).round().astype(int)
             units += [(int(s), int(e)) for s, e in zip(bounds[:-1], bounds[1:])]
         costs = _token_counts(data, units, self.share_prompt)
+        wanted = max(count, len(_greedy_parts(sorted(costs, reverse=True), self.max_token_len)))
+        while len(units) < wanted and any(b - a > 1 for a, b in units):  # fewer groups than micro-batches
+            u = max((u for u in range(len(units)) if units[u][1] - units[u][0] > 1), key=lambda u: costs[u])
+            (a, b), mid = units[u], (units[u][0] + units[u][1]) // 2
+            units[u:u + 1] = [(a, mid), (mid, b)]
+            costs[u:u + 1] = _token_counts(data, units[u:u + 2], self.share_prompt)
         order = sorted(range(len(units)), key=lambda u: -costs[u])  # similar lengths together: little padding
-        batches: list[list[int]] = []
-        used = self.max_token_len + 1
-        for u in order:
-            if used + costs[u] > self.max_token_len:
-                batches.append([])
-                used = 0
-            batches[-1] += range(*units[u])
-            used += costs[u]
-        return [np.asarray(sorted(rows), dtype=np.int64) for rows in batches]
+        starts = _balanced_parts([costs[u] for u in order], min(wanted, len(units))) if units else []
+        batches = [np.asarray(sorted(r for u in order[s:e] for r in range(*units[u])), dtype=np.int64)
+                   for s, e in zip(starts, starts[1:] + [len(order)])]
+        return batches + [np.arange(0)] * (wanted - len(batches))
 
-    def split(self, data: DataProto) -> list[DataProto]:
-        return [data[idx] for idx in self.indices(data)]
+    def split(self, data: DataProto, count: int = 0) -> list[tuple[DataProto, bool]]:
+        """``(micro_batch, real)`` for each of ``indices(data, count)``. A filler (``real`` false, from an
+        empty index list) is ``data``'s shortest row standing in: its forward and backward keep this rank
+        in step with ranks that have more micro-batches, and its result must count for nothing (the engine
+        scales its loss by 0, ``batched`` drops its output)."""
+        return [(data[idx], True) if len(idx) else (_stand_in(data), False) for idx in self.indices(data, count)]
+
+
+def _stand_in(data: DataProto) -> DataProto:
+    """The row with the fewest real tokens: the cheapest forward that keeps a rank in step."""
+    return data[[int(data.batch["attention_mask"].sum(dim=1).argmin())]]
 
 
 def as_micro_batching(micro: int | MicroBatching) -> MicroBatching:
@@ -203,12 +258,14 @@ def as_micro_batching(micro: int | MicroBatching) -> MicroBatching:
 
 
 @torch.no_grad()
-def batched(fn: Callable[[DataProto], Any], data: DataProto, micro: int | MicroBatching) -> Any:
-    """``fn(micro_batch)`` over micro-batches without gradients (log-prob and value passes), the results
+def batched(fn: Callable[[DataProto], Any], data: DataProto, micro: int | MicroBatching, count: int = 0) -> Any:
+    """``fn(micro_batch)`` over at least ``count`` micro-batches (fillers included, see
+    ``MicroBatching.split``) without gradients (log-prob and value passes), the results of the real ones
     concatenated back in the rows' original order. ``fn`` returns a tensor ``(rows, ...)`` or a tuple of
     tensors (or ``None``s)."""
-    batches = as_micro_batching(micro).indices(data)
-    outputs = [fn(data[idx]) for idx in batches]
+    batches = as_micro_batching(micro).indices(data, count)
+    outputs = [fn(data[idx] if len(idx) else _stand_in(data)) for idx in batches]
+    outputs = [out for out, idx in zip(outputs, batches) if len(idx)]
     inverse = torch.from_numpy(np.argsort(np.concatenate(batches), kind="stable"))
 
     def merge(parts: list[torch.Tensor | None]) -> torch.Tensor | None:

@@ -84,7 +84,7 @@ def tiny_lm(request, tiny_model_path):
 
 def _grads(model, data, share, micro):
     model.zero_grad(set_to_none=True)
-    for part in MicroBatching(micro, share_prompt=share).split(data):
+    for part, _ in MicroBatching(micro, share_prompt=share).split(data):
         log_probs, _ = response_log_probs(model, part, temperature=0.7, share_prompt=share)
         weights = torch.linspace(-1, 1, log_probs.shape[1])
         (log_probs * part.batch["response_mask"] * weights).sum().backward()
@@ -130,6 +130,35 @@ def test_token_budget_keeps_groups_whole_and_sorts_by_length():
     assert [2, 3] in [p.tolist() for p in parts]  # the longest group, alone in its micro-batch
     for p in parts:  # groups are never split (none exceeds the budget here)
         assert all((r ^ 1) in p for r in p.tolist() if r < 6)
+
+
+def test_an_agreed_count_cuts_exactly_that_many_balanced_micro_batches():
+    data = grouped_batch([2, 2, 2, 1], [3, 12, 6, 4], seed=2)  # 4 groups, 7 rows
+    costs = data.batch["attention_mask"].sum(1) - torch.tensor([0, 1, 0, 1, 0, 1, 0]) * data.batch[
+        "attention_mask"][:, :12].sum(1)  # a group's second row does not pay its prompt again
+    batching = MicroBatching(0, max_token_len=int(costs.sum()))
+    assert batching.count(data) == 1
+    for count in (1, 2, 3, 4):  # groups kept whole: the token sums are balanced over consecutive groups
+        parts = batching.indices(data, count)
+        assert len(parts) == count and sorted(np.concatenate(parts).tolist()) == list(range(7))
+        assert all((r ^ 1) in p for p in parts for r in p.tolist() if r < 6)
+    loads = [int(costs[p].sum()) for p in batching.indices(data, 2)]
+    group_costs = sorted((int(costs[a:b].sum()) for a, b in prompt_groups(data)), reverse=True)
+    assert max(loads) == min(max(sum(group_costs[:c]), sum(group_costs[c:])) for c in (1, 2, 3))
+    six = batching.indices(data, 6)  # more micro-batches than groups: groups split, only as far as needed
+    assert sorted(len(p) for p in six) == [1, 1, 1, 1, 1, 2]
+    nine = batching.indices(data, 9)  # more than rows: two empty fillers at the end
+    assert [len(p) for p in nine[7:]] == [0, 0] and all(len(p) == 1 for p in nine[:7])
+    assert [real for _, real in batching.split(data, 9)] == [True] * 7 + [False] * 2
+    assert len(MicroBatching(3).indices(data, 4)) == 4 and len(MicroBatching(3).indices(data, 4)[3]) == 0
+    calls = []
+
+    def forward(d):  # fillers run (a rank keeps in step) but their rows do not come back
+        calls.append(len(d))
+        return d.batch["input_ids"] * 2
+
+    torch.testing.assert_close(batched(forward, data, batching, count=9), data.batch["input_ids"] * 2)
+    assert calls == [1] * 9
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
