@@ -4,8 +4,9 @@ Every role (actor, reference, critic, reward model) reads ``(bs, prompt_length +
 sequences laid out the same way: left-padded prompt, then the response, right-padded. The functions here
 turn such a batch into per-response-token quantities, and compute the output layer only over the positions
 that predict response tokens (``logits_to_keep``): on a 49k-token vocabulary the output layer is a fifth of
-the model's arithmetic, and the prompt positions' logits are never needed. Rows that share a prompt (GRPO's
-``n`` samples) are packed so the prompt is computed once (``hybridflow.workers.packing``).
+the model's arithmetic, and the prompt positions' logits are never needed. Rows that begin alike (GRPO's
+``n`` samples of a prompt, prompts with one system prompt) are packed as a prefix tree so what they share is
+computed once (``hybridflow.workers.packing``).
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def response_log_probs(model: PreTrainedModel, data: DataProto, temperature: flo
     ``data.batch``: ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, T)`` and ``responses``
     ``(bs, L)``. Returns ``(log_probs (bs, L), entropy (bs, L) or None)``; gradients flow if enabled, and
     through the entropy only with ``entropy_grad`` (an entropy bonus): a metric-only entropy keeps no graph.
-    ``share_prompt``: one forward per shared prompt (see ``response_outputs``)."""
+    ``share_prompt``: shared runs of tokens computed once (see ``response_outputs``)."""
     responses = data.batch["responses"]
     logits = response_outputs(model, data, share_prompt).float()
     if temperature != 1.0:

@@ -1,17 +1,18 @@
-"""Doing less arithmetic for the same gradient: one forward per shared prompt, token-budget micro-batches.
+"""Doing less arithmetic for the same gradient: one forward per shared run of tokens, token-budget micro-batches.
 
-**Shared prompts.** GRPO and RLOO sample every prompt ``n`` times, and the rollout lays the ``n`` rows out
-consecutively (``DataProto.repeat(n, interleave=True)``). Scored row by row, each row recomputes the whole
-prompt, forward and backward: with ~95-token prompts and 16-token answers, 4 samples cost 4 x 111 token
-positions where 95 + 4 x 16 hold all the information. ``pack_shared_prompts`` instead builds one row per
-group, ``[prompt, response_1, ..., response_n]``, with a 4-D attention mask in which every response attends
-to the prompt's real tokens and causally to itself only, and with each response's own position ids (they
-restart after the prompt). Each response token then sees exactly the keys and positions it sees in its own
-row, so the log-probs are the same up to float rounding, and the gradient reaches the prompt's positions
-once, summed over the group, which is what the unshared computation sums over its copies.
-Groups are found by content (consecutive rows with identical prompt columns), not by ``uid``: sharing is
-exact exactly when the prompts are identical, whatever their origin. A row with no twin (an SFT row, a
-replayed row, ``n = 1``) is a group of one: packed alone it only loses its padding.
+**Prefix trees.** GRPO and RLOO sample every prompt ``n`` times, and the rollout lays the ``n`` rows out
+consecutively (``DataProto.repeat(n, interleave=True)``); chat prompts of one dataset also tend to begin with
+the same system prompt or few-shot example. Scored row by row, each row recomputes all of it, forward and
+backward: with the demo's ~95-token prompts (68 tokens the same in all) and 16-token answers, 8 prompts x 4
+samples cost 32 x 111 token positions where 68 + 8 x 27 + 32 x 16 hold all the information.
+``pack_prefix_tree`` inserts each row's real tokens, with their position ids, into a prefix tree and lays
+the tree's nodes out as one packed row, with a 4-D attention mask in which every node attends to itself and
+its ancestors: exactly the tokens before it in its own row, at the same positions. So the outputs are those
+of the rows run one by one up to float rounding, and a shared node's gradient is the sum over the rows that
+share it, which is what the unshared computation sums over its copies. Sharing is found by content, not by
+``uid``: exact exactly when the tokens are identical, whatever their origin (SFT rows, replayed rows and
+``n = 1`` share what they happen to share). Only the outputs that predict a response token reach the output
+layer (``logits_to_keep`` as indices).
 
 **Token-budget micro-batches** (verl's ``use_dynamic_bsz``): rather than a fixed row count, micro-batches are
 filled up to ``max_token_len`` real tokens, after sorting by length so that rows of similar length (little
