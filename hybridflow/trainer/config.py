@@ -90,8 +90,8 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False
     #: auto (fp32 on cpu, bf16 on cuda) | fp32 | bf16 | fp16 (or float32 | bfloat16 | float16)
     dtype: Dtype = "auto"
-    #: compute each prompt once for the n responses sampled from it (log-probs, values and updates); an
-    #: exact rewrite (same log-probs and gradients); false = score every row on its own
+    #: compute every run of tokens several rows begin with once (a prompt's n samples, a shared system prompt)
+    #: in log-probs, values and updates; an exact rewrite (same log-probs and gradients); false = row by row
     share_prompt_prefix: bool = True
 
 

@@ -259,15 +259,6 @@ def check_cross_fields(cfg: PPOConfig) -> None:
            f"{key}={get_key(cfg, key)} does not divide trainer.n_workers ({trainer.n_workers}): each model is "
            "sharded over groups of that many workers; use -1 (all workers) or a divisor")
           for key in (f"{r}.fsdp_config.fsdp_size" for r in (_ACTOR, "actor_rollout_ref.ref", "critic.model"))),
-        # token budgets give each rank its own number of forwards, and every FSDP2 forward is a collective
-        *((get_key(cfg, strategy) == "fsdp2" and trainer.n_workers > 1 and get_key(cfg, budget),
-           f"{budget}=true with {strategy}=fsdp2 on {trainer.n_workers} workers: ranks would run different "
-           "numbers of micro-batches and wait on each other's all-gathers forever; use fixed micro-batch sizes "
-           "or strategy ddp")
-          for strategy, budget in ((f"{_ACTOR}.strategy", f"{_ACTOR}.use_dynamic_bsz"),
-                                   (f"{_ACTOR}.strategy", f"{_ROLLOUT}.log_prob_use_dynamic_bsz"),
-                                   ("actor_rollout_ref.ref.strategy", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz"),
-                                   ("critic.strategy", "critic.use_dynamic_bsz"))),
     ]
     for failed, message in problems:
         if failed:

@@ -30,7 +30,14 @@ from hybridflow.workers.engine import DivergedError, TrainingEngine
 from hybridflow.workers.modeling import load_model, load_tokenizer, model_location, response_log_probs
 from hybridflow.workers.packing import MicroBatching, batched
 from hybridflow.workers.rollout import build_rollout, check_generation_batch
-from hybridflow.workers.sharding import gathered, is_lora, load_placement, resolve_strategy, wrap_model
+from hybridflow.workers.sharding import (
+    agreed_count,
+    gathered,
+    is_lora,
+    load_placement,
+    resolve_strategy,
+    wrap_model,
+)
 from hybridflow.workers.weight_sync import from_numpy, policy_weights, to_numpy
 
 ROLES = ("actor", "rollout", "ref")
@@ -148,7 +155,8 @@ class ActorRolloutRefWorker(Worker):
         micro = MicroBatching(micro_batch_size or len(data), max_token_len, share)
         temperature = self.config.rollout.temperature
         log_probs, entropy = batched(lambda d: response_log_probs(module, d, temperature, with_entropy,
-                                                                  share_prompt=share), data, micro)
+                                                                  share_prompt=share), data, micro,
+                                     agreed_count(micro.count(data), module))
         module.train(was_training)
         return log_probs, entropy
 

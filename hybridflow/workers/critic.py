@@ -18,7 +18,7 @@ from hybridflow.workers.checkpointing import load_worker_state, save_worker_stat
 from hybridflow.workers.engine import TrainingEngine
 from hybridflow.workers.modeling import load_model, load_tokenizer, response_values
 from hybridflow.workers.packing import MicroBatching, batched
-from hybridflow.workers.sharding import load_placement, resolve_strategy, wrap_model
+from hybridflow.workers.sharding import agreed_count, load_placement, resolve_strategy, wrap_model
 
 
 class CriticWorker(Worker):
@@ -43,6 +43,9 @@ class CriticWorker(Worker):
                             trust_remote_code=model_cfg.trust_remote_code, new_head="the critic's value head",
                             gradient_checkpointing=model_cfg.enable_gradient_checkpointing)
         module.config.pad_token_id = self.tokenizer.pad_token_id
+        for part in module.modules():  # transformers puts a 0.1 dropout before the head: the update would fit
+            if isinstance(part, torch.nn.Dropout):  # noisy values, not those compute_values returned (eval mode)
+                part.p = 0.0
         self.module = wrap_model(module, strategy, model_cfg.fsdp_config, self.device)
         self.engine = TrainingEngine(self.module, critic.optim, critic.grad_clip, "critic",
                                      self.world_size, model_cfg.fsdp_config.optimizer_offload)
@@ -52,7 +55,9 @@ class CriticWorker(Worker):
         """``values`` ``(bs, L)``, zero outside the response mask."""
         self.module.eval()
         share = self.config.model.share_prompt_prefix
-        values = batched(lambda d: response_values(self.module, d, share), data, self._micro_batching())
+        micro = self._micro_batching()
+        values = batched(lambda d: response_values(self.module, d, share), data, micro,
+                         agreed_count(micro.count(data), self.module))
         self.module.train()
         return DataProto.from_dict({"values": values * data.batch["response_mask"]})
 

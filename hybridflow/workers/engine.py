@@ -11,6 +11,8 @@ the world size to keep the sum), and the optimiser steps over each rank's shards
 loss is weighted by its share of the *global* mini-batch (tokens for ``token-mean``, non-empty
 responses otherwise),
 so an update on 2 ranks equals the update on 1 rank over the same global batch, up to float rounding.
+Under FSDP2 the ranks first agree on how many micro-batches each mini-batch is cut into (a token budget
+gives each shard its own count; ``sharding.agreed_count``), since every forward and backward is a collective.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch.distributed as dist
 from hybridflow.protocol import DataProto
 from hybridflow.utils.errors import UserError
 from hybridflow.workers.packing import MicroBatching, as_micro_batching
-from hybridflow.workers.sharding import broadcast_module, is_sharded
+from hybridflow.workers.sharding import agreed_count, broadcast_module, is_sharded
 
 logger = logging.getLogger(__name__)
 
@@ -153,11 +155,13 @@ class TrainingEngine:
 
     def _check_finite_weights(self) -> None:
         """Stop at the update that broke the weights, not in the next step's sampling ("probability tensor
-        contains inf/nan"): the largest absolute weight is NaN or inf exactly when one weight is."""
+        contains inf/nan"): the weights' norm is NaN or inf when one weight is (or when their squares
+        overflow, ~1e19: broken too). The 2-norm, not the largest weight: an FSDP2 shard may be empty (the
+        critic's one-row value head on 2 ranks), and the inf-norm of an empty tensor is an error."""
         params = [p.detach() for p in self.module.parameters() if p.requires_grad]
-        largest = _full_float(torch.nn.utils.get_total_norm(params, norm_type=math.inf))
-        if not math.isfinite(largest):
-            raise DivergedError(f"{self.name}: the weights are {largest} after the update of training step "
+        norm = _full_float(torch.nn.utils.get_total_norm(params))
+        if not math.isfinite(norm):
+            raise DivergedError(f"{self.name}: the weights' norm is {norm} after the update of training step "
                                 f"{self.steps_done + 1} with lr {self.lr:g}; lower {self.name} optim.lr")
 
     @property
@@ -172,18 +176,21 @@ class TrainingEngine:
             mask = d.batch["response_mask"]
             return float(mask.sum() if loss_agg_mode == "token-mean" else (mask.sum(dim=-1) > 0).sum())
         total_weight = self._global_sum(weight(data))
-        for micro in as_micro_batching(micro_batch_size).split(data):
+        batching = as_micro_batching(micro_batch_size)
+        for micro, real in batching.split(data, agreed_count(batching.count(data), self.module)):
             loss, micro_metrics = loss_fn(micro)
             if not torch.isfinite(loss):
                 details = ", ".join(f"{k}={v:.4g}" for k, v in micro_metrics.items())
                 raise DivergedError(f"{self.name}: the loss is {loss.item()} ({details}) at training step "
                                     f"{self.steps_done + 1} (lr {self.lr:g}); no update was applied. Lower "
                                     f"{self.name} optim.lr or check the rewards for NaN.")
-            # FSDP2 averages gradients over ranks where the weights above need their sum
+            # FSDP2 averages gradients over ranks where the weights above need their sum; a filler micro-batch
+            # only keeps this rank's collectives in step with the others' and adds nothing
             scale = coef * weight(micro) / max(total_weight, 1e-8) * (self.world_size if self.sharded else 1)
-            (loss * scale).backward()
+            (loss * (scale if real else 0.0)).backward()
             for key, value in micro_metrics.items():
-                metrics.setdefault(key, []).append(value)
+                if real:
+                    metrics.setdefault(key, []).append(value)
 
     def _reduce_and_clip(self) -> float:
         params = [p for p in self.module.parameters() if p.grad is not None]

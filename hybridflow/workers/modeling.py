@@ -4,8 +4,9 @@ Every role (actor, reference, critic, reward model) reads ``(bs, prompt_length +
 sequences laid out the same way: left-padded prompt, then the response, right-padded. The functions here
 turn such a batch into per-response-token quantities, and compute the output layer only over the positions
 that predict response tokens (``logits_to_keep``): on a 49k-token vocabulary the output layer is a fifth of
-the model's arithmetic, and the prompt positions' logits are never needed. Rows that share a prompt (GRPO's
-``n`` samples) are packed so the prompt is computed once (``hybridflow.workers.packing``).
+the model's arithmetic, and the prompt positions' logits are never needed. Rows that begin alike (GRPO's
+``n`` samples of a prompt, prompts with one system prompt) are packed as a prefix tree so what they share is
+computed once (``hybridflow.workers.packing``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
 from hybridflow.models import resolve_model_path
 from hybridflow.protocol import DataProto
 from hybridflow.utils.errors import MissingInputError
-from hybridflow.workers.packing import pack_shared_prompts, prompt_groups
+from hybridflow.workers.packing import pack_prefix_tree
 
 logger = logging.getLogger(__name__)
 
@@ -103,22 +104,21 @@ def response_outputs(model: PreTrainedModel, data: DataProto, share_prompt: bool
     """The model's outputs that predict each response token: ``(bs, L, ...)`` (logits, or one value).
 
     ``data.batch``: ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, T)`` and ``responses``
-    ``(bs, L)``. With ``share_prompt`` and at least two rows sharing a prompt, each group's prompt is
-    computed once (``hybridflow.workers.packing``; eager and SDPA attention, which take a 4-D mask);
-    otherwise every row is run as it is. ``keeps_logits``:
-    the model takes ``logits_to_keep`` (causal LMs do; token-classification models do not)."""
+    ``(bs, L)``. With ``share_prompt`` and rows that begin alike (a group's prompt, a system prompt), each
+    shared run of tokens is computed once (``hybridflow.workers.packing``; eager and SDPA attention, which
+    take a 4-D mask); otherwise every row is run as it is. ``keeps_logits``: the model takes
+    ``logits_to_keep`` (causal LMs do; token-classification models do not)."""
     device = next(model.parameters()).device
     length = data.batch["responses"].shape[1]
     # flash-attention kernels take no 4-D mask: those models score row by row
     share_prompt = share_prompt and model.config._attn_implementation in ("eager", "sdpa")
-    groups = prompt_groups(data) if share_prompt else []
-    if groups and len(groups) < len(data):
-        packed = pack_shared_prompts(data, groups, next(model.parameters()).dtype)
-        kept = packed.input_ids.shape[1] - packed.first_kept + 1
+    packed = pack_prefix_tree(data, next(model.parameters()).dtype) if share_prompt else None
+    if packed is not None:
+        keep = packed.keep.to(device)
         outputs = model(input_ids=packed.input_ids.to(device), attention_mask=packed.attention_mask.to(device),
                         position_ids=packed.position_ids.to(device), use_cache=False,
-                        **({"logits_to_keep": kept} if keeps_logits else {})).logits
-        return packed.gather(outputs[:, -kept:])
+                        **({"logits_to_keep": keep} if keeps_logits else {})).logits
+        return packed.gather(outputs if keeps_logits else outputs[:, keep])
     inputs = {k: data.batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")}
     outputs = model(**inputs, use_cache=False, **({"logits_to_keep": length + 1} if keeps_logits else {})).logits
     return outputs[:, -length - 1:-1]
@@ -133,7 +133,7 @@ def response_log_probs(model: PreTrainedModel, data: DataProto, temperature: flo
     ``data.batch``: ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, T)`` and ``responses``
     ``(bs, L)``. Returns ``(log_probs (bs, L), entropy (bs, L) or None)``; gradients flow if enabled, and
     through the entropy only with ``entropy_grad`` (an entropy bonus): a metric-only entropy keeps no graph.
-    ``share_prompt``: one forward per shared prompt (see ``response_outputs``)."""
+    ``share_prompt``: shared runs of tokens computed once (see ``response_outputs``)."""
     responses = data.batch["responses"]
     logits = response_outputs(model, data, share_prompt).float()
     if temperature != 1.0:

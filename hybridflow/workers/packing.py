@@ -1,23 +1,25 @@
-"""Doing less arithmetic for the same gradient: one forward per shared prompt, token-budget micro-batches.
+"""Doing less arithmetic for the same gradient: one forward per shared run of tokens, token-budget micro-batches.
 
-**Shared prompts.** GRPO and RLOO sample every prompt ``n`` times, and the rollout lays the ``n`` rows out
-consecutively (``DataProto.repeat(n, interleave=True)``). Scored row by row, each row recomputes the whole
-prompt, forward and backward: with ~95-token prompts and 16-token answers, 4 samples cost 4 x 111 token
-positions where 95 + 4 x 16 hold all the information. ``pack_shared_prompts`` instead builds one row per
-group, ``[prompt, response_1, ..., response_n]``, with a 4-D attention mask in which every response attends
-to the prompt's real tokens and causally to itself only, and with each response's own position ids (they
-restart after the prompt). Each response token then sees exactly the keys and positions it sees in its own
-row, so the log-probs are the same up to float rounding, and the gradient reaches the prompt's positions
-once, summed over the group, which is what the unshared computation sums over its copies.
-Groups are found by content (consecutive rows with identical prompt columns), not by ``uid``: sharing is
-exact exactly when the prompts are identical, whatever their origin. A row with no twin (an SFT row, a
-replayed row, ``n = 1``) is a group of one: packed alone it only loses its padding.
+**Prefix trees.** GRPO and RLOO sample every prompt ``n`` times, and the rollout lays the ``n`` rows out
+consecutively (``DataProto.repeat(n, interleave=True)``); chat prompts of one dataset also tend to begin with
+the same system prompt or few-shot example. Scored row by row, each row recomputes all of it, forward and
+backward: with the demo's ~95-token prompts (68 tokens the same in all) and 16-token answers, 8 prompts x 4
+samples cost 32 x 111 token positions where 68 + 8 x 27 + 32 x 16 hold all the information.
+``pack_prefix_tree`` inserts each row's real tokens, with their position ids, into a prefix tree and lays
+the tree's nodes out as one packed row, with a 4-D attention mask in which every node attends to itself and
+its ancestors: exactly the tokens before it in its own row, at the same positions. So the outputs are those
+of the rows run one by one up to float rounding, and a shared node's gradient is the sum over the rows that
+share it, which is what the unshared computation sums over its copies. Sharing is found by content, not by
+``uid``: exact exactly when the tokens are identical, whatever their origin (SFT rows, replayed rows and
+``n = 1`` share what they happen to share). Only the outputs that predict a response token reach the output
+layer (``logits_to_keep`` as indices).
 
 **Token-budget micro-batches** (verl's ``use_dynamic_bsz``): rather than a fixed row count, micro-batches are
 filled up to ``max_token_len`` real tokens, after sorting by length so that rows of similar length (little
 padding) travel together; groups are never split unless one alone exceeds the budget. The engine still
 weights each micro-batch's loss by its share of the global batch, so the update does not depend on how the
-batch was cut.
+batch was cut. Under FSDP2 the ranks first agree on one count (the largest any shard needs), and every
+shard is cut into exactly that many micro-batches, balanced by tokens (``MicroBatching``).
 """
 
 from __future__ import annotations
@@ -49,78 +51,105 @@ def prompt_groups(data: DataProto) -> list[tuple[int, int]]:
 
 @dataclass
 class PackedBatch:
-    """One packed row per group; the model's outputs over columns ``first_kept - 1 ..`` are gathered back
-    into per-response positions with ``rows`` and ``cols``.
+    """Rows packed as prefix trees, one tree per packed row; the model's outputs at columns ``keep`` are
+    gathered back into per-response positions with ``rows`` and ``cols``.
 
-    ``input_ids``, ``position_ids`` ``(G, W)``; ``attention_mask`` ``(G, 1, W, W)`` additive (0 or the
-    dtype's minimum); ``rows`` ``(bs,)`` the packed row of each original row; ``cols`` ``(bs, L)`` the column
-    (counted from ``first_kept - 1``) whose output predicts each response token."""
+    ``input_ids``, ``position_ids`` ``(G, W)``; ``attention_mask`` ``(G, 1, W, W)`` additive (0 or the dtype's
+    minimum); ``keep`` ``(K,)`` the columns whose outputs predict a response token (in some packed row);
+    ``rows`` ``(bs,)`` the packed row of each original row; ``cols`` ``(bs, L)`` the index into ``keep`` of
+    the output that predicts each response token (0 where the row has no token there)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     position_ids: torch.Tensor
-    first_kept: int
+    keep: torch.Tensor
     rows: torch.Tensor
     cols: torch.Tensor
 
     def gather(self, outputs: torch.Tensor) -> torch.Tensor:
-        """``outputs`` ``(G, W - first_kept + 1, ...)`` (the model's outputs from column ``first_kept - 1``
-        on) -> ``(bs, L, ...)``: the output that predicts each response token (or its value)."""
+        """``outputs`` ``(G, K, ...)`` (the model's outputs at columns ``keep``) -> ``(bs, L, ...)``: the
+        output that predicts each response token (or its value)."""
         return outputs[self.rows[:, None].to(outputs.device), self.cols.to(outputs.device)]
 
 
-def _real_extent(mask_row: torch.Tensor, from_left: bool) -> int:
-    """Columns from the first attended one to the end (prompt), or up to the last attended one (response)."""
-    nonzero = torch.nonzero(mask_row).flatten()
-    if len(nonzero) == 0:
-        return 0
-    return len(mask_row) - int(nonzero[0]) if from_left else int(nonzero[-1]) + 1
+class _Tree:
+    """A prefix tree of ``(token, position)`` nodes, numbered in insertion order (a parent precedes its
+    children)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.positions: list[int] = []
+        self.parents: list[int] = []
+        self.children: dict[tuple[int, int, int], int] = {}  # (parent, token, position) -> node
+
+    def walk(self, tokens: list[int], positions: list[int]) -> list[int]:
+        """Insert one row's real tokens; returns the node of each."""
+        nodes, node = [], -1
+        for token, position in zip(tokens, positions):
+            key = (node, token, position)
+            child = self.children.get(key)
+            if child is None:
+                child = self.children[key] = len(self.tokens)
+                self.tokens.append(token)
+                self.positions.append(position)
+                self.parents.append(node)
+            nodes.append(child)
+            node = child
+        return nodes
+
+    def ancestors(self, width: int) -> torch.Tensor:
+        """``(width, width)`` bool: node ``i`` attends to ``j`` iff ``j`` is ``i`` or one of its ancestors;
+        columns past the tree's nodes (padding) attend to themselves only."""
+        allowed = torch.eye(width, dtype=torch.bool)
+        for node, parent in enumerate(self.parents):
+            if parent >= 0:
+                allowed[node] |= allowed[parent]
+        return allowed
 
 
-def pack_shared_prompts(data: DataProto, groups: list[tuple[int, int]], dtype: torch.dtype) -> PackedBatch:
-    """Lay every group out as ``[pad, prompt, response_1, ..., response_k, pad]`` with all prompts ending at
-    the same column, so one ``logits_to_keep`` keeps exactly the outputs that predict response tokens.
+def pack_prefix_tree(data: DataProto, dtype: torch.dtype, max_width: int = 1024) -> PackedBatch | None:
+    """Pack rows into prefix trees: a run of tokens (with their positions) that several rows begin with is
+    one set of columns, computed once, and each token attends to exactly the tokens before it in its row(s),
+    so outputs and gradients are those of the rows run one by one. Rows fill a packed row in order until it
+    holds ``max_width`` tokens (the dense 4-D mask costs ``W^2``), so a group of samples of one prompt
+    (consecutive rows) stays together when it fits.
 
     ``data.batch``: ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, P + L)`` (left-padded prompt,
-    right-padded response) and ``responses`` ``(bs, L)``. Padding columns are dropped (a key the row would
-    mask anyway), so a group of one is the plain row without its padding."""
+    right-padded response) and ``responses`` ``(bs, L)``. Tokens with attention mask 0 are left out: no token
+    attends to them and no response token is predicted from them. ``None`` when no two rows begin with the
+    same token: packing would then only trade padding for a wider mask."""
     ids, mask, pos = (data.batch[k] for k in ("input_ids", "attention_mask", "position_ids"))
     length = data.batch["responses"].shape[1]
     width = ids.shape[1] - length
-    prompt_lens = [max(1, _real_extent(mask[a, :width], from_left=True)) for a, _ in groups]
-    response_lens = [_real_extent(mask[r, width:], from_left=False) for r in range(len(data))]
-    lead = max(prompt_lens)
-    total = lead + max(sum(response_lens[a:b]) for a, b in groups)
-    n_groups = len(groups)
-    packed_ids = torch.zeros(n_groups, total, dtype=ids.dtype)
-    packed_pos = torch.zeros(n_groups, total, dtype=pos.dtype)
-    key_ok = torch.zeros(n_groups, total, dtype=torch.bool)
-    segment = torch.full((n_groups, total), -1, dtype=torch.long)  # -1 padding, 0 prompt, i + 1 response i
-    rows = torch.zeros(len(data), dtype=torch.long)
+    trees: list[_Tree] = [_Tree()]
+    predictors: list[tuple[int, list[int]]] = []  # per row: its tree, the node predicting each response token
+    for r in range(len(data)):
+        if len(trees[-1].tokens) >= max_width:
+            trees.append(_Tree())
+        real = mask[r].bool()
+        nodes = trees[-1].walk(ids[r][real].tolist(), pos[r][real].tolist())
+        prompt_len, response_len = int(real[:width].sum()), int(real[width:].sum())
+        # response token t is predicted by the node of the token before it (the last prompt token for t = 0)
+        before = ([-1] + nodes)[prompt_len:prompt_len + response_len]
+        predictors.append((len(trees) - 1, before))
+    if sum(len(tree.tokens) for tree in trees) == int(mask.sum()):
+        return None
+    packed_width = max(len(tree.tokens) for tree in trees)
+    packed_ids = torch.zeros(len(trees), packed_width, dtype=ids.dtype)
+    packed_pos = torch.zeros(len(trees), packed_width, dtype=pos.dtype)
+    allowed = torch.zeros(len(trees), packed_width, packed_width, dtype=torch.bool)
+    for g, tree in enumerate(trees):
+        packed_ids[g, :len(tree.tokens)] = torch.tensor(tree.tokens, dtype=ids.dtype)
+        packed_pos[g, :len(tree.tokens)] = torch.tensor(tree.positions, dtype=pos.dtype)
+        allowed[g] = tree.ancestors(packed_width)
+    keep = sorted({node for _, before in predictors for node in before if node >= 0}) or [0]
+    index = {node: k for k, node in enumerate(keep)}
     cols = torch.zeros(len(data), length, dtype=torch.long)
-    for g, (a, b) in enumerate(groups):
-        p = prompt_lens[g]
-        packed_ids[g, lead - p:lead] = ids[a, width - p:width]
-        packed_pos[g, lead - p:lead] = pos[a, width - p:width]
-        key_ok[g, lead - p:lead] = mask[a, width - p:width].bool()
-        segment[g, lead - p:lead] = 0
-        start = lead
-        for i, r in enumerate(range(a, b)):
-            n = response_lens[r]
-            packed_ids[g, start:start + n] = ids[r, width:width + n]
-            packed_pos[g, start:start + n] = pos[r, width:width + n]
-            key_ok[g, start:start + n] = mask[r, width:width + n].bool()
-            segment[g, start:start + n] = i + 1
-            rows[r] = g
-            # token t is predicted by the output at column start + t - 1 (token 0 by the prompt's last column)
-            cols[r, 1:n] = torch.arange(start, start + max(n - 1, 0)) - (lead - 1)
-            start += n
-    causal = torch.ones(total, total, dtype=torch.bool).tril()
-    same_part = (segment[:, None, :] == 0) | (segment[:, None, :] == segment[:, :, None])
-    allowed = causal & same_part & key_ok[:, None, :]
-    allowed |= torch.eye(total, dtype=torch.bool)  # no fully masked row (its output is never used)
+    for r, (_, before) in enumerate(predictors):
+        cols[r, :len(before)] = torch.tensor([index.get(node, 0) for node in before], dtype=torch.long)
     additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return PackedBatch(packed_ids, additive[:, None], packed_pos, lead, rows, cols)
+    return PackedBatch(packed_ids, additive[:, None], packed_pos, torch.tensor(keep, dtype=torch.long),
+                       torch.tensor([g for g, _ in predictors], dtype=torch.long), cols)
 
 
 def _token_counts(data: DataProto, groups: list[tuple[int, int]], share_prompt: bool) -> list[int]:
@@ -132,22 +161,66 @@ def _token_counts(data: DataProto, groups: list[tuple[int, int]], share_prompt: 
     return [sum(per_row[a:b]) - (b - a - 1) * prompt[a] if share_prompt else sum(per_row[a:b]) for a, b in groups]
 
 
+def _greedy_parts(costs: list[int], budget: int) -> list[int]:
+    """Start index of each part when ``costs`` are taken in order and a part closes before it would pass
+    ``budget`` (a cost over the budget alone still makes one part)."""
+    starts, used = [], budget + 1
+    for i, cost in enumerate(costs):
+        if used + cost > budget:
+            starts.append(i)
+            used = 0
+        used += cost
+    return starts
+
+
+def _balanced_parts(costs: list[int], parts: int) -> list[int]:
+    """Start indices of exactly ``parts`` (<= ``len(costs)``) consecutive parts of ``costs`` whose largest
+    sum is smallest: the least budget the greedy cut fits in ``parts`` parts (found by bisection), then the
+    heaviest parts split until there are ``parts`` of them (which never raises the largest sum)."""
+    low, high = max(costs), sum(costs)
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if len(_greedy_parts(costs, mid)) <= parts else (mid + 1, high)
+    starts = _greedy_parts(costs, low)
+    while len(starts) < parts:
+        bounds = starts + [len(costs)]
+        a, b = max(((s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e - s > 1),
+                   key=lambda r: sum(costs[r[0]:r[1]]))
+        cut = min(range(a + 1, b), key=lambda c: max(sum(costs[a:c]), sum(costs[c:b])))
+        starts = sorted(starts + [cut])
+    return starts
+
+
 @dataclass
 class MicroBatching:
     """How a batch is cut into micro-batches: ``size`` rows each, or (``max_token_len`` set) as many rows as
     fit in that many real tokens; ``share_prompt`` says the forward shares prompts (a group's cost is then
-    one prompt plus its responses)."""
+    one prompt plus its responses).
+
+    Ranks of an FSDP2-sharded model must run the same number of forwards and backwards (each all-gathers
+    weights with the other ranks), but a token budget gives each rank's shard its own count. So the worker
+    takes the largest of the ranks' ``count(shard)`` (an all-reduce) and passes it to ``indices``/``split``/
+    ``batched``, which cut every shard into exactly that many micro-batches, balanced by tokens."""
 
     size: int
     max_token_len: int | None = None
     share_prompt: bool = True
 
-    def indices(self, data: DataProto) -> list[np.ndarray]:
-        """Row indices of each micro-batch; together a permutation of ``range(len(data))``."""
+    def count(self, data: DataProto) -> int:
+        """Micro-batches ``data`` needs on its own (what this rank contributes to the agreed count)."""
+        return len(self.indices(data))
+
+    def indices(self, data: DataProto, count: int = 0) -> list[np.ndarray]:
+        """Row indices of each micro-batch: at least ``count`` of them, together a permutation of
+        ``range(len(data))``. With a token budget the micro-batches are consecutive runs of the groups
+        sorted by length (little padding) whose largest token count is smallest; groups are split into
+        row-chunks only when one alone exceeds the budget or there are fewer groups than micro-batches.
+        With fewer rows than ``count``, the last ones are empty: fillers (see ``split``)."""
         n = len(data)
         if not self.max_token_len:
             step = max(1, self.size)
-            return [np.arange(i, min(i + step, n)) for i in range(0, n, step)]
+            batches = [np.arange(i, min(i + step, n)) for i in range(0, n, step)]
+            return batches + [np.arange(0)] * (count - len(batches))
         groups = prompt_groups(data) if self.share_prompt else [(i, i + 1) for i in range(n)]
         units: list[tuple[int, int]] = []
         for a, b in groups:  # a group over the budget goes in as many row-chunks as it needs
@@ -156,19 +229,29 @@ class MicroBatching:
             bounds = np.linspace(a, b, chunks + 1).round().astype(int)
             units += [(int(s), int(e)) for s, e in zip(bounds[:-1], bounds[1:])]
         costs = _token_counts(data, units, self.share_prompt)
+        wanted = max(count, len(_greedy_parts(sorted(costs, reverse=True), self.max_token_len)))
+        while len(units) < wanted and any(b - a > 1 for a, b in units):  # fewer groups than micro-batches
+            u = max((u for u in range(len(units)) if units[u][1] - units[u][0] > 1), key=lambda u: costs[u])
+            (a, b), mid = units[u], (units[u][0] + units[u][1]) // 2
+            units[u:u + 1] = [(a, mid), (mid, b)]
+            costs[u:u + 1] = _token_counts(data, units[u:u + 2], self.share_prompt)
         order = sorted(range(len(units)), key=lambda u: -costs[u])  # similar lengths together: little padding
-        batches: list[list[int]] = []
-        used = self.max_token_len + 1
-        for u in order:
-            if used + costs[u] > self.max_token_len:
-                batches.append([])
-                used = 0
-            batches[-1] += range(*units[u])
-            used += costs[u]
-        return [np.asarray(sorted(rows), dtype=np.int64) for rows in batches]
+        starts = _balanced_parts([costs[u] for u in order], min(wanted, len(units))) if units else []
+        batches = [np.asarray(sorted(r for u in order[s:e] for r in range(*units[u])), dtype=np.int64)
+                   for s, e in zip(starts, starts[1:] + [len(order)])]
+        return batches + [np.arange(0)] * (wanted - len(batches))
 
-    def split(self, data: DataProto) -> list[DataProto]:
-        return [data[idx] for idx in self.indices(data)]
+    def split(self, data: DataProto, count: int = 0) -> list[tuple[DataProto, bool]]:
+        """``(micro_batch, real)`` for each of ``indices(data, count)``. A filler (``real`` false, from an
+        empty index list) is ``data``'s shortest row standing in: its forward and backward keep this rank
+        in step with ranks that have more micro-batches, and its result must count for nothing (the engine
+        scales its loss by 0, ``batched`` drops its output)."""
+        return [(data[idx], True) if len(idx) else (_stand_in(data), False) for idx in self.indices(data, count)]
+
+
+def _stand_in(data: DataProto) -> DataProto:
+    """The row with the fewest real tokens: the cheapest forward that keeps a rank in step."""
+    return data[[int(data.batch["attention_mask"].sum(dim=1).argmin())]]
 
 
 def as_micro_batching(micro: int | MicroBatching) -> MicroBatching:
@@ -176,12 +259,14 @@ def as_micro_batching(micro: int | MicroBatching) -> MicroBatching:
 
 
 @torch.no_grad()
-def batched(fn: Callable[[DataProto], Any], data: DataProto, micro: int | MicroBatching) -> Any:
-    """``fn(micro_batch)`` over micro-batches without gradients (log-prob and value passes), the results
+def batched(fn: Callable[[DataProto], Any], data: DataProto, micro: int | MicroBatching, count: int = 0) -> Any:
+    """``fn(micro_batch)`` over at least ``count`` micro-batches (fillers included, see
+    ``MicroBatching.split``) without gradients (log-prob and value passes), the results of the real ones
     concatenated back in the rows' original order. ``fn`` returns a tensor ``(rows, ...)`` or a tuple of
     tensors (or ``None``s)."""
-    batches = as_micro_batching(micro).indices(data)
-    outputs = [fn(data[idx]) for idx in batches]
+    batches = as_micro_batching(micro).indices(data, count)
+    outputs = [fn(data[idx] if len(idx) else _stand_in(data)) for idx in batches]
+    outputs = [out for out, idx in zip(outputs, batches) if len(idx)]
     inverse = torch.from_numpy(np.argsort(np.concatenate(batches), kind="stable"))
 
     def merge(parts: list[torch.Tensor | None]) -> torch.Tensor | None:

@@ -139,6 +139,19 @@ def is_sharded(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
+def agreed_count(count: int, module: nn.Module) -> int:
+    """The largest ``count`` over the ranks when ``module`` is sharded, else ``count`` itself.
+
+    Why: every forward and backward of a sharded module all-gathers (and reduce-scatters) with the other
+    ranks, so all of them must run as many micro-batches as the rank that needs the most; a token budget
+    gives each rank's shard its own count (``packing.MicroBatching``)."""
+    if not (is_sharded(module) and dist.is_initialized() and dist.get_world_size() > 1):
+        return count
+    value = torch.tensor([count], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
+
+
 @contextlib.contextmanager
 def gathered(module: nn.Module, reshard_after_forward: bool = True) -> Iterator[nn.Module]:
     """Full weights on every rank inside the block, sharded again after it (freeing the gathered copies);

@@ -20,6 +20,14 @@ from hybridflow.single_controller.ray import RayResourcePool, RayWorkerGroup, Re
 from hybridflow.single_controller.ray.worker_group import usable_cpus
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def test_colocated_roles_share_a_process_and_a_killed_actor_is_reported(ray_session):
     pool = RayResourcePool([1], cpus_per_process=0.25, name="colocated")  # one rank: actor starts are costly
     init = create_colocated_worker_cls({"actor": ClassWithInitArgs(ActorPart, lr=0.5),
@@ -39,6 +47,8 @@ def test_colocated_roles_share_a_process_and_a_killed_actor_is_reported(ray_sess
 
         ray.kill(group.workers[0])
         start = time.monotonic()
+        while _alive(pid) and time.monotonic() - start < 30:  # ray.kill returns before the process is gone
+            time.sleep(0.05)
         with pytest.raises(WorkerDiedError) as info:
             critic.value(data)
         assert time.monotonic() - start < 30

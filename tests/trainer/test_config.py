@@ -115,9 +115,12 @@ def test_sharding_and_lora_keys_are_typed_and_ref_and_critic_follow_the_actor():
                                                  "trainer.backend=ray")
     assert "does not divide trainer.n_workers (2)" in _error("actor_rollout_ref.actor.fsdp_config.fsdp_size=3",
                                                              "trainer.n_workers=2", "trainer.backend=ray")
-    assert "wait on each other's all-gathers" in _error("actor_rollout_ref.actor.strategy=fsdp2",
-                                                        "actor_rollout_ref.actor.use_dynamic_bsz=true",
-                                                        "trainer.n_workers=2", "trainer.backend=ray")
+    # token budgets with FSDP2 on several workers: the ranks agree on a micro-batch count (tests/workers)
+    budgets = _load("actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true", "critic.use_dynamic_bsz=true",
+                    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true", "trainer.n_workers=2",
+                    "trainer.backend=ray")
+    assert budgets.critic.strategy == "fsdp2" and budgets.actor_rollout_ref.actor.use_dynamic_bsz
 
 
 def test_vllm_keys_do_not_warn_when_vllm_is_used(monkeypatch):

@@ -194,6 +194,7 @@ def test_reward_function_sees_the_conversation_in_a_grpo_step(taught_model, tmp_
         "algorithm.adv_estimator=grpo", "data.max_prompt_length=32", f"data.max_response_length={L}",
         "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.optim.lr=1e-4", "trainer.logger=[file]", "trainer.val_before_train=false",
+        "actor_rollout_ref.rollout.temperature=0.5",  # as the loop test: the taught calls, not sampling luck
         "actor_rollout_ref.rollout.multi_turn.enable=true",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'tools.yaml'}"])
     with PPOTrainer(config) as trainer:

@@ -1,5 +1,5 @@
-"""One forward per shared prompt is an exact rewrite: same log-probs, values and gradients as row by row;
-token-budget micro-batches give the same update as fixed-size ones."""
+"""One forward per shared run of tokens (prefix-tree packing) is an exact rewrite: same log-probs, values and
+gradients as row by row; token-budget micro-batches give the same update as fixed-size ones."""
 
 
 import numpy as np
@@ -11,16 +11,18 @@ from hybridflow import DataProto
 from hybridflow.trainer.config import OptimConfig
 from hybridflow.workers.engine import TrainingEngine
 from hybridflow.workers.modeling import response_log_probs, response_values
-from hybridflow.workers.packing import MicroBatching, batched, pack_shared_prompts, prompt_groups
+from hybridflow.workers.packing import MicroBatching, batched, pack_prefix_tree, prompt_groups
 
 
-def grouped_batch(group_sizes, prompt_lens, vocab=1000, prompt_width=12, length=7, seed=0) -> DataProto:
-    """Left-padded prompts of the given real lengths, each repeated for its group; right-padded responses
-    of random lengths (one empty, one full) laid out as the rollout lays them out."""
+def grouped_batch(group_sizes, prompt_lens, vocab=1000, prompt_width=12, length=7, seed=0, head=0) -> DataProto:
+    """Left-padded prompts of the given real lengths (the first ``head`` tokens the same in all, as a system
+    prompt), each repeated for its group; right-padded responses of random lengths (one empty, one full) laid
+    out as the rollout lays them out."""
     gen = torch.Generator().manual_seed(seed)
+    common = torch.randint(3, vocab, (head,), generator=gen)
     rows = []
     for size, plen in zip(group_sizes, prompt_lens):
-        prompt = torch.randint(3, vocab, (plen,), generator=gen)
+        prompt = torch.cat([common, torch.randint(3, vocab, (plen - head,), generator=gen)])
         for _ in range(size):
             rlen = int(torch.randint(0, length + 1, (1,), generator=gen))
             rows.append((prompt, torch.randint(3, vocab, (rlen,), generator=gen)))
@@ -45,19 +47,33 @@ def layout(rows, prompt_width, length) -> DataProto:
 GROUPS = ([1, 2, 5, 1], [5, 9, 3, 12])  # n = 1, 2, 5 and a lone row; prompts of different lengths
 
 
-def test_groups_are_found_by_prompt_content_and_packed_once():
+def test_groups_are_found_by_prompt_content():
+    assert prompt_groups(grouped_batch(*GROUPS)) == [(0, 1), (1, 3), (3, 8), (8, 9)]
+
+
+def test_rows_are_packed_as_a_prefix_tree():
+    t = torch.tensor
+    rows = [(t([5, 6, 7]), t([8, 9])), (t([5, 6, 7]), t([8, 4, 2])), (t([5, 6, 3]), t([9])), (t([6, 7]), t([]))]
+    packed = pack_prefix_tree(layout(rows, prompt_width=4, length=3), torch.float32)
+    # rows 0 and 1 share 5 6 7 8, row 2 shares 5 6 with them; row 3 starts at another token
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9, 4, 2, 3, 9, 6, 7]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 4, 5, 2, 3, 0, 1]]
+    visible = (packed.attention_mask[0, 0] == 0).long()
+    assert visible[6].nonzero().flatten().tolist() == [0, 1, 2, 3, 5, 6]  # row 1's last token: its own row
+    assert visible[8].nonzero().flatten().tolist() == [0, 1, 7, 8]
+    assert visible[10].nonzero().flatten().tolist() == [9, 10]
+    # outputs kept: the columns that predict a response token (7, the first 8, 4, and row 2's 3)
+    assert packed.keep.tolist() == [2, 3, 5, 7]
+    assert packed.rows.tolist() == [0, 0, 0, 0]
+    assert packed.cols.tolist() == [[0, 1, 0], [0, 1, 2], [3, 0, 0], [0, 0, 0]]
+    assert pack_prefix_tree(layout([(t([5]), t([8])), (t([6]), t([8]))], 2, 1), torch.float32) is None
+
+
+def test_packed_rows_are_cut_at_the_width_limit():
     data = grouped_batch(*GROUPS)
-    groups = prompt_groups(data)
-    assert groups == [(0, 1), (1, 3), (3, 8), (8, 9)]
-    packed = pack_shared_prompts(data, groups, torch.float32)
-    # one packed row per group; every prompt ends at the longest prompt's last column, padding dropped
-    lens = data.batch["response_mask"].sum(1).tolist()
-    assert packed.first_kept == 12
-    assert packed.input_ids.shape == (4, 12 + max(sum(lens[a:b]) for a, b in groups))
-    start = 12 + lens[3]  # the n = 5 group's second response starts here
-    visible = packed.attention_mask[2, 0, start + 1] == 0  # what its second token attends to
-    assert visible.nonzero().flatten().tolist() == [9, 10, 11, start, start + 1]  # 3 prompt tokens + itself
-    assert packed.position_ids[2, start:start + 2].tolist() == data.batch["position_ids"][4, 12:14].tolist()
+    packed = pack_prefix_tree(data, torch.float32, max_width=20)
+    assert packed.input_ids.shape[0] > 1
+    assert packed.rows.tolist() == sorted(packed.rows.tolist())  # rows fill packed rows in order
 
 
 @pytest.fixture(scope="module", params=["sdpa", "eager"])
@@ -68,16 +84,16 @@ def tiny_lm(request, tiny_model_path):
 
 def _grads(model, data, share, micro):
     model.zero_grad(set_to_none=True)
-    for part in MicroBatching(micro, share_prompt=share).split(data):
+    for part, _ in MicroBatching(micro, share_prompt=share).split(data):
         log_probs, _ = response_log_probs(model, part, temperature=0.7, share_prompt=share)
         weights = torch.linspace(-1, 1, log_probs.shape[1])
         (log_probs * part.batch["response_mask"] * weights).sum().backward()
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("micro", [9, 4])  # 4 rows a micro-batch splits the n = 5 group
-def test_log_probs_and_gradients_match_the_unshared_path(tiny_lm, micro):
-    data = grouped_batch(*GROUPS)
+@pytest.mark.parametrize("micro,head", [(9, 0), (4, 0), (9, 3)])  # 4 rows split the n = 5 group; a shared head
+def test_log_probs_and_gradients_match_the_unshared_path(tiny_lm, micro, head):
+    data = grouped_batch(*GROUPS, head=head)
     mask = data.batch["response_mask"].bool()
     plain = batched(lambda d: response_log_probs(tiny_lm, d, 0.7, True, share_prompt=False), data, 9)
     shared = batched(lambda d: response_log_probs(tiny_lm, d, 0.7, True, share_prompt=True), data, micro)
@@ -114,6 +130,35 @@ def test_token_budget_keeps_groups_whole_and_sorts_by_length():
     assert [2, 3] in [p.tolist() for p in parts]  # the longest group, alone in its micro-batch
     for p in parts:  # groups are never split (none exceeds the budget here)
         assert all((r ^ 1) in p for r in p.tolist() if r < 6)
+
+
+def test_an_agreed_count_cuts_exactly_that_many_balanced_micro_batches():
+    data = grouped_batch([2, 2, 2, 1], [3, 12, 6, 4], seed=2)  # 4 groups, 7 rows
+    costs = data.batch["attention_mask"].sum(1) - torch.tensor([0, 1, 0, 1, 0, 1, 0]) * data.batch[
+        "attention_mask"][:, :12].sum(1)  # a group's second row does not pay its prompt again
+    batching = MicroBatching(0, max_token_len=int(costs.sum()))
+    assert batching.count(data) == 1
+    for count in (1, 2, 3, 4):  # groups kept whole: the token sums are balanced over consecutive groups
+        parts = batching.indices(data, count)
+        assert len(parts) == count and sorted(np.concatenate(parts).tolist()) == list(range(7))
+        assert all((r ^ 1) in p for p in parts for r in p.tolist() if r < 6)
+    loads = [int(costs[p].sum()) for p in batching.indices(data, 2)]
+    group_costs = sorted((int(costs[a:b].sum()) for a, b in prompt_groups(data)), reverse=True)
+    assert max(loads) == min(max(sum(group_costs[:c]), sum(group_costs[c:])) for c in (1, 2, 3))
+    six = batching.indices(data, 6)  # more micro-batches than groups: groups split, only as far as needed
+    assert sorted(len(p) for p in six) == [1, 1, 1, 1, 1, 2]
+    nine = batching.indices(data, 9)  # more than rows: two empty fillers at the end
+    assert [len(p) for p in nine[7:]] == [0, 0] and all(len(p) == 1 for p in nine[:7])
+    assert [real for _, real in batching.split(data, 9)] == [True] * 7 + [False] * 2
+    assert len(MicroBatching(3).indices(data, 4)) == 4 and len(MicroBatching(3).indices(data, 4)[3]) == 0
+    calls = []
+
+    def forward(d):  # fillers run (a rank keeps in step) but their rows do not come back
+        calls.append(len(d))
+        return d.batch["input_ids"] * 2
+
+    torch.testing.assert_close(batched(forward, data, batching, count=9), data.batch["input_ids"] * 2)
+    assert calls == [1] * 9
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
