@@ -300,10 +300,13 @@ class ActorRolloutRefWorker(Worker):
         self.module.eval()
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
+        batching = self._micro_batching()
         with torch.no_grad():
-            for micro in self._micro_batching().split(data):
-                weight = float(micro.batch["response_mask"].sum()) if by_tokens else float(len(micro))
-                for key, value in self._offline_loss(micro)[1].items():
+            for micro, real in batching.split(data, agreed_count(batching.count(data), self.module)):
+                metrics = self._offline_loss(micro)[1]  # a filler's forward keeps sharded ranks in step
+                size = float(micro.batch["response_mask"].sum()) if by_tokens else float(len(micro))
+                weight = size if real else 0.0
+                for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + weight * value
                     weights[key] = weights.get(key, 0.0) + weight
         self.module.train(was_training)

@@ -148,8 +148,8 @@ def test_dpo_with_lora_takes_the_reference_from_the_adapter_off(data, tiny_model
 def test_sft_token_budget_micro_batches_give_the_fixed_size_update(data, tiny_model_path, tmp_path, monkeypatch):
     cuts = []  # rows of each micro-batch the update ran (the real split, recorded)
     split = MicroBatching.split
-    monkeypatch.setattr(MicroBatching, "split", lambda self, d: cuts.append([len(m) for m in split(self, d)])
-                        or split(self, d))
+    monkeypatch.setattr(MicroBatching, "split", lambda self, d, count=0: cuts.append(
+        [len(m) for m, _ in split(self, d, count)]) or split(self, d, count))
 
     def one_step(*extra: str) -> tuple[dict, dict, float, object]:
         """Weights before and after one SFT step, its gradient norm (before clipping), the batch."""
@@ -167,5 +167,7 @@ def test_sft_token_budget_micro_batches_give_the_fixed_size_update(data, tiny_mo
     assert cuts == [[2, 2], [1, 1, 1, 1]]
     assert budget_norm == pytest.approx(fixed_norm, rel=1e-5)  # the same gradient
     assert max(float(np.abs(fixed[k] - start[k]).max()) for k in start) > 1e-4  # the step moved the weights
+    # AdamW's first step moves each weight by lr * g / (|g| + 1e-8): rounding in a gradient entry near 1e-8
+    # shows as a fraction of lr (2e-3), a wrongly weighted micro-batch as sign flips of 2 lr
     for name, value in fixed.items():
-        np.testing.assert_allclose(budget[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(budget[name], value, rtol=1e-5, atol=2e-5, err_msg=name)
