@@ -4,9 +4,10 @@ An offline step is the last stage of a PPO step with another loss: the batch (de
 pairs, or labelled completions, laid out like rollouts by ``hybridflow.data.offline``) gets the reference
 policy's log-probs from the reference worker (``compute_ref_log_prob``; with LoRA the actor's workers, adapter
 off) when the objective needs them, then the actor takes one optimiser step on it (``update_actor_offline``:
-``TrainingEngine``, micro-batches of rows or of a token budget, data-parallel gradient averaging, clipping). Worker groups (local or Ray), checkpoints (``global_step_N/actor/
-huggingface`` is a plain model folder, so it is the next trainer's ``model.partial_pretrain`` or
-``actor_rollout_ref.model.path``), resuming, tracking and the progress bar are the PPO trainer's.
+``TrainingEngine``, micro-batches of rows or of a token budget, data-parallel gradient averaging, clipping).
+Worker groups (local or Ray), checkpoints (``global_step_N/actor/huggingface`` is a plain model folder, so it
+is the next trainer's ``model.partial_pretrain`` or ``actor_rollout_ref.model.path``), resuming, tracking and
+the progress bar are the PPO trainer's.
 """
 
 from __future__ import annotations
