@@ -32,6 +32,8 @@ DEMO_SETTINGS = [
     "data.train_batch_size=8",  # prompts per step
     "actor_rollout_ref.rollout.n=4",  # samples per prompt: GRPO's group
     "actor_rollout_ref.rollout.temperature=0.7",
+    # the 50 likeliest tokens, as transformers' generate() samples unless told otherwise (and TRL with it)
+    "actor_rollout_ref.rollout.top_k=50",
     "data.max_prompt_length=128",
     "data.max_response_length=16",
     "actor_rollout_ref.actor.optim.lr=1e-5",
