@@ -28,7 +28,7 @@ import torch.distributed as dist
 from hybridflow.protocol import DataProto
 from hybridflow.utils.errors import UserError
 from hybridflow.workers.packing import MicroBatching, as_micro_batching
-from hybridflow.workers.sharding import agreed_count, broadcast_module, is_sharded
+from hybridflow.workers.sharding import agreed_count, broadcast_module, collective_device, is_sharded
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class TrainingEngine:
     def _global_sum(self, value: float) -> float:
         if self.world_size == 1:
             return value
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=collective_device())
         dist.all_reduce(t)
         return float(t.item())
 

@@ -147,9 +147,14 @@ def agreed_count(count: int, module: nn.Module) -> int:
     gives each rank's shard its own count (``packing.MicroBatching``)."""
     if not (is_sharded(module) and dist.is_initialized() and dist.get_world_size() > 1):
         return count
-    value = torch.tensor([count], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    value = torch.tensor([count], device=collective_device())
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return int(value.item())
+
+
+def collective_device() -> torch.device:
+    """Where a small tensor sent through a collective must live: nccl moves GPU memory only, gloo CPU memory."""
+    return torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
 
 
 @contextlib.contextmanager
