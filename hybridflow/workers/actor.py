@@ -156,7 +156,7 @@ class ActorRolloutRefWorker(Worker):
         temperature = self.config.rollout.temperature
         log_probs, entropy = batched(lambda d: response_log_probs(module, d, temperature, with_entropy,
                                                                   share_prompt=share), data, micro,
-                                     agreed_count(micro.count(data), module))
+                                     agreed_count(micro, data, module))
         module.train(was_training)
         return log_probs, entropy
 
@@ -302,7 +302,7 @@ class ActorRolloutRefWorker(Worker):
         weights: dict[str, float] = {}
         batching = self._micro_batching()
         with torch.no_grad():
-            for micro, real in batching.split(data, agreed_count(batching.count(data), self.module)):
+            for micro, real in batching.split(data, agreed_count(batching, data, self.module)):
                 metrics = self._offline_loss(micro)[1]  # a filler's forward keeps sharded ranks in step
                 size = float(micro.batch["response_mask"].sum()) if by_tokens else float(len(micro))
                 weight = size if real else 0.0

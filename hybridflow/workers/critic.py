@@ -57,7 +57,7 @@ class CriticWorker(Worker):
         share = self.config.model.share_prompt_prefix
         micro = self._micro_batching()
         values = batched(lambda d: response_values(self.module, d, share), data, micro,
-                         agreed_count(micro.count(data), self.module))
+                         agreed_count(micro, data, self.module))
         self.module.train()
         return DataProto.from_dict({"values": values * data.batch["response_mask"]})
 

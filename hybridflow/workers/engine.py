@@ -177,7 +177,7 @@ class TrainingEngine:
             return float(mask.sum() if loss_agg_mode == "token-mean" else (mask.sum(dim=-1) > 0).sum())
         total_weight = self._global_sum(weight(data))
         batching = as_micro_batching(micro_batch_size)
-        for micro, real in batching.split(data, agreed_count(batching.count(data), self.module)):
+        for micro, real in batching.split(data, agreed_count(batching, data, self.module)):
             loss, micro_metrics = loss_fn(micro)
             if not torch.isfinite(loss):
                 details = ", ".join(f"{k}={v:.4g}" for k, v in micro_metrics.items())

@@ -26,6 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridflow.protocol import DataProto
+from hybridflow.workers.packing import MicroBatching
+
 STRATEGIES = ("auto", "ddp", "fsdp2", "single")
 LORA_MARKERS = (".lora_A.", ".lora_B.")
 
@@ -82,7 +85,7 @@ def broadcast_module(module: nn.Module) -> None:
     time through the current GPU."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
-    staged = dist.get_backend() == "nccl"
+    staged = collective_device().type == "cuda"
     for tensor in module.state_dict().values():
         if staged and tensor.device.type == "cpu":
             on_gpu = tensor.cuda()
@@ -139,15 +142,17 @@ def is_sharded(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def agreed_count(count: int, module: nn.Module) -> int:
-    """The largest ``count`` over the ranks when ``module`` is sharded, else ``count`` itself.
+def agreed_count(batching: MicroBatching, data: DataProto, module: nn.Module) -> int:
+    """How many micro-batches this rank must cut its shard ``data`` into: the largest of the ranks' own
+    ``batching.count`` when ``module`` is sharded over several ranks, else 0 (the rank decides alone, and the
+    count is not computed twice).
 
     Why: every forward and backward of a sharded module all-gathers (and reduce-scatters) with the other
     ranks, so all of them must run as many micro-batches as the rank that needs the most; a token budget
     gives each rank's shard its own count (``packing.MicroBatching``)."""
     if not (is_sharded(module) and dist.is_initialized() and dist.get_world_size() > 1):
-        return count
-    value = torch.tensor([count], device=collective_device())
+        return 0
+    value = torch.tensor([batching.count(data)], device=collective_device())
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return int(value.item())
 
