@@ -1,4 +1,4 @@
-"""Rollout engines: ``hf`` (Hugging Face ``generate``, runs anywhere torch does) and ``vllm`` (vLLM in the
+"""Rollout engines: ``hf`` (a decoding loop over the Hugging Face model, runs anywhere torch does) and ``vllm`` (vLLM in the
 actor's process, CUDA or CPU build; imported only when asked for), either optionally driven by the
 multi-turn agent loop (``rollout.multi_turn.enable``)."""
 

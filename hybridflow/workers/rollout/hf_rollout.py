@@ -1,4 +1,5 @@
-"""Rollout with Hugging Face ``generate``: the portable engine that runs anywhere torch does.
+"""Rollout over the Hugging Face model with its own decoding loop: the portable engine that runs anywhere torch
+does.
 
 In the hybrid engine the rollout holds the *same module* the actor trains, so it always samples from the
 current weights and no second copy of the model exists.
