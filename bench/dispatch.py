@@ -44,7 +44,9 @@ def mean_ms(call: Callable[[], object], calls: int, warmup: int = 10) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/dispatch.json"))
     parser.add_argument("--calls", type=int, default=300, help="calls per empty-call measurement")
     parser.add_argument("--proto-calls", type=int, default=30, help="calls per DataProto measurement")
@@ -57,8 +59,14 @@ def main() -> None:
 
     batch = DataProto.from_dict({"input_ids": torch.randint(0, 50_000, (256, 2048), dtype=torch.int64)})
     local = LocalWorkerGroup(ClassWithInitArgs(EchoWorker))
-    rows = [("local, 1 worker", "empty call", mean_ms(local.noop, args.calls * 10)),
-            ("local, 1 worker", "DP_COMPUTE_PROTO 256x2048 int64", mean_ms(lambda: local.echo(batch), args.proto_calls))]
+    rows = [
+        ("local, 1 worker", "empty call", mean_ms(local.noop, args.calls * 10)),
+        (
+            "local, 1 worker",
+            "DP_COMPUTE_PROTO 256x2048 int64",
+            mean_ms(lambda: local.echo(batch), args.proto_calls),
+        ),
+    ]
 
     temp_dir = tempfile.mkdtemp(prefix="hfray-")
     started = init_ray(num_cpus=2, _temp_dir=temp_dir)
@@ -67,8 +75,14 @@ def main() -> None:
         group = RayWorkerGroup(pool, ClassWithInitArgs(EchoWorker), name_prefix="bench")
         echoed = group.echo(batch)
         assert torch.equal(echoed.batch["input_ids"], batch.batch["input_ids"]), "round trip changed the data"
-        rows += [("ray, 2 workers", "empty call", mean_ms(group.noop, args.calls)),
-                 ("ray, 2 workers", "DP_COMPUTE_PROTO 256x2048 int64", mean_ms(lambda: group.echo(batch), args.proto_calls))]
+        rows += [
+            ("ray, 2 workers", "empty call", mean_ms(group.noop, args.calls)),
+            (
+                "ray, 2 workers",
+                "DP_COMPUTE_PROTO 256x2048 int64",
+                mean_ms(lambda: group.echo(batch), args.proto_calls),
+            ),
+        ]
         group.shutdown()
         pool.remove()
     finally:
@@ -80,9 +94,15 @@ def main() -> None:
     for group_name, call, ms in rows:
         print(f"{group_name:<18} {call:<34} {ms:>9.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"machine": {"python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__,
-                          "cpus": os.cpu_count()},
-              "results": [{"group": g, "call": c, "mean_ms": round(ms, 4)} for g, c, ms in rows]}
+    result = {
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "ray": ray.__version__,
+            "cpus": os.cpu_count(),
+        },
+        "results": [{"group": g, "call": c, "mean_ms": round(ms, 4)} for g, c, ms in rows],
+    }
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 

@@ -44,15 +44,28 @@ def _batch(rows: int, prompt: int, response: int, vocab: int, seed: int) -> Data
     gen = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab, (rows, prompt + response), generator=gen)
     ones = torch.ones(rows, prompt + response, dtype=torch.long)
-    return DataProto.from_dict({
-        "input_ids": input_ids, "attention_mask": ones, "position_ids": torch.arange(prompt + response).expand(rows, -1),
-        "responses": input_ids[:, prompt:], "response_mask": ones[:, prompt:],
-        "advantages": torch.randn(rows, response, generator=gen)})
+    return DataProto.from_dict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": ones,
+            "position_ids": torch.arange(prompt + response).expand(rows, -1),
+            "responses": input_ids[:, prompt:],
+            "response_mask": ones[:, prompt:],
+            "advantages": torch.randn(rows, response, generator=gen),
+        }
+    )
 
 
-def _rank(rank: int, world: int, port: int, model: str, setting: dict, args: argparse.Namespace, out: dict) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+def _rank(
+    rank: int, world: int, port: int, model: str, setting: dict, args: argparse.Namespace, out: dict
+) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     from hybridflow.workers import ActorRolloutRefWorker
 
@@ -80,11 +93,20 @@ def _rank(rank: int, world: int, port: int, model: str, setting: dict, args: arg
     modules = [m for m in (worker.module, worker.ref_module) if m is not None]
     params = sum(_local_bytes(p) for m in modules for p in m.parameters())
     grads = sum(_local_bytes(p.grad) for p in worker.module.parameters() if p.grad is not None)
-    optim = sum(_local_bytes(v) for s in worker.engine.optimizer.state.values() for v in s.values()
-                if isinstance(v, torch.Tensor) and v.dim() > 0)
-    out[rank] = {"params_mib": params / 2**20, "grads_mib": grads / 2**20, "optim_mib": optim / 2**20,
-                 "state_mib": (params + grads + optim) / 2**20, "step_s": seconds,
-                 "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    optim = sum(
+        _local_bytes(v)
+        for s in worker.engine.optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
+    out[rank] = {
+        "params_mib": params / 2**20,
+        "grads_mib": grads / 2**20,
+        "optim_mib": optim / 2**20,
+        "state_mib": (params + grads + optim) / 2**20,
+        "step_s": seconds,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
 
 
 def _free_port() -> int:
@@ -94,8 +116,12 @@ def _free_port() -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="default", help="model folder, or 'default' for SmolLM2-135M-Instruct")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default="default", help="model folder, or 'default' for SmolLM2-135M-Instruct"
+    )
     parser.add_argument("--rows", type=int, default=8, help="sequences in the step, split over the 2 ranks")
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--response", type=int, default=32)
@@ -111,7 +137,9 @@ def main() -> None:
         with ctx.Manager() as manager:
             out = manager.dict()
             port = _free_port()
-            procs = [ctx.Process(target=_rank, args=(r, 2, port, args.model, setting, args, out)) for r in range(2)]
+            procs = [
+                ctx.Process(target=_rank, args=(r, 2, port, args.model, setting, args, out)) for r in range(2)
+            ]
             for p in procs:
                 p.start()
             for p in procs:
@@ -120,13 +148,19 @@ def main() -> None:
                 raise SystemExit(f"setting {name!r} failed (exit codes {[p.exitcode for p in procs]})")
             results[name] = [dict(out[r]) for r in range(2)]
         print(f"{name}: done", flush=True)
-    header = "| setting | params + grads + optimizer per rank (MiB) | peak RSS rank 0 / rank 1 (MiB) | step s |"
+    header = (
+        "| setting | params + grads + optimizer per rank (MiB) | peak RSS rank 0 / rank 1 (MiB) | step s |"
+    )
     print("\n" + header + "\n|---|---|---|---|")
     for name, row in results.items():
-        state = f"{row[0]['state_mib']:.0f} ({row[0]['params_mib']:.0f} + {row[0]['grads_mib']:.0f} + " \
-                f"{row[0]['optim_mib']:.0f})"
-        print(f"| {name} | {state} | {row[0]['peak_rss_mib']:.0f} / {row[1]['peak_rss_mib']:.0f} | "
-              f"{max(r['step_s'] for r in row):.1f} |")
+        state = (
+            f"{row[0]['state_mib']:.0f} ({row[0]['params_mib']:.0f} + {row[0]['grads_mib']:.0f} + "
+            f"{row[0]['optim_mib']:.0f})"
+        )
+        print(
+            f"| {name} | {state} | {row[0]['peak_rss_mib']:.0f} / {row[1]['peak_rss_mib']:.0f} | "
+            f"{max(r['step_s'] for r in row):.1f} |"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
     print(f"\nwrote {args.out}")

@@ -28,12 +28,17 @@ from hybridflow.trainer.config import load_config
 from hybridflow.workers import ActorRolloutRefWorker
 
 # name -> (share_prompt_prefix, use_dynamic_bsz)
-VARIANTS = {"row by row (before)": (False, False), "shared prompt": (True, False),
-            "shared prompt + token budget": (True, True)}
+VARIANTS = {
+    "row by row (before)": (False, False),
+    "shared prompt": (True, False),
+    "shared prompt + token budget": (True, True),
+}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="default")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n", type=int, default=4)
@@ -46,14 +51,22 @@ def main() -> None:
 
     data_dir = Path(args.out).parent / "update-data"
     prepare_data(["arithmetic", str(data_dir), "--train-size", str(args.prompts), "--test-size", "1"])
-    cfg = load_config([*DEMO_SETTINGS, f"data.train_files={data_dir / 'train.parquet'}",
-                       f"actor_rollout_ref.model.path={resolve_model_path(args.model)}",
-                       f"actor_rollout_ref.rollout.n={args.n}", f"data.max_response_length={args.new_tokens}",
-                       f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={args.max_token_len}",
-                       f"data.train_batch_size={args.prompts}", f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}"])
+    cfg = load_config(
+        [
+            *DEMO_SETTINGS,
+            f"data.train_files={data_dir / 'train.parquet'}",
+            f"actor_rollout_ref.model.path={resolve_model_path(args.model)}",
+            f"actor_rollout_ref.rollout.n={args.n}",
+            f"data.max_response_length={args.new_tokens}",
+            f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={args.max_token_len}",
+            f"data.train_batch_size={args.prompts}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
+        ]
+    )
     arr = cfg.resolve().actor_rollout_ref
-    group = LocalWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, arr, role="actor_rollout",
-                                               response_length=args.new_tokens))
+    group = LocalWorkerGroup(
+        ClassWithInitArgs(ActorRolloutRefWorker, arr, role="actor_rollout", response_length=args.new_tokens)
+    )
     group.init_model()
     worker = group.workers[0]
     dataset = RLHFDataset(str(data_dir / "train.parquet"), worker.tokenizer, max_prompt_length=256)
@@ -61,7 +74,9 @@ def main() -> None:
     prompts.meta_info["n"] = args.n
     batch = group.generate_sequences(prompts)
     batch.batch["token_level_rewards"] = torch.zeros_like(batch.batch["rollout_log_probs"])
-    batch.batch["token_level_rewards"][:, 0] = torch.rand(len(batch), generator=torch.Generator().manual_seed(0))
+    batch.batch["token_level_rewards"][:, 0] = torch.rand(
+        len(batch), generator=torch.Generator().manual_seed(0)
+    )
     batch = compute_advantage(batch, "grpo")
 
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
@@ -75,14 +90,26 @@ def main() -> None:
     medians = {name: statistics.median(t) for name, t in times.items()}
     base = medians["row by row (before)"]
     width = batch.batch["input_ids"].shape[1] - args.new_tokens
-    print(f"update_actor on {len(batch)} rows ({args.prompts} prompts x {args.n}), prompt width {width}, "
-          f"{args.new_tokens} new tokens, micro-batch {arr.actor.ppo_micro_batch_size_per_gpu} rows, median of "
-          f"{args.repeats}, torch threads {torch.get_num_threads()}")
+    print(
+        f"update_actor on {len(batch)} rows ({args.prompts} prompts x {args.n}), prompt width {width}, "
+        f"{args.new_tokens} new tokens, micro-batch {arr.actor.ppo_micro_batch_size_per_gpu} rows, median of "
+        f"{args.repeats}, torch threads {torch.get_num_threads()}"
+    )
     print(f"| {'variant':<30} | {'seconds':>8} | {'speed-up':>8} |\n|{'-' * 32}|{'-' * 10}|{'-' * 10}|")
     for name, seconds in medians.items():
         print(f"| {name:<30} | {seconds:8.2f} | {base / seconds:7.2f}x |")
-    Path(args.out).write_text(json.dumps({"rows": len(batch), "prompt_width": width, "new_tokens": args.new_tokens,
-                                          "times_s": times, "median_s": medians}, indent=2))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "rows": len(batch),
+                "prompt_width": width,
+                "new_tokens": args.new_tokens,
+                "times_s": times,
+                "median_s": medians,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

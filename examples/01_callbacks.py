@@ -27,7 +27,9 @@ def main(out_dir: Path) -> dict:
         if kl > KL_LIMIT:
             new_lr = trainer.adapt_lr(0.5)
             halved_after.append(step)
-            print(f"step {step}: |actor/ppo_kl| {kl:.3f} > {KL_LIMIT}: lr halved {metrics['actor/lr']:g} -> {new_lr:g}")
+            print(
+                f"step {step}: |actor/ppo_kl| {kl:.3f} > {KL_LIMIT}: lr halved {metrics['actor/lr']:g} -> {new_lr:g}"
+            )
 
     trainer.register_hook("on_step_end", halve_lr_when_kl_is_high)
     trainer.fit()

@@ -21,17 +21,27 @@ SCHEDULE = "[{until_step: 2, strategy: uniform}, {until_step: 4, strategy: prior
 
 
 def main(out_dir: Path) -> dict:
-    trainer = PPOTrainer(tiny_config(
-        out_dir, "replay_buffer.enable=true", "replay_buffer.capacity=32", "replay_buffer.sample_size=4",
-        f"replay_buffer.schedule={SCHEDULE}", "replay_buffer.strategy=priority", "replay_buffer.alpha=0.8",
-        steps=6))
+    trainer = PPOTrainer(
+        tiny_config(
+            out_dir,
+            "replay_buffer.enable=true",
+            "replay_buffer.capacity=32",
+            "replay_buffer.sample_size=4",
+            f"replay_buffer.schedule={SCHEDULE}",
+            "replay_buffer.strategy=priority",
+            "replay_buffer.alpha=0.8",
+            steps=6,
+        )
+    )
     trainer.fit()
     rows = logged(out_dir)
     for row in rows:
         kind = f"priority, alpha {row['replay/alpha']}" if row["replay/prioritized"] else "uniform"
         weight = f", mean IS weight {row['replay/is_weight_mean']:.2f}" if row["replay/rows"] else ""
-        print(f"step {row['step']}: {row['replay/rows']} replayed rows ({kind}){weight}, "
-              f"buffer {row['replay/buffer_size']}")
+        print(
+            f"step {row['step']}: {row['replay/rows']} replayed rows ({kind}){weight}, "
+            f"buffer {row['replay/buffer_size']}"
+        )
     # A row that was never replayed still has its priority from when it was stored: mean |advantage|.
     buffer = trainer.replay.buffer
     stored = advantage_priorities(buffer.state_dict()["rows"])

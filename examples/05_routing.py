@@ -17,16 +17,32 @@ from hybridflow.dataflow import DataFlow, Router, sequence_to_token_scores
 from hybridflow.rewards import RewardManager
 from hybridflow.trainer import PPOTrainer
 
-PROMPTS = [("creative", "Write a poem about the sea.", ""), ("factual", "What is the capital of France?", "Paris"),
-           ("chat", "Hello, how are you?", ""), ("creative", "Tell a story about a fox.", ""),
-           ("factual", "How many days are in a week?", "7"), ("chat", "What is your name?", "")]
+PROMPTS = [
+    ("creative", "Write a poem about the sea.", ""),
+    ("factual", "What is the capital of France?", "Paris"),
+    ("chat", "Hello, how are you?", ""),
+    ("creative", "Tell a story about a fox.", ""),
+    ("factual", "How many days are in a week?", "7"),
+    ("chat", "What is your name?", ""),
+]
 BONUS = 0.5
 
 
 def write_prompts(path: Path) -> None:
-    path.write_text("".join(json.dumps({"data_source": "chat", "prompt": text, "reward_model": {"ground_truth": truth},
-                                        "extra_info": {"category": category}}) + "\n"
-                            for category, text, truth in PROMPTS * 2))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "data_source": "chat",
+                    "prompt": text,
+                    "reward_model": {"ground_truth": truth},
+                    "extra_info": {"category": category},
+                }
+            )
+            + "\n"
+            for category, text, truth in PROMPTS * 2
+        )
+    )
 
 
 def make_flow(tokenizer) -> DataFlow:
@@ -45,9 +61,17 @@ def make_flow(tokenizer) -> DataFlow:
         data.batch["token_level_scores"] = checker(data)
         return data
 
-    flow = DataFlow().add_node("score", score).add_node("category", Router(lambda row: row["extra_info"]["category"]))
-    flow.add_node("creative_bonus", creative_bonus).add_node("check_facts", check_facts).add_edge("score", "category")
-    flow.add_edge("category", "creative_bonus", route="creative").add_edge("category", "check_facts", route="factual")
+    flow = (
+        DataFlow()
+        .add_node("score", score)
+        .add_node("category", Router(lambda row: row["extra_info"]["category"]))
+    )
+    flow.add_node("creative_bonus", creative_bonus).add_node("check_facts", check_facts).add_edge(
+        "score", "category"
+    )
+    flow.add_edge("category", "creative_bonus", route="creative").add_edge(
+        "category", "check_facts", route="factual"
+    )
     return flow.add_edge("category", DataFlow.OUTPUT, route="default")
 
 
@@ -65,17 +89,26 @@ def main(out_dir: Path) -> dict:
     def routed_reward(batch, return_dict=False):
         out = flow.run(batch)
         scores = out.batch["token_level_scores"]
-        return {"reward_tensor": scores, "reward_extra_info": {}, "metrics": out.meta_info["metrics"]} \
-            if return_dict else scores
+        return (
+            {"reward_tensor": scores, "reward_extra_info": {}, "metrics": out.meta_info["metrics"]}
+            if return_dict
+            else scores
+        )
 
     trainer = PPOTrainer(config, reward_fn=routed_reward)
     scored = []
     trainer.register_hook("after_reward", lambda trainer, step, metrics, batch: scored.append(batch))
     trainer.fit()
     first = scored[0]
-    print("step 1, final score per sample:", ", ".join(
-        f"{extra['category']} {score:+.2f}" for extra, score in zip(first.non_tensor_batch["extra_info"],
-                                                                    first.batch["token_level_scores"].sum(-1).tolist())))
+    print(
+        "step 1, final score per sample:",
+        ", ".join(
+            f"{extra['category']} {score:+.2f}"
+            for extra, score in zip(
+                first.non_tensor_batch["extra_info"], first.batch["token_level_scores"].sum(-1).tolist()
+            )
+        ),
+    )
     for row in logged(out_dir):
         counts = {k.split("/")[2]: v for k, v in row.items() if k.startswith("route/category/")}
         print(f"step {row['step']}: rows per category {counts}")

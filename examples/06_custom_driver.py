@@ -38,8 +38,10 @@ def main(out_dir: Path, steps: int = 2) -> dict:
         metrics = reduce_metrics(workers.critic.update_critic(batch).meta_info["metrics"])
         metrics.update(reduce_metrics(workers.actor_rollout.update_actor(batch).meta_info["metrics"]))
         metrics["reward/mean"] = batch.batch["token_level_rewards"].sum(-1).mean().item()
-        print(f"step {step}: reward {metrics['reward/mean']:.3f}, actor grad norm {metrics['actor/grad_norm']:.3f}, "
-              f"kl_loss {metrics['actor/kl_loss']:.5f}, vf_loss {metrics['critic/vf_loss']:.4f}")
+        print(
+            f"step {step}: reward {metrics['reward/mean']:.3f}, actor grad norm {metrics['actor/grad_norm']:.3f}, "
+            f"kl_loss {metrics['actor/kl_loss']:.5f}, vf_loss {metrics['critic/vf_loss']:.4f}"
+        )
         history.append(metrics)
     finite = all(math.isfinite(v) for metrics in history for v in metrics.values())
     return {"history": history, "finite": finite}

@@ -28,17 +28,31 @@ def offline_stage(cls: type, out: Path, model: str | Path, steps: int) -> tuple[
     the logged rows (the first is the validation before training)."""
     kind = cls.kind
     if not (out / kind / "train.parquet").exists():
-        prepare_data(["arithmetic", str(out / kind), "--format", kind, "--train-size", "16", "--test-size", "4"])
+        prepare_data(
+            ["arithmetic", str(out / kind), "--format", kind, "--train-size", "16", "--test-size", "4"]
+        )
     run_dir = out / f"run_{kind}"
-    config = load_offline_config(cls, [
-        f"data.train_files={out / kind / 'train.parquet'}", f"data.val_files={out / kind / 'train.parquet'}",
-        f"model.partial_pretrain={model}", f"trainer.default_local_dir={run_dir}", "trainer.resume_mode=disable",
-        "data.train_batch_size=4", "data.micro_batch_size_per_gpu=4", "data.max_length=128", "optim.lr=2e-3",
-        f"trainer.total_training_steps={steps}", "trainer.logger=[file]"])
+    config = load_offline_config(
+        cls,
+        [
+            f"data.train_files={out / kind / 'train.parquet'}",
+            f"data.val_files={out / kind / 'train.parquet'}",
+            f"model.partial_pretrain={model}",
+            f"trainer.default_local_dir={run_dir}",
+            "trainer.resume_mode=disable",
+            "data.train_batch_size=4",
+            "data.micro_batch_size_per_gpu=4",
+            "data.max_length=128",
+            "optim.lr=2e-3",
+            f"trainer.total_training_steps={steps}",
+            "trainer.logger=[file]",
+        ],
+    )
     with OfflineTrainer(config) as trainer:
         trainer.fit()
     return run_dir / f"global_step_{steps}" / "actor" / "huggingface", [
-        json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 def main(out_dir: Path) -> dict:
@@ -49,11 +63,19 @@ def main(out_dir: Path) -> dict:
     grpo = tiny_config(out, f"actor_rollout_ref.model.path={dpo_model}", steps=2)
     with PPOTrainer(grpo) as trainer:
         trainer.fit()
-    print(f"SFT validation loss {sft_rows[0]['val/loss']:.3f} -> {sft_rows[-1]['val/loss']:.3f}; "
-          f"DPO loss {dpo_rows[0]['val/loss']:.4f} -> {dpo_rows[-1]['val/loss']:.4f} "
-          f"(reward margin {dpo_rows[-1]['val/rewards/margins']:.3f}); GRPO from {dpo_model}")
-    return {"sft": sft_rows, "dpo": dpo_rows, "sft_model": sft_model, "dpo_model": dpo_model,
-            "grpo_model_path": grpo.actor_rollout_ref.model.path, "grpo": logged(out)}
+    print(
+        f"SFT validation loss {sft_rows[0]['val/loss']:.3f} -> {sft_rows[-1]['val/loss']:.3f}; "
+        f"DPO loss {dpo_rows[0]['val/loss']:.4f} -> {dpo_rows[-1]['val/loss']:.4f} "
+        f"(reward margin {dpo_rows[-1]['val/rewards/margins']:.3f}); GRPO from {dpo_model}"
+    )
+    return {
+        "sft": sft_rows,
+        "dpo": dpo_rows,
+        "sft_model": sft_model,
+        "dpo_model": dpo_model,
+        "grpo_model_path": grpo.actor_rollout_ref.model.path,
+        "grpo": logged(out),
+    }
 
 
 if __name__ == "__main__":

@@ -27,8 +27,11 @@ class AddTool(BaseTool):
 
     name: ClassVar[str] = "add"
     description: ClassVar[str] = "Add two integers."
-    parameters: ClassVar[dict] = {"type": "object", "required": ["a", "b"],
-                                  "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+    parameters: ClassVar[dict] = {
+        "type": "object",
+        "required": ["a", "b"],
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    }
 
     def execute(self, args: dict, instance_id: str) -> tuple[str, float, dict]:
         if not all(isinstance(args.get(k), int) for k in "ab"):
@@ -40,26 +43,45 @@ def used_the_tool(data_source, solution_str, ground_truth, extra_info) -> dict:
     """1 when a tool message holds the right sum, and the final answer repeats it."""
     tool_results = [m["content"] for m in extra_info["messages"] if m["role"] == "tool"]
     answer = extra_info["messages"][-1]["content"]
-    return {"score": float(ground_truth in tool_results) + float(answer.endswith(f"={ground_truth}")),
-            "tool_messages": len(tool_results)}
+    return {
+        "score": float(ground_truth in tool_results) + float(answer.endswith(f"={ground_truth}")),
+        "tool_messages": len(tool_results),
+    }
 
 
 def main(out_dir: Path) -> dict:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "tools.yaml").write_text(f"tools:\n  - class_name: {Path(__file__).resolve()}:AddTool\n")
-    config = tiny_config(out_dir, "data.max_response_length=128", "actor_rollout_ref.rollout.temperature=0.5",
-                         "actor_rollout_ref.rollout.multi_turn.enable=true",
-                         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={out_dir / 'tools.yaml'}",
-                         f"custom_reward_function.path={Path(__file__).resolve()}",
-                         "custom_reward_function.name=used_the_tool", "data.shuffle=false", steps=2)
+    config = tiny_config(
+        out_dir,
+        "data.max_response_length=128",
+        "actor_rollout_ref.rollout.temperature=0.5",
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={out_dir / 'tools.yaml'}",
+        f"custom_reward_function.path={Path(__file__).resolve()}",
+        "custom_reward_function.name=used_the_tool",
+        "data.shuffle=false",
+        steps=2,
+    )
     model = config.actor_rollout_ref.model.path
     rows = RLHFDataset(config.data.train_files, AutoTokenizer.from_pretrained(model)).rows[:8]
-    chats = [[*row.messages, {"role": "assistant", "content": '<tool_call>{"name": "add", "arguments": '
-                              f'{{"a": {row.extra_info["a"]}, "b": {row.extra_info["b"]}}}}}</tool_call>'},
-              {"role": "tool", "content": row.ground_truth},
-              {"role": "assistant", "content": f"{row.extra_info['a']}+{row.extra_info['b']}={row.ground_truth}"}]
-             for row in rows]
+    chats = [
+        [
+            *row.messages,
+            {
+                "role": "assistant",
+                "content": '<tool_call>{"name": "add", "arguments": '
+                f'{{"a": {row.extra_info["a"]}, "b": {row.extra_info["b"]}}}}}</tool_call>',
+            },
+            {"role": "tool", "content": row.ground_truth},
+            {
+                "role": "assistant",
+                "content": f"{row.extra_info['a']}+{row.extra_info['b']}={row.ground_truth}",
+            },
+        ]
+        for row in rows
+    ]
     teach_conversations(model, chats, steps=100)
     batches = []
     with PPOTrainer(config) as trainer:

@@ -37,16 +37,30 @@ def tiny_config(out_dir: str | Path, *overrides: str, steps: int = 4) -> PPOConf
     if not (out / "model" / "config.json").exists():
         make_tiny_model(out / "model")
     if not (out / "data" / "train.parquet").exists():
-        prepare_data(["arithmetic", str(out / "data"), "--train-size", "32", "--test-size", "4", "--seed", "0"])
-    return load_config([
-        f"data.train_files={out / 'data' / 'train.parquet'}", f"actor_rollout_ref.model.path={out / 'model'}",
-        f"trainer.default_local_dir={out / 'run'}", f"trainer.total_training_steps={steps}",
-        f"custom_reward_function.path={__file__}", "custom_reward_function.name=digit_share",
-        "algorithm.adv_estimator=grpo", "data.max_prompt_length=64", "data.max_response_length=4",
-        "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.optim.lr=1e-3",
-        "trainer.logger=[file]", "trainer.val_before_train=false", *overrides,
-    ])
+        prepare_data(
+            ["arithmetic", str(out / "data"), "--train-size", "32", "--test-size", "4", "--seed", "0"]
+        )
+    return load_config(
+        [
+            f"data.train_files={out / 'data' / 'train.parquet'}",
+            f"actor_rollout_ref.model.path={out / 'model'}",
+            f"trainer.default_local_dir={out / 'run'}",
+            f"trainer.total_training_steps={steps}",
+            f"custom_reward_function.path={__file__}",
+            "custom_reward_function.name=digit_share",
+            "algorithm.adv_estimator=grpo",
+            "data.max_prompt_length=64",
+            "data.max_response_length=4",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.actor.optim.lr=1e-3",
+            "trainer.logger=[file]",
+            "trainer.val_before_train=false",
+            *overrides,
+        ]
+    )
 
 
 def logged(out_dir: str | Path) -> list[dict[str, float]]:
@@ -57,7 +71,9 @@ def logged(out_dir: str | Path) -> list[dict[str, float]]:
 
 def run(main: Callable[[Path], dict]) -> None:
     """``python examples/NN_name.py [OUT_DIR]``: run ``main`` in OUT_DIR (default: a new temporary folder)."""
-    torch.set_num_threads(1)  # a tiny model gains nothing from threads, and on a busy CPU they wait on each other
+    torch.set_num_threads(
+        1
+    )  # a tiny model gains nothing from threads, and on a busy CPU they wait on each other
     out_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="hybridflow-example-"))
     main(out_dir)
     print(f"run folder: {out_dir / 'run'}")

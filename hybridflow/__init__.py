@@ -11,11 +11,24 @@ from hybridflow.protocol import DataProto, DataProtoItem, pad_dataproto_to_divis
 
 __version__ = "0.1.0"
 
-_LAZY = {"PPOConfig": "hybridflow.trainer", "PPOTrainer": "hybridflow.trainer",
-         "load_trained_actor": "hybridflow.trainer.inference", "generation_batch": "hybridflow.data"}
+_LAZY = {
+    "PPOConfig": "hybridflow.trainer",
+    "PPOTrainer": "hybridflow.trainer",
+    "load_trained_actor": "hybridflow.trainer.inference",
+    "generation_batch": "hybridflow.data",
+}
 
-__all__ = ["DataProto", "DataProtoItem", "PPOConfig", "PPOTrainer", "generation_batch", "load_trained_actor",
-           "pad_dataproto_to_divisor", "unpad_dataproto", "__version__"]
+__all__ = [
+    "DataProto",
+    "DataProtoItem",
+    "PPOConfig",
+    "PPOTrainer",
+    "generation_batch",
+    "load_trained_actor",
+    "pad_dataproto_to_divisor",
+    "unpad_dataproto",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:

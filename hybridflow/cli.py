@@ -16,9 +16,12 @@ from hybridflow.utils.errors import run_cli
 def _generate(argv: list[str]) -> int:
     from hybridflow.trainer.inference import chat, load_trained_actor
 
-    parser = argparse.ArgumentParser(prog="hybridflow generate",
-                                     description="Answer prompts with a trained actor (or any HF model).")
-    parser.add_argument("--model", required=True, help="run folder, global_step_N folder, model folder or 'default'")
+    parser = argparse.ArgumentParser(
+        prog="hybridflow generate", description="Answer prompts with a trained actor (or any HF model)."
+    )
+    parser.add_argument(
+        "--model", required=True, help="run folder, global_step_N folder, model folder or 'default'"
+    )
     parser.add_argument("--prompt", action="append", required=True, help="a user message (repeatable)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
@@ -80,10 +83,19 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "sft": (_offline("sft"), "supervised fine-tuning: hybridflow sft data.train_files=... key=value ..."),
     "dpo": (_offline("dpo"), "preference optimisation (DPO/IPO/hinge): hybridflow dpo data.train_files=..."),
     "kto": (_offline("kto"), "KTO on good/bad completions: hybridflow kto data.train_files=..."),
-    "prepare-data": (_prepare_data, "write train/test parquet for a task: hybridflow prepare-data TASK OUT_DIR"),
+    "prepare-data": (
+        _prepare_data,
+        "write train/test parquet for a task: hybridflow prepare-data TASK OUT_DIR",
+    ),
     "make-tiny-model": (_make_tiny_model, "save a tiny random model + tokenizer for tests and examples"),
-    "generate": (_generate, "answer prompts with a checkpoint: hybridflow generate --model PATH --prompt ..."),
-    "report": (_report, "curves, stage timeline and samples of run(s) as HTML: hybridflow report RUN_DIR [RUN_B]"),
+    "generate": (
+        _generate,
+        "answer prompts with a checkpoint: hybridflow generate --model PATH --prompt ...",
+    ),
+    "report": (
+        _report,
+        "curves, stage timeline and samples of run(s) as HTML: hybridflow report RUN_DIR [RUN_B]",
+    ),
     "doctor": (_doctor, "check a config before launching: hybridflow doctor [--json] key=value ..."),
 }
 

@@ -58,30 +58,35 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     data_dir = RUN_DIR / "data"
     prepare_data(["arithmetic", str(data_dir), "--train-size", "1000", "--test-size", "64", "--seed", "0"])
-    print("loading the embedded SmolLM2-135M-Instruct (converted from GGUF once, then cached) ...", flush=True)
+    print(
+        "loading the embedded SmolLM2-135M-Instruct (converted from GGUF once, then cached) ...", flush=True
+    )
     model = default_model_path()
-    config = load_config([
-        f"data.train_files={data_dir / 'train.parquet'}",
-        f"data.val_files={data_dir / 'test.parquet'}",
-        f"actor_rollout_ref.model.path={model}",
-        f"trainer.default_local_dir={RUN_DIR}",
-        *DEMO_SETTINGS,
-        *overrides,
-    ])
+    config = load_config(
+        [
+            f"data.train_files={data_dir / 'train.parquet'}",
+            f"data.val_files={data_dir / 'test.parquet'}",
+            f"actor_rollout_ref.model.path={model}",
+            f"trainer.default_local_dir={RUN_DIR}",
+            *DEMO_SETTINGS,
+            *overrides,
+        ]
+    )
     with PPOTrainer(config) as trainer:
         trainer.fit()
     history = _accuracy_by_step(RUN_DIR / "metrics.jsonl")
     report = write_report([RUN_DIR])
     before, after = history[0][1], history[-1][1]
     minutes = (time.perf_counter() - start) / 60
-    print(f"\nheld-out accuracy (greedy, {ACC}): "
-          + ", ".join(f"step {s}: {a:.0%}" for s, a in history))
+    print(f"\nheld-out accuracy (greedy, {ACC}): " + ", ".join(f"step {s}: {a:.0%}" for s, a in history))
     print(f"before training {before:.0%} -> after {after:.0%}   ({minutes:.1f} min in all)")
-    print(f"run folder:  {RUN_DIR}\n"
-          f"checkpoint:  {RUN_DIR}/global_step_{history[-1][0]}/actor/huggingface (a plain Hugging Face model)\n"
-          f"metrics:     {RUN_DIR}/metrics.jsonl\n"
-          f"look at it:  tensorboard --logdir {RUN_DIR}/tensorboard\n"
-          f"             .venv/bin/hybridflow generate --model {RUN_DIR} --prompt 'Compute 23+58. Reply in the form 23+58=<answer>.'")
+    print(
+        f"run folder:  {RUN_DIR}\n"
+        f"checkpoint:  {RUN_DIR}/global_step_{history[-1][0]}/actor/huggingface (a plain Hugging Face model)\n"
+        f"metrics:     {RUN_DIR}/metrics.jsonl\n"
+        f"look at it:  tensorboard --logdir {RUN_DIR}/tensorboard\n"
+        f"             .venv/bin/hybridflow generate --model {RUN_DIR} --prompt 'Compute 23+58. Reply in the form 23+58=<answer>.'"
+    )
     print(f"report:      {report}  (curves, time per stage, samples before and after: open it in a browser)")
     return 0
 

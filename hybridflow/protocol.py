@@ -111,15 +111,21 @@ class DataProto:
     def check_consistency(self) -> None:
         """Every tensor and non-tensor column has the same length ``N``; raises naming the culprit."""
         if self.batch is not None and len(self.batch.batch_size) != 1:
-            raise ValueError(f"DataProto.batch must have one batch dimension, got {list(self.batch.batch_size)}")
+            raise ValueError(
+                f"DataProto.batch must have one batch dimension, got {list(self.batch.batch_size)}"
+            )
         n = self.batch.batch_size[0] if self.batch is not None else None
         for key, value in self.non_tensor_batch.items():
             if not _is_object_column(value):
-                raise ValueError(f"non_tensor_batch[{key!r}] must be a 1-D numpy object array, got {type(value)}")
+                raise ValueError(
+                    f"non_tensor_batch[{key!r}] must be a 1-D numpy object array, got {type(value)}"
+                )
             if n is None:
                 n = len(value)
             elif len(value) != n:
-                raise ValueError(f"non_tensor_batch[{key!r}] has length {len(value)} but the batch has {n} rows")
+                raise ValueError(
+                    f"non_tensor_batch[{key!r}] has length {len(value)} but the batch has {n} rows"
+                )
 
     # ------------------------------------------------------------------ reading
     def __len__(self) -> int:
@@ -133,8 +139,10 @@ class DataProto:
 
     def __repr__(self) -> str:
         tensors = {k: tuple(v.shape) for k, v in self.batch.items()} if self.batch is not None else {}
-        return (f"DataProto(len={len(self)}, tensors={tensors}, non_tensors={list(self.non_tensor_batch)}, "
-                f"meta_info={list(self.meta_info)})")
+        return (
+            f"DataProto(len={len(self)}, tensors={tensors}, non_tensors={list(self.non_tensor_batch)}, "
+            f"meta_info={list(self.meta_info)})"
+        )
 
     def __getitem__(self, item: Index) -> DataProtoItem | DataProto:
         if isinstance(item, int | np.integer):
@@ -167,7 +175,9 @@ class DataProto:
             raise IndexError(f"DataProto rows are indexed by int, slice, bool mask or ints, not {idx.dtype}")
         idx = idx.astype(np.int64).reshape(-1)
         if idx.size and (idx.max() >= n or idx.min() < -n):
-            raise IndexError(f"index {int(idx.max() if idx.max() >= n else idx.min())} out of range for length {n}")
+            raise IndexError(
+                f"index {int(idx.max() if idx.max() >= n else idx.min())} out of range for length {n}"
+            )
         return idx
 
     # ------------------------------------------------------------------ reshaping by keys
@@ -192,8 +202,9 @@ class DataProto:
         meta_info_keys: Iterable[str] | None = None,
     ) -> DataProto:
         """Remove the named keys from this DataProto and return them as a new one."""
-        batch, non_tensors, meta = self._split_keys(batch_keys or [], non_tensor_batch_keys or [],
-                                                    meta_info_keys or [])
+        batch, non_tensors, meta = self._split_keys(
+            batch_keys or [], non_tensor_batch_keys or [], meta_info_keys or []
+        )
         tensors = {k: self.batch.pop(k) for k in batch} if self.batch is not None else {}
         popped = DataProto(
             batch=TensorDict(tensors, batch_size=[len(self)]) if tensors else None,
@@ -205,9 +216,11 @@ class DataProto:
     def _split_keys(self, batch_keys, non_tensor_keys, meta_keys) -> tuple[list | None, list, list]:
         available = list(self.batch.keys()) if self.batch is not None else []
         batch = None if batch_keys is None else list(batch_keys)
-        for kind, wanted, have in (("batch", batch, available),
-                                   ("non_tensor_batch", non_tensor_keys, self.non_tensor_batch),
-                                   ("meta_info", meta_keys, self.meta_info)):
+        for kind, wanted, have in (
+            ("batch", batch, available),
+            ("non_tensor_batch", non_tensor_keys, self.non_tensor_batch),
+            ("meta_info", meta_keys, self.meta_info),
+        ):
             missing = [k for k in (wanted or []) if k not in have]
             if missing:
                 raise KeyError(f"{kind} has no key(s) {missing}; available: {sorted(have)}")
@@ -248,12 +261,16 @@ class DataProto:
         which merges every part's metrics into lists (so per-worker metrics are never dropped)."""
         if not parts:
             raise ValueError("DataProto.concat needs at least one DataProto")
-        key_sets = {(tuple(sorted(p.batch.keys())) if p.batch is not None else (), tuple(sorted(p.non_tensor_batch)))
-                    for p in parts}
+        key_sets = {
+            (tuple(sorted(p.batch.keys())) if p.batch is not None else (), tuple(sorted(p.non_tensor_batch)))
+            for p in parts
+        }
         if len(key_sets) != 1:
             raise ValueError(f"DataProto.concat: parts have different keys: {sorted(key_sets)}")
         batch = torch.cat([p.batch for p in parts], dim=0) if parts[0].batch is not None else None
-        non_tensors = {k: np.concatenate([p.non_tensor_batch[k] for p in parts]) for k in parts[0].non_tensor_batch}
+        non_tensors = {
+            k: np.concatenate([p.non_tensor_batch[k] for p in parts]) for k in parts[0].non_tensor_batch
+        }
         meta = dict(parts[0].meta_info)
         metrics = [p.meta_info["metrics"] for p in parts if isinstance(p.meta_info.get("metrics"), dict)]
         if metrics:
@@ -263,15 +280,17 @@ class DataProto:
     def chunk(self, chunks: int) -> list[DataProto]:
         """``chunks`` equal parts; the length must divide (pad with ``pad_dataproto_to_divisor`` first)."""
         if chunks <= 0 or len(self) % chunks:
-            raise ValueError(f"cannot chunk a DataProto of length {len(self)} into {chunks} equal parts; "
-                             "pad it first with pad_dataproto_to_divisor")
+            raise ValueError(
+                f"cannot chunk a DataProto of length {len(self)} into {chunks} equal parts; "
+                "pad it first with pad_dataproto_to_divisor"
+            )
         return self.split(len(self) // chunks) if len(self) else [self[0:0] for _ in range(chunks)]
 
     def split(self, split_size: int) -> list[DataProto]:
         """Consecutive parts of ``split_size`` rows (the last may be shorter)."""
         if split_size <= 0:
             raise ValueError(f"split size must be positive, got {split_size}")
-        return [self[i:i + split_size] for i in range(0, len(self), split_size)]
+        return [self[i : i + split_size] for i in range(0, len(self), split_size)]
 
     def repeat(self, repeat_times: int, interleave: bool = True) -> DataProto:
         """Each row ``repeat_times`` times: ``aabb`` when ``interleave`` (n samples per prompt), else ``abab``."""
@@ -291,7 +310,9 @@ class DataProto:
             self.batch = self.batch.to(device)
         return self
 
-    def group_by(self, key: str | Callable[[DataProto], Sequence[Hashable]]) -> dict[Hashable, tuple[DataProto, np.ndarray]]:
+    def group_by(
+        self, key: str | Callable[[DataProto], Sequence[Hashable]]
+    ) -> dict[Hashable, tuple[DataProto, np.ndarray]]:
         """Split rows by a label: a non-tensor column name, or a function of this DataProto returning one
         label per row. Returns ``label -> (rows, their original indices)`` in order of first appearance;
         ``DataProto.merge_groups`` puts processed groups back in the original order."""
@@ -320,8 +341,9 @@ class DataProto:
         merged = DataProto.concat([p for p, _ in parts])
         return merged.reorder(np.argsort(indices, kind="stable"))
 
-    def make_iterator(self, mini_batch_size: int, epochs: int = 1, shuffle: bool = False,
-                      seed: int | None = None) -> Iterator[DataProto]:
+    def make_iterator(
+        self, mini_batch_size: int, epochs: int = 1, shuffle: bool = False, seed: int | None = None
+    ) -> Iterator[DataProto]:
         """Mini-batches over ``epochs`` passes; with ``shuffle`` each pass is a fresh permutation drawn from
         ``seed`` (the same seed gives the same order)."""
         if mini_batch_size <= 0:
@@ -336,15 +358,20 @@ class DataProto:
         tensors = None
         if self.batch is not None:
             tensors = {k: _tensor_to_numpy(v) for k, v in self.batch.items()}
-        return {"tensors": tensors, "batch_size": len(self), "non_tensor_batch": self.non_tensor_batch,
-                "meta_info": self.meta_info}
+        return {
+            "tensors": tensors,
+            "batch_size": len(self),
+            "non_tensor_batch": self.non_tensor_batch,
+            "meta_info": self.meta_info,
+        }
 
     def __setstate__(self, state: dict) -> None:
         tensors = state["tensors"]
         self.batch = None
         if tensors is not None:
-            self.batch = TensorDict({k: _tensor_from_numpy(*v) for k, v in tensors.items()},
-                                    batch_size=[state["batch_size"]])
+            self.batch = TensorDict(
+                {k: _tensor_from_numpy(*v) for k, v in tensors.items()}, batch_size=[state["batch_size"]]
+            )
         self.non_tensor_batch = state["non_tensor_batch"]
         self.meta_info = state["meta_info"]
 

@@ -23,15 +23,22 @@ def tiny_model_path(tmp_path_factory) -> str:
 
 
 def _chat_prompts(tokenizer, questions: list[str], uids: list[str] | None = None) -> DataProto:
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                           add_generation_prompt=True) for q in questions]
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
+        for q in questions
+    ]
     tokenizer.padding_side = "left"
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     position_ids = (enc.attention_mask.cumsum(-1) - 1).clamp(min=0)
     return DataProto.from_dict(
         {"input_ids": enc.input_ids, "attention_mask": enc.attention_mask, "position_ids": position_ids},
-        {"uid": uids or [f"p{i}" for i in range(len(questions))],
-         "raw_prompt": [[{"role": "user", "content": q}] for q in questions]})
+        {
+            "uid": uids or [f"p{i}" for i in range(len(questions))],
+            "raw_prompt": [[{"role": "user", "content": q}] for q in questions],
+        },
+    )
 
 
 @pytest.fixture(scope="session")

@@ -32,8 +32,9 @@ def _imported(tree: ast.AST) -> list[tuple[int, str]]:
     for node in ast.walk(tree):
         names = []
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + ([f"{node.module}.{a.name}" for a in node.names] if node.module == "hybridflow"
-                                     else [])
+            names = [node.module] + (
+                [f"{node.module}.{a.name}" for a in node.names] if node.module == "hybridflow" else []
+            )
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         found += [(node.lineno, n.split(".")[1]) for n in names if n.startswith("hybridflow.")]
@@ -51,8 +52,10 @@ def layering_violations(package: Path = PACKAGE) -> list[str]:
             continue
         for line, other in _imported(ast.parse(path.read_text())):
             if other != own and TIER.get(other, len(TIERS)) >= TIER[own]:
-                problems.append(f"{path.relative_to(package)}:{line} imports hybridflow.{other} "
-                                f"(tier {TIER.get(other)}) from tier {TIER[own]} ({own})")
+                problems.append(
+                    f"{path.relative_to(package)}:{line} imports hybridflow.{other} "
+                    f"(tier {TIER.get(other)}) from tier {TIER[own]} ({own})"
+                )
     return problems
 
 
@@ -61,10 +64,12 @@ def test_every_import_goes_to_an_earlier_layer():
 
 
 def test_a_wrong_way_import_is_caught(tmp_path):
-    for module, text in {"protocol.py": "from hybridflow.trainer import PPOTrainer\n",
-                         "workers/x.py": "def f():\n    import hybridflow.data.dataset\n",
-                         "trainer/ok.py": "from hybridflow.workers import CriticWorker\nfrom hybridflow import data\n",
-                         "rewards/y.py": "from hybridflow import dataflow\n"}.items():
+    for module, text in {
+        "protocol.py": "from hybridflow.trainer import PPOTrainer\n",
+        "workers/x.py": "def f():\n    import hybridflow.data.dataset\n",
+        "trainer/ok.py": "from hybridflow.workers import CriticWorker\nfrom hybridflow import data\n",
+        "rewards/y.py": "from hybridflow import dataflow\n",
+    }.items():
         (tmp_path / module).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / module).write_text(text)
     assert layering_violations(tmp_path) == [
@@ -85,10 +90,12 @@ _OUTSIDE = re.compile(r"(?:\.\./)+[\w./-]+|\b[\w./-]*\w\.md\b")
 def test_no_docstring_points_at_a_file_outside_the_repo():
     """Sources mention files a reader can open: no ``../`` paths out of the repository, no missing ``.md``."""
     root = PACKAGE.parent
-    found = [f"{path.relative_to(root)}:{n}: {match}"
-             for path in sorted(PACKAGE.rglob("*.py"))
-             for n, line in enumerate(path.read_text().splitlines(), 1)
-             for match in _OUTSIDE.findall(line)
-             if match.startswith("../") or not ((root / match).exists() or (path.parent / match).exists())]
+    found = [
+        f"{path.relative_to(root)}:{n}: {match}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        for match in _OUTSIDE.findall(line)
+        if match.startswith("../") or not ((root / match).exists() or (path.parent / match).exists())
+    ]
     assert found == []
     assert _OUTSIDE.findall("see ../shared/FACTS.md and FACTS.md") == ["../shared/FACTS.md", "FACTS.md"]

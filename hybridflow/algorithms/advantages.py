@@ -262,14 +262,20 @@ def _estimator_inputs(
 def _place_sequence_rewards(data: DataProto) -> None:
     """``token_level_rewards`` of shape ``(bs,)`` (one reward per sequence) -> ``(bs, T)`` on the last
     response token; any other shape that is not ``response_mask``'s is an error that says which to give."""
-    if data.batch is None or "token_level_rewards" not in data.batch.keys() or "response_mask" not in data.batch.keys():
+    if (
+        data.batch is None
+        or "token_level_rewards" not in data.batch.keys()
+        or "response_mask" not in data.batch.keys()
+    ):
         return
     rewards, mask = data.batch["token_level_rewards"], data.batch["response_mask"]
     if rewards.dim() == 1:
         data.batch["token_level_rewards"] = sequence_to_token_scores(rewards.float(), mask)
     elif rewards.shape != mask.shape:
-        raise ValueError(f"token_level_rewards has shape {tuple(rewards.shape)}; give one reward per sequence "
-                         f"({mask.shape[0]},) or one per response token {tuple(mask.shape)} like response_mask")
+        raise ValueError(
+            f"token_level_rewards has shape {tuple(rewards.shape)}; give one reward per sequence "
+            f"({mask.shape[0]},) or one per response token {tuple(mask.shape)} like response_mask"
+        )
 
 
 def compute_advantage(

@@ -200,8 +200,9 @@ def compute_sft_loss(
     return agg_loss(-log_prob, response_mask, loss_agg_mode)
 
 
-def truncated_importance_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
-                                 response_mask: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+def truncated_importance_weights(
+    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Truncated importance sampling (TIS) between the rollout engine and the trainer, all ``(bs, T)``.
 
     The rollout engine samples from its own numerics (another kernel, stale weights), so the samples come

@@ -39,7 +39,9 @@ def sigmoid_loss(logits: torch.Tensor, beta: float, label_smoothing: float = 0.0
     """DPO (Rafailov et al. 2023): ``-log sigmoid(beta h)``. With ``label_smoothing`` eps the preference
     labels are taken as flipped with probability eps (conservative DPO):
     ``-(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)``. ``logits`` ``(B,)`` -> ``(B,)``."""
-    return -(1 - label_smoothing) * F.logsigmoid(beta * logits) - label_smoothing * F.logsigmoid(-beta * logits)
+    return -(1 - label_smoothing) * F.logsigmoid(beta * logits) - label_smoothing * F.logsigmoid(
+        -beta * logits
+    )
 
 
 @register_preference_loss("ipo")
@@ -60,8 +62,10 @@ def hinge_loss(logits: torch.Tensor, beta: float, label_smoothing: float = 0.0) 
 
 def _no_smoothing(name: str, label_smoothing: float) -> None:
     if label_smoothing:
-        raise ValueError(f"label_smoothing={label_smoothing} only applies to loss_type 'sigmoid', not {name!r}; "
-                         "set it to 0")
+        raise ValueError(
+            f"label_smoothing={label_smoothing} only applies to loss_type 'sigmoid', not {name!r}; "
+            "set it to 0"
+        )
 
 
 def sequence_log_probs(log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -69,9 +73,15 @@ def sequence_log_probs(log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tens
     return (log_prob * mask).sum(-1)
 
 
-def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
-             ref_rejected_logps: torch.Tensor, beta: float = 0.1, loss_type: str = "sigmoid",
-             label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dpo_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair DPO-family losses ``(B,)`` and the implicit rewards ``beta (log pi - log ref)`` of the chosen
     and rejected responses ``(B,)`` each (detached). Inputs are sequence log-probs ``(B,)``."""
     logits = (chosen_logps - rejected_logps) - (ref_chosen_logps - ref_rejected_logps)
@@ -88,9 +98,15 @@ def kto_kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tenso
     return (logps - ref_logps).mean().clamp(min=0).detach()
 
 
-def kto_loss(logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor, kl: torch.Tensor | float,
-             beta: float = 0.1, desirable_weight: float = 1.0,
-             undesirable_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def kto_loss(
+    logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    desirable: torch.Tensor,
+    kl: torch.Tensor | float,
+    beta: float = 0.1,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row KTO losses ``(B,)`` and implicit rewards ``beta (log pi - log ref)`` ``(B,)`` (detached).
 
     With ``r = log pi(y|x) - log ref(y|x)``: a desirable row costs ``w_D (1 - sigmoid(beta (r - z0)))``, an
@@ -111,6 +127,7 @@ ObjectiveFn = Callable[[torch.Tensor, Batch, dict], tuple[torch.Tensor, dict[str
 class OfflineObjective:
     """A loss over a micro-batch and how the engine weighs micro-batches (``loss_agg_mode``: by tokens for
     SFT, by rows for the sequence-level DPO/KTO losses)."""
+
     fn: ObjectiveFn
     loss_agg_mode: str
     needs_ref: bool
@@ -130,15 +147,27 @@ def _side_metrics(side: str, logps: torch.Tensor, rewards: torch.Tensor) -> dict
 
 def _dpo_objective(log_prob: torch.Tensor, batch: Batch, spec: dict) -> tuple[torch.Tensor, dict[str, float]]:
     if len(log_prob) % 2:
-        raise ValueError(f"DPO needs interleaved chosen/rejected rows, got an odd micro-batch of {len(log_prob)}")
+        raise ValueError(
+            f"DPO needs interleaved chosen/rejected rows, got an odd micro-batch of {len(log_prob)}"
+        )
     mask = batch["response_mask"].float()
     logps = sequence_log_probs(log_prob, mask)
     ref = sequence_log_probs(batch["ref_log_prob"].to(log_prob.dtype), mask)
     losses, chosen_rewards, rejected_rewards = dpo_loss(
-        logps[0::2], logps[1::2], ref[0::2], ref[1::2], spec["beta"], spec["loss_type"], spec["label_smoothing"])
+        logps[0::2],
+        logps[1::2],
+        ref[0::2],
+        ref[1::2],
+        spec["beta"],
+        spec["loss_type"],
+        spec["label_smoothing"],
+    )
     loss = losses.mean()
-    metrics = {"loss": loss.item(), **_side_metrics("chosen", logps[0::2].detach(), chosen_rewards),
-               **_side_metrics("rejected", logps[1::2].detach(), rejected_rewards)}
+    metrics = {
+        "loss": loss.item(),
+        **_side_metrics("chosen", logps[0::2].detach(), chosen_rewards),
+        **_side_metrics("rejected", logps[1::2].detach(), rejected_rewards),
+    }
     metrics["rewards/margins"] = (chosen_rewards - rejected_rewards).mean().item()
     metrics["rewards/accuracies"] = (chosen_rewards > rejected_rewards).float().mean().item()
     return loss, metrics
@@ -149,13 +178,17 @@ def _kto_objective(log_prob: torch.Tensor, batch: Batch, spec: dict) -> tuple[to
     logps = sequence_log_probs(log_prob, mask)
     ref = sequence_log_probs(batch["ref_log_prob"].to(log_prob.dtype), mask)
     desirable = batch["label"].bool()
-    losses, rewards = kto_loss(logps, ref, desirable, spec["kl"], spec["beta"], spec["desirable_weight"],
-                               spec["undesirable_weight"])
+    losses, rewards = kto_loss(
+        logps, ref, desirable, spec["kl"], spec["beta"], spec["desirable_weight"], spec["undesirable_weight"]
+    )
     loss = losses.mean()
     detached = logps.detach()
-    return loss, {"loss": loss.item(), "kl": float(spec["kl"]),
-                  **_side_metrics("chosen", detached[desirable], rewards[desirable]),
-                  **_side_metrics("rejected", detached[~desirable], rewards[~desirable])}
+    return loss, {
+        "loss": loss.item(),
+        "kl": float(spec["kl"]),
+        **_side_metrics("chosen", detached[desirable], rewards[desirable]),
+        **_side_metrics("rejected", detached[~desirable], rewards[~desirable]),
+    }
 
 
 OFFLINE_OBJECTIVES: dict[str, OfflineObjective] = {

@@ -150,8 +150,10 @@ def sequence_to_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) 
     Returns ``(bs, response_length)`` in the dtype of ``scores``, zero everywhere else.  A row whose mask
     is all zero has nowhere to put its score and raises (naming the rows)."""
     if scores.shape != response_mask.shape[:1] or response_mask.dim() != 2:
-        raise ValueError(f"sequence_to_token_scores: scores {tuple(scores.shape)} do not match "
-                         f"response_mask {tuple(response_mask.shape)}; expected (bs,) and (bs, response_length)")
+        raise ValueError(
+            f"sequence_to_token_scores: scores {tuple(scores.shape)} do not match "
+            f"response_mask {tuple(response_mask.shape)}; expected (bs,) and (bs, response_length)"
+        )
     valid = response_mask.bool()
     empty = torch.nonzero(~valid.any(dim=-1)).flatten()
     if empty.numel():

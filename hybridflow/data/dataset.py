@@ -63,8 +63,9 @@ def read_rows(path: str | Path) -> list[dict]:
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise InputError(f"{path}: line {line_no} is not valid JSON ({e}): fix or remove that line"
-                                     ) from e
+                    raise InputError(
+                        f"{path}: line {line_no} is not valid JSON ({e}): fix or remove that line"
+                    ) from e
         return rows
     raise InputError(f"{path}: unknown data file type {suffix!r}; expected .parquet or .jsonl")
 
@@ -95,8 +96,10 @@ def parse_row(raw: Any, file: str, row: int, position: int, prompt_key: str = "p
     if not isinstance(raw, dict):
         raise InputError(f"{where}: a row must be an object, got {type(raw).__name__}")
     if raw.get(prompt_key) is None:
-        raise InputError(f"{where}: field {prompt_key!r} is missing or null; every row needs a prompt "
-                         "(or set data.prompt_key to the field that holds it)")
+        raise InputError(
+            f"{where}: field {prompt_key!r} is missing or null; every row needs a prompt "
+            "(or set data.prompt_key to the field that holds it)"
+        )
     messages = as_messages(raw[prompt_key], f"{where}: field {prompt_key!r}")
     data_source = raw.get("data_source")
     if data_source is not None and not isinstance(data_source, str):
@@ -112,13 +115,18 @@ def parse_row(raw: Any, file: str, row: int, position: int, prompt_key: str = "p
     return PromptRow(file, row, position, messages, data_source, reward_model.get("ground_truth"), extra_info)
 
 
-def render_prompt(tokenizer, messages: list[dict[str, str]], apply_chat_template: bool = True,
-                  chat_template_kwargs: dict | None = None) -> str:
+def render_prompt(
+    tokenizer,
+    messages: list[dict[str, str]],
+    apply_chat_template: bool = True,
+    chat_template_kwargs: dict | None = None,
+) -> str:
     """The prompt text a model sees: the chat template with the assistant generation prompt, or (for base
     models without a template) the message contents joined with newlines."""
     if apply_chat_template:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                             **(chat_template_kwargs or {}))
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {})
+        )
     return "\n".join(m["content"] for m in messages)
 
 

@@ -18,8 +18,12 @@ from hybridflow.protocol import DataProto
 Prompt = str | list[dict[str, str]]
 
 
-def generation_batch(prompts: Sequence[Prompt], tokenizer: Any, apply_chat_template: bool | None = None,
-                     chat_template_kwargs: dict | None = None) -> DataProto:
+def generation_batch(
+    prompts: Sequence[Prompt],
+    tokenizer: Any,
+    apply_chat_template: bool | None = None,
+    chat_template_kwargs: dict | None = None,
+) -> DataProto:
     """Left-padded ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, P)`` (P: the longest prompt)
     for ``prompts``, each a string (one user message) or a list of chat messages ``{"role", "content"}``.
 
@@ -39,5 +43,6 @@ def generation_batch(prompts: Sequence[Prompt], tokenizer: Any, apply_chat_templ
     texts = [render_prompt(tokenizer, m, apply_chat_template, chat_template_kwargs) for m in messages]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     width = max(len(i) for i in ids)
-    return collate_fn([{**left_pad(i, width, tokenizer.pad_token_id), "raw_prompt": m}
-                       for i, m in zip(ids, messages)])
+    return collate_fn(
+        [{**left_pad(i, width, tokenizer.pad_token_id), "raw_prompt": m} for i, m in zip(ids, messages)]
+    )

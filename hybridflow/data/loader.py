@@ -67,14 +67,21 @@ class PromptLoader:
     """
 
     def __init__(
-        self, dataset: Dataset, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = True,
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
         collate: Callable[[Sequence[Any]], DataProto] = collate_fn,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         if len(dataset) < batch_size:
-            raise InputError(f"the dataset has {len(dataset)} rows, fewer than batch_size={batch_size}: "
-                             "use a smaller batch size or more rows")
+            raise InputError(
+                f"the dataset has {len(dataset)} rows, fewer than batch_size={batch_size}: "
+                "use a smaller batch size or more rows"
+            )
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle = shuffle

@@ -33,6 +33,7 @@ from hybridflow.protocol import DataProto
 @dataclass
 class Sample:
     """One tokenized prompt + response; ``loss_mask`` (0/1 per response token) marks what is trained on."""
+
     prompt: list[int]
     response: list[int]
     loss_mask: list[int]
@@ -51,12 +52,16 @@ class Conversations:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation={truncation!r}; expected one of {TRUNCATION_MODES}")
         if tokenizer.pad_token_id is None:
-            raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos token)")
+            raise ValueError(
+                "the tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos token)"
+            )
         self.tokenizer, self.max_length, self.truncation = tokenizer, max_length, truncation
         self.eos = tokenizer.eos_token or ""
 
     def _render(self, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
 
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
@@ -66,10 +71,14 @@ class Conversations:
         prompt may hold assistant turns, e.g. a one-shot example, that are context, not targets); response =
         the rest up to the last assistant turn, loss on its assistant turns' tokens (their end-of-turn token
         included, what follows it not)."""
-        assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= (prompt_turns or 0)]
+        assistant = [
+            i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= (prompt_turns or 0)
+        ]
         if not assistant or assistant[0] == 0:
-            raise ValueError(f"{where}: a conversation needs a turn before the first assistant turn and at least "
-                             f"one assistant turn; roles are {[m['role'] for m in messages]}")
+            raise ValueError(
+                f"{where}: a conversation needs a turn before the first assistant turn and at least "
+                f"one assistant turn; roles are {[m['role'] for m in messages]}"
+            )
         first = assistant[0] if prompt_turns is None else prompt_turns
         prompt_text = previous = self._render(messages[:first], generation_prompt=True)
         pieces: list[tuple[str, int]] = []
@@ -78,7 +87,7 @@ class Conversations:
                 opened = self._render(messages[:j], generation_prompt=True)
                 pieces.append((self._after(opened, previous, where), 0))
                 previous = opened
-            text = self._render(messages[:j + 1])
+            text = self._render(messages[: j + 1])
             piece = self._after(text, previous, where)
             if messages[j]["role"] == "assistant" and self.eos and self.eos in piece:
                 cut = piece.rindex(self.eos) + len(self.eos)
@@ -96,9 +105,11 @@ class Conversations:
     @staticmethod
     def _after(text: str, prefix: str, where: str) -> str:
         if not text.startswith(prefix):
-            raise ValueError(f"{where}: the chat template renders a conversation differently from its beginning, "
-                             "so the turns cannot be split into prompt and response")
-        return text[len(prefix):]
+            raise ValueError(
+                f"{where}: the chat template renders a conversation differently from its beginning, "
+                "so the turns cannot be split into prompt and response"
+            )
+        return text[len(prefix) :]
 
     def _fit(self, sample: Sample, where: str) -> Sample:
         """Apply ``truncation`` when prompt + response exceed ``max_length``: ``error`` raises, ``left`` drops
@@ -107,9 +118,11 @@ class Conversations:
         if excess <= 0:
             return sample
         if self.truncation == "error":
-            raise ValueError(f"{where}: {len(sample.prompt)} prompt + {len(sample.response)} response tokens exceed "
-                             f"max_length={self.max_length}; raise data.max_length or set data.truncation to "
-                             "'left' or 'right'")
+            raise ValueError(
+                f"{where}: {len(sample.prompt)} prompt + {len(sample.response)} response tokens exceed "
+                f"max_length={self.max_length}; raise data.max_length or set data.truncation to "
+                "'left' or 'right'"
+            )
         if self.truncation == "left" and excess < len(sample.prompt):
             sample.prompt = sample.prompt[excess:]
         else:
@@ -132,18 +145,23 @@ def collate_samples(samples: Sequence[Sample], pad_id: int) -> DataProto:
     response_mask = torch.zeros(size, width_r, dtype=torch.long)
     for i, s in enumerate(samples):
         if s.prompt:
-            prompts[i, width_p - len(s.prompt):] = torch.tensor(s.prompt)
-            prompt_mask[i, width_p - len(s.prompt):] = 1
+            prompts[i, width_p - len(s.prompt) :] = torch.tensor(s.prompt)
+            prompt_mask[i, width_p - len(s.prompt) :] = 1
         if s.response:
-            responses[i, :len(s.response)] = torch.tensor(s.response)
-            response_attention[i, :len(s.response)] = 1
-            response_mask[i, :len(s.response)] = torch.tensor(s.loss_mask)
+            responses[i, : len(s.response)] = torch.tensor(s.response)
+            response_attention[i, : len(s.response)] = 1
+            response_mask[i, : len(s.response)] = torch.tensor(s.loss_mask)
     attention = torch.cat([prompt_mask, response_attention], dim=1)
-    return DataProto.from_dict({
-        "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention,
-        "position_ids": (attention.cumsum(1) - 1).clamp(min=0), "responses": responses,
-        "response_mask": response_mask, "label": torch.tensor([s.label for s in samples], dtype=torch.long),
-    })
+    return DataProto.from_dict(
+        {
+            "input_ids": torch.cat([prompts, responses], dim=1),
+            "attention_mask": attention,
+            "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+            "responses": responses,
+            "response_mask": response_mask,
+            "label": torch.tensor([s.label for s in samples], dtype=torch.long),
+        }
+    )
 
 
 class OfflineDataset(Dataset):
@@ -151,8 +169,14 @@ class OfflineDataset(Dataset):
     a malformed row fails at once with its file, row and field named. Subclasses say how a row becomes
     samples (``encode_row``) and how items become a batch (``collate``)."""
 
-    def __init__(self, data_files: str | Path | Sequence[str | Path], tokenizer: Any, max_length: int = 1024,
-                 truncation: str = "error", prompt_key: str = "prompt") -> None:
+    def __init__(
+        self,
+        data_files: str | Path | Sequence[str | Path],
+        tokenizer: Any,
+        max_length: int = 1024,
+        truncation: str = "error",
+        prompt_key: str = "prompt",
+    ) -> None:
         self.conversations = Conversations(tokenizer, max_length, truncation)
         self.pad_id = tokenizer.pad_token_id
         self.prompt_key = prompt_key
@@ -201,9 +225,16 @@ class OfflineDataset(Dataset):
 class SFTConversationDataset(OfflineDataset):
     """Demonstrations: ``{prompt, response}`` rows or ``{messages}`` conversations (``messages_key``)."""
 
-    def __init__(self, data_files: str | Path | Sequence[str | Path], tokenizer: Any, max_length: int = 1024,
-                 truncation: str = "error", prompt_key: str = "prompt", response_key: str = "response",
-                 messages_key: str = "messages") -> None:
+    def __init__(
+        self,
+        data_files: str | Path | Sequence[str | Path],
+        tokenizer: Any,
+        max_length: int = 1024,
+        truncation: str = "error",
+        prompt_key: str = "prompt",
+        response_key: str = "response",
+        messages_key: str = "messages",
+    ) -> None:
         self.response_key, self.messages_key = response_key, messages_key
         super().__init__(data_files, tokenizer, max_length, truncation, prompt_key)
 
@@ -212,32 +243,52 @@ class SFTConversationDataset(OfflineDataset):
             messages = as_messages(row[self.messages_key], f"{where}: field {self.messages_key!r}")
             return [self.conversations.encode(messages, where)]
         prompt = self._prompt(row, where)
-        return [self.conversations.encode(prompt + self._completion(row, self.response_key, where), where,
-                                          len(prompt))]
+        return [
+            self.conversations.encode(
+                prompt + self._completion(row, self.response_key, where), where, len(prompt)
+            )
+        ]
 
 
 class PreferenceDataset(OfflineDataset):
     """Preference pairs ``{prompt, chosen, rejected}``; an item is ``[chosen, rejected]``."""
 
-    def __init__(self, data_files: str | Path | Sequence[str | Path], tokenizer: Any, max_length: int = 1024,
-                 truncation: str = "error", prompt_key: str = "prompt", chosen_key: str = "chosen",
-                 rejected_key: str = "rejected") -> None:
+    def __init__(
+        self,
+        data_files: str | Path | Sequence[str | Path],
+        tokenizer: Any,
+        max_length: int = 1024,
+        truncation: str = "error",
+        prompt_key: str = "prompt",
+        chosen_key: str = "chosen",
+        rejected_key: str = "rejected",
+    ) -> None:
         self.chosen_key, self.rejected_key = chosen_key, rejected_key
         super().__init__(data_files, tokenizer, max_length, truncation, prompt_key)
 
     def encode_row(self, row: dict, where: str) -> list[Sample]:
         prompt = self._prompt(row, where)
-        return [self.conversations.encode(prompt + self._completion(row, key, where), f"{where} ({key})",
-                                          len(prompt))
-                for key in (self.chosen_key, self.rejected_key)]
+        return [
+            self.conversations.encode(
+                prompt + self._completion(row, key, where), f"{where} ({key})", len(prompt)
+            )
+            for key in (self.chosen_key, self.rejected_key)
+        ]
 
 
 class KTODataset(OfflineDataset):
     """Unpaired completions ``{prompt, completion, label}``; ``label`` true marks a desirable completion."""
 
-    def __init__(self, data_files: str | Path | Sequence[str | Path], tokenizer: Any, max_length: int = 1024,
-                 truncation: str = "error", prompt_key: str = "prompt", completion_key: str = "completion",
-                 label_key: str = "label") -> None:
+    def __init__(
+        self,
+        data_files: str | Path | Sequence[str | Path],
+        tokenizer: Any,
+        max_length: int = 1024,
+        truncation: str = "error",
+        prompt_key: str = "prompt",
+        completion_key: str = "completion",
+        label_key: str = "label",
+    ) -> None:
         self.completion_key, self.label_key = completion_key, label_key
         self.prompts: list[list[dict[str, str]]] = []
         self.completions: list[list[dict[str, str]]] = []
@@ -249,7 +300,9 @@ class KTODataset(OfflineDataset):
             raise ValueError(f"{where}: field {self.label_key!r} must be true or false, got {label!r}")
         self.prompts.append(self._prompt(row, where))
         self.completions.append(self._completion(row, self.completion_key, where))
-        sample = self.conversations.encode(self.prompts[-1] + self.completions[-1], where, len(self.prompts[-1]))
+        sample = self.conversations.encode(
+            self.prompts[-1] + self.completions[-1], where, len(self.prompts[-1])
+        )
         sample.label = int(label)
         return [sample]
 
@@ -262,8 +315,15 @@ class KTODataset(OfflineDataset):
         rows = [item[0] for item in items]
         indices = [item[1] for item in items]
         if len(rows) < 2:
-            raise ValueError("KTO needs at least 2 rows per batch to pair prompts with other rows' completions")
-        mismatched = [self.conversations.encode(self.prompts[i] + self.completions[indices[(k + 1) % len(rows)]],
-                                                "a mismatched KTO pair", len(self.prompts[i]))
-                      for k, i in enumerate(indices)]
+            raise ValueError(
+                "KTO needs at least 2 rows per batch to pair prompts with other rows' completions"
+            )
+        mismatched = [
+            self.conversations.encode(
+                self.prompts[i] + self.completions[indices[(k + 1) % len(rows)]],
+                "a mismatched KTO pair",
+                len(self.prompts[i]),
+            )
+            for k, i in enumerate(indices)
+        ]
         return collate_samples(rows + mismatched, self.pad_id)

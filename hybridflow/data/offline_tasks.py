@@ -37,8 +37,13 @@ def rule_wrong_reply(row: Row, rng: random.Random) -> str:
 
 def _keep(row: Row, **fields: Any) -> Row:
     """An offline row that keeps the RL row's prompt, source and ground truth (for evaluation)."""
-    return {"prompt": row["prompt"], "data_source": row["data_source"], "reward_model": row["reward_model"],
-            "extra_info": row["extra_info"], **fields}
+    return {
+        "prompt": row["prompt"],
+        "data_source": row["data_source"],
+        "reward_model": row["reward_model"],
+        "extra_info": row["extra_info"],
+        **fields,
+    }
 
 
 def sft_rows(rows: list[Row]) -> list[Row]:
@@ -55,7 +60,10 @@ def kto_rows(rows: list[Row], wrong: list[str]) -> list[Row]:
     """``{prompt, completion, label}``: each prompt once with the correct reply (true), once with ``wrong[i]``."""
     out = []
     for row, bad in zip(rows, wrong, strict=True):
-        out += [_keep(row, completion=correct_reply(row), label=True), _keep(row, completion=bad, label=False)]
+        out += [
+            _keep(row, completion=correct_reply(row), label=True),
+            _keep(row, completion=bad, label=False),
+        ]
     return out
 
 
@@ -65,8 +73,15 @@ def rule_wrong_replies(rows: list[Row], seed: int) -> list[str]:
 
 
 @torch.no_grad()
-def model_wrong_replies(rows: list[Row], model_path: str, samples: int = 4, temperature: float = 0.7,
-                        max_new_tokens: int = 16, batch_size: int = 16, seed: int = 0) -> tuple[list[str], float]:
+def model_wrong_replies(
+    rows: list[Row],
+    model_path: str,
+    samples: int = 4,
+    temperature: float = 0.7,
+    max_new_tokens: int = 16,
+    batch_size: int = 16,
+    seed: int = 0,
+) -> tuple[list[str], float]:
     """For each row, a wrong reply the model itself sampled (the first of ``samples``; a rule's near miss
     when all were right), and the share of samples that were correct (the model's sampled accuracy)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -82,17 +97,29 @@ def model_wrong_replies(rows: list[Row], model_path: str, samples: int = 4, temp
     rng = random.Random(seed)
     wrong, correct = [], 0
     for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
-        texts = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in chunk]
+        chunk = rows[start : start + batch_size]
+        texts = [
+            tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)
+            for r in chunk
+        ]
         inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        out = model.generate(**inputs, do_sample=True, temperature=temperature, top_p=1.0, top_k=0,
-                             max_new_tokens=max_new_tokens, num_return_sequences=samples,
-                             pad_token_id=tokenizer.pad_token_id)
-        replies = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            **inputs,
+            do_sample=True,
+            temperature=temperature,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=max_new_tokens,
+            num_return_sequences=samples,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        replies = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
         for i, row in enumerate(chunk):
-            mine = [r.strip() for r in replies[i * samples:(i + 1) * samples]]
-            graded = [arithmetic.compute_score(r, row["reward_model"]["ground_truth"], row["extra_info"])["acc"]
-                      for r in mine]
+            mine = [r.strip() for r in replies[i * samples : (i + 1) * samples]]
+            graded = [
+                arithmetic.compute_score(r, row["reward_model"]["ground_truth"], row["extra_info"])["acc"]
+                for r in mine
+            ]
             correct += int(sum(graded))
             bad = [r for r, acc in zip(mine, graded) if not acc and r]
             wrong.append(bad[0] if bad else rule_wrong_reply(row, rng))

@@ -134,8 +134,10 @@ def calculator_splits(train_size: int, test_size: int, seed: int) -> tuple[list[
         seen.add((rng.randint(100, 999), rng.randint(100, 999)))
     pairs = sorted(seen - {CALCULATOR_ONE_SHOT})
     rng.shuffle(pairs)
-    rows = [make_row("calculator", calculator_messages(a, b), "arithmetic", str(a * b), {"a": a, "b": b})
-            for a, b in pairs]
+    rows = [
+        make_row("calculator", calculator_messages(a, b), "arithmetic", str(a * b), {"a": a, "b": b})
+        for a, b in pairs
+    ]
     return _label(rows[:train_size], "train"), _label(rows[train_size:], "test")
 
 
@@ -275,11 +277,19 @@ def _parser() -> argparse.ArgumentParser:
     arith.add_argument("--test-size", type=int, default=100)
     arith.add_argument("--min-operand", type=int, default=10)
     arith.add_argument("--max-operand", type=int, default=99)
-    arith.add_argument("--format", choices=["rl", "sft", "dpo", "kto"], default="rl",
-                       help="rl: prompts + ground truth; sft: {prompt, response}; dpo: {prompt, chosen, rejected}; "
-                            "kto: {prompt, completion, label}")
-    arith.add_argument("--rejected", choices=["rule", "model"], default="rule",
-                       help="dpo/kto wrong replies: a near miss (rule) or the model's own wrong samples (model)")
+    arith.add_argument(
+        "--format",
+        choices=["rl", "sft", "dpo", "kto"],
+        default="rl",
+        help="rl: prompts + ground truth; sft: {prompt, response}; dpo: {prompt, chosen, rejected}; "
+        "kto: {prompt, completion, label}",
+    )
+    arith.add_argument(
+        "--rejected",
+        choices=["rule", "model"],
+        default="rule",
+        help="dpo/kto wrong replies: a near miss (rule) or the model's own wrong samples (model)",
+    )
     arith.add_argument("--model", default="default", help="the model sampled by --rejected model")
     arith.add_argument("--samples", type=int, default=4, help="samples per prompt for --rejected model")
 
@@ -317,13 +327,20 @@ def _arithmetic(args: argparse.Namespace) -> tuple[list[Row], list[Row]]:
     out = []
     for rows in splits:
         if args.rejected == "model":
-            wrong, accuracy = offline_tasks.model_wrong_replies(rows, args.model, args.samples, seed=args.seed)
-            print(f"sampled {args.samples} replies to {len(rows)} prompts from {args.model}: "
-                  f"{accuracy:.0%} correct")
+            wrong, accuracy = offline_tasks.model_wrong_replies(
+                rows, args.model, args.samples, seed=args.seed
+            )
+            print(
+                f"sampled {args.samples} replies to {len(rows)} prompts from {args.model}: "
+                f"{accuracy:.0%} correct"
+            )
         else:
             wrong = offline_tasks.rule_wrong_replies(rows, args.seed)
-        out.append(offline_tasks.preference_rows(rows, wrong) if args.format == "dpo"
-                   else offline_tasks.kto_rows(rows, wrong))
+        out.append(
+            offline_tasks.preference_rows(rows, wrong)
+            if args.format == "dpo"
+            else offline_tasks.kto_rows(rows, wrong)
+        )
     return out[0], out[1]
 
 

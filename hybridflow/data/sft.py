@@ -22,10 +22,23 @@ from hybridflow.utils.errors import InputError
 class SFTDataset(Dataset):
     """Demonstrations from parquet/JSONL rows with a prompt (messages or string) and a response string."""
 
-    def __init__(self, data_files: str | Path | Sequence[str | Path], tokenizer, max_prompt_length: int = 512,
-                 max_response_length: int = 64, prompt_key: str = "prompt", response_key: str = "response") -> None:
-        self.prompts = RLHFDataset(data_files, tokenizer, max_prompt_length=max_prompt_length,
-                                   prompt_key=prompt_key, truncation="left", filter_overlong_prompts=False)
+    def __init__(
+        self,
+        data_files: str | Path | Sequence[str | Path],
+        tokenizer,
+        max_prompt_length: int = 512,
+        max_response_length: int = 64,
+        prompt_key: str = "prompt",
+        response_key: str = "response",
+    ) -> None:
+        self.prompts = RLHFDataset(
+            data_files,
+            tokenizer,
+            max_prompt_length=max_prompt_length,
+            prompt_key=prompt_key,
+            truncation="left",
+            filter_overlong_prompts=False,
+        )
         self.max_response_length = max_response_length
         self.pad_id = tokenizer.pad_token_id
         files = [data_files] if isinstance(data_files, str | Path) else list(data_files)
@@ -34,8 +47,10 @@ class SFTDataset(Dataset):
         for row in self.prompts.rows:
             response = raw_rows[row.file][row.row].get(response_key)
             if not isinstance(response, str):
-                raise InputError(f"{row.file}: row {row.row}: field {response_key!r} must be a string, "
-                                 f"got {response!r:.200}")
+                raise InputError(
+                    f"{row.file}: row {row.row}: field {response_key!r} must be a string, "
+                    f"got {response!r:.200}"
+                )
             ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             self.responses.append(ids[:max_response_length])
 
@@ -47,9 +62,9 @@ class SFTDataset(Dataset):
         ids = self.responses[idx]
         length = self.max_response_length
         responses = torch.full((length,), self.pad_id, dtype=torch.long)
-        responses[:len(ids)] = torch.as_tensor(ids)
+        responses[: len(ids)] = torch.as_tensor(ids)
         response_mask = torch.zeros(length, dtype=torch.long)
-        response_mask[:len(ids)] = 1
+        response_mask[: len(ids)] = 1
         last_position = prompt["position_ids"][-1]
         return {
             "prompts": prompt["input_ids"],

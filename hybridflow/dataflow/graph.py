@@ -117,8 +117,10 @@ class DataFlow:
         if name == self.OUTPUT or name in self._nodes:
             raise ValueError(f"DataFlow: node name {name!r} is already taken (or reserved for the output)")
         if not isinstance(node, Router) and not callable(node):
-            raise TypeError(f"DataFlow node {name!r} must be a Router or a function DataProto -> DataProto, "
-                            f"got {type(node).__name__}")
+            raise TypeError(
+                f"DataFlow node {name!r} must be a Router or a function DataProto -> DataProto, "
+                f"got {type(node).__name__}"
+            )
         self._nodes[name] = node
         self._edges[name] = {}
         return self
@@ -130,8 +132,10 @@ class DataFlow:
         without its own edge); a plain node has at most one successor and its edge has no route."""
         for name in (src, dst):
             if name not in self._nodes and name != self.OUTPUT:
-                raise ValueError(f"DataFlow edge {src!r} -> {dst!r}: unknown node {name!r}; "
-                                 f"add it with add_node first (nodes: {list(self._nodes)})")
+                raise ValueError(
+                    f"DataFlow edge {src!r} -> {dst!r}: unknown node {name!r}; "
+                    f"add it with add_node first (nodes: {list(self._nodes)})"
+                )
         if src == self.OUTPUT:
             raise ValueError(f"DataFlow edge {src!r} -> {dst!r}: nothing leaves the output")
         edges = self._edges[src]
@@ -139,18 +143,25 @@ class DataFlow:
             if route is None:
                 raise ValueError(f"DataFlow edge {src!r} -> {dst!r}: edges from router {src!r} need route=")
             if route in edges:
-                raise ValueError(f"DataFlow: router {src!r} already sends route {route!r} to {edges[route]!r}")
+                raise ValueError(
+                    f"DataFlow: router {src!r} already sends route {route!r} to {edges[route]!r}"
+                )
         else:
             if route is not None:
-                raise ValueError(f"DataFlow edge {src!r} -> {dst!r}: {src!r} is not a Router, so the edge "
-                                 f"takes no route (got route={route!r})")
+                raise ValueError(
+                    f"DataFlow edge {src!r} -> {dst!r}: {src!r} is not a Router, so the edge "
+                    f"takes no route (got route={route!r})"
+                )
             if edges:
-                raise ValueError(f"DataFlow: {src!r} already leads to {edges[None]!r}; a plain node has one "
-                                 "successor (use a Router to split rows)")
+                raise ValueError(
+                    f"DataFlow: {src!r} already leads to {edges[None]!r}; a plain node has one "
+                    "successor (use a Router to split rows)"
+                )
         cycle = self._path(dst, src)
         if cycle:
-            raise ValueError(f"DataFlow edge {src!r} -> {dst!r} would close the cycle "
-                             f"{' -> '.join([src, *cycle])}")
+            raise ValueError(
+                f"DataFlow edge {src!r} -> {dst!r} would close the cycle {' -> '.join([src, *cycle])}"
+            )
         edges[route] = dst
         return self
 
@@ -169,8 +180,10 @@ class DataFlow:
         targets = {dst for edges in self._edges.values() for dst in edges.values()}
         roots = [name for name in self._nodes if name not in targets]
         if len(roots) != 1:
-            raise ValueError(f"DataFlow needs exactly one entry node (a node no edge leads to), found "
-                             f"{roots or 'none'}; nodes: {list(self._nodes)}")
+            raise ValueError(
+                f"DataFlow needs exactly one entry node (a node no edge leads to), found "
+                f"{roots or 'none'}; nodes: {list(self._nodes)}"
+            )
         return roots[0]
 
     def _topological_order(self) -> list[str]:
@@ -192,7 +205,9 @@ class DataFlow:
     def run(self, data: DataProto) -> DataProto:
         """Route every row of ``data`` through the graph; returns all rows in the original order."""
         start = self.entry()
-        unrouted = [name for name, node in self._nodes.items() if isinstance(node, Router) and not self._edges[name]]
+        unrouted = [
+            name for name, node in self._nodes.items() if isinstance(node, Router) and not self._edges[name]
+        ]
         if unrouted:
             raise ValueError(f"DataFlow: router(s) {unrouted} have no outgoing edges")
         if len(data) == 0:
@@ -200,9 +215,14 @@ class DataFlow:
         meta = dict(data.meta_info)
         metrics: dict[str, Any] = dict(meta.pop("metrics", None) or {})
         # Rows travel without metrics in meta_info, so that merging paths never duplicates them.
-        rows = DataProto(batch=data.batch.clone(recurse=False) if data.batch is not None else None,
-                         non_tensor_batch=dict(data.non_tensor_batch), meta_info=meta)
-        inboxes: dict[str, list[tuple[str, DataProto, np.ndarray]]] = {start: [("input", rows, np.arange(len(data)))]}
+        rows = DataProto(
+            batch=data.batch.clone(recurse=False) if data.batch is not None else None,
+            non_tensor_batch=dict(data.non_tensor_batch),
+            meta_info=meta,
+        )
+        inboxes: dict[str, list[tuple[str, DataProto, np.ndarray]]] = {
+            start: [("input", rows, np.arange(len(data)))]
+        }
         for name in self._topological_order():
             if name not in inboxes:
                 continue
@@ -215,16 +235,19 @@ class DataFlow:
 
     __call__ = run
 
-    def _step(self, name: str, rows: DataProto, index: np.ndarray,
-              metrics: dict[str, Any]) -> list[tuple[str, DataProto, np.ndarray]]:
+    def _step(
+        self, name: str, rows: DataProto, index: np.ndarray, metrics: dict[str, Any]
+    ) -> list[tuple[str, DataProto, np.ndarray]]:
         """Run node ``name`` on ``rows`` (original positions ``index``); returns ``(next node, rows, index)``."""
         node, edges = self._nodes[name], self._edges[name]
         if not isinstance(node, Router):
             out = node(rows)
             if not isinstance(out, DataProto) or len(out) != len(rows):
                 got = f"{len(out)} rows" if isinstance(out, DataProto) else type(out).__name__
-                raise ValueError(f"DataFlow node {name!r} must return a DataProto with the {len(rows)} rows "
-                                 f"it got, returned {got}")
+                raise ValueError(
+                    f"DataFlow node {name!r} must return a DataProto with the {len(rows)} rows "
+                    f"it got, returned {got}"
+                )
             metrics.update(out.meta_info.pop("metrics", None) or {})
             return [(edges.get(None, self.OUTPUT), out, index)]
         labels = node.labels(rows)
@@ -234,9 +257,11 @@ class DataFlow:
         for label, (part, local) in rows.group_by(lambda _: labels).items():
             dst = edges.get(label, edges.get(DEFAULT_ROUTE))
             if dst is None:
-                raise ValueError(f"DataFlow router {name!r} labelled {len(part)} row(s) {label!r}, a route "
-                                 f"with no edge; known routes: {list(edges)}. Add "
-                                 f"add_edge({name!r}, <node>, route={label!r}) or a route='default' edge")
+                raise ValueError(
+                    f"DataFlow router {name!r} labelled {len(part)} row(s) {label!r}, a route "
+                    f"with no edge; known routes: {list(edges)}. Add "
+                    f"add_edge({name!r}, <node>, route={label!r}) or a route='default' edge"
+                )
             metrics[f"route/{name}/{label}/count"] = len(part)
             sent.append((dst, part, index[local]))
         return sent
@@ -251,13 +276,16 @@ def _join(name: str, arrivals: list[tuple[str, DataProto, np.ndarray]]) -> tuple
         return arrivals[0][1], arrivals[0][2]
     key_sets = {src: sorted(part.keys()) for src, part, _ in arrivals}
     if len({tuple(keys) for keys in key_sets.values()}) > 1:
-        raise ValueError(f"DataFlow: the paths joining at {name!r} deliver different columns: {key_sets}; "
-                         "every path must produce the same keys")
+        raise ValueError(
+            f"DataFlow: the paths joining at {name!r} deliver different columns: {key_sets}; "
+            "every path must produce the same keys"
+        )
     index = np.concatenate([idx for _, _, idx in arrivals])
     # merge_groups wants positions 0..k-1: rank each original position among the arriving rows.
     rank = np.empty(len(index), dtype=np.int64)
     rank[np.argsort(index, kind="stable")] = np.arange(len(index))
     bounds = np.cumsum([0, *(len(idx) for _, _, idx in arrivals)])
-    merged = DataProto.merge_groups((part, rank[lo:hi]) for (_, part, _), lo, hi
-                                    in zip(arrivals, bounds[:-1], bounds[1:]))
+    merged = DataProto.merge_groups(
+        (part, rank[lo:hi]) for (_, part, _), lo, hi in zip(arrivals, bounds[:-1], bounds[1:])
+    )
     return merged, np.sort(index)

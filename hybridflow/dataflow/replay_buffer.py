@@ -57,14 +57,19 @@ def importance_weights(probabilities: np.ndarray, indices: np.ndarray, beta: flo
 
 def _as_priorities(priorities: np.ndarray | float, n: int, what: str) -> np.ndarray:
     """Priorities for ``n`` rows as float64 ``(n,)`` (a scalar applies to all); finite and >= 0."""
-    values = np.full(n, priorities, dtype=np.float64) if np.ndim(priorities) == 0 \
+    values = (
+        np.full(n, priorities, dtype=np.float64)
+        if np.ndim(priorities) == 0
         else np.asarray(priorities, dtype=np.float64)
+    )
     if values.shape != (n,):
         raise ValueError(f"{what}: got priorities of shape {values.shape} for {n} rows")
     bad = np.flatnonzero(~np.isfinite(values) | (values < 0))
     if bad.size:
-        raise ValueError(f"{what}: priorities must be finite and >= 0; bad at positions {bad[:10].tolist()} "
-                         f"(values {values[bad[:10]].tolist()})")
+        raise ValueError(
+            f"{what}: priorities must be finite and >= 0; bad at positions {bad[:10].tolist()} "
+            f"(values {values[bad[:10]].tolist()})"
+        )
     return values
 
 
@@ -110,10 +115,12 @@ class ReplayBuffer:
         if priorities is None:
             priorities = self._priorities.max() if len(self) and self._priorities.max() > 0 else 1.0
         new = _as_priorities(priorities, n, "push")
-        self._chunks.append(DataProto(
-            batch=data.batch.clone() if data.batch is not None else None,
-            non_tensor_batch={k: v.copy() for k, v in data.non_tensor_batch.items()},
-        ))
+        self._chunks.append(
+            DataProto(
+                batch=data.batch.clone() if data.batch is not None else None,
+                non_tensor_batch={k: v.copy() for k, v in data.non_tensor_batch.items()},
+            )
+        )
         self._priorities = np.concatenate([self._priorities, new])
         self._meta_info = {k: v for k, v in data.meta_info.items() if k != "metrics"}
         ids = np.arange(self._next_id, self._next_id + n, dtype=np.int64)
@@ -128,8 +135,10 @@ class ReplayBuffer:
         ref = self._chunks[0]
         have, got = set(ref.keys()), set(data.keys())
         if have != got:
-            raise ValueError(f"push: keys differ from the rows in the buffer: missing {sorted(have - got)}, "
-                             f"unexpected {sorted(got - have)}")
+            raise ValueError(
+                f"push: keys differ from the rows in the buffer: missing {sorted(have - got)}, "
+                f"unexpected {sorted(got - have)}"
+            )
         if ref.batch is None:
             return
         for key, stored in ref.batch.items():
@@ -138,7 +147,8 @@ class ReplayBuffer:
                 raise ValueError(
                     f"push: tensor {key!r} has per-row shape {tuple(new.shape[1:])} and dtype {new.dtype}, "
                     f"but the buffer holds {tuple(stored.shape[1:])} {stored.dtype}; pad every push to the "
-                    "same length (e.g. the rollout's response_length) and keep the dtype")
+                    "same length (e.g. the rollout's response_length) and keep the dtype"
+                )
 
     def _evict(self) -> None:
         """Drop the oldest rows beyond ``capacity`` (whole chunks where possible, else advance ``_head``)."""
@@ -157,7 +167,7 @@ class ReplayBuffer:
     def _rows(self) -> DataProto:
         """Every stored row as one DataProto, oldest first (concatenated once per batch of pushes)."""
         if len(self._chunks) > 1 or self._head:
-            first = self._chunks[0][self._head:]
+            first = self._chunks[0][self._head :]
             self._chunks, self._head = [DataProto.concat([first, *self._chunks[1:]])], 0
         return self._chunks[0]
 
@@ -195,8 +205,10 @@ class ReplayBuffer:
             probs = priority_probabilities(self._priorities, alpha)
             drawable = int(np.count_nonzero(probs))
             if not replace and n > drawable:
-                raise ValueError(f"cannot draw {n} rows without replacement: only {drawable} of {size} rows "
-                                 "have a priority above zero")
+                raise ValueError(
+                    f"cannot draw {n} rows without replacement: only {drawable} of {size} rows "
+                    "have a priority above zero"
+                )
             positions = self._rng.choice(size, size=n, replace=replace, p=probs)
             weights = importance_weights(probs, positions, beta)
         rows = self._rows()[positions]
@@ -216,8 +228,10 @@ class ReplayBuffer:
         values = _as_priorities(priorities, ids.size, "update_priorities")
         unknown = ids[(ids >= self._next_id) | (ids < 0)]
         if unknown.size:
-            raise ValueError(f"update_priorities: ids {unknown[:10].tolist()} were never handed out "
-                             f"(ids so far: 0..{self._next_id - 1})")
+            raise ValueError(
+                f"update_priorities: ids {unknown[:10].tolist()} were never handed out "
+                f"(ids so far: 0..{self._next_id - 1})"
+            )
         live = ids >= self.oldest_id
         self._priorities[ids[live] - self.oldest_id] = values[live]
         return int(ids.size - live.sum())
@@ -242,8 +256,10 @@ class ReplayBuffer:
         """Restore ``state_dict()``; a smaller ``capacity`` than the saved rows evicts the oldest."""
         rows, priorities = state["rows"], np.asarray(state["priorities"], dtype=np.float64)
         if (len(rows) if rows is not None else 0) != len(priorities):
-            raise ValueError(f"load_state_dict: {len(rows) if rows is not None else 0} rows but "
-                             f"{len(priorities)} priorities")
+            raise ValueError(
+                f"load_state_dict: {len(rows) if rows is not None else 0} rows but "
+                f"{len(priorities)} priorities"
+            )
         self._chunks, self._head = ([rows] if rows is not None else []), 0
         self._priorities = priorities.copy()
         self._next_id = int(state["next_id"])
@@ -282,8 +298,9 @@ class ScheduledSampler:
         if not schedule:
             raise ValueError("ScheduledSampler needs at least one phase")
         defaults = {"strategy": strategy, "alpha": alpha, "beta": beta}
-        self.phases = [_parse_phase(i, phase, defaults, last=i == len(schedule) - 1)
-                       for i, phase in enumerate(schedule)]
+        self.phases = [
+            _parse_phase(i, phase, defaults, last=i == len(schedule) - 1) for i, phase in enumerate(schedule)
+        ]
         bounds = [p.until_step for p in self.phases[:-1]]
         if any(a >= b for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"ScheduledSampler: until_step values must increase, got {bounds}")
@@ -299,16 +316,21 @@ class ScheduledSampler:
         phases = [_phase_dict(p) for p in replay_buffer.schedule or []]
         if not phases or "until_step" in phases[-1]:
             phases.append({})
-        return cls(phases, strategy=replay_buffer.strategy, alpha=float(replay_buffer.alpha),
-                   beta=float(replay_buffer.beta))
+        return cls(
+            phases,
+            strategy=replay_buffer.strategy,
+            alpha=float(replay_buffer.alpha),
+            beta=float(replay_buffer.beta),
+        )
 
     def params(self, step: int) -> dict[str, Any]:
         """``{"strategy", "alpha", "beta"}`` in force at ``step``."""
         phase = next(p for p in self.phases if p.until_step is None or step < p.until_step)
         return {"strategy": phase.strategy, "alpha": phase.alpha, "beta": phase.beta}
 
-    def sample(self, buffer: ReplayBuffer, n: int, step: int,
-               replace: bool = True) -> tuple[DataProto, np.ndarray, np.ndarray]:
+    def sample(
+        self, buffer: ReplayBuffer, n: int, step: int, replace: bool = True
+    ) -> tuple[DataProto, np.ndarray, np.ndarray]:
         """``buffer.sample`` with the parameters in force at ``step``."""
         return buffer.sample(n, replace=replace, **self.params(step))
 
@@ -322,16 +344,25 @@ def _phase_dict(phase: Mapping[str, Any] | Any) -> dict[str, Any]:
 def _parse_phase(index: int, phase: Mapping[str, Any], defaults: dict[str, Any], last: bool) -> _Phase:
     unknown = set(phase) - {"until_step", *defaults}
     if unknown:
-        raise ValueError(f"schedule phase {index} has unknown keys {sorted(unknown)}; "
-                         f"allowed: until_step, strategy, alpha, beta")
+        raise ValueError(
+            f"schedule phase {index} has unknown keys {sorted(unknown)}; "
+            f"allowed: until_step, strategy, alpha, beta"
+        )
     until = phase.get("until_step")
     if last and until is not None:
-        raise ValueError(f"the last schedule phase ({index}) must omit until_step: it covers every later step")
+        raise ValueError(
+            f"the last schedule phase ({index}) must omit until_step: it covers every later step"
+        )
     if not last and until is None:
         raise ValueError(f"schedule phase {index} needs until_step (only the last phase may omit it)")
     merged = {**defaults, **{k: v for k, v in phase.items() if k != "until_step"}}
     if merged["strategy"] not in STRATEGIES:
-        raise ValueError(f"schedule phase {index}: unknown strategy {merged['strategy']!r}; "
-                         f"known: {list(STRATEGIES)}")
-    return _Phase(until_step=None if until is None else int(until), strategy=merged["strategy"],
-                  alpha=float(merged["alpha"]), beta=float(merged["beta"]))
+        raise ValueError(
+            f"schedule phase {index}: unknown strategy {merged['strategy']!r}; known: {list(STRATEGIES)}"
+        )
+    return _Phase(
+        until_step=None if until is None else int(until),
+        strategy=merged["strategy"],
+        alpha=float(merged["alpha"]),
+        beta=float(merged["beta"]),
+    )

@@ -76,8 +76,11 @@ class TwoStageReward:
         if chosen.size:
             expensive = _scores(self.expensive_fn(data[chosen]), chosen.size, "expensive_fn")
             scores[torch.from_numpy(chosen)] = expensive.to(scores.dtype)
-        metrics = {"reward/stage1_calls": bs, "reward/stage2_calls": int(chosen.size),
-                   "reward/stage2_fraction": chosen.size / bs if bs else 0.0}
+        metrics = {
+            "reward/stage1_calls": bs,
+            "reward/stage2_calls": int(chosen.size),
+            "reward/stage2_fraction": chosen.size / bs if bs else 0.0,
+        }
         return scores, {"metrics": metrics, "stage2_selected": selected, "stage1_scores": cheap}
 
     def select(self, data: DataProto, cheap: torch.Tensor) -> np.ndarray:
@@ -91,9 +94,11 @@ class TwoStageReward:
         if self.group_key is None:
             return np.zeros(len(data), dtype=np.int64)
         if self.group_key not in data.non_tensor_batch:
-            raise KeyError(f"TwoStageReward: no group column {self.group_key!r} in non_tensor_batch "
-                           f"(available: {sorted(data.non_tensor_batch)}); pass group_key=None to rank "
-                           "the whole batch as one group")
+            raise KeyError(
+                f"TwoStageReward: no group column {self.group_key!r} in non_tensor_batch "
+                f"(available: {sorted(data.non_tensor_batch)}); pass group_key=None to rank "
+                "the whole batch as one group"
+            )
         return np.unique(data.non_tensor_batch[self.group_key], return_inverse=True)[1].reshape(-1)
 
 
@@ -114,7 +119,10 @@ def top_k_per_group(values: np.ndarray, groups: np.ndarray, ratio: float) -> np.
 
 def _scores(scores: Any, n: int, name: str) -> torch.Tensor:
     if not isinstance(scores, torch.Tensor) or scores.shape != (n,) or not scores.is_floating_point():
-        got = f"{scores.dtype} tensor of shape {tuple(scores.shape)}" if isinstance(scores, torch.Tensor) \
+        got = (
+            f"{scores.dtype} tensor of shape {tuple(scores.shape)}"
+            if isinstance(scores, torch.Tensor)
             else type(scores).__name__
+        )
         raise ValueError(f"TwoStageReward: {name} must return a float tensor of shape ({n},), got {got}")
     return scores

@@ -169,8 +169,13 @@ def make_tiny_model(
     return str(out)
 
 
-def teach_conversations(model_dir: str | Path, conversations: list[list[dict[str, str]]], steps: int = 120,
-                        lr: float = 1e-2, seed: int = 0) -> str:
+def teach_conversations(
+    model_dir: str | Path,
+    conversations: list[list[dict[str, str]]],
+    steps: int = 120,
+    lr: float = 1e-2,
+    seed: int = 0,
+) -> str:
     """Train the tiny model in ``model_dir`` (in place) until it reproduces ``conversations`` greedily.
 
     Why: a random model never writes a tool call, so multi-turn tests and examples would only ever see

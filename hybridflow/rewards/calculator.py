@@ -23,8 +23,11 @@ def _final_answer(solution_str: str, info: dict) -> str:
 
 
 def _called_calculator(info: dict) -> bool:
-    return any(call["name"] == "calculator" and call["error"] is None
-               for turn in info.get("tool_calls") or [] for call in turn["calls"])
+    return any(
+        call["name"] == "calculator" and call["error"] is None
+        for turn in info.get("tool_calls") or []
+        for call in turn["calls"]
+    )
 
 
 def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict[str, float]:

@@ -77,7 +77,9 @@ class RewardManager:
         name = _function_name(self.compute_score)
         try:
             result = self.compute_score(data_source, text, ground_truth, extra_info)
-        except UserError as e:  # e.g. no rule scorer for this data_source: the input, not the scorer, is wrong
+        except (
+            UserError
+        ) as e:  # e.g. no rule scorer for this data_source: the input, not the scorer, is wrong
             raise UserError(f"sample {i} (data_source {data_source!r}): {e}") from e
         except Exception as e:
             raise RuntimeError(
@@ -111,8 +113,10 @@ class RewardManager:
         )
         extra_infos = columns.get("extra_info", [None] * len(texts))
         if "messages" in columns:
-            extra_infos = [{**(info or {}), **{k: columns[k][i] for k in CONVERSATION_KEYS if k in columns}}
-                           for i, info in enumerate(extra_infos)]
+            extra_infos = [
+                {**(info or {}), **{k: columns[k][i] for k in CONVERSATION_KEYS if k in columns}}
+                for i, info in enumerate(extra_infos)
+            ]
         results = [
             self._score_one(
                 i, columns[self.reward_fn_key][i], text, columns["ground_truth"][i], extra_infos[i]

@@ -47,7 +47,9 @@ def load_custom_reward_function(path: str | Path, name: str = "compute_score") -
         raise MissingInputError(f"custom_reward_function.path: reward file not found: {path}")
     spec = importlib.util.spec_from_file_location(f"hybridflow_custom_reward_{path.stem}", path)
     if spec is None or spec.loader is None:
-        raise UserError(f"custom_reward_function.path: cannot load {path} as a Python module (is it a .py file?)")
+        raise UserError(
+            f"custom_reward_function.path: cannot load {path} as a Python module (is it a .py file?)"
+        )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     fn = getattr(module, name, None)
@@ -55,6 +57,7 @@ def load_custom_reward_function(path: str | Path, name: str = "compute_score") -
         defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
         raise UserError(f"custom_reward_function.name: {path} has no function {name!r}; it defines {defined}")
     if not callable(fn):
-        raise UserError(f"custom_reward_function.name: {name!r} in {path} is a {type(fn).__name__}, "
-                        "not a function")
+        raise UserError(
+            f"custom_reward_function.name: {name!r} in {path} is a {type(fn).__name__}, not a function"
+        )
     return fn

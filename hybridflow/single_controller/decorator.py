@@ -32,7 +32,9 @@ class Dispatch(str, Enum):
     ALL_TO_ALL = "ALL_TO_ALL"  # every argument is a list of world_size per-rank values; result: list
     RANK_ZERO = "RANK_ZERO"  # only rank 0 runs; result: rank 0's return value
     DP_COMPUTE = "DP_COMPUTE"  # like ALL_TO_ALL (data-parallel compute on pre-split inputs)
-    DP_COMPUTE_PROTO = "DP_COMPUTE_PROTO"  # DataProto args split into world_size chunks; result: one DataProto
+    DP_COMPUTE_PROTO = (
+        "DP_COMPUTE_PROTO"  # DataProto args split into world_size chunks; result: one DataProto
+    )
     DP_COMPUTE_METRIC = "DP_COMPUTE_METRIC"  # split like DP_COMPUTE_PROTO; result: list, one entry per rank
 
 
@@ -161,7 +163,9 @@ def split_lists(world_size: int, args: tuple, kwargs: dict) -> Shards:
     for label, value in _labelled(args, kwargs):
         if not isinstance(value, list | tuple) or len(value) != world_size:
             got = f"length {len(value)}" if isinstance(value, list | tuple) else type(value).__name__
-            raise ValueError(f"{label} must be a list of {world_size} per-rank values (one per worker), got {got}")
+            raise ValueError(
+                f"{label} must be a list of {world_size} per-rank values (one per worker), got {got}"
+            )
     return _transpose(world_size, args, kwargs)
 
 
@@ -186,13 +190,17 @@ def split_dataprotos(world_size: int, args: tuple, kwargs: dict) -> Shards:
 
 
 def _labelled(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
-    return [(f"argument {i}", a) for i, a in enumerate(args)] + [(f"argument {k!r}", v) for k, v in kwargs.items()]
+    return [(f"argument {i}", a) for i, a in enumerate(args)] + [
+        (f"argument {k!r}", v) for k, v in kwargs.items()
+    ]
 
 
 def _transpose(world_size: int, args: tuple, kwargs: dict) -> Shards:
     """Per-argument lists of per-rank values -> per-rank argument tuples/dicts."""
-    return Shards([tuple(a[r] for a in args) for r in range(world_size)],
-                  [{k: v[r] for k, v in kwargs.items()} for r in range(world_size)])
+    return Shards(
+        [tuple(a[r] for a in args) for r in range(world_size)],
+        [{k: v[r] for k, v in kwargs.items()} for r in range(world_size)],
+    )
 
 
 def as_list(outputs: list, shards: Shards) -> list:
@@ -209,15 +217,19 @@ def concat_dataprotos(outputs: list, shards: Shards) -> DataProto:
     """One DataProto: the ranks' results in rank order, without the rows the dispatch padded."""
     wrong = {rank: type(o).__name__ for rank, o in enumerate(outputs) if not isinstance(o, DataProto)}
     if wrong:
-        raise TypeError(f"DP_COMPUTE_PROTO expects every worker to return a DataProto; got {wrong} (rank: type)")
+        raise TypeError(
+            f"DP_COMPUTE_PROTO expects every worker to return a DataProto; got {wrong} (rank: type)"
+        )
     return unpad_dataproto(DataProto.concat(outputs), shards.pad_size)
 
 
-_MODES.update({
-    Dispatch.ONE_TO_ALL.value: DispatchMode(broadcast, as_list),
-    Dispatch.ALL_TO_ALL.value: DispatchMode(split_lists, as_list),
-    Dispatch.RANK_ZERO.value: DispatchMode(rank_zero_only, first_output),
-    Dispatch.DP_COMPUTE.value: DispatchMode(split_lists, as_list),
-    Dispatch.DP_COMPUTE_PROTO.value: DispatchMode(split_dataprotos, concat_dataprotos),
-    Dispatch.DP_COMPUTE_METRIC.value: DispatchMode(split_dataprotos, as_list),
-})
+_MODES.update(
+    {
+        Dispatch.ONE_TO_ALL.value: DispatchMode(broadcast, as_list),
+        Dispatch.ALL_TO_ALL.value: DispatchMode(split_lists, as_list),
+        Dispatch.RANK_ZERO.value: DispatchMode(rank_zero_only, first_output),
+        Dispatch.DP_COMPUTE.value: DispatchMode(split_lists, as_list),
+        Dispatch.DP_COMPUTE_PROTO.value: DispatchMode(split_dataprotos, concat_dataprotos),
+        Dispatch.DP_COMPUTE_METRIC.value: DispatchMode(split_dataprotos, as_list),
+    }
+)

@@ -27,7 +27,9 @@ class LocalWorkerGroup(WorkerGroup):
     receive the driver's objects themselves, not copies.
     """
 
-    def __init__(self, cls_with_init: ClassWithInitArgs, world_size: int = 1, name_prefix: str | None = None) -> None:
+    def __init__(
+        self, cls_with_init: ClassWithInitArgs, world_size: int = 1, name_prefix: str | None = None
+    ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         name = name_prefix or cls_with_init.cls.__name__
@@ -37,7 +39,9 @@ class LocalWorkerGroup(WorkerGroup):
                 try:
                     workers.append(cls_with_init())
                 except Exception as e:
-                    raised, cause = worker_failure(WorkerError(name, rank, "__init__", traceback.format_exc()), e)
+                    raised, cause = worker_failure(
+                        WorkerError(name, rank, "__init__", traceback.format_exc()), e
+                    )
                     raise raised from cause
         super().__init__(_LocalBackend(workers), cls_with_init.cls, name)
 
@@ -73,8 +77,12 @@ class _LocalBackend:
 @contextmanager
 def _rank_env(rank: int, world_size: int) -> Iterator[None]:
     """The environment a real rank would see, for the duration of the worker's construction."""
-    values = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-              SIMULATED_RANKS_ENV: "1" if world_size > 1 else "0"}
+    values = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        SIMULATED_RANKS_ENV: "1" if world_size > 1 else "0",
+    }
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
     try:

@@ -62,7 +62,9 @@ class Worker:
     def device(self) -> torch.device:
         """``cuda:<local rank>`` (modulo the visible GPUs, since Ray may show each actor only its own), or cpu."""
         if self._device_type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("this worker was asked for device cuda (trainer.device=cuda), but torch sees no GPU")
+            raise RuntimeError(
+                "this worker was asked for device cuda (trainer.device=cuda), but torch sees no GPU"
+            )
         if self._device_type == "cuda" or (self._device_type == "auto" and torch.cuda.is_available()):
             return torch.device("cuda", self._local_rank % torch.cuda.device_count())
         return torch.device("cpu")
@@ -81,12 +83,17 @@ class Worker:
         if self._world_size == 1 or dist.is_initialized():
             return False
         if self._simulated:
-            logger.info("rank %d of %d is simulated in one process: no process group formed",
-                        self._rank, self._world_size)
+            logger.info(
+                "rank %d of %d is simulated in one process: no process group formed",
+                self._rank,
+                self._world_size,
+            )
             return False
         if not (self._master_addr and self._master_port):
-            raise RuntimeError(f"rank {self._rank} of {self._world_size}: MASTER_ADDR / MASTER_PORT are not set; "
-                               "workers get them from their worker group")
+            raise RuntimeError(
+                f"rank {self._rank} of {self._world_size}: MASTER_ADDR / MASTER_PORT are not set; "
+                "workers get them from their worker group"
+            )
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(self.device)
@@ -118,4 +125,6 @@ class ClassWithInitArgs(Generic[T]):
         return self.cls(*self.args, **self.kwargs)
 
     def __repr__(self) -> str:
-        return f"ClassWithInitArgs({self.cls.__qualname__}, args={len(self.args)}, kwargs={sorted(self.kwargs)})"
+        return (
+            f"ClassWithInitArgs({self.cls.__qualname__}, args={len(self.args)}, kwargs={sorted(self.kwargs)})"
+        )

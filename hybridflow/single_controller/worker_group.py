@@ -35,7 +35,9 @@ class WorkerError(RuntimeError):
 
     def __init__(self, group: str, rank: int, method: str, remote_traceback: str) -> None:
         self.group, self.rank, self.method, self.remote_traceback = group, rank, method, remote_traceback
-        super().__init__(f"worker group {group!r}, rank {rank}, method {method!r} failed:\n{remote_traceback}")
+        super().__init__(
+            f"worker group {group!r}, rank {rank}, method {method!r} failed:\n{remote_traceback}"
+        )
 
     def __reduce__(self) -> tuple:
         return type(self), (self.group, self.rank, self.method, self.remote_traceback)
@@ -45,7 +47,9 @@ class WorkerDiedError(WorkerError):
     """The process of a worker is gone (killed, crashed, out of memory): later calls cannot succeed."""
 
 
-def worker_failure(error: WorkerError, cause: BaseException | None) -> tuple[BaseException, BaseException | None]:
+def worker_failure(
+    error: WorkerError, cause: BaseException | None
+) -> tuple[BaseException, BaseException | None]:
     """``(what the driver raises, its __cause__)`` for a failed worker call whose exception was ``cause``.
 
     A ``UserError`` (the worker found the user's input wrong: a damaged checkpoint, weights that went
@@ -80,8 +84,15 @@ class WorkerFuture:
     independent stages submitted one after the other run at the same time.
     """
 
-    def __init__(self, backend: WorkerBackend, handles: list, collect_fn: CollectFn, shards: Shards,
-                 group: str, label: str) -> None:
+    def __init__(
+        self,
+        backend: WorkerBackend,
+        handles: list,
+        collect_fn: CollectFn,
+        shards: Shards,
+        group: str,
+        label: str,
+    ) -> None:
         self._backend, self._handles, self._collect_fn, self._shards = backend, handles, collect_fn, shards
         self._group, self._label = group, label
         self._resolved = False
@@ -109,8 +120,9 @@ class WorkerGroup:
     docstring and signature (minus ``self``). ``spawn`` gives one view per role of a colocated class.
     """
 
-    def __init__(self, backend: WorkerBackend, worker_cls: type, name: str,
-                 method_names: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, backend: WorkerBackend, worker_cls: type, name: str, method_names: dict[str, str] | None = None
+    ) -> None:
         """``method_names`` maps public names to the worker's method names (a role's view of a colocated
         class); by default every registered method under its own name."""
         self._backend = backend
@@ -148,19 +160,27 @@ class WorkerGroup:
         same processes, methods of that role only. Keys are the role names."""
         roles: dict[str, dict[str, str]] | None = getattr(self._worker_cls, ROLE_METHODS_ATTR, None)
         if roles is None:
-            raise TypeError(f"spawn() needs a group of a colocated worker class; {self._worker_cls.__qualname__} "
-                            "is not one (build it with create_colocated_worker_cls)")
+            raise TypeError(
+                f"spawn() needs a group of a colocated worker class; {self._worker_cls.__qualname__} "
+                "is not one (build it with create_colocated_worker_cls)"
+            )
         wanted = list(prefix_set)
         unknown = sorted(set(wanted) - set(roles))
         if unknown:
-            raise KeyError(f"roles {unknown} are not in the colocated class {self._name}; it has {sorted(roles)}")
-        return {role: WorkerGroup(self._backend, self._worker_cls, f"{self._name}/{role}", roles[role])
-                for role in wanted}
+            raise KeyError(
+                f"roles {unknown} are not in the colocated class {self._name}; it has {sorted(roles)}"
+            )
+        return {
+            role: WorkerGroup(self._backend, self._worker_cls, f"{self._name}/{role}", roles[role])
+            for role in wanted
+        }
 
     def _bind(self, public: str, remote: str) -> None:
         if hasattr(type(self), public):
-            raise ValueError(f"{self._worker_cls.__qualname__}.{remote} clashes with the worker group's own "
-                             f"attribute {public!r}; rename the worker method")
+            raise ValueError(
+                f"{self._worker_cls.__qualname__}.{remote} clashes with the worker group's own "
+                f"attribute {public!r}; rename the worker method"
+            )
         spec = method_spec(self._worker_cls, remote)
         if spec is None:
             raise ValueError(f"{self._worker_cls.__qualname__}.{remote} is not @register-ed")
@@ -178,8 +198,10 @@ class WorkerGroup:
         kwargs = {k: _resolve(v) for k, v in kwargs.items()}
         shards = mode.dispatch_fn(self.world_size, args, kwargs)
         if not 1 <= len(shards) <= self.world_size or len(shards.kwargs) != len(shards):
-            raise ValueError(f"dispatch mode {spec.dispatch_mode!r} made {len(shards)} shards "
-                             f"({len(shards.kwargs)} kwargs) for a group of {self.world_size} workers")
+            raise ValueError(
+                f"dispatch mode {spec.dispatch_mode!r} made {len(shards)} shards "
+                f"({len(shards.kwargs)} kwargs) for a group of {self.world_size} workers"
+            )
         if spec.execute_mode is Execute.RANK_ZERO:
             shards = shards.first()
         handles = self._backend.submit(self._remote_names.get(method, method), shards, self._name, method)

@@ -4,18 +4,32 @@ Beside ``rewards`` in the layering: ``workers`` (the agent loop) import it; it i
 """
 
 from hybridflow.tools.base import (
-           BaseTool,
-           ToolError,
-           ToolOutput,
-           builtin_tools,
-           load_tools,
-           tools_from_entries,
+    BaseTool,
+    ToolError,
+    ToolOutput,
+    builtin_tools,
+    load_tools,
+    tools_from_entries,
 )
 from hybridflow.tools.calculator import CalculatorTool, calculate
 from hybridflow.tools.parsing import ToolCall, parse_tool_calls
 from hybridflow.tools.python_tool import PythonTool
 from hybridflow.tools.sandbox import SandboxLimits, SandboxResult, isolation, run_python
 
-__all__ = ["BaseTool", "CalculatorTool", "PythonTool", "SandboxLimits", "SandboxResult", "ToolCall", "ToolError",
-           "ToolOutput", "builtin_tools", "calculate", "isolation", "load_tools", "parse_tool_calls", "run_python",
-           "tools_from_entries"]
+__all__ = [
+    "BaseTool",
+    "CalculatorTool",
+    "PythonTool",
+    "SandboxLimits",
+    "SandboxResult",
+    "ToolCall",
+    "ToolError",
+    "ToolOutput",
+    "builtin_tools",
+    "calculate",
+    "isolation",
+    "load_tools",
+    "parse_tool_calls",
+    "run_python",
+    "tools_from_entries",
+]

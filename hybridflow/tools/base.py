@@ -44,15 +44,19 @@ class BaseTool:
     description: ClassVar[str] = ""
     parameters: ClassVar[dict[str, Any]] = {"type": "object", "properties": {}}
 
-    def __init__(self, config: dict[str, Any] | None = None, tool_schema: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, config: dict[str, Any] | None = None, tool_schema: dict[str, Any] | None = None
+    ) -> None:
         self.config = dict(config or {})
         self._schema = tool_schema
 
     @property
     def schema(self) -> dict[str, Any]:
         """``{"type": "function", "function": {"name", "description", "parameters"}}``."""
-        return self._schema or {"type": "function", "function": {
-            "name": self.name, "description": self.description, "parameters": self.parameters}}
+        return self._schema or {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
     @property
     def tool_name(self) -> str:
@@ -98,8 +102,10 @@ def _tool_class(spec: str, where: str) -> type[BaseTool]:
             raise UserError(f"{where}: cannot import {module_name!r} for tool {spec!r}: {err}") from err
     cls = getattr(module, name, None) if module is not None else None
     if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
-        raise UserError(f"{where}: {spec!r} is not a BaseTool subclass; built-in tools: {sorted(builtins)}, or "
-                        "give 'package.module.Class' or 'path/to/file.py:Class'")
+        raise UserError(
+            f"{where}: {spec!r} is not a BaseTool subclass; built-in tools: {sorted(builtins)}, or "
+            "give 'package.module.Class' or 'path/to/file.py:Class'"
+        )
     return cls
 
 
@@ -107,7 +113,9 @@ def load_tools(path: str | Path) -> dict[str, BaseTool]:
     """The tools listed in the YAML file ``path``, by the name the model calls them."""
     file = Path(path)
     if not file.is_file():
-        raise UserError(f"tool config {path} not found (actor_rollout_ref.rollout.multi_turn.tool_config_path)")
+        raise UserError(
+            f"tool config {path} not found (actor_rollout_ref.rollout.multi_turn.tool_config_path)"
+        )
     entries = (yaml.safe_load(file.read_text()) or {}).get("tools")
     if not isinstance(entries, list) or not entries:
         raise UserError(f"{path}: expected a non-empty list under 'tools:', each with a 'class_name'")
@@ -123,7 +131,9 @@ def tools_from_entries(entries: list[dict[str, Any]], source: str = "tools") -> 
             raise UserError(f"{where}: needs a 'class_name' (a built-in tool name or a class path)")
         unknown = set(entry) - {"class_name", "config", "tool_schema"}
         if unknown:
-            raise UserError(f"{where}: unknown keys {sorted(unknown)}; allowed: class_name, config, tool_schema")
+            raise UserError(
+                f"{where}: unknown keys {sorted(unknown)}; allowed: class_name, config, tool_schema"
+            )
         tool = _tool_class(entry["class_name"], where)(entry.get("config"), entry.get("tool_schema"))
         if tool.tool_name in tools:
             raise UserError(f"{where}: a second tool named {tool.tool_name!r}")

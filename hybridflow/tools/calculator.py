@@ -14,8 +14,15 @@ from typing import Any, ClassVar
 
 from hybridflow.tools.base import BaseTool, ToolError, ToolOutput
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 MAX_EXPONENT, MAX_DIGITS, MAX_LENGTH = 100, 1000, 500
 
@@ -45,7 +52,9 @@ def _evaluate(node: ast.AST) -> float | int:
             raise ToolError("division by zero") from None
         except OverflowError:
             raise ToolError("result is too large") from None
-    raise ToolError(f"unsupported element {ast.dump(node)[:60]!r}: use numbers, + - * / // % ** and parentheses")
+    raise ToolError(
+        f"unsupported element {ast.dump(node)[:60]!r}: use numbers, + - * / // % ** and parentheses"
+    )
 
 
 def calculate(expression: str) -> str:

@@ -36,7 +36,9 @@ def _parse_block(body: str, closed: bool) -> ToolCall:
     try:
         call = json.loads(text)
     except json.JSONDecodeError as err:
-        return ToolCall(None, error=f"the tool call is not valid JSON ({err.msg} at character {err.pos})", text=text)
+        return ToolCall(
+            None, error=f"the tool call is not valid JSON ({err.msg} at character {err.pos})", text=text
+        )
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return ToolCall(None, error='a tool call must be a JSON object with a string "name"', text=text)
     arguments = call.get("arguments", {})

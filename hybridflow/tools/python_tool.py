@@ -15,15 +15,18 @@ class PythonTool(BaseTool):
     (``timeout_s``, ``cpu_s``, ``memory_mb``, ``file_size_mb``, ``max_processes``, ``max_output_bytes``...)."""
 
     name: ClassVar[str] = "python"
-    description: ClassVar[str] = ("Run a Python script (standard library only, no network, no files kept) and "
-                                  "return what it prints.")
+    description: ClassVar[str] = (
+        "Run a Python script (standard library only, no network, no files kept) and return what it prints."
+    )
     parameters: ClassVar[dict[str, Any]] = {
         "type": "object",
         "properties": {"code": {"type": "string", "description": "Python code; print the result"}},
         "required": ["code"],
     }
 
-    def __init__(self, config: dict[str, Any] | None = None, tool_schema: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, config: dict[str, Any] | None = None, tool_schema: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(config, tool_schema)
         known = {f.name for f in dataclasses.fields(SandboxLimits)}
         unknown = set(self.config) - known

@@ -96,8 +96,11 @@ def _unshare_works() -> bool:
     binary = shutil.which("unshare")
     if os.geteuid() != 0 or binary is None:
         return False
-    probe = subprocess.run([binary, "--net", "--pid", "--fork", "--kill-child", "--mount-proc", "true"],
-                           capture_output=True, timeout=30)
+    probe = subprocess.run(
+        [binary, "--net", "--pid", "--fork", "--kill-child", "--mount-proc", "true"],
+        capture_output=True,
+        timeout=30,
+    )
     return probe.returncode == 0
 
 
@@ -183,7 +186,11 @@ def _read_capped(proc: subprocess.Popen, status_fd: int, deadline: float, cap: i
             if len(got["stdout"]) + len(got["stderr"]) > cap:
                 out.over_cap = True
                 break
-    out.stdout, out.stderr, out.status = bytes(got["stdout"][:cap]), bytes(got["stderr"][:cap]), bytes(got["status"])
+    out.stdout, out.stderr, out.status = (
+        bytes(got["stdout"][:cap]),
+        bytes(got["stderr"][:cap]),
+        bytes(got["status"]),
+    )
     return out
 
 
@@ -219,13 +226,25 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
         if uid is not None:
             for path in (workdir, os.path.join(workdir, "main.py")):
                 os.chown(path, uid, uid)
-        spec = {"argv": [sys.executable, "-I", "-S", "main.py"], "cwd": workdir, "uid": uid, "status_fd": status_w,
-                "setpriv": shutil.which("setpriv"),
-                "net": "unshared" if _unshare_works() else "try",
-                "limits": {k: v for k, v in asdict(limits).items() if k not in ("timeout_s", "max_output_bytes")}}
-        proc = subprocess.Popen(_command(spec), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, close_fds=True, pass_fds=(status_w,), env={},
-                                start_new_session=True)
+        spec = {
+            "argv": [sys.executable, "-I", "-S", "main.py"],
+            "cwd": workdir,
+            "uid": uid,
+            "status_fd": status_w,
+            "setpriv": shutil.which("setpriv"),
+            "net": "unshared" if _unshare_works() else "try",
+            "limits": {k: v for k, v in asdict(limits).items() if k not in ("timeout_s", "max_output_bytes")},
+        }
+        proc = subprocess.Popen(
+            _command(spec),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            close_fds=True,
+            pass_fds=(status_w,),
+            env={},
+            start_new_session=True,
+        )
         os.close(status_w)
         status_w = -1
         with proc:
@@ -247,10 +266,20 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
         else:
             error = _describe(status, stderr, limits)
         in_namespaces = spec["net"] == "unshared"
-        isolated = {"network": in_namespaces or bool(status.get("network_isolated")), "pid_namespace": in_namespaces,
-                    "own_user": uid is not None}
-        return SandboxResult(stdout, stderr, status.get("exit"), error, time.monotonic() - start,
-                             truncated=out.over_cap, isolation=isolated)
+        isolated = {
+            "network": in_namespaces or bool(status.get("network_isolated")),
+            "pid_namespace": in_namespaces,
+            "own_user": uid is not None,
+        }
+        return SandboxResult(
+            stdout,
+            stderr,
+            status.get("exit"),
+            error,
+            time.monotonic() - start,
+            truncated=out.over_cap,
+            isolation=isolated,
+        )
     finally:
         for fd in (status_r, status_w):
             if fd >= 0:

@@ -52,19 +52,29 @@ def limit_and_exec(spec: dict) -> None:
     nproc = limits["max_processes"]
     if uid is None and os.getuid() != 0:  # RLIMIT_NPROC counts every task of the real user id
         nproc += processes_of(os.getuid())
-    for name, value in ((resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1)),
-                        (resource.RLIMIT_AS, (limits["memory_mb"] * mb,) * 2),
-                        (resource.RLIMIT_FSIZE, (limits["file_size_mb"] * mb,) * 2),
-                        (resource.RLIMIT_NPROC, (nproc,) * 2),
-                        (resource.RLIMIT_NOFILE, (limits["open_files"],) * 2),
-                        (resource.RLIMIT_CORE, (0, 0))):
+    for name, value in (
+        (resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1)),
+        (resource.RLIMIT_AS, (limits["memory_mb"] * mb,) * 2),
+        (resource.RLIMIT_FSIZE, (limits["file_size_mb"] * mb,) * 2),
+        (resource.RLIMIT_NPROC, (nproc,) * 2),
+        (resource.RLIMIT_NOFILE, (limits["open_files"],) * 2),
+        (resource.RLIMIT_CORE, (0, 0)),
+    ):
         resource.setrlimit(name, value)
     os.chdir(spec["cwd"])
     argv = spec["argv"]
     if uid is not None and spec["setpriv"]:
         # setpriv changes the ids as it execs, so an interpreter under a private home (pyenv in /root)
         # is still found; the code itself then runs with no capabilities and cannot gain any
-        argv = [spec["setpriv"], f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--", *argv]
+        argv = [
+            spec["setpriv"],
+            f"--reuid={uid}",
+            f"--regid={uid}",
+            "--clear-groups",
+            "--no-new-privs",
+            "--",
+            *argv,
+        ]
     elif uid is not None:
         os.setgroups([])
         os.setresgid(uid, uid, uid)

@@ -10,8 +10,17 @@ from typing import Any
 from hybridflow.trainer.config import ConfigError, PPOConfig, load_config
 from hybridflow.trainer.offline_config import DPOConfig, KTOConfig, SFTConfig, load_offline_config
 
-__all__ = ["ConfigError", "DPOConfig", "KTOConfig", "OfflineTrainer", "PPOConfig", "PPOTrainer", "SFTConfig",
-           "load_config", "load_offline_config"]
+__all__ = [
+    "ConfigError",
+    "DPOConfig",
+    "KTOConfig",
+    "OfflineTrainer",
+    "PPOConfig",
+    "PPOTrainer",
+    "SFTConfig",
+    "load_config",
+    "load_offline_config",
+]
 
 
 def __getattr__(name: str) -> Any:

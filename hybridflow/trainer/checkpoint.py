@@ -86,13 +86,17 @@ class DiskFullError(UserError, OSError):
 
     def __init__(self, final: Path, written: int) -> None:
         previous = find_latest_checkpoint(final.parent)
-        need = (f"about {_gib(_tree_size(previous))} (the size of {previous.name})" if previous is not None
-                else f"more than the {_gib(written)} written before the disk filled")
+        need = (
+            f"about {_gib(_tree_size(previous))} (the size of {previous.name})"
+            if previous is not None
+            else f"more than the {_gib(written)} written before the disk filled"
+        )
         super().__init__(
             f"no space left on the disk holding {final.parent} while saving {final.name}: "
             f"{_gib(shutil.disk_usage(final.parent).free)} free, the checkpoint needs {need}. Free some space "
             "(or lower trainer.max_ckpt_to_keep, or point trainer.default_local_dir at a larger disk); the "
-            "earlier checkpoints are intact and the run resumes from the newest one")
+            "earlier checkpoints are intact and the run resumes from the newest one"
+        )
 
 
 def is_disk_full(error: BaseException) -> bool:
@@ -103,8 +107,10 @@ def is_disk_full(error: BaseException) -> bool:
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if any(text in str(error) for text in ("No space left on device", "Disk quota exceeded",
-                                                "unexpected pos")):
+        if any(
+            text in str(error)
+            for text in ("No space left on device", "Disk quota exceeded", "unexpected pos")
+        ):
             return True
         error = error.__cause__ or error.__context__
     return False
@@ -152,18 +158,23 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     resume never starts from a checkpoint that a crash cut short."""
     path = Path(path)
     if not path.exists():
-        raise MissingInputError(f"trainer.resume_from_path {path} does not exist; give a global_step_N folder or "
-                                "a run folder")
+        raise MissingInputError(
+            f"trainer.resume_from_path {path} does not exist; give a global_step_N folder or a run folder"
+        )
     if (path / COMPLETE_MARKER).is_file():
         problems = verify_checkpoint(path)
         if problems:
-            raise UserError(f"trainer.resume_from_path {path} is damaged: {'; '.join(problems[:3])}; resume "
-                            "from an earlier checkpoint (or its run folder, which falls back by itself)")
+            raise UserError(
+                f"trainer.resume_from_path {path} is damaged: {'; '.join(problems[:3])}; resume "
+                "from an earlier checkpoint (or its run folder, which falls back by itself)"
+            )
         return path
     latest = newest_intact_checkpoint(path)
     if latest is None:
-        raise MissingInputError(f"trainer.resume_from_path {path} is neither a complete checkpoint (it has no "
-                                f"{COMPLETE_MARKER} marker: a save cut short?) nor a run folder holding one")
+        raise MissingInputError(
+            f"trainer.resume_from_path {path} is neither a complete checkpoint (it has no "
+            f"{COMPLETE_MARKER} marker: a save cut short?) nor a run folder holding one"
+        )
     return latest
 
 
@@ -202,17 +213,24 @@ def newest_intact_checkpoint(root: str | os.PathLike, set_aside: bool = False) -
         damaged.append((path, problems))
     else:
         if damaged:
-            raise UserError(f"every checkpoint in {root} is damaged (newest: {damaged[0][0].name}: "
-                            f"{'; '.join(damaged[0][1][:3])}); move the folder away or set "
-                            "trainer.resume_mode=disable to start over")
+            raise UserError(
+                f"every checkpoint in {root} is damaged (newest: {damaged[0][0].name}: "
+                f"{'; '.join(damaged[0][1][:3])}); move the folder away or set "
+                "trainer.resume_mode=disable to start over"
+            )
         return None
     for bad, problems in damaged:
         aside = bad.with_name(bad.name + DAMAGED_SUFFIX) if set_aside else bad
         if set_aside:
             _remove(aside)
             os.rename(bad, aside)
-        logger.warning("checkpoint %s is damaged (%s): %s; resuming from %s", bad, "; ".join(problems[:3]),
-                       f"moved it to {aside.name}" if set_aside else "skipped", path.name)
+        logger.warning(
+            "checkpoint %s is damaged (%s): %s; resuming from %s",
+            bad,
+            "; ".join(problems[:3]),
+            f"moved it to {aside.name}" if set_aside else "skipped",
+            path.name,
+        )
     return path
 
 
@@ -289,10 +307,15 @@ class CheckpointManager:
         recorded = latest_file.read_text().strip() if latest_file.is_file() else None
         if checkpoints and recorded != str(checkpoints[-1][0]):
             write_latest_step(self.root, checkpoints[-1][0])
-            logger.warning("%s said step %s; set it to %d, the newest checkpoint", latest_file, recorded,
-                           checkpoints[-1][0])
+            logger.warning(
+                "%s said step %s; set it to %d, the newest checkpoint",
+                latest_file,
+                recorded,
+                checkpoints[-1][0],
+            )
         for path in prune_checkpoints(self.root, self.max_to_keep):
             logger.warning("deleted %s: beyond trainer.max_ckpt_to_keep=%s", path, self.max_to_keep)
+
     def to_resume(self, resume_mode: str, resume_from_path: str | None) -> Path | None:
         """The checkpoint a run resumes from (``trainer.resume_mode``): ``auto`` this run folder's newest
         intact one (None: start fresh; see ``latest_intact``), ``resume_path`` the complete checkpoint or run folder
@@ -316,8 +339,11 @@ def _process_alive(pid: int) -> bool:
 
 def _file_table(folder: Path) -> dict[str, dict[str, int]]:
     """``{relative path: {"size", "crc32"}}`` of every file under ``folder``."""
-    return {file.relative_to(folder).as_posix(): {"size": file.stat().st_size, "crc32": _crc32(file)}
-            for file in sorted(folder.rglob("*")) if file.is_file()}
+    return {
+        file.relative_to(folder).as_posix(): {"size": file.stat().st_size, "crc32": _crc32(file)}
+        for file in sorted(folder.rglob("*"))
+        if file.is_file()
+    }
 
 
 def _crc32(file: Path) -> int:

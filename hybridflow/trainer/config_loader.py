@@ -31,49 +31,75 @@ from hybridflow.trainer.config_checks import (
     warn_ignored,
 )
 
-__all__ = ["ALIASES", "apply_flat_keywords", "build_config", "known_keys", "load_config", "merge", "nearest_key",
-           "schema_entry"]
+__all__ = [
+    "ALIASES",
+    "apply_flat_keywords",
+    "build_config",
+    "known_keys",
+    "load_config",
+    "merge",
+    "nearest_key",
+    "schema_entry",
+]
 
 #: Names users bring from TRL, OpenRLHF or Hugging Face ``TrainingArguments`` -> the hybridflow key.
 ALIASES: dict[str, str] = {
-    "output_dir": "trainer.default_local_dir", "save_path": "trainer.default_local_dir",
+    "output_dir": "trainer.default_local_dir",
+    "save_path": "trainer.default_local_dir",
     "logging_dir": "trainer.default_local_dir",
-    "exp_name": "trainer.experiment_name", "run_name": "trainer.experiment_name",
-    "project": "trainer.project_name", "wandb_project": "trainer.project_name",
-    "report_to": "trainer.logger", "use_wandb": "trainer.logger",
-    "save_total_limit": "trainer.max_ckpt_to_keep", "save_steps": "trainer.save_freq",
-    "eval_steps": "trainer.test_freq", "max_steps": "trainer.total_training_steps",
-    "num_train_epochs": "trainer.total_epochs", "max_epochs": "trainer.total_epochs",
-    "learning_rate": "actor_rollout_ref.actor.optim.lr", "actor_learning_rate": "actor_rollout_ref.actor.optim.lr",
+    "exp_name": "trainer.experiment_name",
+    "run_name": "trainer.experiment_name",
+    "project": "trainer.project_name",
+    "wandb_project": "trainer.project_name",
+    "report_to": "trainer.logger",
+    "use_wandb": "trainer.logger",
+    "save_total_limit": "trainer.max_ckpt_to_keep",
+    "save_steps": "trainer.save_freq",
+    "eval_steps": "trainer.test_freq",
+    "max_steps": "trainer.total_training_steps",
+    "num_train_epochs": "trainer.total_epochs",
+    "max_epochs": "trainer.total_epochs",
+    "learning_rate": "actor_rollout_ref.actor.optim.lr",
+    "actor_learning_rate": "actor_rollout_ref.actor.optim.lr",
     "critic_learning_rate": "critic.optim.lr",
     "warmup_ratio": "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio",
     "warmup_steps": "actor_rollout_ref.actor.optim.lr_warmup_steps",
     "lr_scheduler_type": "actor_rollout_ref.actor.optim.warmup_style",
     "max_grad_norm": "actor_rollout_ref.actor.grad_clip",
-    "num_generations": "actor_rollout_ref.rollout.n", "n_samples_per_prompt": "actor_rollout_ref.rollout.n",
+    "num_generations": "actor_rollout_ref.rollout.n",
+    "n_samples_per_prompt": "actor_rollout_ref.rollout.n",
     "num_return_sequences": "actor_rollout_ref.rollout.n",
-    "max_completion_length": "data.max_response_length", "max_new_tokens": "data.max_response_length",
-    "generate_max_len": "data.max_response_length", "response_length": "data.max_response_length",
-    "prompt_max_len": "data.max_prompt_length", "prompt_data": "data.train_files",
+    "max_completion_length": "data.max_response_length",
+    "max_new_tokens": "data.max_response_length",
+    "generate_max_len": "data.max_response_length",
+    "response_length": "data.max_response_length",
+    "prompt_max_len": "data.max_prompt_length",
+    "prompt_data": "data.train_files",
     "rollout_batch_size": "data.train_batch_size",
     "per_device_train_batch_size": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
     "micro_train_batch_size": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
     "num_iterations": "actor_rollout_ref.actor.ppo_epochs",
-    "epsilon": "actor_rollout_ref.actor.clip_ratio", "epsilon_high": "actor_rollout_ref.actor.clip_ratio_high",
-    "cliprange": "actor_rollout_ref.actor.clip_ratio", "loss_type": "actor_rollout_ref.actor.loss_agg_mode",
+    "epsilon": "actor_rollout_ref.actor.clip_ratio",
+    "epsilon_high": "actor_rollout_ref.actor.clip_ratio_high",
+    "cliprange": "actor_rollout_ref.actor.clip_ratio",
+    "loss_type": "actor_rollout_ref.actor.loss_agg_mode",
     "init_kl_coef": "algorithm.kl_ctrl.kl_coef",
-    "model_name_or_path": "actor_rollout_ref.model.path", "pretrain": "actor_rollout_ref.model.path",
+    "model_name_or_path": "actor_rollout_ref.model.path",
+    "pretrain": "actor_rollout_ref.model.path",
     "gradient_checkpointing": "actor_rollout_ref.model.enable_gradient_checkpointing",
 }
 
 
-def load_config(overrides: list[str] | None = None, config_path: str | os.PathLike | None = None) -> PPOConfig:
+def load_config(
+    overrides: list[str] | None = None, config_path: str | os.PathLike | None = None
+) -> PPOConfig:
     """See ``hybridflow.trainer.config.load_config``: defaults, a user YAML, overrides; resolved, validated."""
     return load_unvalidated(overrides, config_path).validate()
 
 
-def load_unvalidated(overrides: list[str] | None = None,
-                     config_path: str | os.PathLike | None = None) -> PPOConfig:
+def load_unvalidated(
+    overrides: list[str] | None = None, config_path: str | os.PathLike | None = None
+) -> PPOConfig:
     """Defaults + file + overrides, typed and resolved but not checked for consistency (``config show``)."""
     tree = PPOConfig().to_dict()
     if config_path is not None:
@@ -86,7 +112,9 @@ def load_unvalidated(overrides: list[str] | None = None,
 def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     tree = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     if not isinstance(tree, dict):
-        raise ConfigError(f"config file {os.fspath(path)} must hold a mapping of sections, got {type(tree).__name__}")
+        raise ConfigError(
+            f"config file {os.fspath(path)} must hold a mapping of sections, got {type(tree).__name__}"
+        )
     return tree
 
 
@@ -104,8 +132,11 @@ def warn_ignored_schema_keys(cfg: PPOConfig) -> None:
         for name in VLLM_GPU_ONLY_KEYS:
             key = f"actor_rollout_ref.rollout.{name}"
             if get_key(cfg, key) != get_key(defaults, key):
-                warn_ignored(key, IgnoredKey(key, "vLLM's CPU build has no GPU memory to share or free"),
-                             get_key(cfg, key))
+                warn_ignored(
+                    key,
+                    IgnoredKey(key, "vLLM's CPU build has no GPU memory to share or free"),
+                    get_key(cfg, key),
+                )
 
 
 # ------------------------------------------------------------------------------------- the schema's keys
@@ -199,7 +230,9 @@ def merge(tree: dict[str, Any], updates: Any, prefix: list[str], source: str, ro
     """Merge the nested dict ``updates`` into ``tree`` in place, checking every key against the schema
     ``root`` (verl keys ignored here are accepted with a warning in PPOConfig only)."""
     if not isinstance(updates, dict):
-        raise ConfigError(f"{'.'.join(prefix) or 'the config'} in {source} must be a mapping, got {updates!r}")
+        raise ConfigError(
+            f"{'.'.join(prefix) or 'the config'} in {source} must be a mapping, got {updates!r}"
+        )
     for name, value in updates.items():
         path = [*prefix, str(name)]
         key = ".".join(path)
@@ -227,17 +260,23 @@ class _ValueLoader(yaml.SafeLoader):
 
 
 _ValueLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\d[\d_]*)?(?:\.\d*)?[eE][-+]?\d+$"), list("-+0123456789.")
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d[\d_]*)?(?:\.\d*)?[eE][-+]?\d+$"),
+    list("-+0123456789."),
 )
 
-_OVERRIDE = re.compile(r"(?P<op>\+\+|\+|~)?(?P<key>[A-Za-z_][\w-]*(?:\.[\w-]+)*)(?:=(?P<value>.*))?", re.DOTALL)
+_OVERRIDE = re.compile(
+    r"(?P<op>\+\+|\+|~)?(?P<key>[A-Za-z_][\w-]*(?:\.[\w-]+)*)(?:=(?P<value>.*))?", re.DOTALL
+)
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
     """``"+a.b=[1,2]"`` -> ``("+", "a.b", [1, 2])``."""
     match = _OVERRIDE.fullmatch(text)
     if match is None or (match["op"] != "~" and match["value"] is None):
-        raise ConfigError(f"cannot parse override {text!r}: expected key=value, +key=value, ++key=value or ~key")
+        raise ConfigError(
+            f"cannot parse override {text!r}: expected key=value, +key=value, ++key=value or ~key"
+        )
     try:
         value = None if match["value"] is None else yaml.load(match["value"], Loader=_ValueLoader)
     except yaml.YAMLError as err:
@@ -255,8 +294,10 @@ def apply_override(tree: dict[str, Any], text: str, root: type = PPOConfig) -> N
         free_form = entry[1]
         if op == "~":
             if not free_form:
-                raise ConfigError(f"{source}: {key} is part of the config schema and cannot be deleted; "
-                                  "set it to a value instead")
+                raise ConfigError(
+                    f"{source}: {key} is part of the config schema and cannot be deleted; "
+                    "set it to a value instead"
+                )
             if not exists:
                 raise ConfigError(f"{source}: cannot delete {key}: it is not set")
             del parent[path[-1]]
@@ -340,7 +381,12 @@ def build(tp: Any, value: Any, key: str) -> Any:
 
 # Scalar annotation -> the parsed value types it accepts (bools only for bool, although bool is an int).
 # A str field takes numbers too: YAML reads experiment_name=2024 as an int.
-_SCALARS: dict[type, tuple[type, ...]] = {bool: (bool,), int: (int,), float: (int, float), str: (str, int, float)}
+_SCALARS: dict[type, tuple[type, ...]] = {
+    bool: (bool,),
+    int: (int,),
+    float: (int, float),
+    str: (str, int, float),
+}
 
 
 def _build_section(cls: type, values: dict[str, Any], key: str) -> Any:
@@ -349,8 +395,11 @@ def _build_section(cls: type, values: dict[str, Any], key: str) -> Any:
     for name in values:
         if name not in fields:
             raise unknown_key_error(f"{key}.{name}" if key else name, list(names.values()), "")
-    required = [f.name for f in dataclasses.fields(cls)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    required = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     missing = [name for name in required if name not in values]
     if missing:
         raise ConfigError(f"{names[missing[0]]} is required")
@@ -376,23 +425,35 @@ def apply_flat_keywords(cfg: PPOConfig, keywords: dict[str, Any]) -> None:
 def _key_of_keyword(name: str) -> str:
     """The dotted key a bare ``PPOConfig`` keyword means; a ConfigError when it is ambiguous or unknown."""
     if name in ALIASES:
-        raise ConfigError(f"PPOConfig got {name}=: '{name}' is another library's name; hybridflow's key is "
-                          f"'{ALIASES[name]}': pass **{{'{ALIASES[name]}': ...}} or set it in its section")
+        raise ConfigError(
+            f"PPOConfig got {name}=: '{name}' is another library's name; hybridflow's key is "
+            f"'{ALIASES[name]}': pass **{{'{ALIASES[name]}': ...}} or set it in its section"
+        )
     matches = [k for k in known_keys() if k.rpartition(".")[2] == name]
     # rollout.n over rollout.val_kwargs.n: of two matches where one's section holds the other, the outer
-    matches = [k for k in matches if not any(k.startswith(o.rpartition(".")[0] + ".") and k != o
-                                              and o.count(".") < k.count(".") for o in matches)]
+    matches = [
+        k
+        for k in matches
+        if not any(
+            k.startswith(o.rpartition(".")[0] + ".") and k != o and o.count(".") < k.count(".")
+            for o in matches
+        )
+    ]
     if len(matches) == 1:
         return matches[0]
     if len(matches) > 1:
         sections = " or ".join(k.rpartition(".")[0] for k in matches)
-        raise ConfigError(f"PPOConfig got {name}=, which exists in {sections}: pass it inside its section, e.g. "
-                          f"PPOConfig.from_dict({_nested_example(matches[0])}) or **{{'{matches[0]}': ...}}")
+        raise ConfigError(
+            f"PPOConfig got {name}=, which exists in {sections}: pass it inside its section, e.g. "
+            f"PPOConfig.from_dict({_nested_example(matches[0])}) or **{{'{matches[0]}': ...}}"
+        )
     leaves = sorted({k.rpartition(".")[2] for k in known_keys()})
     close = difflib.get_close_matches(name, leaves, n=1, cutoff=0.8)
     hint = f"; did you mean {close[0]}=?" if close else ""
-    raise ConfigError(f"PPOConfig got an unknown keyword {name}={hint} (sections: "
-                      f"{', '.join(hints(PPOConfig))}; `hybridflow config keys` lists every key)")
+    raise ConfigError(
+        f"PPOConfig got an unknown keyword {name}={hint} (sections: "
+        f"{', '.join(hints(PPOConfig))}; `hybridflow config keys` lists every key)"
+    )
 
 
 def _nested_example(key: str) -> str:

@@ -38,8 +38,12 @@ from hybridflow.trainer.memory_estimate import GB, ModelShape, estimate_memory, 
 Verdict = Literal["ok", "warn", "fail", "skip"]
 DATASET_ROWS = 1000  # rows read per data file: enough for length percentiles, quick on any file
 LABELS = {"ok": "ok  ", "warn": "warn", "fail": "FAIL", "skip": "skip"}
-MULTI_TURN = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "2+3=5"},
-              {"role": "user", "content": "And 4+4?"}, {"role": "assistant", "content": "4+4=8"}]
+MULTI_TURN = [
+    {"role": "user", "content": "What is 2+3?"},
+    {"role": "assistant", "content": "2+3=5"},
+    {"role": "user", "content": "And 4+4?"},
+    {"role": "assistant", "content": "4+4=8"},
+]
 
 
 @dataclass
@@ -76,7 +80,9 @@ def check_config(ctx: Context, overrides: list[str], config_path: str | None) ->
             for check in (check_ranges, check_choices, check_cross_fields):
                 check(cfg)
         except ConfigError as err:
-            return Check("config", "fail", str(err), "correct the key named above (hybridflow train would stop there)")
+            return Check(
+                "config", "fail", str(err), "correct the key named above (hybridflow train would stop there)"
+            )
         try:
             cfg.validate()  # the full validation also warns for schema keys set but ignored here
         except ConfigError:
@@ -84,13 +90,24 @@ def check_config(ctx: Context, overrides: list[str], config_path: str | None) ->
 
     ctx.cfg = cfg
     tr = cfg.trainer
-    detail = (f"resolves ({len(overrides)} overrides): {cfg.algorithm.adv_estimator}, device {tr.device}, "
-              f"backend {tr.backend}, {tr.n_workers} worker(s)")
-    ignored = list(dict.fromkeys(str(w.message).removeprefix("ignored on this backend: ") for w in caught
-                                 if issubclass(w.category, IgnoredKeyWarning)))
+    detail = (
+        f"resolves ({len(overrides)} overrides): {cfg.algorithm.adv_estimator}, device {tr.device}, "
+        f"backend {tr.backend}, {tr.n_workers} worker(s)"
+    )
+    ignored = list(
+        dict.fromkeys(
+            str(w.message).removeprefix("ignored on this backend: ")
+            for w in caught
+            if issubclass(w.category, IgnoredKeyWarning)
+        )
+    )
     if ignored:
-        return Check("config", "warn", f"{detail}; set but ignored here: {'; '.join(ignored)}",
-                     "drop those keys or use a backend that implements them")
+        return Check(
+            "config",
+            "warn",
+            f"{detail}; set but ignored here: {'; '.join(ignored)}",
+            "drop those keys or use a backend that implements them",
+        )
     return Check("config", "ok", detail)
 
 
@@ -99,8 +116,11 @@ def check_paths(ctx: Context) -> Check:
 
     cfg = ctx.cfg
     missing, remote = [], []
-    files = [("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files),
-             ("data.sft.files", cfg.data.sft.files)]
+    files = [
+        ("data.train_files", cfg.data.train_files),
+        ("data.val_files", cfg.data.val_files),
+        ("data.sft.files", cfg.data.sft.files),
+    ]
     for key, paths in files:
         missing += [f"{key}: {p}" for p in paths or [] if not Path(p).is_file()]
     models = [("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path)]
@@ -113,8 +133,10 @@ def check_paths(ctx: Context) -> Check:
             continue
         looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1  # as model_location decides
         (missing if looks_local else remote).append(f"{key}: {path}")
-    for key, path in (("custom_reward_function.path", cfg.custom_reward_function.path),
-                      ("trainer.resume_from_path", cfg.trainer.resume_from_path)):
+    for key, path in (
+        ("custom_reward_function.path", cfg.custom_reward_function.path),
+        ("trainer.resume_from_path", cfg.trainer.resume_from_path),
+    ):
         if path and not Path(path).exists():
             missing.append(f"{key}: {path}")
     run_dir = Path(cfg.trainer.default_local_dir).absolute()
@@ -122,11 +144,19 @@ def check_paths(ctx: Context) -> Check:
     if not os.access(parent, os.W_OK):
         missing.append(f"trainer.default_local_dir: {run_dir} (cannot write in {parent})")
     if missing:
-        return Check("paths", "fail", "not found: " + "; ".join(missing),
-                     "point those keys at existing files (hybridflow prepare-data writes datasets)")
+        return Check(
+            "paths",
+            "fail",
+            "not found: " + "; ".join(missing),
+            "point those keys at existing files (hybridflow prepare-data writes datasets)",
+        )
     if remote:
-        return Check("paths", "warn", "not local folders, taken for Hugging Face hub ids: " + "; ".join(remote),
-                     "download them first if this machine is offline")
+        return Check(
+            "paths",
+            "warn",
+            "not local folders, taken for Hugging Face hub ids: " + "; ".join(remote),
+            "download them first if this machine is offline",
+        )
     return Check("paths", "ok", f"every file and folder exists; run folder {run_dir}")
 
 
@@ -142,33 +172,56 @@ def check_model(ctx: Context) -> Check:
         hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=model.trust_remote_code)
         ctx.shape = model_shape(hf_config)
     except Exception as err:  # noqa: BLE001 - any loading failure is the verdict, with its reason
-        return Check("model", "fail", f"{model.path} does not load: {type(err).__name__}: {err}",
-                     "check actor_rollout_ref.model.path points at a Hugging Face model folder")
+        return Check(
+            "model",
+            "fail",
+            f"{model.path} does not load: {type(err).__name__}: {err}",
+            "check actor_rollout_ref.model.path points at a Hugging Face model folder",
+        )
     ctx.tokenizer = tokenizer
     local = Path(folder)
     if local.is_dir() and not any(local.glob("*.safetensors")) and not any(local.glob("*.bin")):
-        return Check("model", "fail", f"{folder} has a config but no weights (*.safetensors or *.bin)",
-                     "save the model with save_pretrained into that folder")
-    detail = (f"{hf_config.model_type}, {ctx.shape.params / 1e6:.1f} M parameters, vocab {ctx.shape.vocab_size}; "
-              f"eos {tokenizer.eos_token!r}, pad {tokenizer.pad_token!r}")
+        return Check(
+            "model",
+            "fail",
+            f"{folder} has a config but no weights (*.safetensors or *.bin)",
+            "save the model with save_pretrained into that folder",
+        )
+    detail = (
+        f"{hf_config.model_type}, {ctx.shape.params / 1e6:.1f} M parameters, vocab {ctx.shape.vocab_size}; "
+        f"eos {tokenizer.eos_token!r}, pad {tokenizer.pad_token!r}"
+    )
     if tokenizer.eos_token_id is None:
-        return Check("model", "fail", detail + "; the tokenizer has no eos token: generation never ends",
-                     "set eos_token in the model folder's tokenizer_config.json")
+        return Check(
+            "model",
+            "fail",
+            detail + "; the tokenizer has no eos token: generation never ends",
+            "set eos_token in the model folder's tokenizer_config.json",
+        )
     if tokenizer.chat_template is None:
-        return Check("model", "fail", detail + "; the tokenizer has no chat template",
-                     "add a chat_template to tokenizer_config.json (prompts are rendered with it)")
+        return Check(
+            "model",
+            "fail",
+            detail + "; the tokenizer has no chat template",
+            "add a chat_template to tokenizer_config.json (prompts are rendered with it)",
+        )
     problem = _not_append_only(tokenizer)
     if problem:
-        return Check("model", "warn", f"{detail}; chat template is not append-only: {problem}",
-                     "multi-turn rollouts re-render earlier turns; use a template that keeps them as they were")
+        return Check(
+            "model",
+            "warn",
+            f"{detail}; chat template is not append-only: {problem}",
+            "multi-turn rollouts re-render earlier turns; use a template that keeps them as they were",
+        )
     return Check("model", "ok", detail + "; chat template append-only over 2 turns")
 
 
 def _not_append_only(tokenizer: Any) -> str:
     """Where rendering one more message changes the text of the earlier ones ('' when it never does)."""
     for k in range(1, len(MULTI_TURN)):
-        before = tokenizer.apply_chat_template(MULTI_TURN[:k], tokenize=False,
-                                               add_generation_prompt=MULTI_TURN[k]["role"] == "assistant")
+        before = tokenizer.apply_chat_template(
+            MULTI_TURN[:k], tokenize=False, add_generation_prompt=MULTI_TURN[k]["role"] == "assistant"
+        )
         after = tokenizer.apply_chat_template(MULTI_TURN[: k + 1], tokenize=False)
         if not after.startswith(before):
             return f"adding message {k + 1} ({MULTI_TURN[k]['role']}) rewrites the text before it"
@@ -186,37 +239,62 @@ def check_dataset(ctx: Context) -> Check:
         try:
             raw = read_rows(path)
             rows = [parse_row(r, path, i, i, data.prompt_key) for i, r in enumerate(raw[:DATASET_ROWS])]
-            texts = [ctx.tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=False)
-                     for r in rows]
+            texts = [
+                ctx.tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=False)
+                for r in rows
+            ]
         except Exception as err:  # noqa: BLE001 - a bad row or a template error is the verdict
-            return Check("dataset", "fail", f"{type(err).__name__}: {err}",
-                         "fix the file or row named above (columns: data_source, prompt, reward_model)")
+            return Check(
+                "dataset",
+                "fail",
+                f"{type(err).__name__}: {err}",
+                "fix the file or row named above (columns: data_source, prompt, reward_model)",
+            )
         partial |= len(raw) > DATASET_ROWS
         ctx.rows += rows
         first_text = first_text or texts[0] if texts else first_text
         lengths += [len(ids) for ids in ctx.tokenizer(texts, add_special_tokens=False)["input_ids"]]
     if not lengths:
-        return Check("dataset", "fail", "no rows in data.train_files", "point data.train_files at prompt files")
+        return Check(
+            "dataset", "fail", "no rows in data.train_files", "point data.train_files at prompt files"
+        )
     limit = data.max_prompt_length
     over = sum(n > limit for n in lengths)
     p50, p90, p99 = (int(np.percentile(lengths, q)) for q in (50, 90, 99))
     what = f"first {len(lengths)} rows" if partial else f"{len(lengths)} rows"
-    detail = (f"{what}; prompt tokens p50 {p50}, p90 {p90}, p99 {p99}, max {max(lengths)} vs "
-              f"data.max_prompt_length {limit}; first prompt {first_text[-120:]!r}")
+    detail = (
+        f"{what}; prompt tokens p50 {p50}, p90 {p90}, p99 {p99}, max {max(lengths)} vs "
+        f"data.max_prompt_length {limit}; first prompt {first_text[-120:]!r}"
+    )
     if not partial:  # the whole training set was read: the prompts a run would have
         ctx.train_rows = len(lengths) - (over if data.filter_overlong_prompts else 0)
     info = {"rows": len(lengths), "p50": p50, "p90": p90, "p99": p99, "max": max(lengths), "over": over}
     raise_to = f"raise data.max_prompt_length to {max(lengths)}"
     if over and not data.filter_overlong_prompts and data.truncation == "error":
-        return Check("dataset", "fail", f"{detail}; {over} prompts are too long and truncation is 'error'",
-                     f"{raise_to}, or data.filter_overlong_prompts=true, or data.truncation=left", info)
+        return Check(
+            "dataset",
+            "fail",
+            f"{detail}; {over} prompts are too long and truncation is 'error'",
+            f"{raise_to}, or data.filter_overlong_prompts=true, or data.truncation=left",
+            info,
+        )
     if over == len(lengths) and data.filter_overlong_prompts:
-        return Check("dataset", "fail", f"{detail}; every prompt is longer than the limit and would be dropped",
-                     raise_to, info)
+        return Check(
+            "dataset",
+            "fail",
+            f"{detail}; every prompt is longer than the limit and would be dropped",
+            raise_to,
+            info,
+        )
     if over:
         fate = "dropped" if data.filter_overlong_prompts else f"truncated ({data.truncation})"
-        return Check("dataset", "warn", f"{detail}; {over} of {len(lengths)} ({over / len(lengths):.0%}) would be {fate}",
-                     raise_to, info)
+        return Check(
+            "dataset",
+            "warn",
+            f"{detail}; {over} of {len(lengths)} ({over / len(lengths):.0%}) would be {fate}",
+            raise_to,
+            info,
+        )
     return Check("dataset", "ok", detail + "; none too long", data=info)
 
 
@@ -231,20 +309,32 @@ def check_batches(ctx: Context) -> Check:
     sequences = data.train_batch_size * n
     minis = data.train_batch_size // actor.ppo_mini_batch_size
     per_worker = actor.ppo_mini_batch_size * n // workers
-    detail = (f"{data.train_batch_size} prompts x {n} = {sequences} sequences per step over {workers} worker(s); "
-              f"{minis} mini-batch(es), each {per_worker} sequences per worker")
+    detail = (
+        f"{data.train_batch_size} prompts x {n} = {sequences} sequences per step over {workers} worker(s); "
+        f"{minis} mini-batch(es), each {per_worker} sequences per worker"
+    )
     if actor.use_dynamic_bsz:
         longest = data.max_prompt_length + data.max_response_length
         detail += f" in micro-batches of up to {actor.ppo_max_token_len_per_gpu} tokens"
         if actor.ppo_max_token_len_per_gpu < longest:
-            return Check("batch", "fail", f"{detail}: one sequence can be {longest} tokens",
-                         f"raise actor_rollout_ref.actor.ppo_max_token_len_per_gpu to >= {longest}")
+            return Check(
+                "batch",
+                "fail",
+                f"{detail}: one sequence can be {longest} tokens",
+                f"raise actor_rollout_ref.actor.ppo_max_token_len_per_gpu to >= {longest}",
+            )
     else:
-        detail += f" = {per_worker // actor.ppo_micro_batch_size_per_gpu} micro-batch(es) of " \
-                  f"{actor.ppo_micro_batch_size_per_gpu} (gradient accumulation)"
+        detail += (
+            f" = {per_worker // actor.ppo_micro_batch_size_per_gpu} micro-batch(es) of "
+            f"{actor.ppo_micro_batch_size_per_gpu} (gradient accumulation)"
+        )
     if ctx.train_rows is not None and ctx.train_rows < data.train_batch_size:
-        return Check("batch", "fail", f"{detail}; only {ctx.train_rows} training prompts: not one full batch",
-                     f"lower data.train_batch_size to <= {ctx.train_rows}, or add data")
+        return Check(
+            "batch",
+            "fail",
+            f"{detail}; only {ctx.train_rows} training prompts: not one full batch",
+            f"lower data.train_batch_size to <= {ctx.train_rows}, or add data",
+        )
     return Check("batch", "ok", detail)
 
 
@@ -255,10 +345,16 @@ def check_reward(ctx: Context) -> Check:
     custom = cfg.custom_reward_function
     where = f"{custom.path}:{custom.name}" if custom.path else "the built-in rule scorers (by data_source)"
     try:
-        score_fn = load_custom_reward_function(custom.path, custom.name) if custom.path else default_compute_score
+        score_fn = (
+            load_custom_reward_function(custom.path, custom.name) if custom.path else default_compute_score
+        )
     except Exception as err:  # noqa: BLE001
-        return Check("reward", "fail", f"{where} does not load: {type(err).__name__}: {err}",
-                     "fix custom_reward_function.path / .name")
+        return Check(
+            "reward",
+            "fail",
+            f"{where} does not load: {type(err).__name__}: {err}",
+            "fix custom_reward_function.path / .name",
+        )
     by_source = {row.data_source: row for row in reversed(ctx.rows)}  # the first row of each source
     if not by_source:
         return Check("reward", "skip", "no dataset rows to score")
@@ -267,11 +363,17 @@ def check_reward(ctx: Context) -> Check:
         scores = {}
         for label, candidates in _synthetic_responses(row.ground_truth).items():
             try:
-                values = [_as_score(score_fn(source, text, row.ground_truth, row.extra_info)) for text in candidates]
+                values = [
+                    _as_score(score_fn(source, text, row.ground_truth, row.extra_info)) for text in candidates
+                ]
             except Exception as err:  # noqa: BLE001 - the point of the check
-                return Check("reward", "fail", f"{where} raised on a {label} response for data_source "
-                             f"{source!r} ({row.file} row {row.row}): {type(err).__name__}: {err}",
-                             "make the reward function return a number for any text (0 for unparsable)")
+                return Check(
+                    "reward",
+                    "fail",
+                    f"{where} raised on a {label} response for data_source "
+                    f"{source!r} ({row.file} row {row.row}): {type(err).__name__}: {err}",
+                    "make the reward function return a number for any text (0 for unparsable)",
+                )
             scores[label] = max(values)
         all_zero &= all(v == 0 for v in scores.values())
         shown.append(f"{source}: " + ", ".join(f"{k} {v:.3g}" for k, v in scores.items()))
@@ -279,17 +381,28 @@ def check_reward(ctx: Context) -> Check:
     if cfg.reward_model.enable:
         detail += " (the reward model itself is not run by doctor)"
     if all_zero:
-        return Check("reward", "warn", detail + ": 0 for the ground truth too",
-                     "check the reward credits a right answer in your answer format")
+        return Check(
+            "reward",
+            "warn",
+            detail + ": 0 for the ground truth too",
+            "check the reward credits a right answer in your answer format",
+        )
     return Check("reward", "ok", detail)
 
 
 def _synthetic_responses(ground_truth: Any) -> dict[str, list[str]]:
     """A response with the ground truth in the usual answer formats (best score kept), and a wrong one."""
     truth = str(ground_truth)
-    return {"ground-truth": [truth, f"={truth}", f"#### {truth}", f"\\boxed{{{truth}}}",
-                             f"<answer>{truth}</answer>"],
-            "wrong": ["I do not know."]}
+    return {
+        "ground-truth": [
+            truth,
+            f"={truth}",
+            f"#### {truth}",
+            f"\\boxed{{{truth}}}",
+            f"<answer>{truth}</answer>",
+        ],
+        "wrong": ["I do not know."],
+    }
 
 
 def _as_score(result: Any) -> float:
@@ -328,8 +441,11 @@ def check_memory(ctx: Context, memory_gb: float | None) -> Check:
     # CPU workers share one machine's memory; GPU workers each have their own device
     per_machine = 1 if cfg.trainer.device == "cuda" else workers
     need = est.device * per_machine
-    who = "per GPU worker" if per_machine == 1 and cfg.trainer.device == "cuda" else \
-        f"for {per_machine} worker(s) on one machine"
+    who = (
+        "per GPU worker"
+        if per_machine == 1 and cfg.trainer.device == "cuda"
+        else f"for {per_machine} worker(s) on one machine"
+    )
     detail = f"~{need / GB:.2f} GB {who} ({est.summary()}) vs {available / GB:.1f} GB ({source})"
     if est.host:
         detail += f"; {est.host / GB:.2f} GB offloaded to host memory"
@@ -353,8 +469,12 @@ def check_environment(cfg: PPOConfig | None) -> Check:
     if cfg is not None and cfg.actor_rollout_ref.rollout.name == "vllm":
         problem = _import_error("vllm")
         if problem:
-            return Check("environment", "fail", f"{detail}; rollout.name is vllm but it does not import: {problem}",
-                         "pip install 'hybridflow[vllm]' on the GPU machine, or actor_rollout_ref.rollout.name=hf")
+            return Check(
+                "environment",
+                "fail",
+                f"{detail}; rollout.name is vllm but it does not import: {problem}",
+                "pip install 'hybridflow[vllm]' on the GPU machine, or actor_rollout_ref.rollout.name=hf",
+            )
         detail += "; vllm imports"
     return Check("environment", "ok", detail)
 
@@ -365,8 +485,9 @@ def _import_error(module: str) -> str:
     if importlib.util.find_spec(module) is None:
         return "not installed"
     try:
-        result = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True,
-                                timeout=300)
+        result = subprocess.run(
+            [sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=300
+        )
     except subprocess.TimeoutExpired:
         return "import took over 300 s"
     lines = result.stderr.strip().splitlines()
@@ -380,33 +501,50 @@ def _version(name: str) -> str | None:
         return None
 
 
-def run_checks(overrides: list[str], config_path: str | None = None, memory_gb: float | None = None) -> list[Check]:
+def run_checks(
+    overrides: list[str], config_path: str | None = None, memory_gb: float | None = None
+) -> list[Check]:
     """Every check, in order; one whose prerequisite failed is a ``skip`` naming it."""
     ctx = Context()
     checks = [check_config(ctx, overrides, config_path)]
     if ctx.cfg is None:
-        return checks + [Check(name, "skip", "needs a config that resolves")
-                         for name in ("paths", "model", "dataset", "batch", "reward", "memory")] \
+        return (
+            checks
+            + [
+                Check(name, "skip", "needs a config that resolves")
+                for name in ("paths", "model", "dataset", "batch", "reward", "memory")
+            ]
             + [check_environment(None)]
+        )
     checks.append(check_paths(ctx))
     checks.append(check_model(ctx))
-    checks.append(check_dataset(ctx) if ctx.tokenizer is not None and ctx.cfg.data.train_files
-                  else Check("dataset", "skip", "needs the tokenizer and data.train_files"))
+    checks.append(
+        check_dataset(ctx)
+        if ctx.tokenizer is not None and ctx.cfg.data.train_files
+        else Check("dataset", "skip", "needs the tokenizer and data.train_files")
+    )
     checks.append(check_batches(ctx))
     checks.append(check_reward(ctx))
-    checks.append(check_memory(ctx, memory_gb) if ctx.shape is not None
-                  else Check("memory", "skip", "needs the model's config"))
+    checks.append(
+        check_memory(ctx, memory_gb)
+        if ctx.shape is not None
+        else Check("memory", "skip", "needs the model's config")
+    )
     checks.append(check_environment(ctx.cfg))
     return checks
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hybridflow doctor", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="hybridflow doctor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", help="a YAML file merged over the packaged ppo_trainer.yaml")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
-    parser.add_argument("--memory-gb", type=float, help="memory to plan for per machine (per GPU on cuda), "
-                        "instead of what this machine has")
+    parser.add_argument(
+        "--memory-gb",
+        type=float,
+        help="memory to plan for per machine (per GPU on cuda), instead of what this machine has",
+    )
     parser.add_argument("overrides", nargs="*", help="the same key=value overrides as hybridflow train")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     checks = run_checks(args.overrides, args.config, args.memory_gb)
@@ -417,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
         for check in checks:
             print(check.line())
         counts = Counter(c.verdict for c in checks)
-        print(f"\n{len(checks)} checks: " + ", ".join(f"{counts[v]} {v}" for v in ("ok", "warn", "fail", "skip")
-                                                     if counts[v]))
+        print(
+            f"\n{len(checks)} checks: "
+            + ", ".join(f"{counts[v]} {v}" for v in ("ok", "warn", "fail", "skip") if counts[v])
+        )
     return 1 if failed else 0

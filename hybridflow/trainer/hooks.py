@@ -10,8 +10,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-EVENTS = ("on_fit_start", "on_step_start", "after_generate", "after_reward", "after_advantage", "on_step_end",
-          "on_validation_end", "on_checkpoint", "on_fit_end")
+EVENTS = (
+    "on_fit_start",
+    "on_step_start",
+    "after_generate",
+    "after_reward",
+    "after_advantage",
+    "on_step_end",
+    "on_validation_end",
+    "on_checkpoint",
+    "on_fit_end",
+)
 ALIASES = {"on_batch_end": "on_step_end"}
 
 Hook = Callable[[Any, int, dict, Any], None]

@@ -26,10 +26,13 @@ def actor_folder(path: str | Path) -> Path:
     step = path if (path / "actor").exists() else find_latest_checkpoint(path)
     for folder in ("huggingface", "lora_adapter") if step is not None else ():
         if (Path(step) / "actor" / folder / "config.json").exists() or (
-                Path(step) / "actor" / folder / ADAPTER_CONFIG).exists():
+            Path(step) / "actor" / folder / ADAPTER_CONFIG
+        ).exists():
             return Path(step) / "actor" / folder
-    raise MissingInputError(f"{path} is neither a model folder, a LoRA adapter folder, a checkpoint, nor a run "
-                            "folder with a complete checkpoint")
+    raise MissingInputError(
+        f"{path} is neither a model folder, a LoRA adapter folder, a checkpoint, nor a run "
+        "folder with a complete checkpoint"
+    )
 
 
 def load_trained_actor(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -40,19 +43,29 @@ def load_trained_actor(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTok
     if (folder / ADAPTER_CONFIG).exists():
         from peft import PeftConfig, PeftModel
 
-        base = AutoModelForCausalLM.from_pretrained(PeftConfig.from_pretrained(folder).base_model_name_or_path)
+        base = AutoModelForCausalLM.from_pretrained(
+            PeftConfig.from_pretrained(folder).base_model_name_or_path
+        )
         model = PeftModel.from_pretrained(base, folder).merge_and_unload()
         return model.eval(), AutoTokenizer.from_pretrained(folder)
     return AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
 
 
 @torch.no_grad()
-def chat(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str, max_new_tokens: int = 64,
-         temperature: float = 0.0) -> str:
+def chat(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: str,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+) -> str:
     """One user turn through the chat template; greedy unless ``temperature > 0``."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
     inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-    out = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
-    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    out = model.generate(
+        **inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling
+    )
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)

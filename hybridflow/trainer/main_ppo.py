@@ -24,8 +24,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def train_command(argv: list[str]) -> int:
     """``hybridflow train``'s body; input errors propagate as ``UserError`` (``run_cli`` prints them)."""
-    parser = argparse.ArgumentParser(prog="hybridflow train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="hybridflow train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", help="a YAML file merged over the packaged ppo_trainer.yaml")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an input error")
     parser.add_argument("overrides", nargs="*", help="dotted overrides such as data.train_batch_size=16")

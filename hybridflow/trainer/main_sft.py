@@ -20,8 +20,12 @@ def run(kind: str, argv: list[str] | None = None) -> int:
     """Parse ``argv`` for the offline trainer ``kind`` (sft | dpo | kto), train, save; exit status."""
     cls = CONFIGS[kind]
     parser = argparse.ArgumentParser(prog=f"hybridflow {kind}", description=cls.__doc__)
-    parser.add_argument("--config", help=f"a YAML file merged over the packaged {default_config_path(cls).name}")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides such as data.train_files=train.parquet")
+    parser.add_argument(
+        "--config", help=f"a YAML file merged over the packaged {default_config_path(cls).name}"
+    )
+    parser.add_argument(
+        "overrides", nargs="*", help="dotted overrides such as data.train_files=train.parquet"
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         config = load_offline_config(cls, args.overrides, config_path=args.config)

@@ -56,16 +56,24 @@ def model_shape(hf_config: Any) -> ModelShape:
         model = AutoModelForCausalLM.from_config(hf_config)
     params = sum(p.numel() for p in model.parameters())  # tied embeddings are one tensor, counted once
     output = model.get_output_embeddings()
-    linear = sum(m.in_features + m.out_features for m in model.modules()
-                 if isinstance(m, torch.nn.Linear) and m is not output)
+    linear = sum(
+        m.in_features + m.out_features
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) and m is not output
+    )
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    return ModelShape(params=params, vocab_size=text.vocab_size, hidden_size=text.hidden_size,
-                      num_layers=text.num_hidden_layers,
-                      intermediate_size=getattr(text, "intermediate_size", 4 * text.hidden_size),
-                      kv_dim=kv_heads * head_dim, linear_in_out=linear)
+    return ModelShape(
+        params=params,
+        vocab_size=text.vocab_size,
+        hidden_size=text.hidden_size,
+        num_layers=text.num_hidden_layers,
+        intermediate_size=getattr(text, "intermediate_size", 4 * text.hidden_size),
+        kv_dim=kv_heads * head_dim,
+        linear_in_out=linear,
+    )
 
 
 @dataclass
@@ -95,14 +103,17 @@ def _gb(value: float) -> str:
     return f"{value / GB:.2f} GB" if value < 10 * GB else f"{value / GB:.0f} GB"
 
 
-def _activations(shape: ModelShape, tokens: int, response_tokens: int, act_bytes: int, checkpointing: bool,
-                 grad: bool) -> float:
+def _activations(
+    shape: ModelShape, tokens: int, response_tokens: int, act_bytes: int, checkpointing: bool, grad: bool
+) -> float:
     """One forward (and backward when ``grad``) over ``tokens`` tokens, ``response_tokens`` of which get
     logits."""
     logits = response_tokens * shape.vocab_size * 4 * (3 if grad else 2)
     if not grad:  # no graph is kept: one layer's intermediates at a time
         return logits + tokens * (14 * shape.hidden_size + 4 * shape.intermediate_size) * act_bytes
-    per_layer = 2 * shape.hidden_size if checkpointing else 14 * shape.hidden_size + 4 * shape.intermediate_size
+    per_layer = (
+        2 * shape.hidden_size if checkpointing else 14 * shape.hidden_size + 4 * shape.intermediate_size
+    )
     return logits + tokens * shape.num_layers * per_layer * act_bytes
 
 
@@ -142,13 +153,22 @@ def estimate_memory(cfg: Any, shape: ModelShape, world_size: int) -> MemoryEstim
         sequences = actor.ppo_micro_batch_size_per_gpu
         tokens = sequences * sequence
     act_width = 4 if model.dtype == "fp32" else 2
-    est.passes["policy update"] = _activations(shape, tokens, sequences * (data.max_response_length + 1),
-                                               act_width, model.enable_gradient_checkpointing, grad=True)
+    est.passes["policy update"] = _activations(
+        shape,
+        tokens,
+        sequences * (data.max_response_length + 1),
+        act_width,
+        model.enable_gradient_checkpointing,
+        grad=True,
+    )
     micro = max(rollout.log_prob_micro_batch_size_per_gpu, arr.ref.log_prob_micro_batch_size_per_gpu)
-    est.passes["log-prob pass"] = _activations(shape, micro * sequence, micro * (data.max_response_length + 1),
-                                               act_width, False, grad=False)
+    est.passes["log-prob pass"] = _activations(
+        shape, micro * sequence, micro * (data.max_response_length + 1), act_width, False, grad=False
+    )
     per_worker = data.train_batch_size * rollout.n // max(world_size, 1)
-    generating = min(per_worker, rollout.micro_batch_size * rollout.n) if rollout.micro_batch_size else per_worker
+    generating = (
+        min(per_worker, rollout.micro_batch_size * rollout.n) if rollout.micro_batch_size else per_worker
+    )
     kv_cache = 2 * shape.num_layers * shape.kv_dim * width * generating * sequence
     est.passes["generation KV cache"] = kv_cache + generating * shape.vocab_size * 4
     return est
@@ -162,25 +182,35 @@ def knob(cfg: Any, est: MemoryEstimate, workers_per_machine: int) -> str:
     largest = est.largest_pass
     hints = []
     if workers_per_machine > 1 and cfg.trainer.device != "cuda":
-        hints.append(f"fewer trainer.n_workers (now {cfg.trainer.n_workers}: each CPU worker holds its own "
-                     "copy in this machine's memory)")
+        hints.append(
+            f"fewer trainer.n_workers (now {cfg.trainer.n_workers}: each CPU worker holds its own "
+            "copy in this machine's memory)"
+        )
     if est.passes[largest] >= static:
         if largest == "policy update":
             if arr.actor.use_dynamic_bsz:
-                hints.append(f"lower {actor}.ppo_max_token_len_per_gpu (now {arr.actor.ppo_max_token_len_per_gpu})")
+                hints.append(
+                    f"lower {actor}.ppo_max_token_len_per_gpu (now {arr.actor.ppo_max_token_len_per_gpu})"
+                )
             else:
-                hints.append(f"lower {actor}.ppo_micro_batch_size_per_gpu (now {arr.actor.ppo_micro_batch_size_per_gpu})")
+                hints.append(
+                    f"lower {actor}.ppo_micro_batch_size_per_gpu (now {arr.actor.ppo_micro_batch_size_per_gpu})"
+                )
             if not arr.model.enable_gradient_checkpointing:
                 hints.append("actor_rollout_ref.model.enable_gradient_checkpointing=true")
         elif largest == "log-prob pass":
-            hints.append("lower actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu and "
-                         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu")
+            hints.append(
+                "lower actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu and "
+                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"
+            )
         else:
             hints.append("set actor_rollout_ref.rollout.micro_batch_size (prompts generated at once)")
     else:
         if not arr.model.lora_rank:
             hints.append("actor_rollout_ref.model.lora_rank=16 (train adapters, not every weight)")
         if cfg.trainer.device == "cuda":
-            hints.append(f"{actor}.strategy=fsdp2 over more workers, with {actor}.fsdp_config.optimizer_offload=true")
+            hints.append(
+                f"{actor}.strategy=fsdp2 over more workers, with {actor}.fsdp_config.optimizer_offload=true"
+            )
         hints.append("a smaller model")
     return "; or ".join(hints)

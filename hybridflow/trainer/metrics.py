@@ -22,10 +22,18 @@ def reduce_metrics(metrics: dict[str, Any]) -> dict[str, float]:
 #: The worker group each stage of a training step runs on ("driver": the trainer's own process), validation
 #: and checkpointing after it included; the run report draws one timeline lane per group.
 STAGE_GROUPS: dict[str, str] = {
-    "gen": "actor_rollout", "old_log_prob": "actor_rollout", "update_actor": "actor_rollout",
-    "replay_priorities": "actor_rollout", "ref": "ref", "values": "critic", "update_critic": "critic",
-    "reward": "driver", "adv": "driver", "step": "driver",
-    "validate": "actor_rollout", "checkpoint": "actor_rollout",
+    "gen": "actor_rollout",
+    "old_log_prob": "actor_rollout",
+    "update_actor": "actor_rollout",
+    "replay_priorities": "actor_rollout",
+    "ref": "ref",
+    "values": "critic",
+    "update_critic": "critic",
+    "reward": "driver",
+    "adv": "driver",
+    "step": "driver",
+    "validate": "actor_rollout",
+    "checkpoint": "actor_rollout",
 }
 
 
@@ -48,14 +56,23 @@ def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
         elapsed = time.perf_counter() - start
         timings[name] = timings.get(name, 0.0) + elapsed
         if isinstance(timings, StepTimings):
-            timings.spans.append({"stage": name, "group": STAGE_GROUPS.get(name, "driver"),
-                                  "start": wall, "end": wall + elapsed})
+            timings.spans.append(
+                {
+                    "stage": name,
+                    "group": STAGE_GROUPS.get(name, "driver"),
+                    "start": wall,
+                    "end": wall + elapsed,
+                }
+            )
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
     values = values.float()
-    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(),
-            f"{prefix}/min": values.min().item()}
+    return {
+        f"{prefix}/mean": values.mean().item(),
+        f"{prefix}/max": values.max().item(),
+        f"{prefix}/min": values.min().item(),
+    }
 
 
 def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]:
@@ -85,9 +102,14 @@ def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]
     return metrics
 
 
-def compute_throughput_metrics(batch: DataProto, timings: dict[str, float], n_workers: int) -> dict[str, float]:
+def compute_throughput_metrics(
+    batch: DataProto, timings: dict[str, float], n_workers: int
+) -> dict[str, float]:
     """Tokens processed (prompt + response) per second per worker, and seconds per step."""
     total_tokens = int(batch.batch["attention_mask"].sum())
     step_time = timings["step"]
-    return {"perf/total_num_tokens": total_tokens, "perf/time_per_step": step_time,
-            "perf/throughput": total_tokens / step_time / max(n_workers, 1)}
+    return {
+        "perf/total_num_tokens": total_tokens,
+        "perf/time_per_step": step_time,
+        "perf/throughput": total_tokens / step_time / max(n_workers, 1),
+    }

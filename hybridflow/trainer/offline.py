@@ -57,9 +57,13 @@ class OfflineTrainer:
         d = config.data
         self.train_loader = self._loader(d.train_files, d.train_batch_size, d.shuffle)
         self.val_loader = self._loader(d.val_files, d.train_batch_size, False) if d.val_files else None
-        self.total_steps = config.trainer.total_training_steps or len(self.train_loader) * config.trainer.total_epochs
+        self.total_steps = (
+            config.trainer.total_training_steps or len(self.train_loader) * config.trainer.total_epochs
+        )
         config.optim.total_training_steps = self.total_steps
-        self.checkpoints = CheckpointManager(config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep)
+        self.checkpoints = CheckpointManager(
+            config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep
+        )
         self.global_step = 0
         self.wg = worker_groups
 
@@ -67,10 +71,14 @@ class OfflineTrainer:
         d, tok = self.config.data, self.tokenizer
         common = {"max_length": d.max_length, "truncation": d.truncation, "prompt_key": d.prompt_key}
         if isinstance(self.config, DPOConfig):
-            return PreferenceDataset(files, tok, chosen_key=d.chosen_key, rejected_key=d.rejected_key, **common)
+            return PreferenceDataset(
+                files, tok, chosen_key=d.chosen_key, rejected_key=d.rejected_key, **common
+            )
         if isinstance(self.config, KTOConfig):
             return KTODataset(files, tok, completion_key=d.completion_key, label_key=d.label_key, **common)
-        return SFTConversationDataset(files, tok, response_key=d.response_key, messages_key=d.messages_key, **common)
+        return SFTConversationDataset(
+            files, tok, response_key=d.response_key, messages_key=d.messages_key, **common
+        )
 
     def _loader(self, files: list[str], batch_size: int, shuffle: bool) -> PromptLoader:
         """Batches of ``batch_size`` rows; a validation set smaller than that is one batch (rounded down to a
@@ -78,8 +86,9 @@ class OfflineTrainer:
         dataset = self._dataset(files)
         if not shuffle and len(dataset) < batch_size:
             batch_size = max(len(dataset) - len(dataset) % self.config.trainer.n_workers, 1)
-        return PromptLoader(dataset, batch_size, shuffle=shuffle, seed=self.config.data.seed,
-                            collate=dataset.collate)
+        return PromptLoader(
+            dataset, batch_size, shuffle=shuffle, seed=self.config.data.seed, collate=dataset.collate
+        )
 
     # ------------------------------------------------------------------ workers
     def worker_config(self) -> ActorRolloutRefConfig:
@@ -90,15 +99,24 @@ class OfflineTrainer:
         rows = cfg.data.micro_batch_size_per_gpu * (2 if cfg.kind == "dpo" else 1)
         actor = ActorConfig(ppo_micro_batch_size_per_gpu=rows, grad_clip=cfg.optim.clip_grad, optim=cfg.optim)
         if isinstance(cfg, SFTConfig):  # SFT rows are independent; a DPO pair must stay in one micro-batch
-            actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu = cfg.data.use_dynamic_bsz, \
-                cfg.data.max_token_len_per_gpu
+            actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu = (
+                cfg.data.use_dynamic_bsz,
+                cfg.data.max_token_len_per_gpu,
+            )
         return ActorRolloutRefConfig(
-            model=PolicyModelConfig(path=m.partial_pretrain, trust_remote_code=m.trust_remote_code,
-                                    enable_gradient_checkpointing=m.enable_gradient_checkpointing, dtype=m.dtype,
-                                    lora_rank=m.lora_rank, lora_alpha=m.lora_alpha,
-                                    target_modules=list(m.target_modules)),
-            actor=actor, ref=RefConfig(log_prob_micro_batch_size_per_gpu=rows),
-            rollout=RolloutConfig(temperature=1.0, log_prob_micro_batch_size_per_gpu=rows))
+            model=PolicyModelConfig(
+                path=m.partial_pretrain,
+                trust_remote_code=m.trust_remote_code,
+                enable_gradient_checkpointing=m.enable_gradient_checkpointing,
+                dtype=m.dtype,
+                lora_rank=m.lora_rank,
+                lora_alpha=m.lora_alpha,
+                target_modules=list(m.target_modules),
+            ),
+            actor=actor,
+            ref=RefConfig(log_prob_micro_batch_size_per_gpu=rows),
+            rollout=RolloutConfig(temperature=1.0, log_prob_micro_batch_size_per_gpu=rows),
+        )
 
     def init_workers(self) -> None:
         """The actor (no rollout: nothing is generated) and, for DPO/KTO, the frozen reference: a second
@@ -107,10 +125,19 @@ class OfflineTrainer:
             return
         arr, seed, device = self.worker_config(), self.config.trainer.seed, self.config.trainer.device
         ref_in_actor = self.objective.needs_ref and arr.model.lora_rank > 0
-        inits = {Role.ACTOR_ROLLOUT: ClassWithInitArgs(ActorRolloutRefWorker, arr, seed=seed, device=device,
-                                                       role="actor_ref" if ref_in_actor else "actor")}
+        inits = {
+            Role.ACTOR_ROLLOUT: ClassWithInitArgs(
+                ActorRolloutRefWorker,
+                arr,
+                seed=seed,
+                device=device,
+                role="actor_ref" if ref_in_actor else "actor",
+            )
+        }
         if self.objective.needs_ref and not ref_in_actor:
-            inits[Role.REF] = ClassWithInitArgs(ActorRolloutRefWorker, arr, role="ref", seed=seed, device=device)
+            inits[Role.REF] = ClassWithInitArgs(
+                ActorRolloutRefWorker, arr, role="ref", seed=seed, device=device
+            )
         self.wg = build_worker_groups(self.config, inits=inits)
 
     def close(self) -> None:
@@ -153,7 +180,9 @@ class OfflineTrainer:
             with timer("ref", t):
                 batch = self.prepare_batch(batch)
             with timer("update_actor", t):
-                metrics = reduce_metrics(self.wg.actor_rollout.update_actor_offline(batch).meta_info["metrics"])
+                metrics = reduce_metrics(
+                    self.wg.actor_rollout.update_actor_offline(batch).meta_info["metrics"]
+                )
         metrics["train/loss"] = metrics.pop("loss")
         metrics.update({f"timing_s/{k}": v for k, v in t.items()})
         return metrics
@@ -165,8 +194,9 @@ class OfflineTrainer:
         sums: dict[str, float] = {}
         count = 0
         for batch in self.val_loader:
-            metrics = reduce_metrics(self.wg.actor_rollout.evaluate_offline(self.prepare_batch(batch))
-                                     .meta_info["metrics"])
+            metrics = reduce_metrics(
+                self.wg.actor_rollout.evaluate_offline(self.prepare_batch(batch)).meta_info["metrics"]
+            )
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value * len(batch)
             count += len(batch)
@@ -176,8 +206,10 @@ class OfflineTrainer:
     def save_checkpoint(self) -> Path:
         with self.checkpoints.saving(self.global_step) as folder:
             self.wg.actor_rollout.save_checkpoint(str(folder / "actor"))
-            torch.save({"global_step": self.global_step, "loader": self.train_loader.state_dict()},
-                       folder / "trainer_state.pt")
+            torch.save(
+                {"global_step": self.global_step, "loader": self.train_loader.state_dict()},
+                folder / "trainer_state.pt",
+            )
         return self.checkpoints.path(self.global_step)
 
     def load_checkpoint(self) -> None:
@@ -197,8 +229,9 @@ class OfflineTrainer:
         """Train for ``total_steps`` (epochs over the data); returns the last step's metrics."""
         self.init_workers()
         tr = self.config.trainer
-        tracker = Tracking(tr.project_name, tr.experiment_name, tr.logger, tr.default_local_dir,
-                           self.config.to_dict())
+        tracker = Tracking(
+            tr.project_name, tr.experiment_name, tr.logger, tr.default_local_dir, self.config.to_dict()
+        )
         metrics: dict[str, Any] = {}
         try:
             self.load_checkpoint()
@@ -208,7 +241,9 @@ class OfflineTrainer:
             if tr.val_only:
                 return metrics
             batches = _endless(self.train_loader)
-            with tqdm(total=self.total_steps, initial=self.global_step, desc=self.config.kind, unit="step") as bar:
+            with tqdm(
+                total=self.total_steps, initial=self.global_step, desc=self.config.kind, unit="step"
+            ) as bar:
                 while self.global_step < self.total_steps:
                     metrics = self.train_step(next(batches))
                     self.global_step += 1

@@ -26,6 +26,7 @@ CONFIG_DIR = Path(__file__).parent / "config"
 @dataclass
 class OfflineDataConfig:
     """Data files and batch sizes shared by the offline trainers."""
+
     train_files: list[str] | None = None  #: required: training file(s), parquet or JSONL
     val_files: list[str] | None = None  #: held-out file(s) for the validation loss; null = none
     prompt_key: str = "prompt"  #: column holding the prompt (a string or chat messages)
@@ -40,6 +41,7 @@ class OfflineDataConfig:
 @dataclass
 class SFTDataConfig(OfflineDataConfig):
     """Demonstrations: ``{prompt, response}`` rows or ``{messages}`` conversations."""
+
     response_key: str = "response"  #: column holding the target response (string or assistant messages)
     messages_key: str = "messages"  #: column holding a whole conversation; loss on assistant turns only
     #: micro-batches filled to max_token_len_per_gpu real tokens (rows of similar length together, little
@@ -51,6 +53,7 @@ class SFTDataConfig(OfflineDataConfig):
 @dataclass
 class PreferenceDataConfig(OfflineDataConfig):
     """Preference pairs ``{prompt, chosen, rejected}`` (TRL's format)."""
+
     chosen_key: str = "chosen"  #: column holding the preferred completion
     rejected_key: str = "rejected"  #: column holding the dispreferred completion
 
@@ -58,6 +61,7 @@ class PreferenceDataConfig(OfflineDataConfig):
 @dataclass
 class KTODataConfig(OfflineDataConfig):
     """Unpaired completions ``{prompt, completion, label}`` (TRL's format)."""
+
     completion_key: str = "completion"  #: column holding the completion
     label_key: str = "label"  #: column holding true (desirable) or false (undesirable)
 
@@ -65,7 +69,10 @@ class KTODataConfig(OfflineDataConfig):
 @dataclass
 class _StartingModel:
     """The starting model: a Hugging Face folder, a checkpoint's ``actor/huggingface`` folder, or ``default``."""
-    partial_pretrain: str = "default"  #: model folder or hub id; "default" = the embedded SmolLM2-135M-Instruct
+
+    partial_pretrain: str = (
+        "default"  #: model folder or hub id; "default" = the embedded SmolLM2-135M-Instruct
+    )
     trust_remote_code: bool = False  #: allow model code shipped with the checkpoint
     enable_gradient_checkpointing: bool = False  #: recompute activations in backward: less memory, slower
     dtype: Dtype = "auto"  #: auto (fp32 on cpu, bf16 on cuda) | fp32 | bf16 | fp16
@@ -80,6 +87,7 @@ class OfflineModelConfig(LoRAConfig, _StartingModel):
 @dataclass
 class OfflineOptimConfig(OptimConfig):
     """AdamW as in the PPO config, plus verl SFT's gradient clipping key."""
+
     lr: float = 1e-5  #: learning rate
     clip_grad: float = 1.0  #: max gradient norm
 
@@ -87,6 +95,7 @@ class OfflineOptimConfig(OptimConfig):
 @dataclass
 class DPOLossConfig:
     """The preference loss (TRL's names)."""
+
     beta: float = 0.1  #: strength of the implicit KL to the reference (IPO: its tau)
     loss_type: str = "sigmoid"  #: sigmoid (DPO) | ipo | hinge | your own (register_preference_loss)
     label_smoothing: float = 0.0  #: share of preference labels taken as flipped (cDPO); sigmoid only
@@ -95,6 +104,7 @@ class DPOLossConfig:
 @dataclass
 class KTOLossConfig:
     """KTO's knobs (TRL's names)."""
+
     beta: float = 0.1  #: strength of the implicit KL to the reference
     desirable_weight: float = 1.0  #: weight of desirable rows' losses (raise it when they are rarer)
     undesirable_weight: float = 1.0  #: weight of undesirable rows' losses
@@ -106,6 +116,7 @@ C = TypeVar("C", bound="_OfflineConfig")
 @dataclass
 class _OfflineConfig:
     """What the three configs share: loading, resolving, validating."""
+
     model: OfflineModelConfig = field(default_factory=OfflineModelConfig)  #: the model trained
     optim: OfflineOptimConfig = field(default_factory=OfflineOptimConfig)  #: its optimizer
     #: the run: length, logging, workers, checkpoints (PPO's trainer section)
@@ -147,22 +158,32 @@ class _OfflineConfig:
         cfg = self.resolve()
         d, tr = cfg.data, cfg.trainer
         if not d.train_files:
-            raise ConfigError("data.train_files is required: the training file(s), e.g. data.train_files=train.parquet")
+            raise ConfigError(
+                "data.train_files is required: the training file(s), e.g. data.train_files=train.parquet"
+            )
         for key in ("train_batch_size", "micro_batch_size_per_gpu", "max_length"):
             if getattr(d, key) < 1:
                 raise ConfigError(f"data.{key} must be >= 1, got {getattr(d, key)}")
         if cfg.model.lora_rank < 0 or cfg.model.lora_alpha <= 0:
-            raise ConfigError(f"model.lora_rank must be >= 0 and model.lora_alpha > 0, got {cfg.model.lora_rank} "
-                              f"and {cfg.model.lora_alpha}")
+            raise ConfigError(
+                f"model.lora_rank must be >= 0 and model.lora_alpha > 0, got {cfg.model.lora_rank} "
+                f"and {cfg.model.lora_alpha}"
+            )
         if d.train_batch_size % tr.n_workers:
-            raise ConfigError(f"data.train_batch_size ({d.train_batch_size}) does not divide evenly across "
-                              f"trainer.n_workers ({tr.n_workers})")
+            raise ConfigError(
+                f"data.train_batch_size ({d.train_batch_size}) does not divide evenly across "
+                f"trainer.n_workers ({tr.n_workers})"
+            )
         if self.kind == "kto" and d.train_batch_size // tr.n_workers < 2:
-            raise ConfigError("KTO estimates its KL reference point from mismatched pairs within a batch: "
-                              "data.train_batch_size / trainer.n_workers must be >= 2")
+            raise ConfigError(
+                "KTO estimates its KL reference point from mismatched pairs within a batch: "
+                "data.train_batch_size / trainer.n_workers must be >= 2"
+            )
         if cfg.optim.lr <= 0 or tr.total_epochs < 1:
-            raise ConfigError(f"optim.lr must be > 0 and trainer.total_epochs >= 1, got {cfg.optim.lr} and "
-                              f"{tr.total_epochs}")
+            raise ConfigError(
+                f"optim.lr must be > 0 and trainer.total_epochs >= 1, got {cfg.optim.lr} and "
+                f"{tr.total_epochs}"
+            )
         self._validate_loss(cfg)
 
     def _validate_loss(self, cfg: Any) -> None:
@@ -176,18 +197,22 @@ class _OfflineConfig:
 @dataclass
 class SFTConfig(_OfflineConfig):
     """Supervised fine-tuning: ``hybridflow sft``; ``SFTConfig()`` is complete but for data.train_files."""
+
     data: SFTDataConfig = field(default_factory=SFTDataConfig)  #: demonstrations and batch sizes
 
     kind = "sft"
 
     def _validate_loss(self, cfg: Any) -> None:
         if cfg.data.max_token_len_per_gpu < 1:
-            raise ConfigError(f"data.max_token_len_per_gpu must be >= 1, got {cfg.data.max_token_len_per_gpu}")
+            raise ConfigError(
+                f"data.max_token_len_per_gpu must be >= 1, got {cfg.data.max_token_len_per_gpu}"
+            )
 
 
 @dataclass
 class DPOConfig(_OfflineConfig):
     """Direct preference optimisation: ``hybridflow dpo``."""
+
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)  #: preference pairs, batch sizes
     dpo: DPOLossConfig = field(default_factory=DPOLossConfig)  #: the DPO-family loss
 
@@ -201,10 +226,14 @@ class DPOConfig(_OfflineConfig):
         except ValueError as err:
             raise ConfigError(f"dpo.loss_type: {err}") from None
         if cfg.dpo.beta <= 0 or not 0 <= cfg.dpo.label_smoothing < 0.5:
-            raise ConfigError(f"dpo.beta must be > 0 and dpo.label_smoothing in [0, 0.5), got {cfg.dpo.beta} "
-                              f"and {cfg.dpo.label_smoothing}")
+            raise ConfigError(
+                f"dpo.beta must be > 0 and dpo.label_smoothing in [0, 0.5), got {cfg.dpo.beta} "
+                f"and {cfg.dpo.label_smoothing}"
+            )
         if cfg.dpo.label_smoothing and cfg.dpo.loss_type != "sigmoid":
-            raise ConfigError(f"dpo.label_smoothing only applies to dpo.loss_type=sigmoid, not {cfg.dpo.loss_type}")
+            raise ConfigError(
+                f"dpo.label_smoothing only applies to dpo.loss_type=sigmoid, not {cfg.dpo.loss_type}"
+            )
 
     def loss_spec(self) -> dict[str, Any]:
         return {"loss": "dpo", **dataclasses.asdict(self.dpo)}
@@ -213,6 +242,7 @@ class DPOConfig(_OfflineConfig):
 @dataclass
 class KTOConfig(_OfflineConfig):
     """Kahneman-Tversky optimisation on unpaired good/bad completions: ``hybridflow kto``."""
+
     data: KTODataConfig = field(default_factory=KTODataConfig)  #: labelled completions, batch sizes
     kto: KTOLossConfig = field(default_factory=KTOLossConfig)  #: the KTO loss
 
@@ -221,8 +251,10 @@ class KTOConfig(_OfflineConfig):
     def _validate_loss(self, cfg: Any) -> None:
         k = cfg.kto
         if k.beta <= 0 or k.desirable_weight <= 0 or k.undesirable_weight <= 0:
-            raise ConfigError(f"kto.beta, kto.desirable_weight and kto.undesirable_weight must be > 0, got "
-                              f"{k.beta}, {k.desirable_weight}, {k.undesirable_weight}")
+            raise ConfigError(
+                f"kto.beta, kto.desirable_weight and kto.undesirable_weight must be > 0, got "
+                f"{k.beta}, {k.desirable_weight}, {k.undesirable_weight}"
+            )
 
     def loss_spec(self) -> dict[str, Any]:
         return {"loss": "kto", **dataclasses.asdict(self.kto)}
@@ -236,8 +268,9 @@ def default_config_path(cls: type[_OfflineConfig]) -> Path:
     return CONFIG_DIR / f"{cls.kind}_trainer.yaml"
 
 
-def load_offline_config(cls: type[C], overrides: list[str] | None = None,
-                        config_path: str | os.PathLike | None = None) -> C:
+def load_offline_config(
+    cls: type[C], overrides: list[str] | None = None, config_path: str | os.PathLike | None = None
+) -> C:
     """The packaged YAML of ``cls``, a user YAML merged over it, then dotted overrides; resolved, validated.
     Same syntax as ``load_config`` for PPO."""
     tree = base.load_yaml(default_config_path(cls))

@@ -50,14 +50,22 @@ class PPOTrainer:
     Everything is built from ``config`` unless given: ``worker_groups`` (e.g. your own Ray groups),
     ``reward_fn`` (``DataProto -> {"reward_tensor", "reward_extra_info"}``, like ``RewardManager``)."""
 
-    def __init__(self, config: PPOConfig, *, worker_groups: WorkerGroups | None = None,
-                 reward_fn: Any = None, val_reward_fn: Any = None) -> None:
+    def __init__(
+        self,
+        config: PPOConfig,
+        *,
+        worker_groups: WorkerGroups | None = None,
+        reward_fn: Any = None,
+        val_reward_fn: Any = None,
+    ) -> None:
         self.config = config = config.validate()  # resolved and checked
-        self.tokenizer = load_tokenizer(config.actor_rollout_ref.model.path,
-                                        config.actor_rollout_ref.model.trust_remote_code)
+        self.tokenizer = load_tokenizer(
+            config.actor_rollout_ref.model.path, config.actor_rollout_ref.model.trust_remote_code
+        )
         data = config.data
-        self.train_loader = PromptLoader(self._dataset(data.train_files), data.train_batch_size,
-                                         shuffle=data.shuffle, seed=data.seed)
+        self.train_loader = PromptLoader(
+            self._dataset(data.train_files), data.train_batch_size, shuffle=data.shuffle, seed=data.seed
+        )
         self.val_dataset = self._dataset(data.val_files) if data.val_files else None
         self.sft_loader = self._sft_loader(data) if data.sft.files else None
         steps = len(self.train_loader) * config.trainer.total_epochs
@@ -66,21 +74,32 @@ class PPOTrainer:
             optim.total_training_steps = self.total_steps
         score_fn = default_compute_score
         if config.custom_reward_function.path:
-            score_fn = load_custom_reward_function(config.custom_reward_function.path,
-                                                   config.custom_reward_function.name)
+            score_fn = load_custom_reward_function(
+                config.custom_reward_function.path, config.custom_reward_function.name
+            )
         self.reward_fn = reward_fn or RewardManager(self.tokenizer, score_fn)
         self.val_reward_fn = val_reward_fn or self.reward_fn
-        if config.reward_model.two_stage.enable:  # the scorer above ranks; the reward model re-scores the best
+        if (
+            config.reward_model.two_stage.enable
+        ):  # the scorer above ranks; the reward model re-scores the best
             self.reward_fn = TwoStageRewardFn.from_config(
-                config.reward_model.two_stage, cheap=self.reward_fn,
-                expensive=lambda data: self.wg.reward_model.compute_rm_score(data).batch["rm_scores"])
-        self.replay = ActorReplay.from_config(config, self.tokenizer.pad_token_id) \
-            if config.replay_buffer.enable else None
+                config.reward_model.two_stage,
+                cheap=self.reward_fn,
+                expensive=lambda data: self.wg.reward_model.compute_rm_score(data).batch["rm_scores"],
+            )
+        self.replay = (
+            ActorReplay.from_config(config, self.tokenizer.pad_token_id)
+            if config.replay_buffer.enable
+            else None
+        )
         alg = config.algorithm
-        self.kl_ctrl = get_kl_controller(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl,
-                                         alg.kl_ctrl.horizon)
+        self.kl_ctrl = get_kl_controller(
+            alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon
+        )
         self.hooks = HookRegistry()
-        self.checkpoints = CheckpointManager(config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep)
+        self.checkpoints = CheckpointManager(
+            config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep
+        )
         self.global_step = 0
         self.wg = worker_groups
 
@@ -90,14 +109,25 @@ class PPOTrainer:
         kwargs = {}
         if multi_turn.enable and multi_turn.tool_config_path:
             kwargs["tools"] = [tool.schema for tool in load_tools(multi_turn.tool_config_path).values()]
-        return RLHFDataset(files, self.tokenizer, max_prompt_length=d.max_prompt_length, prompt_key=d.prompt_key,
-                           truncation=d.truncation, filter_overlong_prompts=d.filter_overlong_prompts,
-                           chat_template_kwargs=kwargs)
+        return RLHFDataset(
+            files,
+            self.tokenizer,
+            max_prompt_length=d.max_prompt_length,
+            prompt_key=d.prompt_key,
+            truncation=d.truncation,
+            filter_overlong_prompts=d.filter_overlong_prompts,
+            chat_template_kwargs=kwargs,
+        )
 
     def _sft_loader(self, data: Any) -> PromptLoader:
-        sft = SFTDataset(data.sft.files, self.tokenizer, max_prompt_length=data.max_prompt_length,
-                         max_response_length=data.max_response_length, prompt_key=data.sft.prompt_key,
-                         response_key=data.sft.response_key)
+        sft = SFTDataset(
+            data.sft.files,
+            self.tokenizer,
+            max_prompt_length=data.max_prompt_length,
+            max_response_length=data.max_response_length,
+            prompt_key=data.sft.prompt_key,
+            response_key=data.sft.response_key,
+        )
         return PromptLoader(sft, data.sft.batch_size, shuffle=True, seed=data.seed)
 
     # ------------------------------------------------------------------ user API
@@ -144,22 +174,33 @@ class PPOTrainer:
             scores, extra = batch.batch["rm_scores"], {}
         else:
             reward_worker = self.wg.reward
-            result = reward_worker.compute_reward(batch) if reward_worker else self.reward_fn(batch, return_dict=True)
+            result = (
+                reward_worker.compute_reward(batch)
+                if reward_worker
+                else self.reward_fn(batch, return_dict=True)
+            )
             scores, extra = result["reward_tensor"], result.get("reward_extra_info", {})
             if metrics is not None:
                 metrics.update(result.get("metrics", {}))
         batch.batch["token_level_scores"] = scores
-        return batch.union(DataProto.from_dict(non_tensors={f"reward_extra/{k}": v for k, v in extra.items()}))
+        return batch.union(
+            DataProto.from_dict(non_tensors={f"reward_extra/{k}": v for k, v in extra.items()})
+        )
 
     def _needs_old_log_prob(self) -> bool:
         """A separate old-policy pass is only needed when the policy changes before the data is used up
         (replayed rows are used up steps later)."""
         actor, d = self.config.actor_rollout_ref.actor, self.config.data
-        return (actor.ppo_epochs > 1 or actor.ppo_mini_batch_size < d.train_batch_size
-                or self.config.algorithm.use_kl_in_reward or self.replay is not None)
+        return (
+            actor.ppo_epochs > 1
+            or actor.ppo_mini_batch_size < d.train_batch_size
+            or self.config.algorithm.use_kl_in_reward
+            or self.replay is not None
+        )
 
-    def train_step(self, batch: DataProto, metrics: dict[str, float],
-                   timings: StepTimings | None = None) -> DataProto:
+    def train_step(
+        self, batch: DataProto, metrics: dict[str, float], timings: StepTimings | None = None
+    ) -> DataProto:
         """One PPO iteration on a batch of prompts; returns the batch with everything computed.
         ``timings`` receives each stage's seconds and wall-clock span (the run report's timeline)."""
         cfg, wg, t = self.config, self.wg, StepTimings() if timings is None else timings
@@ -169,7 +210,9 @@ class PPOTrainer:
             with timer("gen", t):
                 batch.meta_info["n"] = cfg.actor_rollout_ref.rollout.n
                 batch = wg.generator.generate_sequences(batch)
-                metrics.update(reduce_metrics(batch.meta_info.pop("metrics", {})))  # agent/* of multi-turn rollouts
+                metrics.update(
+                    reduce_metrics(batch.meta_info.pop("metrics", {}))
+                )  # agent/* of multi-turn rollouts
             self.hooks.emit("after_generate", self, self.global_step, metrics, batch)
             with timer("reward", t):
                 batch = self.compute_reward(batch, metrics)
@@ -189,9 +232,13 @@ class PPOTrainer:
                     metrics.update(kl_metrics)
                 else:
                     batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
-                batch = compute_advantage(batch, cfg.algorithm.adv_estimator, gamma=cfg.algorithm.gamma,
-                                          lam=cfg.algorithm.lam,
-                                          norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo)
+                batch = compute_advantage(
+                    batch,
+                    cfg.algorithm.adv_estimator,
+                    gamma=cfg.algorithm.gamma,
+                    lam=cfg.algorithm.lam,
+                    norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+                )
             self.hooks.emit("after_advantage", self, self.global_step, metrics, batch)
             if use_critic:
                 with timer("update_critic", t):
@@ -235,16 +282,18 @@ class PPOTrainer:
         size = self.config.data.val_batch_size or len(self.val_dataset)
         rows, agent = [], []
         for batch in PromptLoader(self.val_dataset, size, shuffle=False, drop_last=False):
-            batch.meta_info.update(n=kw.n, temperature=kw.temperature, top_p=kw.top_p, top_k=kw.top_k,
-                                   do_sample=kw.do_sample)
+            batch.meta_info.update(
+                n=kw.n, temperature=kw.temperature, top_p=kw.top_p, top_k=kw.top_k, do_sample=kw.do_sample
+            )
             out = self.wg.generator.generate_sequences(batch)
             agent.append(reduce_metrics(out.meta_info.pop("metrics", {})))
             result = self.val_reward_fn(out, return_dict=True)
             rows.append((out, result))
         metrics = validation_metrics(rows, kw.n)
         metrics.update({f"val/{k}": reduce_metrics({k: [m[k] for m in agent]})[k] for k in agent[0]})
-        samples = self._show_generations(rows[0][0], rows[0][1]["reward_tensor"],
-                                         self.config.trainer.log_val_generations)
+        samples = self._show_generations(
+            rows[0][0], rows[0][1]["reward_tensor"], self.config.trainer.log_val_generations
+        )
         if tracker is not None and samples:
             tracker.log_records("val_generations", samples, step=self.global_step)
         self.hooks.emit("on_validation_end", self, self.global_step, metrics, None)
@@ -270,10 +319,16 @@ class PPOTrainer:
             self.wg.actor_rollout.save_checkpoint(str(folder / "actor"))
             if self.wg.critic is not None:
                 self.wg.critic.save_checkpoint(str(folder / "critic"))
-            torch.save({"global_step": self.global_step, "loader": self.train_loader.state_dict(),
-                        "sft_loader": self.sft_loader.state_dict() if self.sft_loader else None,
-                        "kl_coef": self.kl_ctrl.value,
-                        "replay": self.replay.state_dict() if self.replay else None}, folder / "trainer_state.pt")
+            torch.save(
+                {
+                    "global_step": self.global_step,
+                    "loader": self.train_loader.state_dict(),
+                    "sft_loader": self.sft_loader.state_dict() if self.sft_loader else None,
+                    "kl_coef": self.kl_ctrl.value,
+                    "replay": self.replay.state_dict() if self.replay else None,
+                },
+                folder / "trainer_state.pt",
+            )
         self.hooks.emit("on_checkpoint", self, self.global_step, {}, None)
         return self.checkpoints.path(self.global_step)
 
@@ -309,23 +364,36 @@ class PPOTrainer:
         ``algorithm.kl_ctrl.kl_coef`` applies from the resumed step on (logged), as optimiser settings do."""
         kl = self.config.algorithm.kl_ctrl
         if kl.type == "fixed" and saved != kl.kl_coef:
-            logger.warning("resuming with algorithm.kl_ctrl.kl_coef %s instead of the checkpoint's %s: applied "
-                           "from this step on", kl.kl_coef, saved)
+            logger.warning(
+                "resuming with algorithm.kl_ctrl.kl_coef %s instead of the checkpoint's %s: applied "
+                "from this step on",
+                kl.kl_coef,
+                saved,
+            )
         else:
             self.kl_ctrl.value = saved
 
     def _check_same_data(self, folder: Path, saved: dict[str, Any]) -> None:
         """A checkpoint's data position only means something for the same prompts, batch size and order:
         refuse to resume with others, naming the keys, rather than fail deep in the loader."""
-        keys = {"batch_size": "data.train_batch_size", "num_rows": "the number of training prompts",
-                "seed": "data.seed", "shuffle": "data.shuffle"}
+        keys = {
+            "batch_size": "data.train_batch_size",
+            "num_rows": "the number of training prompts",
+            "seed": "data.seed",
+            "shuffle": "data.shuffle",
+        }
         mine = self.train_loader.state_dict()
-        changed = [f"{name} {saved.get(key)!r} -> {mine[key]!r}" for key, name in keys.items()
-                   if saved.get(key) != mine[key]]
+        changed = [
+            f"{name} {saved.get(key)!r} -> {mine[key]!r}"
+            for key, name in keys.items()
+            if saved.get(key) != mine[key]
+        ]
         if changed:
-            raise UserError(f"cannot resume from {folder}: it was saved with other data settings ("
-                            f"{', '.join(changed)}); resume with the saved values, or start a new run in another "
-                            "trainer.default_local_dir (or set trainer.resume_mode=disable)")
+            raise UserError(
+                f"cannot resume from {folder}: it was saved with other data settings ("
+                f"{', '.join(changed)}); resume with the saved values, or start a new run in another "
+                "trainer.default_local_dir (or set trainer.resume_mode=disable)"
+            )
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
@@ -338,8 +406,9 @@ class PPOTrainer:
     def _fit(self) -> dict[str, float]:
         """``fit`` once the run folder is ours and the workers are up: resume, validate, train."""
         tr = self.config.trainer
-        tracker = Tracking(tr.project_name, tr.experiment_name, tr.logger, tr.default_local_dir,
-                           self.config.to_dict())
+        tracker = Tracking(
+            tr.project_name, tr.experiment_name, tr.logger, tr.default_local_dir, self.config.to_dict()
+        )
         try:
             self.load_checkpoint()
             self.hooks.emit("on_fit_start", self, self.global_step, {}, None)
@@ -391,4 +460,3 @@ def _endless(loader: PromptLoader) -> Iterator[DataProto]:
     """Batches across epochs; each pass over the loader continues from its (resumable) position."""
     while True:
         yield from loader
-

@@ -25,11 +25,27 @@ from hybridflow.dataflow import ReplayBuffer, ScheduledSampler
 from hybridflow.dataflow.replay_buffer import IS_WEIGHTS_KEY
 from hybridflow.protocol import DataProto
 
-__all__ = ["ActorReplay", "advantage_priorities", "set_prompt_width", "surrogate_priorities", "used_prompt_width"]
+__all__ = [
+    "ActorReplay",
+    "advantage_priorities",
+    "set_prompt_width",
+    "surrogate_priorities",
+    "used_prompt_width",
+]
 
 # What the actor update reads (plus ``prompts``); ``ref_log_prob`` only exists when a KL term uses it.
-ROW_KEYS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids", "advantages",
-            "old_log_probs", "ref_log_prob", "rollout_log_probs")
+ROW_KEYS = (
+    "prompts",
+    "responses",
+    "response_mask",
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "advantages",
+    "old_log_probs",
+    "ref_log_prob",
+    "rollout_log_probs",
+)
 # Columns spanning prompt + response (or, for ``prompts``, the prompt), left-padded: key -> padding value.
 # ``None``: the tokenizer's pad id.
 LEFT_PADDED = {"input_ids": None, "prompts": None, "attention_mask": 0, "position_ids": 0}
@@ -54,15 +70,23 @@ def set_prompt_width(data: DataProto, width: int, pad_token_id: int) -> DataProt
     dataset pads. Other columns and the rows are shared with ``data``. Cutting a real token raises."""
     current = _prompt_width(data)
     if width < used_prompt_width(data):
-        raise ValueError(f"set_prompt_width: cannot fit prompts into {width} columns: the longest prompt of "
-                         f"the batch takes {used_prompt_width(data)} (of {current})")
-    out = DataProto(batch=data.batch.clone(recurse=False), non_tensor_batch=dict(data.non_tensor_batch),
-                    meta_info=dict(data.meta_info))
+        raise ValueError(
+            f"set_prompt_width: cannot fit prompts into {width} columns: the longest prompt of "
+            f"the batch takes {used_prompt_width(data)} (of {current})"
+        )
+    out = DataProto(
+        batch=data.batch.clone(recurse=False),
+        non_tensor_batch=dict(data.non_tensor_batch),
+        meta_info=dict(data.meta_info),
+    )
     for key, value in LEFT_PADDED.items():
         if key in out.batch.keys():
             column = out.batch[key]
-            out.batch[key] = F.pad(column, (width - current, 0), value=pad_token_id if value is None else value) \
-                if width >= current else column[..., current - width:]
+            out.batch[key] = (
+                F.pad(column, (width - current, 0), value=pad_token_id if value is None else value)
+                if width >= current
+                else column[..., current - width :]
+            )
     return out
 
 
@@ -73,8 +97,14 @@ def advantage_priorities(data: DataProto) -> np.ndarray:
     return (total / mask.sum(-1).clamp(min=1)).double().numpy()
 
 
-def surrogate_priorities(advantages: torch.Tensor, log_probs: torch.Tensor, old_log_probs: torch.Tensor,
-                         response_mask: torch.Tensor, clip_low: float, clip_high: float) -> np.ndarray:
+def surrogate_priorities(
+    advantages: torch.Tensor,
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> np.ndarray:
     """Each row's weight in PPO's clipped-surrogate gradient under the current policy: float64 ``(bs,)``.
 
     Per token, the gradient of ``min(r A, clip(r) A)`` with respect to ``log pi`` is ``r A`` while the
@@ -96,14 +126,26 @@ class ActorReplay:
     sample size when ``sample_size`` is 0. ``sampler`` may be replaced by any object with
     ``params(step)`` and ``sample(buffer, n, step)``, e.g. a ``ScheduledSampler`` built in Python."""
 
-    def __init__(self, config: Any, *, rows_per_step: int, max_prompt_length: int, pad_token_id: int,
-                 clip_low: float, clip_high: float, n_workers: int = 1, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        *,
+        rows_per_step: int,
+        max_prompt_length: int,
+        pad_token_id: int,
+        clip_low: float,
+        clip_high: float,
+        n_workers: int = 1,
+        seed: int | None = None,
+    ) -> None:
         self.buffer = ReplayBuffer(config.capacity, seed=seed)
         self.sampler = ScheduledSampler.from_config(config)
         self.sample_size = config.sample_size or rows_per_step
         if self.sample_size % n_workers:
-            raise ValueError(f"replay_buffer.sample_size ({self.sample_size}) must be a multiple of "
-                             f"trainer.n_workers ({n_workers}): each worker trains on an equal share")
+            raise ValueError(
+                f"replay_buffer.sample_size ({self.sample_size}) must be a multiple of "
+                f"trainer.n_workers ({n_workers}): each worker trains on an equal share"
+            )
         self.max_prompt_length, self.pad_token_id = max_prompt_length, pad_token_id
         self.clip_low, self.clip_high = clip_low, clip_high
         self.replayed: tuple[DataProto, np.ndarray] | None = None  # rows and ids of the last mix
@@ -112,11 +154,16 @@ class ActorReplay:
     def from_config(cls, config: Any, pad_token_id: int) -> ActorReplay:
         """From the whole (resolved) ``PPOConfig``: its ``replay_buffer``, batch sizes and clip range."""
         actor, data = config.actor_rollout_ref.actor, config.data
-        return cls(config.replay_buffer, rows_per_step=data.train_batch_size * config.actor_rollout_ref.rollout.n,
-                   max_prompt_length=data.max_prompt_length, pad_token_id=pad_token_id,
-                   clip_low=actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low,
-                   clip_high=actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high,
-                   n_workers=config.trainer.n_workers, seed=config.trainer.seed)
+        return cls(
+            config.replay_buffer,
+            rows_per_step=data.train_batch_size * config.actor_rollout_ref.rollout.n,
+            max_prompt_length=data.max_prompt_length,
+            pad_token_id=pad_token_id,
+            clip_low=actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low,
+            clip_high=actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high,
+            n_workers=config.trainer.n_workers,
+            seed=config.trainer.seed,
+        )
 
     def mix(self, batch: DataProto, step: int, metrics: dict[str, float]) -> DataProto:
         """The actor's training batch: ``batch``'s rows, then the replayed ones (advantages x weights).
@@ -125,11 +172,16 @@ class ActorReplay:
         (and, for priority sampling, once one has a priority above 0)."""
         missing = [k for k in ("advantages", "old_log_probs") if k not in batch.batch.keys()]
         if missing:
-            raise KeyError(f"replay needs {missing} in the batch: replayed rows must carry the log-probs of "
-                           "the policy that generated them (compute_log_prob every step)")
+            raise KeyError(
+                f"replay needs {missing} in the batch: replayed rows must carry the log-probs of "
+                "the policy that generated them (compute_log_prob every step)"
+            )
         keys = [k for k in ROW_KEYS if k in batch.batch.keys()]
-        fresh = set_prompt_width(batch.select(batch_keys=keys, non_tensor_batch_keys=[], meta_info_keys=[]),
-                                 self.max_prompt_length, self.pad_token_id)
+        fresh = set_prompt_width(
+            batch.select(batch_keys=keys, non_tensor_batch_keys=[], meta_info_keys=[]),
+            self.max_prompt_length,
+            self.pad_token_id,
+        )
         params = self.sampler.params(step)
         self.replayed, rows = None, fresh
         if len(self.buffer) and (params["strategy"] == "uniform" or self.buffer.priorities.max() > 0):
@@ -137,14 +189,21 @@ class ActorReplay:
             replayed.batch.pop(IS_WEIGHTS_KEY)
             self.replayed = (replayed, ids)
             weighted = DataProto(batch=replayed.batch.clone(recurse=False))
-            weighted.batch["advantages"] = replayed.batch["advantages"] * torch.from_numpy(weights).float()[:, None]
+            weighted.batch["advantages"] = (
+                replayed.batch["advantages"] * torch.from_numpy(weights).float()[:, None]
+            )
             rows = DataProto.concat([fresh, weighted])
             metrics["replay/is_weight_mean"] = float(weights.mean())
         self.buffer.push(fresh, priorities=advantage_priorities(fresh))
-        metrics.update({"replay/rows": len(rows) - len(fresh), "replay/buffer_size": len(self.buffer),
-                        "replay/prioritized": float(params["strategy"] == "priority"),
-                        # the exponent in force: uniform sampling is alpha 0, whatever the config's alpha
-                        "replay/alpha": params["alpha"] if params["strategy"] == "priority" else 0.0})
+        metrics.update(
+            {
+                "replay/rows": len(rows) - len(fresh),
+                "replay/buffer_size": len(self.buffer),
+                "replay/prioritized": float(params["strategy"] == "priority"),
+                # the exponent in force: uniform sampling is alpha 0, whatever the config's alpha
+                "replay/alpha": params["alpha"] if params["strategy"] == "priority" else 0.0,
+            }
+        )
         return set_prompt_width(rows, used_prompt_width(rows), self.pad_token_id)
 
     def update_priorities(self, actor_rollout: Any, metrics: dict[str, float]) -> None:
@@ -154,8 +213,14 @@ class ActorReplay:
         rows, ids = self.replayed
         rows = set_prompt_width(rows, used_prompt_width(rows), self.pad_token_id)
         log_probs = actor_rollout.compute_log_prob(rows).batch["old_log_probs"]
-        priorities = surrogate_priorities(rows.batch["advantages"], log_probs, rows.batch["old_log_probs"],
-                                          rows.batch["response_mask"], self.clip_low, self.clip_high)
+        priorities = surrogate_priorities(
+            rows.batch["advantages"],
+            log_probs,
+            rows.batch["old_log_probs"],
+            rows.batch["response_mask"],
+            self.clip_low,
+            self.clip_high,
+        )
         self.buffer.update_priorities(ids, priorities)
         metrics["replay/priority_mean"] = float(self.buffer.priorities.mean())
         self.replayed = None

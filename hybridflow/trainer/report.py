@@ -32,8 +32,19 @@ from hybridflow.trainer.checkpoint import list_checkpoints
 TIMELINE_STEPS = 3  # steps drawn in the Gantt chart: the last few
 LINESTYLES = ("-", "--", ":", "-.")
 # Stages in the order a step runs them: one color each, the same in the stacked chart and the timeline.
-STAGE_ORDER = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor",
-               "replay_priorities", "validate", "checkpoint")
+STAGE_ORDER = (
+    "gen",
+    "reward",
+    "old_log_prob",
+    "ref",
+    "values",
+    "adv",
+    "update_critic",
+    "update_actor",
+    "replay_priorities",
+    "validate",
+    "checkpoint",
+)
 
 
 @dataclass
@@ -49,8 +60,11 @@ class Run:
 
     def series(self, key: str) -> list[tuple[int, float]]:
         """``(step, value)`` for every step that logged ``key`` with a finite value."""
-        return [(step, row[key]) for step, row in sorted(self.metrics.items())
-                if isinstance(row.get(key), int | float) and math.isfinite(row[key])]
+        return [
+            (step, row[key])
+            for step, row in sorted(self.metrics.items())
+            if isinstance(row.get(key), int | float) and math.isfinite(row[key])
+        ]
 
     def keys(self, pattern: str) -> list[str]:
         """Logged metric names that fully match the regular expression ``pattern``, sorted."""
@@ -79,13 +93,21 @@ def load_run(path: str | Path) -> Run:
     metrics_file = path / "metrics.jsonl"
     if not metrics_file.exists():
         what = "folder" if path.is_dir() else "run folder"
-        raise FileNotFoundError(f"no metrics.jsonl in {what} {path}: report reads the files the trainer's "
-                                "'file' logger writes (trainer.logger must include file)")
+        raise FileNotFoundError(
+            f"no metrics.jsonl in {what} {path}: report reads the files the trainer's "
+            "'file' logger writes (trainer.logger must include file)"
+        )
     metrics: dict[int, dict[str, float]] = defaultdict(dict)
     for row in read_jsonl(metrics_file):  # validation and training of one step may come as separate lines
         metrics[row.pop("step")].update(row)
-    return Run(path, path.resolve().name, dict(metrics), read_jsonl(path / "timeline.jsonl"),
-               read_jsonl(path / "val_generations.jsonl"), [step for step, _ in list_checkpoints(path)])
+    return Run(
+        path,
+        path.resolve().name,
+        dict(metrics),
+        read_jsonl(path / "timeline.jsonl"),
+        read_jsonl(path / "val_generations.jsonl"),
+        [step for step, _ in list_checkpoints(path)],
+    )
 
 
 # ------------------------------------------------------------------------------------------ the curves
@@ -111,25 +133,47 @@ class CurveFigure:
 
 
 CURVE_FIGURES: tuple[CurveFigure, ...] = (
-    CurveFigure("reward", "Reward (training batch) and held-out accuracy", "score / accuracy", (
-        Curve("train reward", ("critic/score/mean",)),
-        Curve("held-out acc", (r"val/.+/acc/mean@\d+",)),
-        Curve("held-out reward", (r"val/.+/reward/mean@\d+",)),
-    )),
-    CurveFigure("kl", "KL divergence", "KL", (
-        Curve("KL to reference (loss)", ("actor/kl_loss",)),
-        Curve("KL to reference (in reward)", ("actor/reward_kl_penalty",)),
-        Curve("KL to old policy", ("actor/ppo_kl",)),
-    )),
+    CurveFigure(
+        "reward",
+        "Reward (training batch) and held-out accuracy",
+        "score / accuracy",
+        (
+            Curve("train reward", ("critic/score/mean",)),
+            Curve("held-out acc", (r"val/.+/acc/mean@\d+",)),
+            Curve("held-out reward", (r"val/.+/reward/mean@\d+",)),
+        ),
+    ),
+    CurveFigure(
+        "kl",
+        "KL divergence",
+        "KL",
+        (
+            Curve("KL to reference (loss)", ("actor/kl_loss",)),
+            Curve("KL to reference (in reward)", ("actor/reward_kl_penalty",)),
+            Curve("KL to old policy", ("actor/ppo_kl",)),
+        ),
+    ),
     CurveFigure("entropy", "Policy entropy", "nats / token", (Curve("entropy", ("actor/entropy",)),)),
-    CurveFigure("response_length", "Response length", "tokens", (
-        Curve("mean", ("response_length/mean",)),
-        Curve("max", ("response_length/max",)),
-        Curve("clip ratio", ("response_length/clip_ratio",), right=True),
-    ), right_label="share hitting max_response_length"),
-    CurveFigure("grad_norm", "Gradient norm (before clipping)", "norm", (
-        Curve("actor", ("actor/grad_norm",)), Curve("critic", ("critic/grad_norm",)))),
-    CurveFigure("lr", "Learning rate", "lr", (Curve("actor", ("actor/lr",)), Curve("critic", ("critic/lr",)))),
+    CurveFigure(
+        "response_length",
+        "Response length",
+        "tokens",
+        (
+            Curve("mean", ("response_length/mean",)),
+            Curve("max", ("response_length/max",)),
+            Curve("clip ratio", ("response_length/clip_ratio",), right=True),
+        ),
+        right_label="share hitting max_response_length",
+    ),
+    CurveFigure(
+        "grad_norm",
+        "Gradient norm (before clipping)",
+        "norm",
+        (Curve("actor", ("actor/grad_norm",)), Curve("critic", ("critic/grad_norm",))),
+    ),
+    CurveFigure(
+        "lr", "Learning rate", "lr", (Curve("actor", ("actor/lr",)), Curve("critic", ("critic/lr",)))
+    ),
 )
 
 
@@ -170,8 +214,15 @@ def draw_curves(spec: CurveFigure, data: dict[str, dict[str, list[tuple[int, flo
             target = right if curve.right and right is not None else ax
             steps, values = zip(*points)
             name = label if len(data) == 1 else f"{label} ({run})"
-            target.plot(steps, values, LINESTYLES[r % len(LINESTYLES)], color=colors.get(label, f"C{i}"),
-                        marker="o" if len(points) < 30 else None, markersize=3, label=name)
+            target.plot(
+                steps,
+                values,
+                LINESTYLES[r % len(LINESTYLES)],
+                color=colors.get(label, f"C{i}"),
+                marker="o" if len(points) < 30 else None,
+                markersize=3,
+                label=name,
+            )
     ax.set(title=spec.title, xlabel="step", ylabel=spec.ylabel)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
@@ -189,8 +240,11 @@ def draw_curves(spec: CurveFigure, data: dict[str, dict[str, list[tuple[int, flo
 
 def stage_times(run: Run) -> dict[str, list[tuple[int, float]]]:
     """``{stage: [(step, seconds), ...]}`` from the ``timing_s/*`` metrics, the total ``step`` left out."""
-    return {key.removeprefix("timing_s/"): run.series(key) for key in run.keys(r"timing_s/.+")
-            if key != "timing_s/step"}
+    return {
+        key.removeprefix("timing_s/"): run.series(key)
+        for key in run.keys(r"timing_s/.+")
+        if key != "timing_s/step"
+    }
 
 
 def _stage_colors(stages: list[str]) -> dict[str, str]:
@@ -226,8 +280,16 @@ def timeline_spans(run: Run, last: int = TIMELINE_STEPS) -> list[dict[str, Any]]
     if not spans:
         return []
     origin = min(s["start"] for s in spans)
-    return [{"step": s["step"], "stage": s["stage"], "group": s["group"], "start": round(s["start"] - origin, 4),
-             "end": round(s["end"] - origin, 4)} for s in spans]
+    return [
+        {
+            "step": s["step"],
+            "stage": s["stage"],
+            "group": s["group"],
+            "start": round(s["start"] - origin, 4),
+            "end": round(s["end"] - origin, 4),
+        }
+        for s in spans
+    ]
 
 
 def draw_timeline(runs: list[Run], path: Path) -> bytes:
@@ -240,8 +302,15 @@ def draw_timeline(runs: list[Run], path: Path) -> bytes:
         groups = list(dict.fromkeys(s["group"] for s in spans))
         for span in spans:
             lane = groups.index(span["group"])
-            ax.barh(lane, span["end"] - span["start"], left=span["start"], height=0.6,
-                    color=colors[span["stage"]], edgecolor="black", linewidth=0.3)
+            ax.barh(
+                lane,
+                span["end"] - span["start"],
+                left=span["start"],
+                height=0.6,
+                color=colors[span["stage"]],
+                edgecolor="black",
+                linewidth=0.3,
+            )
         for step in sorted({s["step"] for s in spans}):
             start = min(s["start"] for s in spans if s["step"] == step)
             ax.axvline(start, color="grey", linewidth=0.6, linestyle=":")
@@ -250,8 +319,12 @@ def draw_timeline(runs: list[Run], path: Path) -> bytes:
         ax.set_ylim(-0.6, len(groups) - 0.1)
         shown = len({s["step"] for s in spans})
         ax.set(title=f"Stage timeline, last {shown} step(s): {run.name}", xlabel="seconds")
-        ax.legend(handles=[Patch(color=c, label=stage) for stage, c in colors.items()], fontsize=8,
-                  loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        ax.legend(
+            handles=[Patch(color=c, label=stage) for stage, c in colors.items()],
+            fontsize=8,
+            loc="upper left",
+            bbox_to_anchor=(1.0, 1.0),
+        )
     return _png(fig, path)
 
 
@@ -270,9 +343,15 @@ def generation_pairs(run: Run) -> tuple[int, int, list[dict[str, Any]]] | None:
     rows = []
     for index, before in sorted(by_step[first].items()):
         after = by_step[last].get(index, {})
-        rows.append({"prompt": before.get("prompt"), "before": before.get("response"),
-                     "before_score": before.get("score"), "after": after.get("response"),
-                     "after_score": after.get("score")})
+        rows.append(
+            {
+                "prompt": before.get("prompt"),
+                "before": before.get("response"),
+                "before_score": before.get("score"),
+                "after": after.get("response"),
+                "after_score": after.get("score"),
+            }
+        )
     return first, last, rows
 
 
@@ -299,7 +378,9 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
 def _series_table(lines: dict[str, dict[str, list[tuple[int, float]]]]) -> str:
     """One column per (run, line), one row per step: the numbers a curve figure draws."""
     columns = [(run, label) for run, by_label in lines.items() for label in by_label]
-    values = {(run, label): dict(points) for run, by_label in lines.items() for label, points in by_label.items()}
+    values = {
+        (run, label): dict(points) for run, by_label in lines.items() for label, points in by_label.items()
+    }
     steps = sorted({s for points in values.values() for s in points})
     header = ["step"] + [label if len(lines) == 1 else f"{label} ({run})" for run, label in columns]
     return _table(header, [[step] + [values[c].get(step) for c in columns] for step in steps])
@@ -307,18 +388,29 @@ def _series_table(lines: dict[str, dict[str, list[tuple[int, float]]]]) -> str:
 
 def _section(title: str, png: bytes, numbers: str) -> str:
     image = base64.b64encode(png).decode("ascii")
-    return (f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' src='data:image/png;base64,{image}'>"
-            f"<details><summary>numbers</summary>{numbers}</details>")
+    return (
+        f"<h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' src='data:image/png;base64,{image}'>"
+        f"<details><summary>numbers</summary>{numbers}</details>"
+    )
 
 
 def _summary(run: Run) -> list[Any]:
     steps = sorted(s for s, row in run.metrics.items() if "timing_s/step" in row)
     step_times = [row["timing_s/step"] for s, row in run.metrics.items() if "timing_s/step" in row]
-    last_acc = ", ".join(f"{k.split('/')[1]} {run.series(k)[-1][1]:.3g}"
-                         for k in run.keys(r"val/.+/acc/mean@\d+") if run.series(k))
+    last_acc = ", ".join(
+        f"{k.split('/')[1]} {run.series(k)[-1][1]:.3g}"
+        for k in run.keys(r"val/.+/acc/mean@\d+")
+        if run.series(k)
+    )
     median = sorted(step_times)[len(step_times) // 2] if step_times else None
-    return [run.name, str(run.path), steps[-1] if steps else 0, "-" if median is None else median, last_acc or "-",
-            ", ".join(map(str, run.checkpoints)) or "-"]
+    return [
+        run.name,
+        str(run.path),
+        steps[-1] if steps else 0,
+        "-" if median is None else median,
+        last_acc or "-",
+        ", ".join(map(str, run.checkpoints)) or "-",
+    ]
 
 
 def _finite(value: Any) -> Any:
@@ -343,8 +435,10 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
     out_dir = Path(out) if out is not None else runs[0].path
     figures_dir = out_dir / "report"
     figures_dir.mkdir(parents=True, exist_ok=True)
-    data: dict[str, Any] = {"runs": [{"name": r.name, "path": str(r.path), "checkpoints": r.checkpoints}
-                                     for r in runs], "figures": {}}
+    data: dict[str, Any] = {
+        "runs": [{"name": r.name, "path": str(r.path), "checkpoints": r.checkpoints} for r in runs],
+        "figures": {},
+    }
     sections, missing = [], []
     for spec in CURVE_FIGURES:
         lines = curve_data(runs, spec)
@@ -363,10 +457,18 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
     if any(spans.values()):
         data["figures"]["timeline"] = spans
         png = draw_timeline(runs, figures_dir / "timeline.png")
-        rows = [[name, s["step"], s["group"], s["stage"], s["start"], s["end"]]
-                for name, run_spans in spans.items() for s in run_spans]
-        sections.append(_section("Stage timeline (which worker group ran what, when)", png,
-                                 _table(["run", "step", "group", "stage", "start s", "end s"], rows)))
+        rows = [
+            [name, s["step"], s["group"], s["stage"], s["start"], s["end"]]
+            for name, run_spans in spans.items()
+            for s in run_spans
+        ]
+        sections.append(
+            _section(
+                "Stage timeline (which worker group ran what, when)",
+                png,
+                _table(["run", "step", "group", "stage", "start s", "end s"], rows),
+            )
+        )
     else:
         missing.append("stage timeline (timeline.jsonl)")
     for run in runs:
@@ -374,24 +476,36 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
         if pairs is None:
             continue
         first, last, rows = pairs
-        data.setdefault("generations", {})[run.name] = {"before_step": first, "after_step": last, "rows": rows}
+        data.setdefault("generations", {})[run.name] = {
+            "before_step": first,
+            "after_step": last,
+            "rows": rows,
+        }
         if first == last:  # one validation so far
-            table = _table(["prompt", f"step {first}", "score"], [[r["prompt"], r["before"], r["before_score"]]
-                                                                 for r in rows])
+            table = _table(
+                ["prompt", f"step {first}", "score"],
+                [[r["prompt"], r["before"], r["before_score"]] for r in rows],
+            )
             title = f"Validation samples at step {first} (none later yet)"
         else:
-            table = _table(["prompt", f"step {first}", "score", f"step {last}", "score"],
-                           [[r["prompt"], r["before"], r["before_score"], r["after"], r["after_score"]] for r in rows])
+            table = _table(
+                ["prompt", f"step {first}", "score", f"step {last}", "score"],
+                [[r["prompt"], r["before"], r["before_score"], r["after"], r["after_score"]] for r in rows],
+            )
             title = "Validation samples before and after"
         sections.append(f"<h2>{title}: {html.escape(run.name)}</h2>{table}")
-    summary = _table(["run", "folder", "last step", "median s/step", "held-out acc (last)", "checkpoints"],
-                     [_summary(run) for run in runs])
+    summary = _table(
+        ["run", "folder", "last step", "median s/step", "held-out acc (last)", "checkpoints"],
+        [_summary(run) for run in runs],
+    )
     note = f"<p>Not logged: {html.escape('; '.join(missing))}.</p>" if missing else ""
     payload = json.dumps(_finite(data)).replace("</", "<\\/")
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>hybridflow report: "
-            f"{html.escape(', '.join(r.name for r in runs))}</title><style>{_STYLE}</style></head><body>"
-            f"<h1>hybridflow run report</h1>{summary}{note}{''.join(sections)}"
-            f"<script type='application/json' id='report-data'>{payload}</script></body></html>")
+    page = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>hybridflow report: "
+        f"{html.escape(', '.join(r.name for r in runs))}</title><style>{_STYLE}</style></head><body>"
+        f"<h1>hybridflow run report</h1>{summary}{note}{''.join(sections)}"
+        f"<script type='application/json' id='report-data'>{payload}</script></body></html>"
+    )
     path = out_dir / "report.html"
     path.write_text(page, encoding="utf-8")
     return path
@@ -401,9 +515,12 @@ def main(argv: list[str] | None = None) -> int:
     """``hybridflow report RUN_DIR [RUN_B ...] [--out DIR]``."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="hybridflow report", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", help="run folder(s) (trainer.default_local_dir); more than one overlays")
+    parser = argparse.ArgumentParser(
+        prog="hybridflow report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "runs", nargs="+", help="run folder(s) (trainer.default_local_dir); more than one overlays"
+    )
     parser.add_argument("--out", help="folder for report.html and report/*.png (default: the first run's)")
     args = parser.parse_args(argv)
     try:

@@ -35,16 +35,20 @@ class RunLock:
             self.folder.mkdir(parents=True, exist_ok=True)
             file = open(path, "a+")  # not truncated: the holder's pid stays readable until we own the lock
         except OSError as e:
-            raise UserError(f"cannot write to trainer.default_local_dir {self.folder}: {e.strerror}; choose a "
-                            "folder this user can write to") from e
+            raise UserError(
+                f"cannot write to trainer.default_local_dir {self.folder}: {e.strerror}; choose a "
+                "folder this user can write to"
+            ) from e
         try:
             fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             file.seek(0)
             holder = file.read().strip() or "unknown"
             file.close()
-            raise UserError(f"{self.folder} is in use by another run ({holder}); wait for it to end, stop it, "
-                            "or give this run another trainer.default_local_dir") from None
+            raise UserError(
+                f"{self.folder} is in use by another run ({holder}); wait for it to end, stop it, "
+                "or give this run another trainer.default_local_dir"
+            ) from None
         file.seek(0)
         file.truncate()
         file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")

@@ -38,7 +38,9 @@ _CONSOLE_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("resp_len", ("response_length/mean",)),
 )
 _CONSOLE_TIMINGS: tuple[tuple[str, str], ...] = (
-    ("gen", "timing_s/gen"), ("upd", "timing_s/update_actor"), ("step", "timing_s/step"),
+    ("gen", "timing_s/gen"),
+    ("upd", "timing_s/update_actor"),
+    ("step", "timing_s/step"),
 )
 
 
@@ -146,8 +148,14 @@ def _step_of(path: Path, lines: list[str], line: str) -> float:
     try:
         return json.loads(line).get("step", -1)
     except (json.JSONDecodeError, AttributeError):
-        logger.warning("%s: dropped line %d of %d, which is not a complete JSON object (the process writing it "
-                       "was stopped mid-line): %r", path, lines.index(line) + 1, len(lines), line[:80])
+        logger.warning(
+            "%s: dropped line %d of %d, which is not a complete JSON object (the process writing it "
+            "was stopped mid-line): %r",
+            path,
+            lines.index(line) + 1,
+            len(lines),
+            line[:80],
+        )
         return float("inf")
 
 
@@ -174,7 +182,9 @@ class WandbBackend:
 
     def __init__(self, project_name: str, experiment_name: str, log_dir: Path, config: dict | None) -> None:
         self.wandb = _import("wandb", "wandb", "wandb")
-        self.run = self.wandb.init(project=project_name, name=experiment_name, config=config, dir=str(log_dir))
+        self.run = self.wandb.init(
+            project=project_name, name=experiment_name, config=config, dir=str(log_dir)
+        )
 
     def log(self, data: dict[str, float], step: int) -> None:
         self.run.log(data, step=step)
@@ -202,8 +212,11 @@ class MlflowBackend:
 
 
 BACKENDS: dict[str, type] = {
-    "console": ConsoleBackend, "file": JsonlBackend, "tensorboard": TensorBoardBackend,
-    "wandb": WandbBackend, "mlflow": MlflowBackend,
+    "console": ConsoleBackend,
+    "file": JsonlBackend,
+    "tensorboard": TensorBoardBackend,
+    "wandb": WandbBackend,
+    "mlflow": MlflowBackend,
 }
 
 
@@ -223,14 +236,21 @@ class Tracking:
     ``config`` (a plain nested dict, ``PPOConfig.to_dict()``) is recorded by tensorboard, wandb and mlflow.
     """
 
-    def __init__(self, project_name: str, experiment_name: str, default_backend: str | Iterable[str],
-                 log_dir: str | os.PathLike, config: dict | None = None) -> None:
+    def __init__(
+        self,
+        project_name: str,
+        experiment_name: str,
+        default_backend: str | Iterable[str],
+        log_dir: str | os.PathLike,
+        config: dict | None = None,
+    ) -> None:
         names = [default_backend] if isinstance(default_backend, str) else list(default_backend)
         unknown = [name for name in names if name not in BACKENDS]
         if unknown:
             raise ValueError(f"unknown logger {unknown[0]!r} in trainer.logger; known: {sorted(BACKENDS)}")
         self.backends: list[_Backend] = [
-            BACKENDS[name](project_name, experiment_name, Path(log_dir), config) for name in dict.fromkeys(names)
+            BACKENDS[name](project_name, experiment_name, Path(log_dir), config)
+            for name in dict.fromkeys(names)
         ]
 
     def log(self, data: Mapping[str, Any], step: int) -> None:
@@ -259,8 +279,10 @@ def _scalar(key: str, value: Any) -> int | float:
         try:
             value = item()
         except (ValueError, RuntimeError):
-            raise TypeError(f"metric {key!r} must be one number, got {type(value).__name__} of shape "
-                            f"{tuple(getattr(value, 'shape', ()))}") from None
+            raise TypeError(
+                f"metric {key!r} must be one number, got {type(value).__name__} of shape "
+                f"{tuple(getattr(value, 'shape', ()))}"
+            ) from None
     if isinstance(value, bool):
         return int(value)
     if isinstance(value, (int, float)):

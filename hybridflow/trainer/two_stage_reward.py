@@ -38,14 +38,24 @@ class TwoStageRewardFn:
     @classmethod
     def from_config(cls, config: Any, cheap: TokenScorer, expensive: TokenScorer) -> TwoStageRewardFn:
         """From a ``reward_model.two_stage`` section and two token-level scorers (summed per row)."""
-        return cls(TwoStageReward(sequence_scores(cheap), sequence_scores(expensive), top_k_ratio=config.top_k_ratio,
-                                  threshold=config.threshold, unselected=config.unselected,
-                                  unselected_scale=config.unselected_scale))
+        return cls(
+            TwoStageReward(
+                sequence_scores(cheap),
+                sequence_scores(expensive),
+                top_k_ratio=config.top_k_ratio,
+                threshold=config.threshold,
+                unselected=config.unselected,
+                unselected_scale=config.unselected_scale,
+            )
+        )
 
     def __call__(self, data: DataProto, return_dict: bool = False) -> torch.Tensor | dict[str, Any]:
         scores, info = self.two_stage(data)
         token_scores = sequence_to_token_scores(scores.float(), data.batch["response_mask"])
         if not return_dict:
             return token_scores
-        extra = {"stage1_score": info["stage1_scores"].tolist(), "stage2_selected": info["stage2_selected"].tolist()}
+        extra = {
+            "stage1_score": info["stage1_scores"].tolist(),
+            "stage2_selected": info["stage2_selected"].tolist(),
+        }
         return {"reward_tensor": token_scores, "reward_extra_info": extra, "metrics": info["metrics"]}

@@ -71,31 +71,48 @@ def placement(config: Any) -> tuple[dict[str, list[int]], dict[str, str]]:
     tr = config.trainer
     if tr.placement == "split":
         pools = {"actor": [tr.n_workers], "rollout": [1], "reward": [1]}
-        roles = {"actor": "actor", "ref": "actor", "critic": "actor", "rollout": "rollout",
-                 "reward": "reward", "reward_model": "reward"}
+        roles = {
+            "actor": "actor",
+            "ref": "actor",
+            "critic": "actor",
+            "rollout": "rollout",
+            "reward": "reward",
+            "reward_model": "reward",
+        }
     else:
         pools = {"global": [tr.n_workers]}
         roles = {role: "global" for role in PLACEMENT_ROLES if role != "reward"}
-    pools.update({name: list(nodes) if isinstance(nodes, list) else [nodes]
-                  for name, nodes in tr.resource_pool_spec.items()})
+    pools.update(
+        {
+            name: list(nodes) if isinstance(nodes, list) else [nodes]
+            for name, nodes in tr.resource_pool_spec.items()
+        }
+    )
     roles.update(tr.role_pools)
     unknown = sorted(set(roles) - set(PLACEMENT_ROLES))
     if unknown:
         raise ConfigError(f"trainer.role_pools: unknown role(s) {unknown}; roles are {list(PLACEMENT_ROLES)}")
     undefined = {role: pool for role, pool in roles.items() if pool not in pools}
     if undefined:
-        raise ConfigError(f"trainer.role_pools maps {undefined} to undefined pools; trainer.resource_pool_spec "
-                          f"defines {sorted(pools)}")
-    bad = {name: nodes for name, nodes in pools.items()
-           if not nodes or not all(isinstance(n, int) and n >= 1 for n in nodes)}
+        raise ConfigError(
+            f"trainer.role_pools maps {undefined} to undefined pools; trainer.resource_pool_spec "
+            f"defines {sorted(pools)}"
+        )
+    bad = {
+        name: nodes
+        for name, nodes in pools.items()
+        if not nodes or not all(isinstance(n, int) and n >= 1 for n in nodes)
+    }
     if bad:
-        raise ConfigError(f"trainer.resource_pool_spec: each pool lists processes per node (integers >= 1), "
-                          f"got {bad}")
+        raise ConfigError(
+            f"trainer.resource_pool_spec: each pool lists processes per node (integers >= 1), got {bad}"
+        )
     return pools, roles
 
 
-def role_inits(config: Any, roles: dict[str, str] | None = None,
-               reward_fn: Callable[..., dict] | None = None) -> dict[str, ClassWithInitArgs]:
+def role_inits(
+    config: Any, roles: dict[str, str] | None = None, reward_fn: Callable[..., dict] | None = None
+) -> dict[str, ClassWithInitArgs]:
     """The deferred constructor of each role's worker, keyed by the role's group name. With ``roles`` (a
     placement's role -> pool), an actor and rollout in different pools become two workers, and
     ``reward_fn`` a ``RewardWorker`` where the placement maps ``reward``."""
@@ -107,19 +124,26 @@ def role_inits(config: Any, roles: dict[str, str] | None = None,
     ref_in_actor = needs_ref(config) and arr.model.lora_rank > 0
     with_ref = "_ref" if ref_in_actor else ""
     if roles.get("actor") == roles.get("rollout"):
-        inits = {str(Role.ACTOR_ROLLOUT): ClassWithInitArgs(ActorRolloutRefWorker, arr,
-                                                            role=f"actor_rollout{with_ref}", **kw)}
+        inits = {
+            str(Role.ACTOR_ROLLOUT): ClassWithInitArgs(
+                ActorRolloutRefWorker, arr, role=f"actor_rollout{with_ref}", **kw
+            )
+        }
     else:
-        inits = {"actor": ClassWithInitArgs(ActorRolloutRefWorker, arr, role=f"actor{with_ref}", **kw),
-                 "rollout": ClassWithInitArgs(ActorRolloutRefWorker, arr, role="rollout", announce=True, **kw)}
+        inits = {
+            "actor": ClassWithInitArgs(ActorRolloutRefWorker, arr, role=f"actor{with_ref}", **kw),
+            "rollout": ClassWithInitArgs(ActorRolloutRefWorker, arr, role="rollout", announce=True, **kw),
+        }
     if needs_ref(config) and not ref_in_actor:
         inits[str(Role.REF)] = ClassWithInitArgs(ActorRolloutRefWorker, arr, role="ref", **kw)
     if config.critic.enable:
-        inits[str(Role.CRITIC)] = ClassWithInitArgs(CriticWorker, config.critic, rollout_n=arr.rollout.n,
-                                                    seed=config.trainer.seed, device=device)
+        inits[str(Role.CRITIC)] = ClassWithInitArgs(
+            CriticWorker, config.critic, rollout_n=arr.rollout.n, seed=config.trainer.seed, device=device
+        )
     if config.reward_model.enable:
-        inits[str(Role.REWARD_MODEL)] = ClassWithInitArgs(RewardModelWorker, config.reward_model,
-                                                          policy_tokenizer_path=arr.model.path, device=device)
+        inits[str(Role.REWARD_MODEL)] = ClassWithInitArgs(
+            RewardModelWorker, config.reward_model, policy_tokenizer_path=arr.model.path, device=device
+        )
     if reward_fn is not None and "reward" in roles:
         inits["reward"] = ClassWithInitArgs(RewardWorker, reward_fn)
     return inits
@@ -136,11 +160,15 @@ def check_ray_resources(needed: dict[str, float], n_workers: int) -> None:
             raise UserError(
                 f"trainer.n_workers={n_workers} needs {amount:g} {kind}s on Ray, but Ray sees "
                 f"{available.get(kind, 0.0):g} available (of {total.get(kind, 0.0):g}): lower trainer.n_workers "
-                f"or give Ray more (trainer.ray_kwargs.num_{kind.lower()}s=..., or a larger Ray cluster)")
+                f"or give Ray more (trainer.ray_kwargs.num_{kind.lower()}s=..., or a larger Ray cluster)"
+            )
 
 
-def build_worker_groups(config: Any, reward_fn: Callable[..., dict] | None = None,
-                        inits: dict[Any, ClassWithInitArgs] | None = None) -> WorkerGroups:
+def build_worker_groups(
+    config: Any,
+    reward_fn: Callable[..., dict] | None = None,
+    inits: dict[Any, ClassWithInitArgs] | None = None,
+) -> WorkerGroups:
     """Start the workers (``trainer.backend``: ``local`` or ``ray``, placed by ``trainer.placement``) and load
     their models. ``reward_fn`` runs in a worker of its own where the placement maps ``reward``; ``inits``
     (default: ``role_inits``, the PPO roles; keys: a role or its group name) says which workers to start."""
@@ -164,14 +192,21 @@ def build_worker_groups(config: Any, reward_fn: Callable[..., dict] | None = Non
     if trainer.device == "cuda":
         needed["GPU"] = float(processes)
     check_ray_resources(needed, trainer.n_workers)
-    manager = ResourcePoolManager(used, {name: pool_of[name] for name in inits}, use_gpu=trainer.device == "cuda",
-                                  cpus_per_process=trainer.cpus_per_worker, max_colocate_count=1)
+    manager = ResourcePoolManager(
+        used,
+        {name: pool_of[name] for name in inits},
+        use_gpu=trainer.device == "cuda",
+        cpus_per_process=trainer.cpus_per_worker,
+        max_colocate_count=1,
+    )
     resource_pools = manager.create_resource_pool()
     groups, views = [], {}
     try:
         for pool_name, pool in resource_pools.items():
             members = {name: init for name, init in inits.items() if pool_of[name] == pool_name}
-            group = RayWorkerGroup(pool, create_colocated_worker_cls(members), name_prefix=f"hybridflow/{pool_name}")
+            group = RayWorkerGroup(
+                pool, create_colocated_worker_cls(members), name_prefix=f"hybridflow/{pool_name}"
+            )
             groups.append(group)
             views.update(group.spawn(prefix_set=list(members)))
     except BaseException:
@@ -187,8 +222,9 @@ def _release(groups: list, pools: dict) -> None:
         pool.remove()
 
 
-def _init_views(views: dict[str, WorkerGroup], release: Callable[[], None] | None,
-                inits: dict[str, ClassWithInitArgs]) -> WorkerGroups:
+def _init_views(
+    views: dict[str, WorkerGroup], release: Callable[[], None] | None, inits: dict[str, ClassWithInitArgs]
+) -> WorkerGroups:
     for view in views.values():
         view.init_model()
     fields = dict(views)

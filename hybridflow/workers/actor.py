@@ -43,13 +43,16 @@ from hybridflow.workers.weight_sync import from_numpy, policy_weights, to_numpy
 ROLES = ("actor", "rollout", "ref")
 
 
-def logprob_diff_metrics(rollout_log_probs: torch.Tensor, log_probs: torch.Tensor,
-                         response_mask: torch.Tensor) -> dict[str, float]:
+def logprob_diff_metrics(
+    rollout_log_probs: torch.Tensor, log_probs: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float]:
     """How far the rollout engine's log-probs are from the trainer's for the same weights and tokens:
     a numerical mismatch (KV cache, kernels, another engine) that quietly biases PPO's ratio."""
     diff = (rollout_log_probs - log_probs).abs()
-    return {"rollout/logprob_diff": float(masked_mean(diff, response_mask)),
-            "rollout/logprob_diff_max": float((diff * response_mask).max())}
+    return {
+        "rollout/logprob_diff": float(masked_mean(diff, response_mask)),
+        "rollout/logprob_diff_max": float((diff * response_mask).max()),
+    }
 
 
 def _scalar(value: torch.Tensor | float) -> float:
@@ -61,8 +64,15 @@ class ActorRolloutRefWorker(Worker):
     (``actor_rollout``, ``actor_rollout_ref``, ``ref``, ``rollout``...); ``device``: ``trainer.device``;
     ``announce``: print one line per generation (``[rollout] generated ...``)."""
 
-    def __init__(self, config: Any, role: str = "actor_rollout", response_length: int = 64, seed: int = 0,
-                 device: str = "auto", announce: bool = False) -> None:
+    def __init__(
+        self,
+        config: Any,
+        role: str = "actor_rollout",
+        response_length: int = 64,
+        seed: int = 0,
+        device: str = "auto",
+        announce: bool = False,
+    ) -> None:
         super().__init__(device)
         unknown = [r for r in role.split("_") if r not in ROLES]
         if unknown:
@@ -70,7 +80,9 @@ class ActorRolloutRefWorker(Worker):
         self.config, self.role = config, role
         self._is_actor, self._is_rollout, self._is_ref = (r in role.split("_") for r in ROLES)
         self.response_length, self.seed = response_length, seed
-        self.announce = announce  # print what this worker did (a role in its own process, as the tutorial logs)
+        self.announce = (
+            announce  # print what this worker did (a role in its own process, as the tutorial logs)
+        )
         self.module = self.ref_module = self.engine = self.rollout = None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -82,23 +94,48 @@ class ActorRolloutRefWorker(Worker):
         if self._is_actor or self._is_rollout:
             # a rollout-only worker (trainer.placement=split) holds a plain copy the actor's full weights load into
             strategy = resolve_strategy(actor.strategy, self.world_size) if self._is_actor else "ddp"
-            module = load_model(model_cfg.path, *load_placement(strategy, model_cfg.dtype, self.device),
-                                trust_remote_code=model_cfg.trust_remote_code,
-                                gradient_checkpointing=self._is_actor and model_cfg.enable_gradient_checkpointing)
+            module = load_model(
+                model_cfg.path,
+                *load_placement(strategy, model_cfg.dtype, self.device),
+                trust_remote_code=model_cfg.trust_remote_code,
+                gradient_checkpointing=self._is_actor and model_cfg.enable_gradient_checkpointing,
+            )
             lora = model_cfg.lora_rank if self._is_actor else 0
-            self.module = wrap_model(module, strategy, actor.fsdp_config, self.device, lora,
-                                     model_cfg.lora_alpha, model_cfg.target_modules)
+            self.module = wrap_model(
+                module,
+                strategy,
+                actor.fsdp_config,
+                self.device,
+                lora,
+                model_cfg.lora_alpha,
+                model_cfg.target_modules,
+            )
         if self._is_actor:
-            self.engine = TrainingEngine(self.module, actor.optim, actor.grad_clip, "actor", self.world_size,
-                                         actor.fsdp_config.optimizer_offload)
+            self.engine = TrainingEngine(
+                self.module,
+                actor.optim,
+                actor.grad_clip,
+                "actor",
+                self.world_size,
+                actor.fsdp_config.optimizer_offload,
+            )
         if self._is_rollout:
             rollout = self.config.rollout
-            self.rollout = build_rollout(rollout, self.module, self.tokenizer, self.response_length,
-                                         model_location(model_cfg.path), (rollout.seed or 0) + self.rank)
+            self.rollout = build_rollout(
+                rollout,
+                self.module,
+                self.tokenizer,
+                self.response_length,
+                model_location(model_cfg.path),
+                (rollout.seed or 0) + self.rank,
+            )
         if self._is_ref and not (self.module is not None and is_lora(self.module)):
             strategy = resolve_strategy(ref.strategy, self.world_size, "actor_rollout_ref.ref.strategy")
-            module = load_model(model_cfg.path, *load_placement(strategy, model_cfg.dtype, self.device),
-                                trust_remote_code=model_cfg.trust_remote_code).eval()
+            module = load_model(
+                model_cfg.path,
+                *load_placement(strategy, model_cfg.dtype, self.device),
+                trust_remote_code=model_cfg.trust_remote_code,
+            ).eval()
             module.requires_grad_(False)
             self.ref_module = wrap_model(module, strategy, ref.fsdp_config, self.device)
 
@@ -113,9 +150,10 @@ class ActorRolloutRefWorker(Worker):
         except DivergedError as e:
             if self.engine is None or self.engine.steps_done == 0:
                 raise
-            raise DivergedError(f"{e}: the update of training step {self.engine.steps_done} (lr "
-                                f"{self.engine.lr:g}) broke the weights; lower actor_rollout_ref.actor.optim.lr"
-                                ) from e
+            raise DivergedError(
+                f"{e}: the update of training step {self.engine.steps_done} (lr "
+                f"{self.engine.lr:g}) broke the weights; lower actor_rollout_ref.actor.optim.lr"
+            ) from e
         if self.announce:
             print(f"[rollout] generated {len(out)} responses for {len(prompts)} prompts", flush=True)
         return out
@@ -146,17 +184,26 @@ class ActorRolloutRefWorker(Worker):
             self.rollout.update_weights(named)
 
     # ---------------------------------------------------------------- log-probs
-    def _log_probs(self, module: torch.nn.Module, data: DataProto, with_entropy: bool, micro_batch_size: int,
-                   max_token_len: int | None) -> tuple[torch.Tensor, Any]:
+    def _log_probs(
+        self,
+        module: torch.nn.Module,
+        data: DataProto,
+        with_entropy: bool,
+        micro_batch_size: int,
+        max_token_len: int | None,
+    ) -> tuple[torch.Tensor, Any]:
         """Log-probs without gradients: ``micro_batch_size`` rows, or ``max_token_len`` tokens, a forward."""
         was_training = module.training
         module.eval()
         share = self.config.model.share_prompt_prefix
         micro = MicroBatching(micro_batch_size or len(data), max_token_len, share)
         temperature = self.config.rollout.temperature
-        log_probs, entropy = batched(lambda d: response_log_probs(module, d, temperature, with_entropy,
-                                                                  share_prompt=share), data, micro,
-                                     agreed_count(micro, data, module))
+        log_probs, entropy = batched(
+            lambda d: response_log_probs(module, d, temperature, with_entropy, share_prompt=share),
+            data,
+            micro,
+            agreed_count(micro, data, module),
+        )
         module.train(was_training)
         return log_probs, entropy
 
@@ -166,20 +213,29 @@ class ActorRolloutRefWorker(Worker):
         self._require(self.module, "actor", "compute_log_prob")
         rollout = self.config.rollout
         log_probs, entropy = self._log_probs(
-            self.module, data, True, rollout.log_prob_micro_batch_size_per_gpu,
-            rollout.log_prob_max_token_len_per_gpu if rollout.log_prob_use_dynamic_bsz else None)
+            self.module,
+            data,
+            True,
+            rollout.log_prob_micro_batch_size_per_gpu,
+            rollout.log_prob_max_token_len_per_gpu if rollout.log_prob_use_dynamic_bsz else None,
+        )
         metrics = {}
         if "rollout_log_probs" in data.batch.keys() and data.batch["rollout_log_probs"].abs().sum() > 0:
-            metrics = logprob_diff_metrics(data.batch["rollout_log_probs"], log_probs, data.batch["response_mask"])
-        return DataProto.from_dict({"old_log_probs": log_probs, "entropys": entropy},
-                                   meta_info={"metrics": metrics})
+            metrics = logprob_diff_metrics(
+                data.batch["rollout_log_probs"], log_probs, data.batch["response_mask"]
+            )
+        return DataProto.from_dict(
+            {"old_log_probs": log_probs, "entropys": entropy}, meta_info={"metrics": metrics}
+        )
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob`` ``(bs, L)`` under the frozen reference policy (with LoRA: the adapter off)."""
         ref = self.config.ref
-        micro, budget = ref.log_prob_micro_batch_size_per_gpu, (
-            ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None)
+        micro, budget = (
+            ref.log_prob_micro_batch_size_per_gpu,
+            (ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None),
+        )
         if self._is_ref and self.ref_module is None:
             with self.module.disable_adapter():
                 log_probs, _ = self._log_probs(self.module, data, False, micro, budget)
@@ -194,24 +250,45 @@ class ActorRolloutRefWorker(Worker):
         actor = self.config.actor
         mask = micro.batch["response_mask"].float()
         entropy_coeff = actor.entropy_coeff
-        log_prob, entropy = response_log_probs(self.module, micro, self.config.rollout.temperature,
-                                               with_entropy=True, entropy_grad=entropy_coeff != 0,
-                                               share_prompt=self.config.model.share_prompt_prefix)
+        log_prob, entropy = response_log_probs(
+            self.module,
+            micro,
+            self.config.rollout.temperature,
+            with_entropy=True,
+            entropy_grad=entropy_coeff != 0,
+            share_prompt=self.config.model.share_prompt_prefix,
+        )
         # On-policy shortcut: with one pass over the data the old policy *is* the current one, so the
         # driver may skip the extra forward pass and let the ratio start at exactly 1.
         old = micro.batch["old_log_probs"] if "old_log_probs" in micro.batch.keys() else log_prob.detach()
         advantages, tis_metrics = self._tis_corrected(micro, old, mask)
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = get_policy_loss_fn(actor.policy_loss.loss_mode)(
-            old_log_prob=old, log_prob=log_prob, advantages=advantages, response_mask=mask,
-            loss_agg_mode=actor.loss_agg_mode, cliprange=actor.clip_ratio, cliprange_low=actor.clip_ratio_low,
-            cliprange_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c)
+            old_log_prob=old,
+            log_prob=log_prob,
+            advantages=advantages,
+            response_mask=mask,
+            loss_agg_mode=actor.loss_agg_mode,
+            cliprange=actor.clip_ratio,
+            cliprange_low=actor.clip_ratio_low,
+            cliprange_high=actor.clip_ratio_high,
+            clip_ratio_c=actor.clip_ratio_c,
+        )
         entropy_loss = agg_loss(entropy, mask, actor.loss_agg_mode)
         loss = pg_loss - entropy_coeff * entropy_loss
-        metrics = {"actor/pg_loss": pg_loss.item(), "actor/pg_clipfrac": _scalar(clipfrac),
-                   "actor/ppo_kl": _scalar(ppo_kl), "actor/pg_clipfrac_lower": _scalar(clipfrac_lower),
-                   "actor/entropy": entropy_loss.item(), **tis_metrics}
-        if "ref_log_prob" in micro.batch.keys():  # KL(policy || reference), k1 estimate over the sampled tokens
-            metrics["actor/kl_ref"] = float(masked_mean(log_prob.detach() - micro.batch["ref_log_prob"], mask))
+        metrics = {
+            "actor/pg_loss": pg_loss.item(),
+            "actor/pg_clipfrac": _scalar(clipfrac),
+            "actor/ppo_kl": _scalar(ppo_kl),
+            "actor/pg_clipfrac_lower": _scalar(clipfrac_lower),
+            "actor/entropy": entropy_loss.item(),
+            **tis_metrics,
+        }
+        if (
+            "ref_log_prob" in micro.batch.keys()
+        ):  # KL(policy || reference), k1 estimate over the sampled tokens
+            metrics["actor/kl_ref"] = float(
+                masked_mean(log_prob.detach() - micro.batch["ref_log_prob"], mask)
+            )
         if actor.use_kl_loss:
             kl = kl_penalty(log_prob, micro.batch["ref_log_prob"], actor.kl_loss_type)
             kl_loss = agg_loss(kl, mask, actor.loss_agg_mode)
@@ -221,22 +298,28 @@ class ActorRolloutRefWorker(Worker):
             metrics.update(logprob_diff_metrics(micro.batch["rollout_log_probs"], log_prob.detach(), mask))
         return loss, metrics
 
-    def _tis_corrected(self, micro: DataProto, old: torch.Tensor,
-                       mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def _tis_corrected(
+        self, micro: DataProto, old: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """Advantages ``(bs, L)`` weighted by truncated importance sampling (``actor.tis_imp_ratio_cap``)
         when it is on and the rollout engine's log-probs came with the batch; else unchanged."""
         cap, advantages = self.config.actor.tis_imp_ratio_cap, micro.batch["advantages"]
         if cap <= 0 or "rollout_log_probs" not in micro.batch.keys():
             return advantages, {}
         weights, tis_clipfrac = truncated_importance_weights(old, micro.batch["rollout_log_probs"], mask, cap)
-        return advantages * weights, {"actor/tis_clipfrac": float(tis_clipfrac),
-                                      "actor/tis_weight_mean": float(masked_mean(weights, mask))}
+        return advantages * weights, {
+            "actor/tis_clipfrac": float(tis_clipfrac),
+            "actor/tis_weight_mean": float(masked_mean(weights, mask)),
+        }
 
     def _sft_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         """Supervised NLL on demonstration responses (prompt tokens masked out)."""
-        log_prob, _ = response_log_probs(self.module, micro, temperature=1.0,
-                                         share_prompt=self.config.model.share_prompt_prefix)
-        loss = compute_sft_loss(log_prob, micro.batch["response_mask"].float(), self.config.actor.loss_agg_mode)
+        log_prob, _ = response_log_probs(
+            self.module, micro, temperature=1.0, share_prompt=self.config.model.share_prompt_prefix
+        )
+        loss = compute_sft_loss(
+            log_prob, micro.batch["response_mask"].float(), self.config.actor.loss_agg_mode
+        )
         return loss, {"actor/sft_loss": loss.item()}
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -248,16 +331,37 @@ class ActorRolloutRefWorker(Worker):
         self._require(self.engine, "actor", "update_actor")
         actor = self.config.actor
         mini_batch = actor.ppo_mini_batch_size * self.config.rollout.n // self.world_size
-        keys = [k for k in ("responses", "response_mask", "input_ids", "attention_mask", "position_ids",
-                            "advantages", "old_log_probs", "ref_log_prob", "rollout_log_probs")
-                if k in data.batch.keys()]
+        keys = [
+            k
+            for k in (
+                "responses",
+                "response_mask",
+                "input_ids",
+                "attention_mask",
+                "position_ids",
+                "advantages",
+                "old_log_probs",
+                "ref_log_prob",
+                "rollout_log_probs",
+            )
+            if k in data.batch.keys()
+        ]
         data = data.select(batch_keys=keys, non_tensor_batch_keys=[], meta_info_keys=[])
         self.module.train()
         extra = []
         if sft_data is not None and len(sft_data):
             extra = [(sft_data, self._sft_loss, float(sft_data.meta_info.get("loss_coef", 1.0)))]
-        metrics = self.engine.update(data, mini_batch, self._micro_batching(), self._policy_loss,
-                                     actor.loss_agg_mode, actor.ppo_epochs, actor.shuffle, self.seed, extra)
+        metrics = self.engine.update(
+            data,
+            mini_batch,
+            self._micro_batching(),
+            self._policy_loss,
+            actor.loss_agg_mode,
+            actor.ppo_epochs,
+            actor.shuffle,
+            self.seed,
+            extra,
+        )
         self._sync_rollout()
         return DataProto(meta_info={"metrics": metrics})
 
@@ -265,17 +369,20 @@ class ActorRolloutRefWorker(Worker):
         """How the actor's updates cut their batch: ``ppo_micro_batch_size_per_gpu`` rows, or with
         ``use_dynamic_bsz`` up to ``ppo_max_token_len_per_gpu`` real tokens per micro-batch."""
         actor = self.config.actor
-        return MicroBatching(actor.ppo_micro_batch_size_per_gpu,
-                             actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
-                             self.config.model.share_prompt_prefix)
+        return MicroBatching(
+            actor.ppo_micro_batch_size_per_gpu,
+            actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
+            self.config.model.share_prompt_prefix,
+        )
 
     # ---------------------------------------------------------------- offline training (SFT, DPO, KTO)
     def _offline_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         """The objective ``micro.meta_info["offline"]["loss"]`` (``hybridflow.algorithms.preference``) on the
         policy's log-probs of ``responses`` (temperature 1: the model's own distribution)."""
         spec = micro.meta_info["offline"]
-        log_prob, _ = response_log_probs(self.module, micro, temperature=1.0,
-                                         share_prompt=self.config.model.share_prompt_prefix)
+        log_prob, _ = response_log_probs(
+            self.module, micro, temperature=1.0, share_prompt=self.config.model.share_prompt_prefix
+        )
         return get_offline_objective(spec["loss"]).fn(log_prob, micro.batch, spec)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -286,8 +393,14 @@ class ActorRolloutRefWorker(Worker):
         self._require(self.engine, "actor", "update_actor_offline")
         objective = get_offline_objective(data.meta_info["offline"]["loss"])
         self.module.train()
-        metrics = self.engine.update(data, len(data), self._micro_batching(), self._offline_loss,
-                                     objective.loss_agg_mode, seed=self.seed)
+        metrics = self.engine.update(
+            data,
+            len(data),
+            self._micro_batching(),
+            self._offline_loss,
+            objective.loss_agg_mode,
+            seed=self.seed,
+        )
         return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -323,8 +436,14 @@ class ActorRolloutRefWorker(Worker):
         """``path/huggingface`` (a plain HF model folder) plus optimiser, schedule and RNG state
         (``workers.checkpointing`` has the layout, sharded and LoRA variants included)."""
         self._require(self.engine, "actor", "save_checkpoint")
-        save_worker_state(path, self.module, self.tokenizer, self.engine, self.rank,
-                          self.config.actor.checkpoint.save_lora_only)
+        save_worker_state(
+            path,
+            self.module,
+            self.tokenizer,
+            self.engine,
+            self.rank,
+            self.config.actor.checkpoint.save_lora_only,
+        )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
@@ -334,5 +453,7 @@ class ActorRolloutRefWorker(Worker):
 
     def _require(self, part: Any, role: str, method: str) -> None:
         if part is None:
-            raise RuntimeError(f"{method} needs the {role!r} role, but this worker was built with role "
-                               f"{self.role!r} (pid {os.getpid()}); call init_model first if you did not")
+            raise RuntimeError(
+                f"{method} needs the {role!r} role, but this worker was built with role "
+                f"{self.role!r} (pid {os.getpid()}); call init_model first if you did not"
+            )

@@ -34,8 +34,14 @@ DCP_DIR = "dcp"
 ADAPTER_DIR = "lora_adapter"
 
 
-def save_worker_state(path: str | Path, module: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
-                      engine: TrainingEngine, rank: int, save_lora_only: bool = False) -> None:
+def save_worker_state(
+    path: str | Path,
+    module: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+    engine: TrainingEngine,
+    rank: int,
+    save_lora_only: bool = False,
+) -> None:
     """Every rank calls it (a sharded model's weights are gathered collectively)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -54,7 +60,10 @@ def save_worker_state(path: str | Path, module: PreTrainedModel, tokenizer: PreT
         adapter = dict(full_weights(module, adapter_only=True))
         if rank == 0:
             module.peft_config["default"].save_pretrained(path / ADAPTER_DIR)
-            save_file({k: v.contiguous() for k, v in adapter.items()}, path / ADAPTER_DIR / "adapter_model.safetensors")
+            save_file(
+                {k: v.contiguous() for k, v in adapter.items()},
+                path / ADAPTER_DIR / "adapter_model.safetensors",
+            )
     if not (lora and save_lora_only):
         _save_hf_folder(path / HF_DIR, module, rank)
     if rank == 0 and tokenizer is not None:
@@ -82,22 +91,30 @@ def load_hf_weights(module: PreTrainedModel, folder: str | Path) -> None:
     """Load safetensors weights (single file or shards) saved by ``save_pretrained`` into ``module``."""
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [
-        "model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.exists()
+        else ["model.safetensors"]
+    )
     state = {}
     for name in files:
         try:
             state.update(load_file(folder / name))
         except (OSError, SafetensorError) as e:
-            raise UserError(f"{folder / name} cannot be read ({e}): the checkpoint is damaged; resume from an "
-                            "earlier one") from e
+            raise UserError(
+                f"{folder / name} cannot be read ({e}): the checkpoint is damaged; resume from an earlier one"
+            ) from e
     missing, unexpected = module.load_state_dict(state, strict=False)
-    tied = set(getattr(module, "all_tied_weights_keys", None) or getattr(module, "_tied_weights_keys", None) or [])
+    tied = set(
+        getattr(module, "all_tied_weights_keys", None) or getattr(module, "_tied_weights_keys", None) or []
+    )
     really_missing = [k for k in missing if k not in tied]
     if really_missing or unexpected:
-        raise UserError(f"checkpoint {folder} does not match the model: missing {really_missing[:5]}, "
-                        f"unexpected {unexpected[:5]}; resume with the model (actor_rollout_ref.model.path) it "
-                        "was trained from")
+        raise UserError(
+            f"checkpoint {folder} does not match the model: missing {really_missing[:5]}, "
+            f"unexpected {unexpected[:5]}; resume with the model (actor_rollout_ref.model.path) it "
+            "was trained from"
+        )
 
 
 def load_worker_state(path: str | Path, module: PreTrainedModel, engine: TrainingEngine, rank: int) -> None:
@@ -108,21 +125,28 @@ def load_worker_state(path: str | Path, module: PreTrainedModel, engine: Trainin
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         if not (path / "schedule.pt").exists():
-            raise MissingInputError(f"incomplete checkpoint: {path / 'schedule.pt'} is missing; resume from an "
-                                    "earlier one")
+            raise MissingInputError(
+                f"incomplete checkpoint: {path / 'schedule.pt'} is missing; resume from an earlier one"
+            )
         configured = engine.optimizer_settings()  # the config's lr etc. win over the checkpoint's
         model_state, optim_state = get_state_dict(module, engine.optimizer)
         state = {"model": model_state, "optimizer": optim_state}
         dcp.load(state, checkpoint_id=str(path / DCP_DIR))
-        set_state_dict(module, engine.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(
+            module, engine.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
         engine.load_state_dict(torch.load(path / "schedule.pt", weights_only=False), configured)
     else:
         for needed in (path / HF_DIR, path / "optim.pt"):
             if not needed.exists():
-                raise MissingInputError(f"incomplete checkpoint: {needed} is missing; resume from an earlier one")
+                raise MissingInputError(
+                    f"incomplete checkpoint: {needed} is missing; resume from an earlier one"
+                )
         if is_lora(module) or engine.sharded:
-            raise InputError(f"{path} holds full replicas (saved with strategy ddp and no LoRA); resume it with "
-                             "the same strategy and lora_rank=0, or start a new run from its huggingface/ folder")
+            raise InputError(
+                f"{path} holds full replicas (saved with strategy ddp and no LoRA); resume it with "
+                "the same strategy and lora_rank=0, or start a new run from its huggingface/ folder"
+            )
         load_hf_weights(module, path / HF_DIR)
         engine.load_state_dict(torch.load(path / "optim.pt", weights_only=False))
     rng = path / f"rng_rank{rank}.pt"

@@ -38,17 +38,30 @@ class CriticWorker(Worker):
         self.tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
         critic = self.config
         strategy = resolve_strategy(critic.strategy, self.world_size, "critic.strategy")
-        module = load_model(model_cfg.path, *load_placement(strategy, model_cfg.dtype, self.device),
-                            auto_cls=AutoModelForTokenClassification, num_labels=1,
-                            trust_remote_code=model_cfg.trust_remote_code, new_head="the critic's value head",
-                            gradient_checkpointing=model_cfg.enable_gradient_checkpointing)
+        module = load_model(
+            model_cfg.path,
+            *load_placement(strategy, model_cfg.dtype, self.device),
+            auto_cls=AutoModelForTokenClassification,
+            num_labels=1,
+            trust_remote_code=model_cfg.trust_remote_code,
+            new_head="the critic's value head",
+            gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
+        )
         module.config.pad_token_id = self.tokenizer.pad_token_id
         for part in module.modules():  # transformers puts a 0.1 dropout before the head: the update would fit
-            if isinstance(part, torch.nn.Dropout):  # noisy values, not those compute_values returned (eval mode)
+            if isinstance(
+                part, torch.nn.Dropout
+            ):  # noisy values, not those compute_values returned (eval mode)
                 part.p = 0.0
         self.module = wrap_model(module, strategy, model_cfg.fsdp_config, self.device)
-        self.engine = TrainingEngine(self.module, critic.optim, critic.grad_clip, "critic",
-                                     self.world_size, model_cfg.fsdp_config.optimizer_offload)
+        self.engine = TrainingEngine(
+            self.module,
+            critic.optim,
+            critic.grad_clip,
+            "critic",
+            self.world_size,
+            model_cfg.fsdp_config.optimizer_offload,
+        )
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
@@ -56,34 +69,64 @@ class CriticWorker(Worker):
         self.module.eval()
         share = self.config.model.share_prompt_prefix
         micro = self._micro_batching()
-        values = batched(lambda d: response_values(self.module, d, share), data, micro,
-                         agreed_count(micro, data, self.module))
+        values = batched(
+            lambda d: response_values(self.module, d, share),
+            data,
+            micro,
+            agreed_count(micro, data, self.module),
+        )
         self.module.train()
         return DataProto.from_dict({"values": values * data.batch["response_mask"]})
 
     def _micro_batching(self) -> MicroBatching:
         critic = self.config
-        return MicroBatching(critic.ppo_micro_batch_size_per_gpu,
-                             critic.ppo_max_token_len_per_gpu if critic.use_dynamic_bsz else None,
-                             critic.model.share_prompt_prefix)
+        return MicroBatching(
+            critic.ppo_micro_batch_size_per_gpu,
+            critic.ppo_max_token_len_per_gpu if critic.use_dynamic_bsz else None,
+            critic.model.share_prompt_prefix,
+        )
 
     def _value_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         mask = micro.batch["response_mask"].float()
         vpreds = response_values(self.module, micro, self.config.model.share_prompt_prefix)
-        vf_loss, clipfrac = compute_value_loss(vpreds, micro.batch["returns"], micro.batch["values"], mask,
-                                               self.config.cliprange_value, self.config.loss_agg_mode)
-        return vf_loss, {"critic/vf_loss": vf_loss.item(), "critic/vf_clipfrac": float(clipfrac.detach()),
-                         "critic/vpred_mean": float(masked_mean(vpreds.detach(), mask))}
+        vf_loss, clipfrac = compute_value_loss(
+            vpreds,
+            micro.batch["returns"],
+            micro.batch["values"],
+            mask,
+            self.config.cliprange_value,
+            self.config.loss_agg_mode,
+        )
+        return vf_loss, {
+            "critic/vf_loss": vf_loss.item(),
+            "critic/vf_clipfrac": float(clipfrac.detach()),
+            "critic/vpred_mean": float(masked_mean(vpreds.detach(), mask)),
+        }
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
         critic = self.config
         mini_batch = critic.ppo_mini_batch_size * self.rollout_n // self.world_size
-        keys = ["responses", "response_mask", "input_ids", "attention_mask", "position_ids", "values", "returns"]
+        keys = [
+            "responses",
+            "response_mask",
+            "input_ids",
+            "attention_mask",
+            "position_ids",
+            "values",
+            "returns",
+        ]
         data = data.select(batch_keys=keys, non_tensor_batch_keys=[], meta_info_keys=[])
         self.module.train()
-        metrics = self.engine.update(data, mini_batch, self._micro_batching(), self._value_loss,
-                                     critic.loss_agg_mode, critic.ppo_epochs, seed=self.seed)
+        metrics = self.engine.update(
+            data,
+            mini_batch,
+            self._micro_batching(),
+            self._value_loss,
+            critic.loss_agg_mode,
+            critic.ppo_epochs,
+            seed=self.seed,
+        )
         return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -61,20 +61,32 @@ class TrainingEngine:
     its defaults are the schema's, not the engine's. ``optimizer_offload`` keeps the AdamW moments in CPU
     memory except during the step (for a CUDA model; a CPU model's state is in CPU memory anyway)."""
 
-    def __init__(self, module: torch.nn.Module, optim: Any, grad_clip: float | None, name: str,
-                 world_size: int = 1, optimizer_offload: bool = False) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optim: Any,
+        grad_clip: float | None,
+        name: str,
+        world_size: int = 1,
+        optimizer_offload: bool = False,
+    ) -> None:
         self.module = module
         self.name = name
         self.grad_clip = grad_clip
         self.world_size = world_size if dist.is_initialized() else 1
         self.sharded = is_sharded(module)
         if self.world_size > 1 and not self.sharded:  # shard_module already broadcast a sharded module
-            broadcast_module(module)  # identical starting weights on every rank (a fresh value head is random)
+            broadcast_module(
+                module
+            )  # identical starting weights on every rank (a fresh value head is random)
         device = next(module.parameters()).device
         self._offload = optimizer_offload and device.type == "cuda"
-        self.optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad],
-                                           lr=optim.lr, betas=tuple(optim.betas),
-                                           weight_decay=optim.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in module.parameters() if p.requires_grad],
+            lr=optim.lr,
+            betas=tuple(optim.betas),
+            weight_decay=optim.weight_decay,
+        )
         self.lr_scale = 1.0
         total, warmup = optim.total_training_steps, optim.lr_warmup_steps
         if warmup < 0:
@@ -113,24 +125,39 @@ class TrainingEngine:
         dist.all_reduce(t)
         return float(t.item())
 
-    def update(self, data: DataProto, mini_batch_size: int, micro_batch_size: int | MicroBatching, loss_fn: LossFn,
-               loss_agg_mode: str = "token-mean", epochs: int = 1, shuffle: bool = False, seed: int = 0,
-               extra_terms: list[tuple[DataProto, LossFn, float]] = ()) -> dict[str, list[float]]:
+    def update(
+        self,
+        data: DataProto,
+        mini_batch_size: int,
+        micro_batch_size: int | MicroBatching,
+        loss_fn: LossFn,
+        loss_agg_mode: str = "token-mean",
+        epochs: int = 1,
+        shuffle: bool = False,
+        seed: int = 0,
+        extra_terms: list[tuple[DataProto, LossFn, float]] = (),
+    ) -> dict[str, list[float]]:
         """One training step's update: ``epochs`` passes over ``data`` (this rank's shard) in mini-batches,
         one optimiser step each, then the learning-rate schedule advances once. Returns every
         mini-batch's metrics plus ``<name>/lr``, the rate these steps used."""
         metrics: dict[str, list[float]] = {}
         for mini in data.make_iterator(mini_batch_size, epochs=epochs, shuffle=shuffle, seed=seed):
-            for key, value in self.train_mini_batch(mini, micro_batch_size, loss_fn, loss_agg_mode,
-                                                    extra_terms).items():
+            for key, value in self.train_mini_batch(
+                mini, micro_batch_size, loss_fn, loss_agg_mode, extra_terms
+            ).items():
                 metrics.setdefault(key, []).append(value)
         metrics[f"{self.name}/lr"] = [self.lr]
         self.scheduler.step()
         return metrics
 
-    def train_mini_batch(self, mini_batch: DataProto, micro_batch_size: int | MicroBatching, loss_fn: LossFn,
-                         loss_agg_mode: str = "token-mean",
-                         extra_terms: list[tuple[DataProto, LossFn, float]] = ()) -> dict[str, float]:
+    def train_mini_batch(
+        self,
+        mini_batch: DataProto,
+        micro_batch_size: int | MicroBatching,
+        loss_fn: LossFn,
+        loss_agg_mode: str = "token-mean",
+        extra_terms: list[tuple[DataProto, LossFn, float]] = (),
+    ) -> dict[str, float]:
         """One optimiser step over ``mini_batch`` (this rank's shard), accumulating micro-batches.
 
         ``micro_batch_size``: rows per micro-batch, or a ``MicroBatching`` (a token budget). ``loss_fn(micro)``
@@ -144,9 +171,11 @@ class TrainingEngine:
         grad_norm = self._reduce_and_clip()
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
-            raise DivergedError(f"{self.name}: the gradient norm is {grad_norm} at training step "
-                                f"{self.steps_done + 1} (lr {self.lr:g}); no update was applied. Lower {self.name} "
-                                "optim.lr or check the inputs for NaN.")
+            raise DivergedError(
+                f"{self.name}: the gradient norm is {grad_norm} at training step "
+                f"{self.steps_done + 1} (lr {self.lr:g}); no update was applied. Lower {self.name} "
+                "optim.lr or check the inputs for NaN."
+            )
         self._step()
         self._check_finite_weights()
         out = {key: sum(values) / len(values) for key, values in metrics.items()}
@@ -161,29 +190,42 @@ class TrainingEngine:
         params = [p.detach() for p in self.module.parameters() if p.requires_grad]
         norm = _full_float(torch.nn.utils.get_total_norm(params))
         if not math.isfinite(norm):
-            raise DivergedError(f"{self.name}: the weights' norm is {norm} after the update of training step "
-                                f"{self.steps_done + 1} with lr {self.lr:g}; lower {self.name} optim.lr")
+            raise DivergedError(
+                f"{self.name}: the weights' norm is {norm} after the update of training step "
+                f"{self.steps_done + 1} with lr {self.lr:g}; lower {self.name} optim.lr"
+            )
 
     @property
     def steps_done(self) -> int:
         """Training steps (``update`` calls) completed, resumes included."""
         return self.scheduler.last_epoch
 
-    def _accumulate(self, data: DataProto, micro_batch_size: int | MicroBatching, loss_fn: LossFn, loss_agg_mode: str,
-                    coef: float, metrics: dict[str, list[float]]) -> None:
+    def _accumulate(
+        self,
+        data: DataProto,
+        micro_batch_size: int | MicroBatching,
+        loss_fn: LossFn,
+        loss_agg_mode: str,
+        coef: float,
+        metrics: dict[str, list[float]],
+    ) -> None:
         """Backward every micro-batch's loss, weighted by its share of the global batch."""
+
         def weight(d: DataProto) -> float:  # what the loss averages over: tokens, or responses with a token
             mask = d.batch["response_mask"]
             return float(mask.sum() if loss_agg_mode == "token-mean" else (mask.sum(dim=-1) > 0).sum())
+
         total_weight = self._global_sum(weight(data))
         batching = as_micro_batching(micro_batch_size)
         for micro, real in batching.split(data, agreed_count(batching, data, self.module)):
             loss, micro_metrics = loss_fn(micro)
             if not torch.isfinite(loss):
                 details = ", ".join(f"{k}={v:.4g}" for k, v in micro_metrics.items())
-                raise DivergedError(f"{self.name}: the loss is {loss.item()} ({details}) at training step "
-                                    f"{self.steps_done + 1} (lr {self.lr:g}); no update was applied. Lower "
-                                    f"{self.name} optim.lr or check the rewards for NaN.")
+                raise DivergedError(
+                    f"{self.name}: the loss is {loss.item()} ({details}) at training step "
+                    f"{self.steps_done + 1} (lr {self.lr:g}); no update was applied. Lower "
+                    f"{self.name} optim.lr or check the rewards for NaN."
+                )
             # FSDP2 averages gradients over ranks where the weights above need their sum; a filler micro-batch
             # only keeps this rank's collectives in step with the others' and adds nothing
             scale = coef * weight(micro) / max(total_weight, 1e-8) * (self.world_size if self.sharded else 1)
@@ -199,7 +241,7 @@ class TrainingEngine:
             dist.all_reduce(flat)
             offset = 0
             for p in params:
-                p.grad.copy_(flat[offset:offset + p.grad.numel()].view_as(p.grad))
+                p.grad.copy_(flat[offset : offset + p.grad.numel()].view_as(p.grad))
                 offset += p.grad.numel()
         max_norm = self.grad_clip if self.grad_clip and self.grad_clip > 0 else float("inf")
         return _full_float(torch.nn.utils.clip_grad_norm_(params, max_norm))
@@ -241,8 +283,13 @@ class TrainingEngine:
         for group, wanted in zip(self.optimizer.param_groups, configured):
             for key, value in wanted.items():
                 if _as_list(group[key]) != _as_list(value):
-                    logger.warning("%s: resuming with %s %s instead of the checkpoint's %s: applied from this step "
-                                   "on", self.name, "lr" if key == "initial_lr" else key, value, group[key])
+                    logger.warning(
+                        "%s: resuming with %s %s instead of the checkpoint's %s: applied from this step on",
+                        self.name,
+                        "lr" if key == "initial_lr" else key,
+                        value,
+                        group[key],
+                    )
                     group[key] = value
         self.scheduler.base_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):

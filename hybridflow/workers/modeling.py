@@ -35,8 +35,14 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     """``auto``: fp32 on CPU (bf16 is about 11x slower on these CPUs), bf16 on CUDA."""
     if dtype in (None, "auto"):
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-             "fp16": torch.float16, "float16": torch.float16}
+    names = {
+        "fp32": torch.float32,
+        "float32": torch.float32,
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+        "fp16": torch.float16,
+        "float16": torch.float16,
+    }
     if dtype not in names:
         raise ValueError(f"model.dtype must be one of auto, {', '.join(names)}; got {dtype!r}")
     return names[dtype]
@@ -49,8 +55,10 @@ def model_location(path: str) -> str:
     looks_local = resolved.startswith((".", "/")) or resolved.count("/") > 1 or os.path.exists(resolved)
     if looks_local and not os.path.isdir(resolved):
         problem = "is a file, not a model folder" if os.path.exists(resolved) else "not found"
-        raise MissingInputError(f"model path {problem}: {resolved}; give a Hugging Face model folder (with "
-                                "config.json), a hub id, or 'default'")
+        raise MissingInputError(
+            f"model path {problem}: {resolved}; give a Hugging Face model folder (with "
+            "config.json), a hub id, or 'default'"
+        )
     return resolved
 
 
@@ -61,24 +69,39 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
     return tokenizer
 
 
-def load_model(path: str, device: torch.device, dtype: str | None = "auto", auto_cls: Any = AutoModelForCausalLM,
-               trust_remote_code: bool = False, gradient_checkpointing: bool = False, new_head: str | None = None,
-               **kwargs: Any) -> PreTrainedModel:
+def load_model(
+    path: str,
+    device: torch.device,
+    dtype: str | None = "auto",
+    auto_cls: Any = AutoModelForCausalLM,
+    trust_remote_code: bool = False,
+    gradient_checkpointing: bool = False,
+    new_head: str | None = None,
+    **kwargs: Any,
+) -> PreTrainedModel:
     """A Hugging Face model on ``device``; ``path`` may be ``default`` (the embedded SmolLM2).
 
     ``new_head`` (e.g. ``"the critic's value head"``): a head the checkpoint is expected to lack. Its
     fresh weights are reported in one line instead of transformers' table of MISSING keys, which reads
     like an error; any *other* missing weight is still reported as a warning."""
     if new_head is None:
-        model = auto_cls.from_pretrained(model_location(path), dtype=resolve_dtype(dtype, device),
-                                         trust_remote_code=trust_remote_code, **kwargs)
+        model = auto_cls.from_pretrained(
+            model_location(path),
+            dtype=resolve_dtype(dtype, device),
+            trust_remote_code=trust_remote_code,
+            **kwargs,
+        )
     else:
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         try:
-            model, info = auto_cls.from_pretrained(model_location(path), dtype=resolve_dtype(dtype, device),
-                                                   trust_remote_code=trust_remote_code, output_loading_info=True,
-                                                   **kwargs)
+            model, info = auto_cls.from_pretrained(
+                model_location(path),
+                dtype=resolve_dtype(dtype, device),
+                trust_remote_code=trust_remote_code,
+                output_loading_info=True,
+                **kwargs,
+            )
         finally:
             hf_logging.set_verbosity(verbosity)
         _report_new_head(model, sorted(info.get("missing_keys", [])), new_head, path)
@@ -92,15 +115,21 @@ def _report_new_head(model: PreTrainedModel, missing: list[str], new_head: str, 
     head = {name for name, _ in model.named_parameters() if name.split(".")[0] in ("score", "classifier")}
     fresh, other = [k for k in missing if k in head], [k for k in missing if k not in head]
     if fresh:
-        logger.info("%s starts from scratch (%s, as expected: %s holds no such head)", new_head,
-                    ", ".join(fresh), path)
+        logger.info(
+            "%s starts from scratch (%s, as expected: %s holds no such head)",
+            new_head,
+            ", ".join(fresh),
+            path,
+        )
     if other:
-        logger.warning("%s: weights missing from %s were initialised randomly: %s", new_head, path, ", ".join(other))
+        logger.warning(
+            "%s: weights missing from %s were initialised randomly: %s", new_head, path, ", ".join(other)
+        )
 
 
-
-def response_outputs(model: PreTrainedModel, data: DataProto, share_prompt: bool = True,
-                     keeps_logits: bool = True) -> torch.Tensor:
+def response_outputs(
+    model: PreTrainedModel, data: DataProto, share_prompt: bool = True, keeps_logits: bool = True
+) -> torch.Tensor:
     """The model's outputs that predict each response token: ``(bs, L, ...)`` (logits, or one value).
 
     ``data.batch``: ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, T)`` and ``responses``
@@ -115,18 +144,29 @@ def response_outputs(model: PreTrainedModel, data: DataProto, share_prompt: bool
     packed = pack_prefix_tree(data, next(model.parameters()).dtype) if share_prompt else None
     if packed is not None:
         keep = packed.keep.to(device)
-        outputs = model(input_ids=packed.input_ids.to(device), attention_mask=packed.attention_mask.to(device),
-                        position_ids=packed.position_ids.to(device), use_cache=False,
-                        **({"logits_to_keep": keep} if keeps_logits else {})).logits
+        outputs = model(
+            input_ids=packed.input_ids.to(device),
+            attention_mask=packed.attention_mask.to(device),
+            position_ids=packed.position_ids.to(device),
+            use_cache=False,
+            **({"logits_to_keep": keep} if keeps_logits else {}),
+        ).logits
         return packed.gather(outputs if keeps_logits else outputs[:, keep])
     inputs = {k: data.batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")}
-    outputs = model(**inputs, use_cache=False, **({"logits_to_keep": length + 1} if keeps_logits else {})).logits
-    return outputs[:, -length - 1:-1]
+    outputs = model(
+        **inputs, use_cache=False, **({"logits_to_keep": length + 1} if keeps_logits else {})
+    ).logits
+    return outputs[:, -length - 1 : -1]
 
 
-def response_log_probs(model: PreTrainedModel, data: DataProto, temperature: float = 1.0,
-                       with_entropy: bool = False, entropy_grad: bool = False,
-                       share_prompt: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def response_log_probs(
+    model: PreTrainedModel,
+    data: DataProto,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    share_prompt: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of ``responses`` under ``model`` (logits divided by the sampling temperature,
     so they match what the rollout sampled from).
 

@@ -130,7 +130,7 @@ def pack_prefix_tree(data: DataProto, dtype: torch.dtype, max_width: int = 1024)
         nodes = trees[-1].walk(ids[r][real].tolist(), pos[r][real].tolist())
         prompt_len, response_len = int(real[:width].sum()), int(real[width:].sum())
         # response token t is predicted by the node of the token before it (the last prompt token for t = 0)
-        before = ([-1] + nodes)[prompt_len:prompt_len + response_len]
+        before = ([-1] + nodes)[prompt_len : prompt_len + response_len]
         predictors.append((len(trees) - 1, before))
     if sum(len(tree.tokens) for tree in trees) == int(mask.sum()):
         return None
@@ -139,17 +139,23 @@ def pack_prefix_tree(data: DataProto, dtype: torch.dtype, max_width: int = 1024)
     packed_pos = torch.zeros(len(trees), packed_width, dtype=pos.dtype)
     allowed = torch.zeros(len(trees), packed_width, packed_width, dtype=torch.bool)
     for g, tree in enumerate(trees):
-        packed_ids[g, :len(tree.tokens)] = torch.tensor(tree.tokens, dtype=ids.dtype)
-        packed_pos[g, :len(tree.tokens)] = torch.tensor(tree.positions, dtype=pos.dtype)
+        packed_ids[g, : len(tree.tokens)] = torch.tensor(tree.tokens, dtype=ids.dtype)
+        packed_pos[g, : len(tree.tokens)] = torch.tensor(tree.positions, dtype=pos.dtype)
         allowed[g] = tree.ancestors(packed_width)
     keep = sorted({node for _, before in predictors for node in before if node >= 0}) or [0]
     index = {node: k for k, node in enumerate(keep)}
     cols = torch.zeros(len(data), length, dtype=torch.long)
     for r, (_, before) in enumerate(predictors):
-        cols[r, :len(before)] = torch.tensor([index.get(node, 0) for node in before], dtype=torch.long)
+        cols[r, : len(before)] = torch.tensor([index.get(node, 0) for node in before], dtype=torch.long)
     additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return PackedBatch(packed_ids, additive[:, None], packed_pos, torch.tensor(keep, dtype=torch.long),
-                       torch.tensor([g for g, _ in predictors], dtype=torch.long), cols)
+    return PackedBatch(
+        packed_ids,
+        additive[:, None],
+        packed_pos,
+        torch.tensor(keep, dtype=torch.long),
+        torch.tensor([g for g, _ in predictors], dtype=torch.long),
+        cols,
+    )
 
 
 def _token_counts(data: DataProto, groups: list[tuple[int, int]], share_prompt: bool) -> list[int]:
@@ -158,7 +164,9 @@ def _token_counts(data: DataProto, groups: list[tuple[int, int]], share_prompt: 
     width = mask.shape[1] - data.batch["responses"].shape[1]
     per_row = mask.sum(dim=1).tolist()
     prompt = mask[:, :width].sum(dim=1).tolist()
-    return [sum(per_row[a:b]) - (b - a - 1) * prompt[a] if share_prompt else sum(per_row[a:b]) for a, b in groups]
+    return [
+        sum(per_row[a:b]) - (b - a - 1) * prompt[a] if share_prompt else sum(per_row[a:b]) for a, b in groups
+    ]
 
 
 def _greedy_parts(costs: list[int], budget: int) -> list[int]:
@@ -184,8 +192,10 @@ def _balanced_parts(costs: list[int], parts: int) -> list[int]:
     starts = _greedy_parts(costs, low)
     while len(starts) < parts:
         bounds = starts + [len(costs)]
-        a, b = max(((s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e - s > 1),
-                   key=lambda r: sum(costs[r[0]:r[1]]))
+        a, b = max(
+            ((s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e - s > 1),
+            key=lambda r: sum(costs[r[0] : r[1]]),
+        )
         cut = min(range(a + 1, b), key=lambda c: max(sum(costs[a:c]), sum(costs[c:b])))
         starts = sorted(starts + [cut])
     return starts
@@ -233,12 +243,14 @@ class MicroBatching:
         while len(units) < wanted and any(b - a > 1 for a, b in units):  # fewer groups than micro-batches
             u = max((u for u in range(len(units)) if units[u][1] - units[u][0] > 1), key=lambda u: costs[u])
             (a, b), mid = units[u], (units[u][0] + units[u][1]) // 2
-            units[u:u + 1] = [(a, mid), (mid, b)]
-            costs[u:u + 1] = _token_counts(data, units[u:u + 2], self.share_prompt)
+            units[u : u + 1] = [(a, mid), (mid, b)]
+            costs[u : u + 1] = _token_counts(data, units[u : u + 2], self.share_prompt)
         order = sorted(range(len(units)), key=lambda u: -costs[u])  # similar lengths together: little padding
         starts = _balanced_parts([costs[u] for u in order], min(wanted, len(units))) if units else []
-        batches = [np.asarray(sorted(r for u in order[s:e] for r in range(*units[u])), dtype=np.int64)
-                   for s, e in zip(starts, starts[1:] + [len(order)])]
+        batches = [
+            np.asarray(sorted(r for u in order[s:e] for r in range(*units[u])), dtype=np.int64)
+            for s, e in zip(starts, starts[1:] + [len(order)])
+        ]
         return batches + [np.arange(0)] * (wanted - len(batches))
 
     def split(self, data: DataProto, count: int = 0) -> list[tuple[DataProto, bool]]:
@@ -246,7 +258,9 @@ class MicroBatching:
         empty index list) is ``data``'s shortest row standing in: its forward and backward keep this rank
         in step with ranks that have more micro-batches, and its result must count for nothing (the engine
         scales its loss by 0, ``batched`` drops its output)."""
-        return [(data[idx], True) if len(idx) else (_stand_in(data), False) for idx in self.indices(data, count)]
+        return [
+            (data[idx], True) if len(idx) else (_stand_in(data), False) for idx in self.indices(data, count)
+        ]
 
 
 def _stand_in(data: DataProto) -> DataProto:
@@ -259,7 +273,9 @@ def as_micro_batching(micro: int | MicroBatching) -> MicroBatching:
 
 
 @torch.no_grad()
-def batched(fn: Callable[[DataProto], Any], data: DataProto, micro: int | MicroBatching, count: int = 0) -> Any:
+def batched(
+    fn: Callable[[DataProto], Any], data: DataProto, micro: int | MicroBatching, count: int = 0
+) -> Any:
     """``fn(micro_batch)`` over at least ``count`` micro-batches (fillers included, see
     ``MicroBatching.split``) without gradients (log-prob and value passes), the results of the real ones
     concatenated back in the rows' original order. ``fn`` returns a tensor ``(rows, ...)`` or a tuple of

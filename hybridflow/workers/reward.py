@@ -34,6 +34,9 @@ class RewardWorker(Worker):
         if self.announce:
             scores = result["reward_tensor"].sum(-1)
             spread = float(scores.std()) if len(scores) > 1 else 0.0
-            print(f"[reward] scored {len(scores)} responses: mean {float(scores.mean()):.2f} +- {spread:.2f} "
-                  f"(pid {os.getpid()})", flush=True)
+            print(
+                f"[reward] scored {len(scores)} responses: mean {float(scores.mean()):.2f} +- {spread:.2f} "
+                f"(pid {os.getpid()})",
+                flush=True,
+            )
         return result

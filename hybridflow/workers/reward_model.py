@@ -47,25 +47,35 @@ class RewardModelWorker(Worker):
             return
         path = self.config.model.path
         self.tokenizer = load_tokenizer(self.config.model.input_tokenizer or path)
-        self.model = load_model(path, self.device, "auto", auto_cls=AutoModelForSequenceClassification,
-                                num_labels=1).eval()
+        self.model = load_model(
+            path, self.device, "auto", auto_cls=AutoModelForSequenceClassification, num_labels=1
+        ).eval()
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         has_template = bool(self.tokenizer.chat_template)
-        self.chat = self.config.input_format == "chat" or (self.config.input_format == "auto" and has_template)
+        self.chat = self.config.input_format == "chat" or (
+            self.config.input_format == "auto" and has_template
+        )
         if self.chat and not has_template:
-            raise ValueError(f"reward_model.input_format=chat, but the tokenizer of {path} has no chat template; "
-                             "set reward_model.input_format=plain (or auto) to score the plain prompt + response text")
+            raise ValueError(
+                f"reward_model.input_format=chat, but the tokenizer of {path} has no chat template; "
+                "set reward_model.input_format=plain (or auto) to score the plain prompt + response text"
+            )
 
     def _texts(self, data: DataProto) -> list[str]:
         """What the reward model reads for each sample: the rendered conversation, or the plain text."""
         texts = []
         for i in range(len(data)):
             n_tokens = int(data.batch["response_mask"][i].sum())
-            response = self.policy_tokenizer.decode(data.batch["responses"][i, :n_tokens], skip_special_tokens=True)
+            response = self.policy_tokenizer.decode(
+                data.batch["responses"][i, :n_tokens], skip_special_tokens=True
+            )
             messages = list(data.non_tensor_batch["raw_prompt"][i])  # chat messages: the dataset made them so
             if self.chat:
-                texts.append(self.tokenizer.apply_chat_template(
-                    messages + [{"role": "assistant", "content": response}], tokenize=False))
+                texts.append(
+                    self.tokenizer.apply_chat_template(
+                        messages + [{"role": "assistant", "content": response}], tokenize=False
+                    )
+                )
             else:
                 texts.append("\n".join(m["content"] for m in messages) + "\n" + response)
         return texts
@@ -79,9 +89,10 @@ class RewardModelWorker(Worker):
             return DataProto.from_dict({"rm_scores": sequence_to_token_scores(dummy_scores(data), mask)})
         scores = []
         for start in range(0, len(data), self.config.micro_batch_size_per_gpu):
-            chunk = data[start:start + self.config.micro_batch_size_per_gpu]
+            chunk = data[start : start + self.config.micro_batch_size_per_gpu]
             # a rendered template holds its special tokens already; plain text gets the tokenizer's (BOS, CLS...)
-            inputs = self.tokenizer(self._texts(chunk), return_tensors="pt", padding=True,
-                                    add_special_tokens=not self.chat).to(self.device)
+            inputs = self.tokenizer(
+                self._texts(chunk), return_tensors="pt", padding=True, add_special_tokens=not self.chat
+            ).to(self.device)
             scores.append(self.model(**inputs).logits[:, 0].float().cpu())
         return DataProto.from_dict({"rm_scores": sequence_to_token_scores(torch.cat(scores), mask)})

@@ -38,8 +38,10 @@ def resolve_strategy(strategy: str, world_size: int, key: str = "actor_rollout_r
     if strategy not in STRATEGIES:
         raise ValueError(f"{key} must be one of {', '.join(STRATEGIES)}; got {strategy!r}")
     if strategy == "single" and world_size > 1:
-        raise ValueError(f"{key}=single runs on one rank, but the worker group has {world_size}; "
-                         "use ddp or fsdp2, or trainer.n_workers=1")
+        raise ValueError(
+            f"{key}=single runs on one rank, but the worker group has {world_size}; "
+            "use ddp or fsdp2, or trainer.n_workers=1"
+        )
     return "ddp" if strategy == "auto" else strategy
 
 
@@ -52,8 +54,15 @@ def load_placement(strategy: str, dtype: str | None, device: torch.device) -> tu
     return torch.device("cpu"), "fp32" if device.type == "cuda" else dtype
 
 
-def wrap_model(module: nn.Module, strategy: str, fsdp_config: Any, device: torch.device, lora_rank: int = 0,
-               lora_alpha: int = 16, target_modules: list[str] | str = ("all-linear",)) -> nn.Module:
+def wrap_model(
+    module: nn.Module,
+    strategy: str,
+    fsdp_config: Any,
+    device: torch.device,
+    lora_rank: int = 0,
+    lora_alpha: int = 16,
+    target_modules: list[str] | str = ("all-linear",),
+) -> nn.Module:
     """LoRA adapters (``lora_rank`` > 0), then FSDP2 sharding for ``strategy`` ``fsdp2``."""
     module = apply_lora(module, lora_rank, lora_alpha, list(target_modules))
     return shard_module(module, fsdp_config, device) if strategy == "fsdp2" else module
@@ -70,8 +79,17 @@ def apply_lora(module: nn.Module, rank: int, alpha: int, target_modules: list[st
     targets = target_modules
     if isinstance(targets, (list, tuple)) and list(targets) == ["all-linear"]:
         targets = "all-linear"
-    return get_peft_model(module, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0,
-                                             bias="none", task_type="CAUSAL_LM"))
+    return get_peft_model(
+        module,
+        LoraConfig(
+            r=rank,
+            lora_alpha=alpha,
+            target_modules=targets,
+            lora_dropout=0.0,
+            bias="none",
+            task_type="CAUSAL_LM",
+        ),
+    )
 
 
 def is_lora(module: nn.Module) -> bool:
@@ -101,8 +119,10 @@ def _decoder_layers(module: nn.Module) -> list[nn.Module]:
     for name, child in module.named_modules():
         if isinstance(child, nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "h") and len(child):
             return list(child)
-    raise ValueError(f"cannot shard {type(module).__name__}: no decoder-layer list (a ModuleList named "
-                     "'layers' or 'h') was found; use strategy ddp for this model")
+    raise ValueError(
+        f"cannot shard {type(module).__name__}: no decoder-layer list (a ModuleList named "
+        "'layers' or 'h') was found; use strategy ddp for this model"
+    )
 
 
 def shard_module(module: nn.Module, fsdp_config: Any, device: torch.device) -> nn.Module:
@@ -122,9 +142,14 @@ def shard_module(module: nn.Module, fsdp_config: Any, device: torch.device) -> n
     world = dist.get_world_size()
     shard = world if fsdp_config.fsdp_size in (-1, None) else fsdp_config.fsdp_size
     if shard < 1 or world % shard:
-        raise ValueError(f"fsdp_config.fsdp_size={fsdp_config.fsdp_size} must divide the {world} ranks (or be -1)")
-    mesh = (init_device_mesh(device.type, (world,)) if shard == world else
-            init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard")))
+        raise ValueError(
+            f"fsdp_config.fsdp_size={fsdp_config.fsdp_size} must divide the {world} ranks (or be -1)"
+        )
+    mesh = (
+        init_device_mesh(device.type, (world,))
+        if shard == world
+        else init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+    )
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": fsdp_config.reshard_after_forward}
     if device.type == "cuda":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -194,8 +219,9 @@ def _full(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return full.detach().to(device)
 
 
-def full_weights(module: nn.Module, adapter_only: bool = False,
-                 device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+def full_weights(
+    module: nn.Module, adapter_only: bool = False, device: torch.device | str = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's full weights as ``(name, tensor on device)`` pairs, one tensor gathered at a time
     (``device="cuda"`` keeps them on the GPU for an in-memory weight sync into another engine).
 
@@ -212,7 +238,9 @@ def full_weights(module: nn.Module, adapter_only: bool = False,
     if lora:
         from peft.tuners.lora import LoraLayer
 
-        scaling = {name: sub.scaling["default"] for name, sub in module.named_modules() if isinstance(sub, LoraLayer)}
+        scaling = {
+            name: sub.scaling["default"] for name, sub in module.named_modules() if isinstance(sub, LoraLayer)
+        }
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in module.state_dict().items():
         is_adapter = lora and any(marker in name for marker in LORA_MARKERS)

@@ -39,4 +39,9 @@ def from_numpy(arrays: dict[str, np.ndarray], dtype: torch.dtype) -> Iterator[tu
     """The inverse of ``to_numpy`` for a model whose floating tensors are ``dtype``."""
     for name, array in arrays.items():
         tensor = torch.from_numpy(np.array(array, copy=True))  # object-store buffers are read-only
-        yield name, tensor.view(torch.bfloat16) if dtype == torch.bfloat16 and tensor.dtype == torch.int16 else tensor
+        yield (
+            name,
+            tensor.view(torch.bfloat16)
+            if dtype == torch.bfloat16 and tensor.dtype == torch.int16
+            else tensor,
+        )

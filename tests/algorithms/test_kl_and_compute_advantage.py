@@ -154,12 +154,19 @@ def test_a_reward_per_sequence_is_placed_on_the_last_response_token():
     per_sequence = outcome_batch()
     per_sequence.batch["token_level_rewards"] = torch.tensor([1.0, 0.0, 2.0, 2.0])
     placed = compute_advantage(per_sequence, "grpo")
-    assert placed.batch["token_level_rewards"].tolist() == outcome_batch().batch["token_level_rewards"].tolist()
-    assert torch.equal(placed.batch["advantages"], compute_advantage(outcome_batch(), "grpo").batch["advantages"])
+    assert (
+        placed.batch["token_level_rewards"].tolist() == outcome_batch().batch["token_level_rewards"].tolist()
+    )
+    assert torch.equal(
+        placed.batch["advantages"], compute_advantage(outcome_batch(), "grpo").batch["advantages"]
+    )
     wrong = outcome_batch()
     wrong.batch["token_level_rewards"] = torch.zeros(4, 2)
-    with pytest.raises(ValueError, match=r"token_level_rewards has shape \(4, 2\); give one reward per sequence "
-                                         r"\(4,\) or one per response token \(4, 3\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"token_level_rewards has shape \(4, 2\); give one reward per sequence "
+        r"\(4,\) or one per response token \(4, 3\)",
+    ):
         compute_advantage(wrong, "grpo")
 
 

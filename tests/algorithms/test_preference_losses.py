@@ -52,8 +52,9 @@ def test_ipo_and_hinge_by_hand():
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
 def test_gradient_raises_chosen_and_lowers_rejected(loss_type):
     chosen, rejected = torch.tensor([-2.0], requires_grad=True), torch.tensor([-2.0], requires_grad=True)
-    loss, _, _ = dpo_loss(chosen, rejected, torch.tensor([-2.0]), torch.tensor([-2.0]), beta=0.1,
-                          loss_type=loss_type)
+    loss, _, _ = dpo_loss(
+        chosen, rejected, torch.tensor([-2.0]), torch.tensor([-2.0]), beta=0.1, loss_type=loss_type
+    )
     loss.sum().backward()
     assert chosen.grad.item() < 0 < rejected.grad.item()  # descent raises chosen, lowers rejected
     assert chosen.grad.item() == pytest.approx(-rejected.grad.item())
@@ -69,8 +70,15 @@ def test_kto_by_hand():
     # r = logps - ref = [1, -1]; z0 = 0.5, beta 1: desirable 1 - sigmoid(1 - 0.5), undesirable weighted 2:
     # 2 (1 - sigmoid(0.5 - (-1))).
     sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
-    losses, rewards = kto_loss(torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -1.0]), torch.tensor([True, False]),
-                               kl=0.5, beta=1.0, desirable_weight=1.0, undesirable_weight=2.0)
+    losses, rewards = kto_loss(
+        torch.tensor([-1.0, -2.0]),
+        torch.tensor([-2.0, -1.0]),
+        torch.tensor([True, False]),
+        kl=0.5,
+        beta=1.0,
+        desirable_weight=1.0,
+        undesirable_weight=2.0,
+    )
     assert losses.tolist() == pytest.approx([1 - sig(0.5), 2 * (1 - sig(1.5))])
     assert rewards.tolist() == [1.0, -1.0]
     # at policy = reference with z0 = 0 every row costs its weight times 1 - sigmoid(0) = 0.5

@@ -17,8 +17,10 @@ def rows(values, width=3):
     """Rows whose tensor ``x`` and column ``name`` both identify the row by ``values``."""
     values = list(values)
     return DataProto.from_dict(
-        tensors={"x": torch.tensor(values, dtype=torch.float32),
-                 "tokens": torch.tensor(values).repeat_interleave(width).view(-1, width)},
+        tensors={
+            "x": torch.tensor(values, dtype=torch.float32),
+            "tokens": torch.tensor(values).repeat_interleave(width).view(-1, width),
+        },
         non_tensors={"name": [f"r{v}" for v in values]},
         meta_info={"temperature": 0.7, "metrics": {"step_reward": 0.5}},
     )
@@ -52,8 +54,10 @@ def test_importance_weights_hand_checked_on_three_rows():
     # w = (N * P)^-0.5 = [1.4142, 1, 0.8165]; divided by the largest: [1, 0.7071, 0.5774].
     probs = priority_probabilities(np.array([1.0, 2.0, 3.0]), alpha=1.0)
     np.testing.assert_allclose(probs, [1 / 6, 2 / 6, 3 / 6])
-    np.testing.assert_allclose(importance_weights(probs, np.array([2, 0, 1, 2]), beta=0.5),
-                               [1 / math.sqrt(3), 1.0, 1 / math.sqrt(2), 1 / math.sqrt(3)])
+    np.testing.assert_allclose(
+        importance_weights(probs, np.array([2, 0, 1, 2]), beta=0.5),
+        [1 / math.sqrt(3), 1.0, 1 / math.sqrt(2), 1 / math.sqrt(3)],
+    )
 
     buf = ReplayBuffer(capacity=3, seed=1)
     buf.push(rows([10, 11, 12]), priorities=[1.0, 2.0, 3.0])
@@ -198,9 +202,11 @@ def test_state_dict_round_trip_resumes_identically(tmp_path):
     assert stored_values(smaller) == [4, 5] and smaller.oldest_id == 4
 
 
-SCHEDULE = [{"until_step": 1000, "strategy": "uniform"},
-            {"until_step": 5000, "strategy": "priority", "alpha": 0.6},
-            {"strategy": "priority", "alpha": 0.8}]
+SCHEDULE = [
+    {"until_step": 1000, "strategy": "uniform"},
+    {"until_step": 5000, "strategy": "priority", "alpha": 0.6},
+    {"strategy": "priority", "alpha": 0.8},
+]
 
 
 def test_schedule_switches_at_step_boundaries():
@@ -237,8 +243,9 @@ def test_schedule_from_config_and_its_errors():
     scheduled = ScheduledSampler.from_config(typed.replay_buffer)
     assert scheduled.params(0) == {"strategy": "uniform", "alpha": 0.9, "beta": 0.4}
     assert scheduled.params(2000)["alpha"] == 0.6
-    from_yaml = ScheduledSampler.from_config(OmegaConf.create({"strategy": "uniform", "alpha": 0.6, "beta": 0.4,
-                                                               "schedule": SCHEDULE}))
+    from_yaml = ScheduledSampler.from_config(
+        OmegaConf.create({"strategy": "uniform", "alpha": 0.6, "beta": 0.4, "schedule": SCHEDULE})
+    )
     assert from_yaml.params(999) == {"strategy": "uniform", "alpha": 0.6, "beta": 0.4}
     assert from_yaml.params(5000) == {"strategy": "priority", "alpha": 0.8, "beta": 0.4}
 

@@ -26,7 +26,10 @@ def creative_bonus(data):
 
 
 def fact_check(data):
-    correct = [KNOWLEDGE_BASE.get(q) == a for q, a in zip(data.non_tensor_batch["qid"], data.non_tensor_batch["answer"])]
+    correct = [
+        KNOWLEDGE_BASE.get(q) == a
+        for q, a in zip(data.non_tensor_batch["qid"], data.non_tensor_batch["answer"])
+    ]
     data.batch["scores"] = data.batch["scores"] * torch.tensor(correct, dtype=torch.float32)
     data.meta_info["metrics"] = {"fact_check/accuracy": sum(correct) / len(correct)}
     return data
@@ -51,10 +54,16 @@ def test_three_routes_three_handlers_merged_in_original_order():
     torch.testing.assert_close(out.batch["scores"], torch.tensor([1.5, 0.5, 0.2, 0.8, 0.0, 0.7, 0.4]))
     assert list(out.non_tensor_batch["qid"]) == [f"q{i}" for i in range(7)]
     assert list(out.non_tensor_batch["category"]) == CATEGORIES
-    assert out.meta_info == {"temperature": 1.0, "metrics": {
-        "rollout/len": 12.0,
-        "route/classify/creative/count": 2, "route/classify/factual/count": 3, "route/classify/chat/count": 2,
-        "fact_check/accuracy": pytest.approx(2 / 3)}}
+    assert out.meta_info == {
+        "temperature": 1.0,
+        "metrics": {
+            "rollout/len": 12.0,
+            "route/classify/creative/count": 2,
+            "route/classify/factual/count": 3,
+            "route/classify/chat/count": 2,
+            "fact_check/accuracy": pytest.approx(2 / 3),
+        },
+    }
     # The caller's batch is untouched.
     torch.testing.assert_close(batch.batch["scores"], prompts().batch["scores"])
     assert batch.meta_info["metrics"] == {"rollout/len": 12.0}
@@ -71,7 +80,8 @@ def test_route_without_an_edge_is_an_error_naming_route_router_and_known_routes(
         flow.run(prompts())
     assert str(err.value) == (
         "DataFlow router 'classify' labelled 2 row(s) 'chat', a route with no edge; known routes: "
-        "['creative', 'factual']. Add add_edge('classify', <node>, route='chat') or a route='default' edge")
+        "['creative', 'factual']. Add add_edge('classify', <node>, route='chat') or a route='default' edge"
+    )
 
 
 def test_chains_run_in_order_and_joins_see_one_batch_in_original_order():
@@ -82,13 +92,19 @@ def test_chains_run_in_order_and_joins_see_one_batch_in_original_order():
         data.batch["scores"] = data.batch["scores"] - data.batch["scores"].mean()
         return data
 
-    flow = (DataFlow()
-            .add_node("classify", Router("category"))
-            .add_node("double", lambda d: d.union(DataProto.from_dict({"scores2": d.batch["scores"] * 2})))
-            .add_node("plus_one", lambda d: d.union(DataProto.from_dict({"extra": d.batch["scores2"] + 1})))
-            .add_node("copy", lambda d: d.union(DataProto.from_dict({"scores2": d.batch["scores"],
-                                                                      "extra": d.batch["scores"]})))
-            .add_node("normalize", normalize))
+    flow = (
+        DataFlow()
+        .add_node("classify", Router("category"))
+        .add_node("double", lambda d: d.union(DataProto.from_dict({"scores2": d.batch["scores"] * 2})))
+        .add_node("plus_one", lambda d: d.union(DataProto.from_dict({"extra": d.batch["scores2"] + 1})))
+        .add_node(
+            "copy",
+            lambda d: d.union(
+                DataProto.from_dict({"scores2": d.batch["scores"], "extra": d.batch["scores"]})
+            ),
+        )
+        .add_node("normalize", normalize)
+    )
     flow.add_edge("classify", "double", route="creative")
     flow.add_edge("double", "plus_one")
     flow.add_edge("plus_one", "normalize")
@@ -108,20 +124,26 @@ def test_row_and_vectorized_routers_and_nested_flows():
     negate = DataFlow().add_node("negate", lambda d: DataProto.from_dict({"x": -d.batch["x"]}))
 
     by_row = DataFlow().add_node("sign", Router(lambda row: "neg" if row["x"] < 0 else "nonneg"))
-    by_row.add_node("abs", negate).add_edge("sign", "abs", route="neg").add_edge("sign", DataFlow.OUTPUT, route="nonneg")
+    by_row.add_node("abs", negate).add_edge("sign", "abs", route="neg").add_edge(
+        "sign", DataFlow.OUTPUT, route="nonneg"
+    )
     out = by_row.run(data)
     assert out.batch["x"].tolist() == [3.0, 1.0, 0.0, 2.0, 5.0]
     assert out.meta_info["metrics"] == {"route/sign/nonneg/count": 3, "route/sign/neg/count": 2}
 
     vectorized = DataFlow().add_node("sign", Router(lambda d: d.batch["x"] < 0, vectorized=True))
-    vectorized.add_node("abs", negate).add_edge("sign", "abs", route=True).add_edge("sign", DataFlow.OUTPUT, route=False)
+    vectorized.add_node("abs", negate).add_edge("sign", "abs", route=True).add_edge(
+        "sign", DataFlow.OUTPUT, route=False
+    )
     assert vectorized.run(data).batch["x"].tolist() == [3.0, 1.0, 0.0, 2.0, 5.0]
 
 
 def test_plain_node_must_keep_the_row_count():
     flow = DataFlow().add_node("classify", Router("category")).add_node("drop", lambda d: d[:1])
     flow.add_edge("classify", "drop", route="default")
-    with pytest.raises(ValueError, match="node 'drop' must return a DataProto with the 7 rows it got, returned 1 rows"):
+    with pytest.raises(
+        ValueError, match="node 'drop' must return a DataProto with the 7 rows it got, returned 1 rows"
+    ):
         flow.run(prompts())
     broken = DataFlow().add_node("scores", lambda d: d.batch["scores"])
     with pytest.raises(ValueError, match="node 'scores' .* returned Tensor"):
@@ -137,8 +159,12 @@ def test_paths_that_deliver_different_columns_cannot_join():
 
 
 def test_graph_validation_errors():
-    flow = DataFlow().add_node("a", Router("category")).add_node("b", creative_bonus).add_node("c", fact_check)
-    with pytest.raises(ValueError, match=r"unknown node 'z'; add it with add_node first \(nodes: \['a', 'b', 'c'\]\)"):
+    flow = (
+        DataFlow().add_node("a", Router("category")).add_node("b", creative_bonus).add_node("c", fact_check)
+    )
+    with pytest.raises(
+        ValueError, match=r"unknown node 'z'; add it with add_node first \(nodes: \['a', 'b', 'c'\]\)"
+    ):
         flow.add_edge("a", "z", route="x")
     with pytest.raises(ValueError, match="edges from router 'a' need route="):
         flow.add_edge("a", "b")
@@ -160,7 +186,9 @@ def test_graph_validation_errors():
     with pytest.raises(ValueError, match=r"router\(s\) \['r'\] have no outgoing edges"):
         DataFlow().add_node("r", Router("category")).run(prompts())
     with pytest.raises(KeyError, match="no column 'topic' to route on"):
-        DataFlow().add_node("r", Router("topic")).add_edge("r", DataFlow.OUTPUT, route="default").run(prompts())
+        DataFlow().add_node("r", Router("topic")).add_edge("r", DataFlow.OUTPUT, route="default").run(
+            prompts()
+        )
 
 
 def test_group_by_in_a_plain_python_loop():

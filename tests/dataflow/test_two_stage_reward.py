@@ -25,8 +25,10 @@ def cheap(data):
 
 def batch(cheap_scores, uids):
     cheap_scores = torch.tensor(cheap_scores, dtype=torch.float32)
-    return DataProto.from_dict(tensors={"cheap": cheap_scores, "quality": torch.arange(len(cheap_scores)) / 100},
-                               non_tensors={"uid": uids})
+    return DataProto.from_dict(
+        tensors={"cheap": cheap_scores, "quality": torch.arange(len(cheap_scores)) / 100},
+        non_tensors={"uid": uids},
+    )
 
 
 def test_top_30_percent_of_groups_of_ten_cuts_expensive_rows_by_70_percent():
@@ -38,8 +40,11 @@ def test_top_30_percent_of_groups_of_ten_cuts_expensive_rows_by_70_percent():
 
     assert expensive.calls == [24]  # one call, 3 rows per group
     assert sum(expensive.calls) <= 0.3 * 80  # at least 70 % fewer rows than scoring everything
-    assert info["metrics"] == {"reward/stage1_calls": 80, "reward/stage2_calls": 24,
-                               "reward/stage2_fraction": 0.3}
+    assert info["metrics"] == {
+        "reward/stage1_calls": 80,
+        "reward/stage2_calls": 24,
+        "reward/stage2_fraction": 0.3,
+    }
     selected = info["stage2_selected"]
     assert selected.dtype == bool and selected.sum() == 24
     for g in range(8):  # exactly the three best cheap scores of every group
@@ -68,8 +73,9 @@ def test_small_groups_hand_checked():
 def test_ratio_rounding_is_exact():
     # 0.07 * 100 is 7.000000000000001 in floating point; a naive ceil would select 8.
     assert top_k_per_group(np.arange(100.0), np.zeros(100, dtype=np.int64), 0.07).sum() == 7
-    assert np.flatnonzero(top_k_per_group(np.arange(100.0), np.zeros(100, dtype=np.int64), 0.07)).tolist() \
-        == list(range(93, 100))
+    assert np.flatnonzero(
+        top_k_per_group(np.arange(100.0), np.zeros(100, dtype=np.int64), 0.07)
+    ).tolist() == list(range(93, 100))
 
 
 def test_threshold_mode_selects_scores_strictly_above():
@@ -86,21 +92,29 @@ def test_threshold_mode_selects_scores_strictly_above():
     torch.testing.assert_close(scores, data.batch["cheap"])
 
 
-@pytest.mark.parametrize("mode, scale, expected", [
-    ("keep", 1.0, [0.2, 0.5, 0.2, 0.3]),
-    ("scale", 0.5, [0.1, 0.25, 0.2, 0.3]),
-    ("zero", 1.0, [0.0, 0.0, 0.2, 0.3]),
-])
+@pytest.mark.parametrize(
+    "mode, scale, expected",
+    [
+        ("keep", 1.0, [0.2, 0.5, 0.2, 0.3]),
+        ("scale", 0.5, [0.1, 0.25, 0.2, 0.3]),
+        ("zero", 1.0, [0.0, 0.0, 0.2, 0.3]),
+    ],
+)
 def test_unselected_modes(mode, scale, expected):
     data = batch([0.2, 0.5, 0.7, 0.9], ["a", "a", "a", "b"])
-    scores, _ = TwoStageReward(cheap, CountingScorer(), threshold=0.6, unselected=mode, unselected_scale=scale)(data)
+    scores, _ = TwoStageReward(
+        cheap, CountingScorer(), threshold=0.6, unselected=mode, unselected_scale=scale
+    )(data)
     torch.testing.assert_close(scores, torch.tensor(expected))
 
 
 def test_errors_name_the_culprit():
     data = batch([0.2, 0.5], ["a", "a"])
-    with pytest.raises(ValueError, match=r"cheap_fn must return a float tensor of shape \(2,\), got torch.float32 "
-                                         r"tensor of shape \(2, 1\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"cheap_fn must return a float tensor of shape \(2,\), got torch.float32 "
+        r"tensor of shape \(2, 1\)",
+    ):
         TwoStageReward(lambda d: d.batch["cheap"][:, None], CountingScorer())(data)
     with pytest.raises(ValueError, match=r"expensive_fn must return .* shape \(1,\), got list"):
         TwoStageReward(cheap, lambda d: [1.0], top_k_ratio=0.5)(data)
@@ -115,10 +129,12 @@ def test_errors_name_the_culprit():
 def test_sequence_to_token_scores_puts_the_score_on_the_last_response_token():
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 1], [1, 1, 1, 1]])
     out = sequence_to_token_scores(torch.tensor([1.0, -2.0, 3.0, 0.5]), mask)
-    torch.testing.assert_close(out, torch.tensor([[0.0, 0.0, 1.0, 0.0],
-                                                  [-2.0, 0.0, 0.0, 0.0],
-                                                  [0.0, 0.0, 0.0, 3.0],
-                                                  [0.0, 0.0, 0.0, 0.5]]))
+    torch.testing.assert_close(
+        out,
+        torch.tensor(
+            [[0.0, 0.0, 1.0, 0.0], [-2.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 3.0], [0.0, 0.0, 0.0, 0.5]]
+        ),
+    )
     with pytest.raises(ValueError, match=r"rows \[1\] have no response token"):
         sequence_to_token_scores(torch.ones(2), torch.tensor([[1, 0], [0, 0]]))
     with pytest.raises(ValueError, match=r"scores \(3,\) do not match response_mask \(2, 4\)"):

@@ -37,8 +37,10 @@ def example(name: str):
 
 def response_texts(batch, tokenizer) -> list[str]:
     """Each response decoded as RewardManager decodes it (masked, special tokens dropped)."""
-    return [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
-            for ids, mask in zip(batch.batch["responses"], batch.batch["response_mask"])]
+    return [
+        tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+        for ids, mask in zip(batch.batch["responses"], batch.batch["response_mask"])
+    ]
 
 
 def test_every_example_has_a_main_and_an_index_entry():
@@ -115,9 +117,13 @@ def test_two_stage_reward_calls_the_judge_on_30_percent_and_keeps_its_scores(tmp
         chosen = batch.non_tensor_batch["reward_extra/stage2_selected"].astype(bool)
         for group in range(2):  # 3 of each prompt's 10 samples, those with the best cheap scores
             rows = slice(10 * group, 10 * group + 10)
-            assert chosen[rows].sum() == 3 and cheap[rows][chosen[rows]].min() >= cheap[rows][~chosen[rows]].max()
-        for text, score, cheap_score, judged, truth in zip(texts, final, cheap, chosen,
-                                                           batch.non_tensor_batch["ground_truth"]):
+            assert (
+                chosen[rows].sum() == 3
+                and cheap[rows][chosen[rows]].min() >= cheap[rows][~chosen[rows]].max()
+            )
+        for text, score, cheap_score, judged, truth in zip(
+            texts, final, cheap, chosen, batch.non_tensor_batch["ground_truth"]
+        ):
             expected = module.careful_judge("arithmetic", text, truth) if judged else 0.5 * cheap_score
             assert score == pytest.approx(expected, abs=1e-6), text
 
@@ -131,11 +137,16 @@ def test_routing_scores_each_category_its_own_way_in_the_original_order(tmp_path
         final = batch.batch["token_level_scores"]
         last = batch.batch["response_mask"].sum(-1) - 1
         assert torch.equal(final.nonzero()[:, 1], last[final.abs().sum(-1) > 0])  # on the last token only
-        for text, score, extra, truth in zip(response_texts(batch, tokenizer), final.sum(-1).tolist(),
-                                             batch.non_tensor_batch["extra_info"],
-                                             batch.non_tensor_batch["ground_truth"]):
+        for text, score, extra, truth in zip(
+            response_texts(batch, tokenizer),
+            final.sum(-1).tolist(),
+            batch.non_tensor_batch["extra_info"],
+            batch.non_tensor_batch["ground_truth"],
+        ):
             plain = module.digit_share("chat", text, truth)
-            expected = {"creative": plain + 0.5, "factual": 1.0 if truth in text else -1.0}.get(extra["category"], plain)
+            expected = {"creative": plain + 0.5, "factual": 1.0 if truth in text else -1.0}.get(
+                extra["category"], plain
+            )
             assert score == pytest.approx(expected, abs=1e-6), (extra, text)
             seen.add(extra["category"])
     assert seen == {"creative", "factual", "chat"}
@@ -173,11 +184,17 @@ def test_custom_tool_is_called_in_rollouts_and_its_results_reach_the_reward(tmp_
     result = module.main(tmp_path)
     rows = result["rows"]
     assert [r["step"] for r in rows] == [1, 2]
-    assert rows[0]["agent/tool_calls/mean"] > 0.5 and rows[0]["agent/tool_errors"] == 0  # the taught model calls add
+    assert (
+        rows[0]["agent/tool_calls/mean"] > 0.5 and rows[0]["agent/tool_errors"] == 0
+    )  # the taught model calls add
     for batch in result["batches"]:
         scores = batch.batch["token_level_scores"].sum(-1).tolist()
-        for messages, calls, score, truth in zip(batch.non_tensor_batch["messages"], batch.non_tensor_batch["tool_calls"],
-                                                 scores, batch.non_tensor_batch["ground_truth"]):
+        for messages, calls, score, truth in zip(
+            batch.non_tensor_batch["messages"],
+            batch.non_tensor_batch["tool_calls"],
+            scores,
+            batch.non_tensor_batch["ground_truth"],
+        ):
             for turn, reply in zip(calls, [m for m in messages if m["role"] == "tool"]):
                 args = turn["calls"][0]["arguments"]
                 assert reply["content"] == str(args["a"] + args["b"])  # AddTool's own result, not the model's

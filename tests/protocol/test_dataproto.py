@@ -10,7 +10,10 @@ from hybridflow import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 def make(n: int = 4) -> DataProto:
     return DataProto.from_dict(
         tensors={"x": torch.arange(n * 2).view(n, 2), "y": torch.arange(n, dtype=torch.float32)},
-        non_tensors={"uid": [f"u{i % 2}" for i in range(n)], "msgs": [[{"role": "user"}] * i for i in range(n)]},
+        non_tensors={
+            "uid": [f"u{i % 2}" for i in range(n)],
+            "msgs": [[{"role": "user"}] * i for i in range(n)],
+        },
         meta_info={"temperature": 1.0},
     )
 
@@ -67,7 +70,9 @@ def test_select_pop_and_unknown_keys():
 
 def test_union_merges_and_rejects_conflicts():
     d = make(2)
-    other = DataProto.from_dict({"z": torch.ones(2), "x": d.batch["x"].clone()}, {"uid": ["u0", "u1"]}, {"k": 1})
+    other = DataProto.from_dict(
+        {"z": torch.ones(2), "x": d.batch["x"].clone()}, {"uid": ["u0", "u1"]}, {"k": 1}
+    )
     merged = d.union(other)
     assert merged is d and sorted(d.keys()) == ["msgs", "uid", "x", "y", "z"] and d.meta_info["k"] == 1
     with pytest.raises(ValueError, match="batch key 'x' exists in both with different values"):
@@ -164,7 +169,11 @@ def test_pickle_carries_tensors_as_numpy(tmp_path):
     assert back.meta_info == {"temperature": 1.0}
     d.save_to_disk(tmp_path / "d.pkl")
     loaded = DataProto.load_from_disk(tmp_path / "d.pkl")
-    assert torch.equal(loaded.batch["y"], d.batch["y"]) and loaded.non_tensor_batch["uid"].tolist() == ["u0", "u1", "u0"]
+    assert torch.equal(loaded.batch["y"], d.batch["y"]) and loaded.non_tensor_batch["uid"].tolist() == [
+        "u0",
+        "u1",
+        "u0",
+    ]
 
 
 def test_read_only_buffers_become_writable_tensors():

@@ -106,7 +106,5 @@ def test_dispatch_by_data_source():
         == 1.0
     )
     assert {"gsm8k", "math", "lighteval/MATH"} <= set(RULE_SCORERS)
-    with pytest.raises(
-        UserError, match=r"data_source 'my/task'; known: \[.*'arithmetic'.*'openai/gsm8k'"
-    ):
+    with pytest.raises(UserError, match=r"data_source 'my/task'; known: \[.*'arithmetic'.*'openai/gsm8k'"):
         default_compute_score("my/task", "x", "y")

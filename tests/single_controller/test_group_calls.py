@@ -46,15 +46,21 @@ def five_rows() -> DataProto:
 def test_group_binds_registered_methods_with_worker_signature(group):
     assert group.world_size == 2
     assert inspect.signature(group.add_rank) == inspect.signature(lambda x, y=0: None).replace(
-        parameters=[p.replace(annotation=int) for p in inspect.signature(lambda x, y=0: None).parameters.values()],
-        return_annotation=int)
+        parameters=[
+            p.replace(annotation=int) for p in inspect.signature(lambda x, y=0: None).parameters.values()
+        ],
+        return_annotation=int,
+    )
     assert group.tag_rows.__doc__.startswith("Doubles")
     assert not hasattr(group, "whoami")  # not registered
 
 
 def test_one_to_all_reaches_every_rank_with_its_env(group):
     infos = group.info()
-    assert [(i["rank"], i["world_size"], i["offset"], i["device"]) for i in infos] == [(0, 2, 3, "cpu"), (1, 2, 3, "cpu")]
+    assert [(i["rank"], i["world_size"], i["offset"], i["device"]) for i in infos] == [
+        (0, 2, 3, "cpu"),
+        (1, 2, 3, "cpu"),
+    ]
 
 
 def test_all_to_all_and_dp_compute_split_lists(group):
@@ -117,7 +123,11 @@ def test_an_input_error_in_a_worker_reaches_the_driver_as_itself(group):
         group.refuse_input(1)
     assert str(info.value) == "data.bin: row 1 is malformed"
     where = info.value.__cause__
-    assert isinstance(where, WorkerError) and (where.group, where.rank, where.method) == ("toy", 1, "refuse_input")
+    assert isinstance(where, WorkerError) and (where.group, where.rank, where.method) == (
+        "toy",
+        1,
+        "refuse_input",
+    )
     assert "toy_workers.py" in where.remote_traceback
 
 
@@ -146,6 +156,8 @@ def test_non_blocking_call_returns_before_the_workers_finish(ray_group):
 
 def test_future_wait_can_time_out_and_be_retried(ray_group):
     future = ray_group.sleep(0.8)
-    with pytest.raises(WorkerError, match=re.escape("method 'sleep' failed:\nno answer within 0.1 s from ranks [0, 1]")):
+    with pytest.raises(
+        WorkerError, match=re.escape("method 'sleep' failed:\nno answer within 0.1 s from ranks [0, 1]")
+    ):
         future.get(timeout_s=0.1)
     assert future.get() == [0, 1]

@@ -30,8 +30,9 @@ def _alive(pid: int) -> bool:
 
 def test_colocated_roles_share_a_process_and_a_killed_actor_is_reported(ray_session):
     pool = RayResourcePool([1], cpus_per_process=0.25, name="colocated")  # one rank: actor starts are costly
-    init = create_colocated_worker_cls({"actor": ClassWithInitArgs(ActorPart, lr=0.5),
-                                        Role.CRITIC: ClassWithInitArgs(CriticPart)})
+    init = create_colocated_worker_cls(
+        {"actor": ClassWithInitArgs(ActorPart, lr=0.5), Role.CRITIC: ClassWithInitArgs(CriticPart)}
+    )
     group = RayWorkerGroup(pool, init, name_prefix="hybrid")
     try:
         roles = group.spawn({"actor", Role.CRITIC})
@@ -67,18 +68,26 @@ def test_resource_pool_manager_says_which_resources_are_missing(ray_session):
 
 
 def test_resource_pool_manager_maps_roles_to_shared_pools(ray_session):
-    manager = ResourcePoolManager({"shared": [1], "solo": [1]},
-                                  {Role.ACTOR_ROLLOUT: "shared", "ref": "shared", Role.CRITIC: "solo"},
-                                  cpus_per_process=0.1)
+    manager = ResourcePoolManager(
+        {"shared": [1], "solo": [1]},
+        {Role.ACTOR_ROLLOUT: "shared", "ref": "shared", Role.CRITIC: "solo"},
+        cpus_per_process=0.1,
+    )
     pools = manager.create_resource_pool()
     try:
-        assert manager.get_resource_pool("actor_rollout") is manager.get_resource_pool(Role.REF) is pools["shared"]
+        assert (
+            manager.get_resource_pool("actor_rollout")
+            is manager.get_resource_pool(Role.REF)
+            is pools["shared"]
+        )
         assert manager.get_resource_pool("critic") is pools["solo"]
         assert (pools["shared"].max_colocate_count, pools["solo"].max_colocate_count) == (2, 1)
         with pytest.raises(KeyError, match="'reward_model' has no resource pool"):
             manager.get_resource_pool(Role.REWARD_MODEL)
         pools["solo"].acquire("critic_wg")
-        with pytest.raises(RuntimeError, match=re.escape("already holds ['critic_wg'] (max_colocate_count=1)")):
+        with pytest.raises(
+            RuntimeError, match=re.escape("already holds ['critic_wg'] (max_colocate_count=1)")
+        ):
             pools["solo"].acquire("other_wg")
     finally:
         for pool in pools.values():

@@ -29,7 +29,12 @@ def test_worker_standalone_is_rank_zero_of_one(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     worker = Worker()
-    assert (worker.rank, worker.world_size, worker.local_rank, worker.device) == (0, 1, 0, torch.device("cpu"))
+    assert (worker.rank, worker.world_size, worker.local_rank, worker.device) == (
+        0,
+        1,
+        0,
+        torch.device("cpu"),
+    )
     assert worker.init_process_group() is False
 
 
@@ -43,8 +48,11 @@ def test_trainer_device_decides_the_worker_device(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert Worker("cpu").device == torch.device("cpu")
     assert Worker("cuda").device == Worker("auto").device == torch.device("cuda", 1)
-    cfg = PPOConfig(train_files="x.parquet", use_kl_loss=True, **{"reward_model.enable": True, "reward_model.dummy": True,
-                                                                  "trainer.device": "cpu"})
+    cfg = PPOConfig(
+        train_files="x.parquet",
+        use_kl_loss=True,
+        **{"reward_model.enable": True, "reward_model.dummy": True, "trainer.device": "cpu"},
+    )
     inits = role_inits(cfg.resolve())
     assert len(inits) == 4 and {init.kwargs["device"] for init in inits.values()} == {"cpu"}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -67,8 +75,11 @@ def test_worker_reads_its_rank_from_the_environment(monkeypatch):
 def test_local_group_builds_each_rank_under_its_env_and_restores_the_driver_env(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     group = LocalWorkerGroup(ClassWithInitArgs(ToyWorker), world_size=3)
-    assert [(w.rank, w.world_size, w.formed_group) for w in group.workers] == [(0, 3, False), (1, 3, False),
-                                                                               (2, 3, False)]
+    assert [(w.rank, w.world_size, w.formed_group) for w in group.workers] == [
+        (0, 3, False),
+        (1, 3, False),
+        (2, 3, False),
+    ]
     assert "RANK" not in os.environ
     assert group.name == "ToyWorker"
 
@@ -122,15 +133,19 @@ def test_override_without_decorator_keeps_the_registration():
 
 
 def test_colocated_roles_share_the_local_process_and_keep_their_methods():
-    init = create_colocated_worker_cls({"actor": ClassWithInitArgs(ActorPart, lr=2.0),
-                                        "critic": ClassWithInitArgs(CriticPart)})
+    init = create_colocated_worker_cls(
+        {"actor": ClassWithInitArgs(ActorPart, lr=2.0), "critic": ClassWithInitArgs(CriticPart)}
+    )
     group = LocalWorkerGroup(init, world_size=2, name_prefix="hybrid")
     roles = group.spawn(["actor", "critic"])
     assert roles["actor"].pid() == roles["critic"].pid() == [os.getpid()] * 2
     data = DataProto.from_dict({"x": torch.arange(3)})
     assert roles["actor"].act(data).batch["scaled"].tolist() == [0.0, 2.0, 4.0]
     assert roles["critic"].value(data).batch["rank"].tolist() == [0, 0, 1]
-    assert str(inspect.signature(roles["actor"].act)) == "(data: hybridflow.protocol.DataProto) -> hybridflow.protocol.DataProto"
+    assert (
+        str(inspect.signature(roles["actor"].act))
+        == "(data: hybridflow.protocol.DataProto) -> hybridflow.protocol.DataProto"
+    )
     assert roles["critic"].name == "hybrid/critic"
     assert group.critic__value(data).batch["value"].tolist() == [1, 2, 3]  # the fused name works on the group
 

@@ -21,7 +21,7 @@ def gather_round_robin(outputs: list, shards: Shards) -> list:
     """Put the ranks' answers back in the order of the items they were dealt."""
     merged = [None] * sum(len(part) for part in outputs)
     for rank, part in enumerate(outputs):
-        merged[rank::len(outputs)] = part
+        merged[rank :: len(outputs)] = part
     return merged
 
 
@@ -38,8 +38,14 @@ class ToyWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def info(self) -> dict:
-        return {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
-                "formed_group": self.formed_group, "device": str(self.device), "offset": self.offset}
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "pid": os.getpid(),
+            "formed_group": self.formed_group,
+            "device": str(self.device),
+            "offset": self.offset,
+        }
 
     def whoami(self) -> int:  # not registered: reachable through execute_all / execute_rank_zero only
         return self.rank
@@ -64,9 +70,11 @@ class ToyWorker(Worker):
     def tag_rows(self, data: DataProto) -> DataProto:
         """Doubles ``x`` (bs,) and records the rank that saw each row."""
         n = len(data)
-        return DataProto.from_dict({"x": data.batch["x"] * 2, "rank": torch.full((n,), self.rank)},
-                                   non_tensors={"uid": data.non_tensor_batch["uid"]},
-                                   meta_info={"metrics": {"rows": n}})
+        return DataProto.from_dict(
+            {"x": data.batch["x"] * 2, "rank": torch.full((n,), self.rank)},
+            non_tensors={"uid": data.non_tensor_batch["uid"]},
+            meta_info={"metrics": {"rows": n}},
+        )
 
     @register(Dispatch.DP_COMPUTE_PROTO, blocking=False)
     def tag_rows_async(self, data: DataProto) -> DataProto:
@@ -131,7 +139,9 @@ class CriticPart(Worker):
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def value(self, data: DataProto) -> DataProto:
-        return DataProto.from_dict({"value": data.batch["x"] + 1, "rank": torch.full((len(data),), self.rank)})
+        return DataProto.from_dict(
+            {"value": data.batch["x"] + 1, "rank": torch.full((len(data),), self.rank)}
+        )
 
     @register(Dispatch.ONE_TO_ALL)
     def torch_threads(self) -> int:

@@ -19,8 +19,9 @@ from hybridflow.tools.sandbox import SandboxLimits, run_python
 
 # A generous wall clock, so that on a loaded machine every other limit is reached first; the tests of the
 # wall clock itself use 2 s.
-LIMITS = SandboxLimits(timeout_s=30.0, cpu_s=1, memory_mb=256, file_size_mb=4, max_processes=8,
-                       max_output_bytes=10_000)
+LIMITS = SandboxLimits(
+    timeout_s=30.0, cpu_s=1, memory_mb=256, file_size_mb=4, max_processes=8, max_output_bytes=10_000
+)
 SECRET = "hybridflow-test-secret-3141"
 
 
@@ -74,35 +75,49 @@ def test_sleeping_forever_hits_the_wall_clock():
 
 
 def test_fork_bomb_is_capped_and_killed(mode):
-    counted, _ = run("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
-                     "            time.sleep(30)\n        n += 1\nexcept OSError:\n    print(n)")
+    counted, _ = run(
+        "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+        "            time.sleep(30)\n        n += 1\nexcept OSError:\n    print(n)"
+    )
     assert counted.ok and 0 < int(counted.stdout) < LIMITS.max_processes
-    bomb, seconds = run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
-                        timeout_s=2)
+    bomb, seconds = run(
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", timeout_s=2
+    )
     assert bomb.error in ("timed out after 2 s (wall clock)", "CPU time limit exceeded (1 s)") and seconds < 5
 
 
-@pytest.mark.parametrize("code", ["x = bytearray(10 ** 10)", "x = []\nwhile True:\n    x.append(' ' * 10 ** 6)"])
+@pytest.mark.parametrize(
+    "code", ["x = bytearray(10 ** 10)", "x = []\nwhile True:\n    x.append(' ' * 10 ** 6)"]
+)
 def test_memory_bomb_hits_the_memory_limit(code):
     result, _ = run(code)
     assert result.error == "memory limit exceeded (256 MB)"
 
 
 def test_ten_gigabyte_file_stops_at_the_file_size_limit():
-    result, _ = run("with open('big', 'wb') as f:\n    for _ in range(10 * 1024):\n        f.write(b'0' * 2 ** 20)")
+    result, _ = run(
+        "with open('big', 'wb') as f:\n    for _ in range(10 * 1024):\n        f.write(b'0' * 2 ** 20)"
+    )
     assert result.error == "file size limit exceeded (4 MB per file)"
 
 
 def test_environment_secrets_are_out_of_reach(mode, monkeypatch):
     monkeypatch.setenv("HYBRIDFLOW_TEST_SECRET", SECRET)
-    code = (f"import os\nprint(dict(os.environ))\nfor p in ('/proc/{os.getpid()}/environ', '/proc/1/environ'):\n"
-            "    try:\n        print(open(p).read())\n    except OSError as e:\n        print(type(e).__name__)")
+    code = (
+        f"import os\nprint(dict(os.environ))\nfor p in ('/proc/{os.getpid()}/environ', '/proc/1/environ'):\n"
+        "    try:\n        print(open(p).read())\n    except OSError as e:\n        print(type(e).__name__)"
+    )
     result, _ = run(code)
     assert result.ok and SECRET not in result.stdout and "HYBRIDFLOW" not in result.stdout
 
 
-@pytest.mark.parametrize(("code", "error"), [("import sys\nsys.exit(3)", "exited with code 3"),
-                                             ("import ctypes\nctypes.string_at(0)", "killed by signal SIGSEGV")])
+@pytest.mark.parametrize(
+    ("code", "error"),
+    [
+        ("import sys\nsys.exit(3)", "exited with code 3"),
+        ("import ctypes\nctypes.string_at(0)", "killed by signal SIGSEGV"),
+    ],
+)
 def test_exit_and_segfault_are_reported(code, error):
     result, _ = run(code)
     assert result.error == error
@@ -119,5 +134,7 @@ def test_the_network_is_cut(mode):
         server.bind(("127.0.0.1", 0))
         server.listen()
         port = server.getsockname()[1]
-        result, _ = run(f"import socket\ns = socket.socket()\ns.settimeout(1)\nprint(s.connect_ex(('127.0.0.1', {port})))")
+        result, _ = run(
+            f"import socket\ns = socket.socket()\ns.settimeout(1)\nprint(s.connect_ex(('127.0.0.1', {port})))"
+        )
     assert result.ok and result.stdout.strip() != "0"

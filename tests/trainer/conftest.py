@@ -12,10 +12,21 @@ from hybridflow.data.prepare import main as prepare_data
 def arithmetic_data(tmp_path_factory) -> Callable[[int, int], Path]:
     """``arithmetic_data(train_size, test_size)``: a folder with the arithmetic task's train.parquet and
     test.parquet, seeded."""
+
     def make(train_size: int, test_size: int) -> Path:
         out = tmp_path_factory.mktemp("arith")
-        prepare_data(["arithmetic", str(out), "--train-size", str(train_size), "--test-size", str(test_size),
-                      "--seed", "0"])
+        prepare_data(
+            [
+                "arithmetic",
+                str(out),
+                "--train-size",
+                str(train_size),
+                "--test-size",
+                str(test_size),
+                "--seed",
+                "0",
+            ]
+        )
         return out
 
     return make

@@ -48,7 +48,10 @@ def test_successful_save_is_renamed_into_place_with_its_marker(tmp_path):
 
 
 def test_exception_inside_leaves_neither_final_nor_temporary_folder(tmp_path):
-    with pytest.raises(RuntimeError, match="disk full"), atomic_directory(tmp_path / "global_step_1") as folder:
+    with (
+        pytest.raises(RuntimeError, match="disk full"),
+        atomic_directory(tmp_path / "global_step_1") as folder,
+    ):
         (folder / "half.bin").write_text("half")
         raise RuntimeError("disk full")
     assert list(tmp_path.iterdir()) == []
@@ -114,8 +117,16 @@ _SLOW_SAVER = textwrap.dedent("""
 
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint_latest(tmp_path):
     _save(tmp_path, 1, "good")
-    saver = subprocess.Popen([sys.executable, "-c", _SLOW_SAVER, str(checkpoint_dir(tmp_path, 2)), checkpoint.__file__,
-                              errors.__file__])
+    saver = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _SLOW_SAVER,
+            str(checkpoint_dir(tmp_path, 2)),
+            checkpoint.__file__,
+            errors.__file__,
+        ]
+    )
     partial = tmp_path / f".tmp-global_step_2-{saver.pid}" / "model.bin"
     deadline = time.monotonic() + 60
     while not (partial.exists() and partial.stat().st_size > 4 * 65536):
@@ -143,16 +154,20 @@ def test_the_marker_lists_every_file_and_verification_finds_damage(tmp_path):
     manager = CheckpointManager(tmp_path)
     _save_files(manager, 1)
     table = json.loads((manager.path(1) / COMPLETE_MARKER).read_text())["files"]
-    assert table == {"actor/model.safetensors": {"size": 1000, "crc32": zlib.crc32(b"w" * 1000)},
-                     "trainer_state.pt": {"size": 5, "crc32": zlib.crc32(b"state")}}
+    assert table == {
+        "actor/model.safetensors": {"size": 1000, "crc32": zlib.crc32(b"w" * 1000)},
+        "trainer_state.pt": {"size": 5, "crc32": zlib.crc32(b"state")},
+    }
     assert verify_checkpoint(manager.path(1)) == []
     weights = manager.path(1) / "actor" / "model.safetensors"
     weights.write_bytes(b"w" * 999 + b"x")  # same size, one byte changed
     assert verify_checkpoint(manager.path(1)) == ["actor/model.safetensors does not match its checksum"]
     weights.write_bytes(b"w" * 10)  # truncated
     (manager.path(1) / "trainer_state.pt").unlink()
-    assert verify_checkpoint(manager.path(1)) == ["actor/model.safetensors has 10 bytes, 1000 were saved",
-                                                  "trainer_state.pt is missing"]
+    assert verify_checkpoint(manager.path(1)) == [
+        "actor/model.safetensors has 10 bytes, 1000 were saved",
+        "trainer_state.pt is missing",
+    ]
     (manager.path(1) / COMPLETE_MARKER).write_text('{"saved_at": "2025-01-01", "fil')
     assert verify_checkpoint(manager.path(1)) == [f"its {COMPLETE_MARKER} manifest is damaged"]
     (manager.path(1) / COMPLETE_MARKER).write_text("saved at 2025-01-01\n")  # a marker from before manifests
@@ -168,15 +183,23 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_used(tmp_
     assert manager.latest_intact() == manager.path(2)
     assert "global_step_3 is damaged (actor/model.safetensors has 100 bytes, 1000 were saved)" in caplog.text
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "global_step_2", "global_step_3.damaged", LATEST_FILE]  # step 1 is not pruned for the damaged one
+        "global_step_2",
+        "global_step_3.damaged",
+        LATEST_FILE,
+    ]  # step 1 is not pruned for the damaged one
     assert (tmp_path / LATEST_FILE).read_text() == "2\n"
-    with pytest.raises(UserError, match="global_step_3.damaged is damaged: actor/model.safetensors has 100 bytes"):
+    with pytest.raises(
+        UserError, match="global_step_3.damaged is damaged: actor/model.safetensors has 100 bytes"
+    ):
         resolve_checkpoint(tmp_path / "global_step_3.damaged")  # named explicitly: refused, no fallback
     assert resolve_checkpoint(tmp_path) == manager.path(2)  # a run folder falls back
 
     (manager.path(2) / "trainer_state.pt").write_bytes(b"")
-    with pytest.raises(UserError, match=r"every checkpoint in .* is damaged \(newest: global_step_2: "
-                                        "trainer_state.pt has 0 bytes, 5 were saved\\)"):
+    with pytest.raises(
+        UserError,
+        match=r"every checkpoint in .* is damaged \(newest: global_step_2: "
+        "trainer_state.pt has 0 bytes, 5 were saved\\)",
+    ):
         manager.latest_intact()
     with pytest.raises(UserError, match="trainer.resume_from_path .*missing does not exist"):
         resolve_checkpoint(tmp_path / "missing")
@@ -198,9 +221,13 @@ def test_a_full_disk_during_a_save_says_so_and_keeps_the_earlier_checkpoints(tmp
     ENOSPC half-way (Python's writes), or with torch's zip writer message (what torch.save said)."""
     manager = CheckpointManager(tmp_path / "run")
     _save_files(manager, 1, b"w" * 3000)
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 2048))
-    failures = [OSError(errno.ENOSPC, "No space left on device"),
-                RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")]
+    monkeypatch.setattr(
+        checkpoint.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 2048)
+    )
+    failures = [
+        OSError(errno.ENOSPC, "No space left on device"),
+        RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"),
+    ]
     for failure in failures:
         with pytest.raises(DiskFullError) as info, manager.saving(2) as folder:
             (folder / "actor").mkdir()
@@ -210,7 +237,8 @@ def test_a_full_disk_during_a_save_says_so_and_keeps_the_earlier_checkpoints(tmp
             f"no space left on the disk holding {tmp_path / 'run'} while saving global_step_2: 0.0 MiB free, "
             "the checkpoint needs about 0.0 MiB (the size of global_step_1). Free some space (or lower "
             "trainer.max_ckpt_to_keep, or point trainer.default_local_dir at a larger disk); the earlier "
-            "checkpoints are intact and the run resumes from the newest one")
+            "checkpoints are intact and the run resumes from the newest one"
+        )
         assert info.value.__cause__ is failure
         assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["global_step_1", LATEST_FILE]
         assert verify_checkpoint(manager.path(1)) == []

@@ -27,10 +27,14 @@ CONFIG_MODULES = {"config.py", "config_loader.py", "config_docs.py", "config_che
 
 def test_shipped_yamls_are_generated_from_the_schema():
     configs = shipped_configs()
-    assert DEFAULT_CONFIG_PATH in configs and {p.name for p in configs} >= {"sft_trainer.yaml", "dpo_trainer.yaml"}
+    assert DEFAULT_CONFIG_PATH in configs and {p.name for p in configs} >= {
+        "sft_trainer.yaml",
+        "dpo_trainer.yaml",
+    }
     for path, root in configs.items():
         assert path.read_text() == default_yaml(root), (
-            f"hybridflow/trainer/config/{path.name} is stale: run `hybridflow config yaml --write`")
+            f"hybridflow/trainer/config/{path.name} is stale: run `hybridflow config yaml --write`"
+        )
 
 
 def test_every_key_has_a_doc():
@@ -42,6 +46,7 @@ def test_every_key_has_a_doc():
 @dataclasses.dataclass
 class _Inner:
     """A section."""
+
     #: a long doc that
     #: spans two lines
     depth: int = 3
@@ -53,15 +58,21 @@ class _Outer(_Inner):
     mode: str = "a"  #: trailing doc
     inner: _Inner = dataclasses.field(default_factory=_Inner)  #: the nested one
     items: list[str] = dataclasses.field(  #: a multi-line field
-        default_factory=lambda: ["p", "q"])
+        default_factory=lambda: ["p", "q"]
+    )
 
 
 def test_generator_handles_any_field():
     """Docs above (joined), trailing, on a multi-line field, inherited, on a section; none is fine too."""
     lines = render_yaml(dataclasses.asdict(_Outer()), _Outer)
     assert lines == [
-        "depth: 3  # a long doc that spans two lines", "plain: x", "mode: a  # trailing doc",
-        "", "inner:  # the nested one", "  depth: 3  # a long doc that spans two lines", "  plain: x",
+        "depth: 3  # a long doc that spans two lines",
+        "plain: x",
+        "mode: a  # trailing doc",
+        "",
+        "inner:  # the nested one",
+        "  depth: 3  # a long doc that spans two lines",
+        "  plain: x",
         "items: [p, q]  # a multi-line field",
     ]
 
@@ -70,11 +81,13 @@ def test_config_keys_lists_every_key_with_type_default_and_doc(capsys):
     assert cli(["config", "keys"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "actor_rollout_ref.actor.optim.weight_decay: float = 0.01  # AdamW weight decay" in out
-    assert "trainer.logger: a list of one of 'console', 'file', 'tensorboard', 'wandb', 'mlflow' = [console, file]" \
+    assert (
+        "trainer.logger: a list of one of 'console', 'file', 'tensorboard', 'wandb', 'mlflow' = [console, file]"
         in [line.split("  #")[0] for line in out]
+    )
     leaves = [k for k in known_keys() if not is_section(hints_of(k))]
-    assert [line.split(":")[0] for line in out[:len(leaves)]] == leaves
-    assert "trainer.balance_batch  # batches are not reordered by token count" in out[len(leaves):]
+    assert [line.split(":")[0] for line in out[: len(leaves)]] == leaves
+    assert "trainer.balance_batch  # batches are not reordered by token count" in out[len(leaves) :]
 
 
 def hints_of(key: str):
@@ -89,7 +102,10 @@ def test_config_show_prints_the_resolved_config_with_docs(capsys):
     assert cli(["config", "show", "algorithm.adv_estimator=grpo", "trainer.experiment_name=mine"]) == 0
     captured = capsys.readouterr()
     assert "  default_local_dir: runs/hybridflow/mine  # run folder (checkpoints, logs)" in captured.out
-    assert "  enable: false  # train a value model; null = only when algorithm.adv_estimator is gae" in captured.out
+    assert (
+        "  enable: false  # train a value model; null = only when algorithm.adv_estimator is gae"
+        in captured.out
+    )
     assert "data.train_files is required" in captured.err  # shown, but the config is still printed
     assert cli(["config", "show", "trainer.output_dir=x"]) == 2
     assert "did you mean 'trainer.default_local_dir'?" in capsys.readouterr().err
@@ -129,12 +145,17 @@ def test_every_key_is_read_somewhere_or_accepted_with_a_warning():
         owners[name].add(owner)
     reads = _attribute_reads()
     read_names = {attr for _, attr in reads}
-    unread = [key for key, section, _, name in fields if not ignored_rule(key)
-              and not ((section, name) in reads if len(owners[name]) > 1 else name in read_names)]
+    unread = [
+        key
+        for key, section, _, name in fields
+        if not ignored_rule(key)
+        and not ((section, name) in reads if len(owners[name]) > 1 else name in read_names)
+    ]
     assert unread == [], (
         "config keys nothing reads: read each one where it takes effect (a name that several schema classes "
         "declare as `<section>.<name>`, e.g. `critic = self.config; critic.grad_clip`), or, for a verl key "
-        "that does nothing here, remove it from the schema and list it in config_checks.IGNORED_KEYS")
+        "that does nothing here, remove it from the schema and list it in config_checks.IGNORED_KEYS"
+    )
 
 
 _FALLBACK = re.compile(r"getattr\(\s*[\w.]*(cfg|config)[\w.]*\s*,[^,()]+,|\b_cfg\(|\b(cfg|config)\.get\(")
@@ -143,9 +164,12 @@ _FALLBACK = re.compile(r"getattr\(\s*[\w.]*(cfg|config)[\w.]*\s*,[^,()]+,|\b_cfg
 @pytest.mark.parametrize("package", ["workers", "dataflow"])
 def test_workers_read_typed_fields_without_fallbacks(package):
     """Defaults live in the schema only: no getattr(config, key, default) or config.get(key, default)."""
-    found = [f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}"
-             for path in (PACKAGE / package).rglob("*.py")
-             for n, line in enumerate(path.read_text().splitlines(), 1) if _FALLBACK.search(line)]
+    found = [
+        f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}"
+        for path in (PACKAGE / package).rglob("*.py")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if _FALLBACK.search(line)
+    ]
     assert found == []
     assert _FALLBACK.search('value = getattr(self.config, "weight_decay", 0.0)')  # the check does catch one
     assert _FALLBACK.search("micro = _cfg(optim_config, 'x', 1)")

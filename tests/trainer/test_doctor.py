@@ -25,11 +25,19 @@ def data_dir(arithmetic_data) -> Path:
 
 @pytest.fixture
 def base(data_dir, tiny_model_path, tmp_path) -> list[str]:
-    return [f"data.train_files={data_dir / 'train.parquet'}", f"data.val_files={data_dir / 'test.parquet'}",
-            f"actor_rollout_ref.model.path={tiny_model_path}", f"trainer.default_local_dir={tmp_path / 'run'}",
-            "data.max_prompt_length=96", "data.max_response_length=8", "data.train_batch_size=4",
-            "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "algorithm.adv_estimator=grpo"]
+    return [
+        f"data.train_files={data_dir / 'train.parquet'}",
+        f"data.val_files={data_dir / 'test.parquet'}",
+        f"actor_rollout_ref.model.path={tiny_model_path}",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+        "data.max_prompt_length=96",
+        "data.max_response_length=8",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "algorithm.adv_estimator=grpo",
+    ]
 
 
 def verdicts(overrides: list[str], **kw) -> dict[str, object]:
@@ -43,7 +51,9 @@ def failed(checks: dict) -> list[str]:
 def test_good_config_passes_every_check_and_exits_0(base, capsys):
     assert cli(["doctor", *base]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[1] for line in lines[:8]] == NAMES and all(line.startswith("ok") for line in lines[:8])
+    assert [line.split()[1] for line in lines[:8]] == NAMES and all(
+        line.startswith("ok") for line in lines[:8]
+    )
     assert lines[-1] == "8 checks: 8 ok"
     assert cli(["doctor", "--json", *base]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -55,8 +65,14 @@ def test_good_config_passes_every_check_and_exits_0(base, capsys):
 
 def test_the_demo_settings_pass(data_dir, tiny_model_path, tmp_path):
     """The demo's own settings (batch sizes, lengths, samples), on the tiny model for speed."""
-    checks = verdicts([f"data.train_files={data_dir / 'train.parquet'}", f"actor_rollout_ref.model.path="
-                       f"{tiny_model_path}", f"trainer.default_local_dir={tmp_path}", *DEMO_SETTINGS])
+    checks = verdicts(
+        [
+            f"data.train_files={data_dir / 'train.parquet'}",
+            f"actor_rollout_ref.model.path={tiny_model_path}",
+            f"trainer.default_local_dir={tmp_path}",
+            *DEMO_SETTINGS,
+        ]
+    )
     assert {name: c.verdict for name, c in checks.items()} == dict.fromkeys(NAMES, "ok")
     assert "8 prompts x 4 = 32 sequences per step" in checks["batch"].detail
 
@@ -65,7 +81,10 @@ def test_wrong_batch_size_fails_the_batch_check(base, capsys):
     assert cli(["doctor", *base, "data.train_batch_size=6"]) == 1
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if line.split()[1] == "batch")
-    assert line.startswith("FAIL") and "not a multiple of actor_rollout_ref.actor.ppo_mini_batch_size (4)" in line
+    assert (
+        line.startswith("FAIL")
+        and "not a multiple of actor_rollout_ref.actor.ppo_mini_batch_size (4)" in line
+    )
     assert "-> fix:" in line
     assert failed(verdicts([*base, "data.train_batch_size=6"])) == ["batch"]
     # 16 prompts in the file, 32 per step: not one full batch
@@ -92,8 +111,10 @@ def test_model_folder_without_weights_fails_the_model_check(base, tiny_model_pat
 
 
 def test_raising_reward_fails_and_an_always_zero_reward_warns(base, tmp_path):
-    (tmp_path / "bad.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                                     "    return int(solution_str)\n")
+    (tmp_path / "bad.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return int(solution_str)\n"
+    )
     checks = verdicts([*base, f"custom_reward_function.path={tmp_path / 'bad.py'}"])
     assert failed(checks) == ["reward"]
     assert "raised on a ground-truth response for data_source 'arithmetic'" in checks["reward"].detail
@@ -112,9 +133,13 @@ def test_overlong_dataset_fails_the_dataset_check(base):
     assert "raise data.max_prompt_length to" in checks["dataset"].fix
     checks = verdicts([*base, "data.max_prompt_length=16"])  # filtering on: nothing left
     assert checks["dataset"].verdict == "fail" and "would be dropped" in checks["dataset"].detail
-    checks = verdicts([*base, "data.max_prompt_length=16", "data.filter_overlong_prompts=false",
-                       "data.truncation=left"])  # kept, but cut: a warning
-    assert checks["dataset"].verdict == "warn" and "16 of 16 (100%) would be truncated (left)" in checks["dataset"].detail
+    checks = verdicts(
+        [*base, "data.max_prompt_length=16", "data.filter_overlong_prompts=false", "data.truncation=left"]
+    )  # kept, but cut: a warning
+    assert (
+        checks["dataset"].verdict == "warn"
+        and "16 of 16 (100%) would be truncated (left)" in checks["dataset"].detail
+    )
 
 
 def test_model_too_large_for_the_stated_memory_fails_naming_the_knob(base):
@@ -130,30 +155,73 @@ def test_config_error_fails_and_skips_what_needs_it(base):
     assert "did you mean 'actor_rollout_ref.actor.optim.lr'" in checks["config"].detail
 
 
-@pytest.mark.filterwarnings("ignore::hybridflow.trainer.config_checks.IgnoredKeyWarning")  # lora, fsdp2 (not yet)
+@pytest.mark.filterwarnings(
+    "ignore::hybridflow.trainer.config_checks.IgnoredKeyWarning"
+)  # lora, fsdp2 (not yet)
 def test_memory_estimate_by_hand():
-    shape = ModelShape(params=10_000_000, vocab_size=1000, hidden_size=64, num_layers=2, intermediate_size=128,
-                       kv_dim=32, linear_in_out=100_000)
-    cfg = load_config(["data.train_files=x.parquet", "data.max_prompt_length=24", "data.max_response_length=8",
-                       "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
-                       "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "algorithm.adv_estimator=grpo",
-                       "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
-                       "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2"])
+    shape = ModelShape(
+        params=10_000_000,
+        vocab_size=1000,
+        hidden_size=64,
+        num_layers=2,
+        intermediate_size=128,
+        kv_dim=32,
+        linear_in_out=100_000,
+    )
+    cfg = load_config(
+        [
+            "data.train_files=x.parquet",
+            "data.max_prompt_length=24",
+            "data.max_response_length=8",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+        ]
+    )
     est = estimate_memory(cfg, shape, world_size=1)  # fp32 on CPU, no reference model, no critic
     assert est.static == {"actor weights": 40e6, "actor grads": 40e6, "AdamW state": 80e6}
     update = 2 * 9 * 1000 * 4 * 3 + 2 * 32 * 2 * (14 * 64 + 4 * 128) * 4  # logits x3 + activations
     assert est.passes["policy update"] == update
     assert est.passes["generation KV cache"] == 2 * 2 * 32 * 4 * 8 * 32 + 8 * 1000 * 4  # all 8 sequences
     assert est.device == 160e6 + update + RUNTIME_BYTES
-    lora = estimate_memory(load_config(["data.train_files=x.parquet", "algorithm.adv_estimator=grpo",
-                                        "actor_rollout_ref.model.lora_rank=8"]), shape, world_size=1)
-    assert lora.static == {"actor weights": 40e6, "actor grads": 8 * 100_000 * 4, "AdamW state": 2 * 8 * 100_000 * 4}
-    fsdp = estimate_memory(load_config(["data.train_files=x.parquet", "algorithm.adv_estimator=grpo",
-                                        "actor_rollout_ref.actor.strategy=fsdp2",
-                                        "actor_rollout_ref.actor.use_kl_loss=true"]), shape, world_size=4)
-    assert fsdp.static == {"actor weights": 10e6, "actor grads": 10e6, "AdamW state": 20e6,
-                           "reference weights": 10e6}
+    lora = estimate_memory(
+        load_config(
+            [
+                "data.train_files=x.parquet",
+                "algorithm.adv_estimator=grpo",
+                "actor_rollout_ref.model.lora_rank=8",
+            ]
+        ),
+        shape,
+        world_size=1,
+    )
+    assert lora.static == {
+        "actor weights": 40e6,
+        "actor grads": 8 * 100_000 * 4,
+        "AdamW state": 2 * 8 * 100_000 * 4,
+    }
+    fsdp = estimate_memory(
+        load_config(
+            [
+                "data.train_files=x.parquet",
+                "algorithm.adv_estimator=grpo",
+                "actor_rollout_ref.actor.strategy=fsdp2",
+                "actor_rollout_ref.actor.use_kl_loss=true",
+            ]
+        ),
+        shape,
+        world_size=4,
+    )
+    assert fsdp.static == {
+        "actor weights": 10e6,
+        "actor grads": 10e6,
+        "AdamW state": 20e6,
+        "reference weights": 10e6,
+    }
     assert est.device < GB
 
 

@@ -39,19 +39,30 @@ def data_dir(arithmetic_data) -> Path:
 def overrides(data_dir: Path, model: str, run_dir: Path, *extra: str) -> list[str]:
     """GRPO without a reference model: 3 steps of 4 prompts x 2 samples, a checkpoint every step."""
     return [
-        f"data.train_files={data_dir / 'train.parquet'}", f"actor_rollout_ref.model.path={model}",
-        f"trainer.default_local_dir={run_dir}", "algorithm.adv_estimator=grpo", "data.max_prompt_length=64",
-        "data.max_response_length=4", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        "actor_rollout_ref.actor.optim.lr=1e-3", f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1",
-        "trainer.logger=[file]", *extra,
+        f"data.train_files={data_dir / 'train.parquet'}",
+        f"actor_rollout_ref.model.path={model}",
+        f"trainer.default_local_dir={run_dir}",
+        "algorithm.adv_estimator=grpo",
+        "data.max_prompt_length=64",
+        "data.max_response_length=4",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        f"trainer.total_training_steps={STEPS}",
+        "trainer.save_freq=1",
+        "trainer.logger=[file]",
+        *extra,
     ]
 
 
 def logged(run_dir: Path) -> dict[int, dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == len({row["step"] for row in rows}), "a step was logged twice"
-    return {row["step"]: {k: v for k, v in row.items() if not k.startswith(NOT_DETERMINISTIC)} for row in rows}
+    return {
+        row["step"]: {k: v for k, v in row.items() if not k.startswith(NOT_DETERMINISTIC)} for row in rows
+    }
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -116,47 +127,83 @@ def bad_inputs(data_dir: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
     rows = read_rows(data_dir / "train.parquet")
     (tmp / "model.bin").write_text("weights")
     pq.write_table(pa.Table.from_pylist(rows).slice(0, 0), tmp / "empty.parquet")
-    (tmp / "reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                                   "    return 1.0\n")
+    (tmp / "reward.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
+    )
     (tmp / "half" / "actor").mkdir(parents=True)  # a checkpoint folder whose save never finished
     (tmp / "a_file").write_text("")
     long_prompt = {**rows[0], "prompt": [{"role": "user", "content": "1 + 2 " * 40}]}
     train = "data.train_files="
     return {
-        "missing model": (["actor_rollout_ref.model.path=/nowhere/model"], "model path not found: /nowhere/model"),
-        "model path is a file": ([f"actor_rollout_ref.model.path={tmp / 'model.bin'}"],
-                                 f"model path is a file, not a model folder: {tmp / 'model.bin'}"),
-        "malformed jsonl": ([train + _jsonl(tmp / "bad.jsonl", rows[:1], '{"prompt": [\n')],
-                            "bad.jsonl: line 2 is not valid JSON"),
-        "null prompt": ([train + _jsonl(tmp / "null.jsonl", [rows[0], {**rows[1], "prompt": None}])],
-                        "null.jsonl: row 1: field 'prompt' is missing or null"),
-        "missing prompt": ([train + _jsonl(tmp / "none.jsonl", [{"data_source": "arithmetic"}])],
-                           "none.jsonl: row 0: field 'prompt' is missing or null"),
-        "over-long prompt, filter off": ([train + _jsonl(tmp / "long.jsonl", [*rows[:4], long_prompt]),
-                                          "data.filter_overlong_prompts=false"],
-                                         "long.jsonl: row 4: prompt has"),
+        "missing model": (
+            ["actor_rollout_ref.model.path=/nowhere/model"],
+            "model path not found: /nowhere/model",
+        ),
+        "model path is a file": (
+            [f"actor_rollout_ref.model.path={tmp / 'model.bin'}"],
+            f"model path is a file, not a model folder: {tmp / 'model.bin'}",
+        ),
+        "malformed jsonl": (
+            [train + _jsonl(tmp / "bad.jsonl", rows[:1], '{"prompt": [\n')],
+            "bad.jsonl: line 2 is not valid JSON",
+        ),
+        "null prompt": (
+            [train + _jsonl(tmp / "null.jsonl", [rows[0], {**rows[1], "prompt": None}])],
+            "null.jsonl: row 1: field 'prompt' is missing or null",
+        ),
+        "missing prompt": (
+            [train + _jsonl(tmp / "none.jsonl", [{"data_source": "arithmetic"}])],
+            "none.jsonl: row 0: field 'prompt' is missing or null",
+        ),
+        "over-long prompt, filter off": (
+            [
+                train + _jsonl(tmp / "long.jsonl", [*rows[:4], long_prompt]),
+                "data.filter_overlong_prompts=false",
+            ],
+            "long.jsonl: row 4: prompt has",
+        ),
         "empty jsonl": ([train + _jsonl(tmp / "empty.jsonl", [])], "empty.jsonl: the file has no rows"),
         "empty parquet": ([train + str(tmp / "empty.parquet")], "empty.parquet: the file has no rows"),
-        "missing reward file": ([f"custom_reward_function.path={tmp / 'nope.py'}"],
-                                "custom_reward_function.path: reward file not found"),
-        "missing reward function": ([f"custom_reward_function.path={tmp / 'reward.py'}",
-                                     "custom_reward_function.name=score_it"],
-                                    "has no function 'score_it'; it defines ['compute_score']"),
-        "missing resume path": (["trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp / 'gone'}"],
-                                f"trainer.resume_from_path {tmp / 'gone'} does not exist"),
-        "half-written resume path": (["trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp / 'half'}"],
-                                     "has no COMPLETE marker"),
+        "missing reward file": (
+            [f"custom_reward_function.path={tmp / 'nope.py'}"],
+            "custom_reward_function.path: reward file not found",
+        ),
+        "missing reward function": (
+            [f"custom_reward_function.path={tmp / 'reward.py'}", "custom_reward_function.name=score_it"],
+            "has no function 'score_it'; it defines ['compute_score']",
+        ),
+        "missing resume path": (
+            ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp / 'gone'}"],
+            f"trainer.resume_from_path {tmp / 'gone'} does not exist",
+        ),
+        "half-written resume path": (
+            ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp / 'half'}"],
+            "has no COMPLETE marker",
+        ),
         # Running as root here, so a read-only folder would still be writable: a folder below a file fails
         # the same first write.
-        "unwritable output folder": ([f"trainer.default_local_dir={tmp / 'a_file' / 'run'}"],
-                                     f"cannot write to trainer.default_local_dir {tmp / 'a_file' / 'run'}"),
+        "unwritable output folder": (
+            [f"trainer.default_local_dir={tmp / 'a_file' / 'run'}"],
+            f"cannot write to trainer.default_local_dir {tmp / 'a_file' / 'run'}",
+        ),
     }
 
 
-BAD_INPUTS = ["missing model", "model path is a file", "malformed jsonl", "null prompt", "missing prompt",
-              "over-long prompt, filter off", "empty jsonl", "empty parquet", "missing reward file",
-              "missing reward function", "missing resume path", "half-written resume path",
-              "unwritable output folder"]
+BAD_INPUTS = [
+    "missing model",
+    "model path is a file",
+    "malformed jsonl",
+    "null prompt",
+    "missing prompt",
+    "over-long prompt, filter off",
+    "empty jsonl",
+    "empty parquet",
+    "missing reward file",
+    "missing reward function",
+    "missing resume path",
+    "half-written resume path",
+    "unwritable output folder",
+]
 
 
 @pytest.mark.parametrize("name", BAD_INPUTS)
@@ -168,9 +215,11 @@ def test_a_bad_input_gives_one_line_naming_it(name, data_dir, tiny_model_path, t
 
 def test_every_command_prints_an_input_error_as_one_line(tmp_path, capsys):
     assert cli(["generate", "--model", str(tmp_path / "nothing"), "--prompt", "hi"]) == 2
-    assert capsys.readouterr().err == (f"hybridflow generate: error: {tmp_path / 'nothing'} is neither a model "
-                                       "folder, a LoRA adapter folder, a checkpoint, nor a run folder with a complete "
-                                           "checkpoint\n")
+    assert capsys.readouterr().err == (
+        f"hybridflow generate: error: {tmp_path / 'nothing'} is neither a model "
+        "folder, a LoRA adapter folder, a checkpoint, nor a run folder with a complete "
+        "checkpoint\n"
+    )
     assert cli(["prepare-data", "arithmetic", str(tmp_path), "--train-size", "-1"]) == 2
     assert capsys.readouterr().err.startswith("hybridflow prepare-data: error: sizes must be non-negative")
 
@@ -179,49 +228,82 @@ def test_debug_shows_the_traceback(data_dir, tiny_model_path, tmp_path):
     from hybridflow.utils.errors import MissingInputError
 
     with pytest.raises(MissingInputError, match="model path not found"):
-        cli(["train", "--debug", *overrides(data_dir, tiny_model_path, tmp_path, "actor_rollout_ref.model.path=/x/y")])
+        cli(
+            [
+                "train",
+                "--debug",
+                *overrides(data_dir, tiny_model_path, tmp_path, "actor_rollout_ref.model.path=/x/y"),
+            ]
+        )
 
 
 @pytest.mark.parametrize("returned", ["'1.0'", "None", "[1.0]", "{'acc': 1.0}"])
 def test_a_reward_function_must_return_a_number(returned, data_dir, tiny_model_path, tmp_path, capsys):
     """Before: "could not convert string to float" without the function, sample or type, and "1.0" accepted."""
-    (tmp_path / "reward.py").write_text("def my_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                                        f"    return {returned}\n")
-    line = error_line(capsys, overrides(data_dir, tiny_model_path, tmp_path / "run",
-                                        f"custom_reward_function.path={tmp_path / 'reward.py'}",
-                                        "custom_reward_function.name=my_score"))
+    (tmp_path / "reward.py").write_text(
+        f"def my_score(data_source, solution_str, ground_truth, extra_info=None):\n    return {returned}\n"
+    )
+    line = error_line(
+        capsys,
+        overrides(
+            data_dir,
+            tiny_model_path,
+            tmp_path / "run",
+            f"custom_reward_function.path={tmp_path / 'reward.py'}",
+            "custom_reward_function.name=my_score",
+        ),
+    )
     assert "reward function my_score on sample 0 (data_source 'arithmetic', response " in line
     assert ("without 'score'" if "acc" in returned else f"returned {type(eval(returned)).__name__} ") in line
     assert "a score is a number (bool, int, float or a 0-d tensor) or a dict with a numeric 'score'" in line
 
 
-def test_a_huge_learning_rate_stops_at_the_update_that_broke_the_weights(data_dir, tiny_model_path, tmp_path,
-                                                                          capsys):
+def test_a_huge_learning_rate_stops_at_the_update_that_broke_the_weights(
+    data_dir, tiny_model_path, tmp_path, capsys
+):
     """Before: "probability tensor contains either inf, nan or element < 0" from inside generate."""
-    line = error_line(capsys, overrides(data_dir, tiny_model_path, tmp_path, "actor_rollout_ref.actor.optim.lr=1e15"))
-    assert line == ("hybridflow train: error: the model's next-token scores are not finite (inf or NaN): the update "
-                    "of training step 1 (lr 1e+15) broke the weights; lower actor_rollout_ref.actor.optim.lr")
+    line = error_line(
+        capsys, overrides(data_dir, tiny_model_path, tmp_path, "actor_rollout_ref.actor.optim.lr=1e15")
+    )
+    assert line == (
+        "hybridflow train: error: the model's next-token scores are not finite (inf or NaN): the update "
+        "of training step 1 (lr 1e+15) broke the weights; lower actor_rollout_ref.actor.optim.lr"
+    )
 
 
-def test_more_ray_workers_than_cpus_is_refused_up_front(data_dir, tiny_model_path, tmp_path, capsys, ray_session):
+def test_more_ray_workers_than_cpus_is_refused_up_front(
+    data_dir, tiny_model_path, tmp_path, capsys, ray_session
+):
     """Before: Ray's resource message after the placement timed out (about 70 s)."""
     start = time.monotonic()
-    line = error_line(capsys, overrides(data_dir, tiny_model_path, tmp_path, "trainer.backend=ray",
-                                        "trainer.n_workers=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"))
+    line = error_line(
+        capsys,
+        overrides(
+            data_dir,
+            tiny_model_path,
+            tmp_path,
+            "trainer.backend=ray",
+            "trainer.n_workers=8",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+        ),
+    )
     assert time.monotonic() - start < 30
     assert "trainer.n_workers=8 needs 8 CPUs on Ray, but Ray sees" in line and "(of 2)" in line
 
 
 # ------------------------------------------------------------------------------------ the run folder
-def test_a_second_run_on_a_folder_is_refused_and_a_killed_holder_leaves_no_lock(data_dir, tiny_model_path,
-                                                                                 tmp_path, capsys):
+def test_a_second_run_on_a_folder_is_refused_and_a_killed_holder_leaves_no_lock(
+    data_dir, tiny_model_path, tmp_path, capsys
+):
     """Before: both runs exited 0, interleaving their checkpoints and log lines."""
     run_dir = tmp_path / "run"
     ready, tell = os.pipe()
     holder = os.fork()
     if holder == 0:  # the first run: takes the lock and works until killed
         try:
-            lock = RunLock(run_dir)  # kept referenced: a collected RunLock closes its file, releasing the lock
+            lock = RunLock(
+                run_dir
+            )  # kept referenced: a collected RunLock closes its file, releasing the lock
             lock.acquire()
             os.write(tell, b"1")
             time.sleep(120)
@@ -238,7 +320,9 @@ def test_a_second_run_on_a_folder_is_refused_and_a_killed_holder_leaves_no_lock(
         pass
 
 
-def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(reference, data_dir, tiny_model_path, tmp_path):
+def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(
+    reference, data_dir, tiny_model_path, tmp_path
+):
     """Before: "SafetensorError: incomplete metadata" stopped every auto-resume."""
     run_dir = stopped_after_step_2(reference[0], tmp_path / "run")
     with open(run_dir / "global_step_2" / "actor" / "huggingface" / "model.safetensors", "r+b") as f:
@@ -248,7 +332,9 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(reference, da
     assert_identical_runs(run_dir, reference[0])
 
 
-def test_a_damaged_checkpoint_without_a_manifest_is_named(reference, data_dir, tiny_model_path, tmp_path, capsys):
+def test_a_damaged_checkpoint_without_a_manifest_is_named(
+    reference, data_dir, tiny_model_path, tmp_path, capsys
+):
     """A checkpoint saved before manifests (plain-text marker) cannot be verified up front: reading it says
     which file is damaged, in one line."""
     run_dir = stopped_after_step_2(reference[0], tmp_path / "run")
@@ -257,7 +343,10 @@ def test_a_damaged_checkpoint_without_a_manifest_is_named(reference, data_dir, t
     with open(weights, "r+b") as f:
         f.truncate(1000)
     line = error_line(capsys, overrides(data_dir, tiny_model_path, run_dir))
-    assert f"{weights} cannot be read (" in line and "the checkpoint is damaged; resume from an earlier one" in line
+    assert (
+        f"{weights} cannot be read (" in line
+        and "the checkpoint is damaged; resume from an earlier one" in line
+    )
 
 
 def test_a_torn_metrics_line_is_dropped(reference, data_dir, tiny_model_path, tmp_path, caplog):
@@ -273,19 +362,33 @@ def test_a_torn_metrics_line_is_dropped(reference, data_dir, tiny_model_path, tm
 def test_resuming_with_another_batch_size_is_refused(reference, data_dir, tiny_model_path, tmp_path, capsys):
     run_dir = stopped_after_step_2(reference[0], tmp_path / "run")
     line = error_line(capsys, overrides(data_dir, tiny_model_path, run_dir, "data.train_batch_size=8"))
-    assert f"cannot resume from {run_dir / 'global_step_2'}: it was saved with other data settings " \
-           "(data.train_batch_size 4 -> 8)" in line
+    assert (
+        f"cannot resume from {run_dir / 'global_step_2'}: it was saved with other data settings "
+        "(data.train_batch_size 4 -> 8)" in line
+    )
 
 
-def test_changed_settings_apply_on_resume_and_are_logged(reference, data_dir, tiny_model_path, tmp_path, caplog):
+def test_changed_settings_apply_on_resume_and_are_logged(
+    reference, data_dir, tiny_model_path, tmp_path, caplog
+):
     """Before: the checkpoint's learning rate (and fixed KL coefficient) was kept, silently."""
     run_dir = stopped_after_step_2(reference[0], tmp_path / "run")
-    resume(overrides(data_dir, tiny_model_path, run_dir, "actor_rollout_ref.actor.optim.lr=2e-3",
-                     "algorithm.kl_ctrl.kl_coef=0.005"))
+    resume(
+        overrides(
+            data_dir,
+            tiny_model_path,
+            run_dir,
+            "actor_rollout_ref.actor.optim.lr=2e-3",
+            "algorithm.kl_ctrl.kl_coef=0.005",
+        )
+    )
     mine, theirs = logged(run_dir)[3], logged(reference[0])[3]
     assert (mine["actor/lr"], theirs["actor/lr"]) == (2e-3, 1e-3)
     assert (mine["training/kl_coef"], theirs["training/kl_coef"]) == (0.005, 0.001)
-    assert "actor: resuming with lr 0.002 instead of the checkpoint's 0.001: applied from this step on" in caplog.text
+    assert (
+        "actor: resuming with lr 0.002 instead of the checkpoint's 0.001: applied from this step on"
+        in caplog.text
+    )
     assert "resuming with algorithm.kl_ctrl.kl_coef 0.005 instead of the checkpoint's 0.001" in caplog.text
 
 
@@ -305,6 +408,7 @@ def killed_at_event(args: list[str], event: int) -> None:
         def wrapper(*a, **kw):
             tick()
             return fn(*a, **kw)
+
         return wrapper
 
     code = 1
@@ -322,7 +426,9 @@ def killed_at_event(args: list[str], event: int) -> None:
         os._exit(code)
 
 
-def test_a_run_killed_at_random_moments_resumes_bit_identically(reference, data_dir, tiny_model_path, tmp_path):
+def test_a_run_killed_at_random_moments_resumes_bit_identically(
+    reference, data_dir, tiny_model_path, tmp_path
+):
     """SIGKILL at seeded random moments (a 3-step run has about 100 of them: stages, and the fsyncs and
     renames of saving, committing, recording and pruning), a resume after each; the finished run logs the
     same numbers and holds the same weights as the uninterrupted one."""

@@ -33,16 +33,29 @@ from hybridflow.workers.packing import MicroBatching
 def data(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("offline")
     for fmt in ("sft", "dpo", "kto"):
-        prepare_data(["arithmetic", str(out / fmt), "--format", fmt, "--train-size", "16", "--test-size", "4"])
+        prepare_data(
+            ["arithmetic", str(out / fmt), "--format", fmt, "--train-size", "16", "--test-size", "4"]
+        )
     return out
 
 
-def overrides(data: Path, kind: str, model: str, run: Path, *extra: str, val: str = "train.parquet") -> list[str]:
+def overrides(
+    data: Path, kind: str, model: str, run: Path, *extra: str, val: str = "train.parquet"
+) -> list[str]:
     """Validation on the training rows by default: whether the objective is learned, not generalisation."""
-    return [f"data.train_files={data / kind / 'train.parquet'}", f"data.val_files={data / kind / val}",
-            f"model.partial_pretrain={model}", f"trainer.default_local_dir={run}", "data.train_batch_size=4",
-            "data.micro_batch_size_per_gpu=2", "data.max_length=128", "optim.lr=2e-3", "trainer.logger=[file]",
-            "trainer.total_training_steps=4", *extra]
+    return [
+        f"data.train_files={data / kind / 'train.parquet'}",
+        f"data.val_files={data / kind / val}",
+        f"model.partial_pretrain={model}",
+        f"trainer.default_local_dir={run}",
+        "data.train_batch_size=4",
+        "data.micro_batch_size_per_gpu=2",
+        "data.max_length=128",
+        "optim.lr=2e-3",
+        "trainer.logger=[file]",
+        "trainer.total_training_steps=4",
+        *extra,
+    ]
 
 
 def logged(run: Path) -> list[dict]:
@@ -56,11 +69,21 @@ def test_packaged_yaml_equals_the_dataclass_defaults(kind):
 
 
 def test_config_uses_verl_sft_names_and_names_bad_keys(tmp_path):
-    cfg = load_offline_config(SFTConfig, ["data.train_files=a.parquet", "model.partial_pretrain=~/m",
-                                          "data.max_length=256", "optim.lr=1e-4", "trainer.total_epochs=2"])
+    cfg = load_offline_config(
+        SFTConfig,
+        [
+            "data.train_files=a.parquet",
+            "model.partial_pretrain=~/m",
+            "data.max_length=256",
+            "optim.lr=1e-4",
+            "trainer.total_epochs=2",
+        ],
+    )
     assert (cfg.data.max_length, cfg.optim.lr, cfg.trainer.total_epochs) == (256, 1e-4, 2)
     assert not cfg.model.partial_pretrain.startswith("~") and cfg.data.seed == cfg.trainer.seed
-    with pytest.raises(ConfigError, match="unknown config key 'optim.learning_rate'.*did you mean 'optim.lr'"):
+    with pytest.raises(
+        ConfigError, match="unknown config key 'optim.learning_rate'.*did you mean 'optim.lr'"
+    ):
         load_offline_config(SFTConfig, ["data.train_files=a", "optim.learning_rate=1"])
     with pytest.raises(ConfigError, match="dpo.loss_type: unknown preference loss 'kto'"):
         load_offline_config(DPOConfig, ["data.train_files=a", "dpo.loss_type=kto"])
@@ -69,7 +92,9 @@ def test_config_uses_verl_sft_names_and_names_bad_keys(tmp_path):
     with pytest.raises(ConfigError, match="data.train_files is required"):
         load_offline_config(SFTConfig, [])
     with pytest.raises(ConfigError, match="data.max_token_len_per_gpu must be >= 1, got 0"):
-        load_offline_config(SFTConfig, ["data.train_files=a", "data.use_dynamic_bsz=true", "data.max_token_len_per_gpu=0"])
+        load_offline_config(
+            SFTConfig, ["data.train_files=a", "data.use_dynamic_bsz=true", "data.max_token_len_per_gpu=0"]
+        )
     with pytest.raises(ConfigError, match="model.lora_rank must be >= 0"):
         load_offline_config(DPOConfig, ["data.train_files=a", "model.lora_rank=-1"])
 
@@ -79,8 +104,9 @@ def test_dpo_starts_at_ln2_and_learns_the_preferences(data, tiny_model_path, tmp
     extra = ["trainer.backend=ray", "trainer.n_workers=2"] if backend == "ray" else []
     if backend == "ray":
         request.getfixturevalue("ray_session")
-    with OfflineTrainer(load_offline_config(DPOConfig, overrides(data, "dpo", tiny_model_path, tmp_path, *extra))) \
-            as trainer:
+    with OfflineTrainer(
+        load_offline_config(DPOConfig, overrides(data, "dpo", tiny_model_path, tmp_path, *extra))
+    ) as trainer:
         trainer.fit()
     rows = logged(tmp_path)
     before, first, after = rows[0], rows[1], rows[-1]
@@ -89,7 +115,9 @@ def test_dpo_starts_at_ln2_and_learns_the_preferences(data, tiny_model_path, tmp
     assert before["val/rewards/margins"] == pytest.approx(0, abs=1e-5)
     assert after["val/rewards/margins"] > 0.02 and after["val/loss"] < math.log(2) - 0.01
     assert after["val/rewards/accuracies"] >= 0.75
-    assert {"rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "actor/grad_norm"} <= set(first)
+    assert {"rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "actor/grad_norm"} <= set(
+        first
+    )
     model, _ = load_trained_actor(tmp_path)  # the checkpoint is a plain Hugging Face model
     assert find_latest_checkpoint(tmp_path).name == "global_step_4" and model.config.model_type == "llama"
 
@@ -112,10 +140,15 @@ def test_sft_lowers_the_validation_loss_and_cli_names_config_errors(data, tiny_m
 
 
 def test_sft_resumes_from_its_last_checkpoint(data, tiny_model_path, tmp_path):
-    with OfflineTrainer(load_offline_config(SFTConfig, overrides(data, "sft", tiny_model_path, tmp_path,
-                                                                 "trainer.total_training_steps=2"))) as trainer:
+    with OfflineTrainer(
+        load_offline_config(
+            SFTConfig, overrides(data, "sft", tiny_model_path, tmp_path, "trainer.total_training_steps=2")
+        )
+    ) as trainer:
         trainer.fit()
-    resumed = OfflineTrainer(load_offline_config(SFTConfig, overrides(data, "sft", tiny_model_path, tmp_path)))
+    resumed = OfflineTrainer(
+        load_offline_config(SFTConfig, overrides(data, "sft", tiny_model_path, tmp_path))
+    )
     resumed.init_workers()
     resumed.load_checkpoint()
     assert (resumed.global_step, resumed.train_loader.position) == (2, 2)
@@ -125,13 +158,27 @@ def test_sft_resumes_from_its_last_checkpoint(data, tiny_model_path, tmp_path):
 def test_dpo_with_lora_takes_the_reference_from_the_adapter_off(data, tiny_model_path, tmp_path, monkeypatch):
     loaded = []  # every model the workers build (the real loader, counted)
     load_model = actor_worker.load_model
-    monkeypatch.setattr(actor_worker, "load_model", lambda *a, **k: loaded.append(a[0]) or load_model(*a, **k))
-    config = load_offline_config(DPOConfig, overrides(data, "dpo", tiny_model_path, tmp_path, "model.lora_rank=4",
-                                                      "model.lora_alpha=8", "optim.lr=1e-2",
-                                                      "trainer.total_training_steps=2"))
+    monkeypatch.setattr(
+        actor_worker, "load_model", lambda *a, **k: loaded.append(a[0]) or load_model(*a, **k)
+    )
+    config = load_offline_config(
+        DPOConfig,
+        overrides(
+            data,
+            "dpo",
+            tiny_model_path,
+            tmp_path,
+            "model.lora_rank=4",
+            "model.lora_alpha=8",
+            "optim.lr=1e-2",
+            "trainer.total_training_steps=2",
+        ),
+    )
     with OfflineTrainer(config) as trainer:
         trainer.fit()
-        assert loaded == [tiny_model_path] and trainer.wg.ref is trainer.wg.actor_rollout  # one model, no copy
+        assert (
+            loaded == [tiny_model_path] and trainer.wg.ref is trainer.wg.actor_rollout
+        )  # one model, no copy
         batch = next(iter(trainer.val_loader))
         ref = trainer.wg.ref.compute_ref_log_prob(batch).batch["ref_log_prob"]
         policy = trainer.wg.actor_rollout.compute_log_prob(batch).batch["old_log_probs"]
@@ -140,23 +187,34 @@ def test_dpo_with_lora_takes_the_reference_from_the_adapter_off(data, tiny_model
     torch.testing.assert_close(ref[mask], base[mask], rtol=1e-5, atol=1e-5)  # adapter off = the base model
     assert (policy - ref)[mask].abs().max() > 1e-3  # while the trained adapter did move the policy
     rows = logged(tmp_path)
-    assert rows[0]["val/loss"] == pytest.approx(math.log(2), abs=1e-5)  # LoRA's B starts at 0: policy = reference
+    assert rows[0]["val/loss"] == pytest.approx(
+        math.log(2), abs=1e-5
+    )  # LoRA's B starts at 0: policy = reference
     assert rows[1]["train/loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert rows[-1]["val/rewards/margins"] > 0
 
 
-def test_sft_token_budget_micro_batches_give_the_fixed_size_update(data, tiny_model_path, tmp_path, monkeypatch):
+def test_sft_token_budget_micro_batches_give_the_fixed_size_update(
+    data, tiny_model_path, tmp_path, monkeypatch
+):
     cuts = []  # rows of each micro-batch the update ran (the real split, recorded)
     split = MicroBatching.split
-    monkeypatch.setattr(MicroBatching, "split", lambda self, d, count=0: cuts.append(
-        [len(m) for m, _ in split(self, d, count)]) or split(self, d, count))
+    monkeypatch.setattr(
+        MicroBatching,
+        "split",
+        lambda self, d, count=0: (
+            cuts.append([len(m) for m, _ in split(self, d, count)]) or split(self, d, count)
+        ),
+    )
 
     def one_step(*extra: str) -> tuple[dict, dict, float, object]:
         """Weights before and after one SFT step, its gradient norm (before clipping), the batch."""
         config = load_offline_config(SFTConfig, overrides(data, "sft", tiny_model_path, tmp_path, *extra))
         with OfflineTrainer(config) as trainer:
             trainer.init_workers()
-            start = {k: v.copy() for k, v in trainer.wg.actor_rollout.get_weights()[0].items()}  # local: views
+            start = {
+                k: v.copy() for k, v in trainer.wg.actor_rollout.get_weights()[0].items()
+            }  # local: views
             batch = next(iter(trainer.train_loader))
             norm = trainer.train_step(batch)["actor/grad_norm"]
             return start, trainer.wg.actor_rollout.get_weights()[0], norm, batch

@@ -17,24 +17,38 @@ from hybridflow.trainer.worker_groups import placement
 SYNCED_TOL = 1e-4
 
 # A reward that varies within every group (so GRPO updates each step), shipped to the reward worker by value.
-LENGTH_REWARD = '''
+LENGTH_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return len(solution_str) / 20.0
-'''
+"""
 
 
 def _config(data_dir: Path, model: str, run_dir: Path, *overrides: str):
     reward_file = run_dir.parent / "length_reward.py"
     reward_file.write_text(LENGTH_REWARD)
-    return load_config([f"custom_reward_function.path={reward_file}",
-        f"data.train_files={data_dir / 'train.parquet'}", f"actor_rollout_ref.model.path={model}",
-        f"trainer.default_local_dir={run_dir}", "data.max_prompt_length=64", "data.max_response_length=4",
-        "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "actor_rollout_ref.actor.optim.lr=1e-2",
-        "algorithm.adv_estimator=grpo", "trainer.total_training_steps=3", "trainer.logger=[file]",
-        "trainer.backend=ray", "trainer.cpus_per_worker=0.5", "trainer.save_freq=-1", "trainer.seed=3",
-        *overrides,
-    ])
+    return load_config(
+        [
+            f"custom_reward_function.path={reward_file}",
+            f"data.train_files={data_dir / 'train.parquet'}",
+            f"actor_rollout_ref.model.path={model}",
+            f"trainer.default_local_dir={run_dir}",
+            "data.max_prompt_length=64",
+            "data.max_response_length=4",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+            "actor_rollout_ref.actor.optim.lr=1e-2",
+            "algorithm.adv_estimator=grpo",
+            "trainer.total_training_steps=3",
+            "trainer.logger=[file]",
+            "trainer.backend=ray",
+            "trainer.cpus_per_worker=0.5",
+            "trainer.save_freq=-1",
+            "trainer.seed=3",
+            *overrides,
+        ]
+    )
 
 
 def _steps(run_dir: Path) -> list[dict]:
@@ -44,31 +58,50 @@ def _steps(run_dir: Path) -> list[dict]:
 def test_split_runs_roles_apart_and_trains_as_colocated(data_dir, tiny_model_path, tmp_path, ray_session):
     with PPOTrainer(_config(data_dir, tiny_model_path, tmp_path / "colocated")) as trainer:
         trainer.fit()
-    with PPOTrainer(_config(data_dir, tiny_model_path, tmp_path / "split", "trainer.placement=split")) as trainer:
+    with PPOTrainer(
+        _config(data_dir, tiny_model_path, tmp_path / "split", "trainer.placement=split")
+    ) as trainer:
         trainer.fit()
         wg = trainer.wg
-        pids = {"driver": os.getpid(), "actor": wg.actor_rollout.execute_all("pid")[0],
-                "rollout": wg.rollout.execute_all("pid")[0], "reward": wg.reward.execute_all("pid")[0]}
+        pids = {
+            "driver": os.getpid(),
+            "actor": wg.actor_rollout.execute_all("pid")[0],
+            "rollout": wg.rollout.execute_all("pid")[0],
+            "reward": wg.reward.execute_all("pid")[0],
+        }
     assert len(set(pids.values())) == 4, pids
 
     colocated, split = _steps(tmp_path / "colocated"), _steps(tmp_path / "split")
     assert [row["step"] for row in split] == [1, 2, 3]
     # after each update the rollout worker samples with the actor's new weights
-    assert all(row["rollout/logprob_diff_max"] < SYNCED_TOL for row in split), [r["rollout/logprob_diff_max"]
-                                                                                for r in split]
+    assert all(row["rollout/logprob_diff_max"] < SYNCED_TOL for row in split), [
+        r["rollout/logprob_diff_max"] for r in split
+    ]
     assert all(row["timing_s/sync_weights"] > 0 for row in split)
     assert "timing_s/sync_weights" not in colocated[0]
     assert colocated[-1]["actor/pg_loss"] != colocated[0]["actor/pg_loss"]  # it did train
     for a, b in zip(colocated, split):
-        for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy",
-                    "response_length/mean", "critic/advantages/mean"):
+        for key in (
+            "critic/score/mean",
+            "actor/pg_loss",
+            "actor/grad_norm",
+            "actor/entropy",
+            "response_length/mean",
+            "critic/advantages/mean",
+        ):
             assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), (a["step"], key, a[key], b[key])
 
 
 def test_placement_presets_and_overrides(data_dir, tiny_model_path, tmp_path):
-    cfg = _config(data_dir, tiny_model_path, tmp_path, "trainer.placement=split", "trainer.n_workers=2",
-                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-                  "+trainer.resource_pool_spec.rollout=[2]")
+    cfg = _config(
+        data_dir,
+        tiny_model_path,
+        tmp_path,
+        "trainer.placement=split",
+        "trainer.n_workers=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "+trainer.resource_pool_spec.rollout=[2]",
+    )
     pools, roles = placement(cfg)
     assert pools == {"actor": [2], "rollout": [2], "reward": [1]}
     assert roles["critic"] == roles["ref"] == "actor" and roles["reward_model"] == "reward"

@@ -11,29 +11,47 @@ from hybridflow.trainer import PPOTrainer, load_config
 EXPECTED_METRICS = [
     *(f"timing_s/{k}" for k in ("gen", "reward", "adv", "update_actor", "step")),
     *(f"actor/{k}" for k in ("pg_loss", "entropy", "pg_clipfrac", "ppo_kl", "grad_norm", "lr")),
-    "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean", "critic/returns/mean",
-    "response_length/mean", "response_length/max", "response_length/clip_ratio",
-    "perf/throughput", "perf/time_per_step", "perf/total_num_tokens", "rollout/logprob_diff",
+    "critic/score/mean",
+    "critic/rewards/mean",
+    "critic/advantages/mean",
+    "critic/returns/mean",
+    "response_length/mean",
+    "response_length/max",
+    "response_length/clip_ratio",
+    "perf/throughput",
+    "perf/time_per_step",
+    "perf/total_num_tokens",
+    "rollout/logprob_diff",
 ]
 WITH_CRITIC = ["timing_s/values", "timing_s/update_critic", "critic/vf_loss", "critic/values/mean"]
 WITH_REF = ["timing_s/ref", "actor/kl_loss"]
 
-FIRST_DIGIT_REWARD = '''
+FIRST_DIGIT_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return 1.0 if solution_str[:1].isdigit() else 0.0
-'''
+"""
 
 
 def config(data_dir: Path, model: str, run_dir: Path, *overrides: str):
-    return load_config([
-        f"data.train_files={data_dir / 'train.parquet'}", f"data.val_files={data_dir / 'test.parquet'}",
-        f"actor_rollout_ref.model.path={model}", f"trainer.default_local_dir={run_dir}",
-        "data.max_prompt_length=64", "data.max_response_length=4", "data.train_batch_size=4",
-        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.optim.lr=1e-3",
-        "critic.ppo_micro_batch_size_per_gpu=4", "trainer.total_training_steps=3", "trainer.logger=[file]",
-        *overrides,
-    ])
+    return load_config(
+        [
+            f"data.train_files={data_dir / 'train.parquet'}",
+            f"data.val_files={data_dir / 'test.parquet'}",
+            f"actor_rollout_ref.model.path={model}",
+            f"trainer.default_local_dir={run_dir}",
+            "data.max_prompt_length=64",
+            "data.max_response_length=4",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.actor.optim.lr=1e-3",
+            "critic.ppo_micro_batch_size_per_gpu=4",
+            "trainer.total_training_steps=3",
+            "trainer.logger=[file]",
+            *overrides,
+        ]
+    )
 
 
 def logged(run_dir: Path) -> list[dict]:
@@ -55,9 +73,16 @@ def check_run(run_dir: Path, expected: list[str]) -> None:
 def test_grpo_three_steps(backend, data_dir, tiny_model_path, tmp_path, request, capsys):
     if backend == "ray":
         request.getfixturevalue("ray_session")
-    cfg = config(data_dir, tiny_model_path, tmp_path, "algorithm.adv_estimator=grpo",
-                 "actor_rollout_ref.actor.use_kl_loss=true", f"trainer.backend={backend}", "trainer.n_workers=2"
-                 if backend == "ray" else "trainer.n_workers=1", "trainer.log_val_generations=2")
+    cfg = config(
+        data_dir,
+        tiny_model_path,
+        tmp_path,
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        f"trainer.backend={backend}",
+        "trainer.n_workers=2" if backend == "ray" else "trainer.n_workers=1",
+        "trainer.log_val_generations=2",
+    )
     with PPOTrainer(cfg) as trainer:  # closing gives the Ray actors' CPUs back for the next test
         metrics = trainer.fit()
     check_run(tmp_path, EXPECTED_METRICS + WITH_REF)
@@ -72,9 +97,17 @@ def test_grpo_three_steps(backend, data_dir, tiny_model_path, tmp_path, request,
 def test_ppo_with_critic_three_steps(backend, data_dir, tiny_model_path, tmp_path, request):
     if backend == "ray":
         request.getfixturevalue("ray_session")
-    cfg = config(data_dir, tiny_model_path, tmp_path, "algorithm.adv_estimator=gae", "algorithm.lam=0.95",
-                 "algorithm.use_kl_in_reward=true", "actor_rollout_ref.actor.ppo_epochs=2",
-                 f"trainer.backend={backend}", f"trainer.n_workers={2 if backend == 'ray' else 1}")
+    cfg = config(
+        data_dir,
+        tiny_model_path,
+        tmp_path,
+        "algorithm.adv_estimator=gae",
+        "algorithm.lam=0.95",
+        "algorithm.use_kl_in_reward=true",
+        "actor_rollout_ref.actor.ppo_epochs=2",
+        f"trainer.backend={backend}",
+        f"trainer.n_workers={2 if backend == 'ray' else 1}",
+    )
     with PPOTrainer(cfg) as trainer:
         trainer.fit()
     check_run(tmp_path, EXPECTED_METRICS + WITH_CRITIC + ["timing_s/old_log_prob", "timing_s/ref"])
@@ -83,9 +116,12 @@ def test_ppo_with_critic_three_steps(backend, data_dir, tiny_model_path, tmp_pat
 
 # Rank-8 adapters, on the output layer too: the random tiny model's logits are near uniform, and adapters on
 # its hidden layers alone barely move them (the reward stayed at 0.16-0.20 with all-linear at lr 3e-2 and 1e-1).
-LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
-        "actor_rollout_ref.model.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]",
-        "actor_rollout_ref.actor.optim.lr=3e-2"]
+LORA = [
+    "actor_rollout_ref.model.lora_rank=8",
+    "actor_rollout_ref.model.lora_alpha=16",
+    "actor_rollout_ref.model.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]",
+    "actor_rollout_ref.actor.optim.lr=3e-2",
+]
 
 
 @pytest.mark.parametrize("extra", [[], LORA], ids=["full", "lora"])
@@ -93,11 +129,22 @@ def test_grpo_learns_a_simple_preference(extra, data_dir, tiny_model_path, tmp_p
     """Reward 1 when the response starts with a digit (about 1 in 8 samples of the random tiny model)."""
     reward_file = tmp_path / "reward.py"
     reward_file.write_text(FIRST_DIGIT_REWARD)
-    cfg = config(data_dir, tiny_model_path, tmp_path / "run", "algorithm.adv_estimator=grpo",
-                 f"custom_reward_function.path={reward_file}", "data.train_batch_size=8",
-                 "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64", "actor_rollout_ref.actor.optim.lr=1e-2",
-                 "trainer.total_training_steps=25", "trainer.val_before_train=false", "trainer.seed=0", *extra)
+    cfg = config(
+        data_dir,
+        tiny_model_path,
+        tmp_path / "run",
+        "algorithm.adv_estimator=grpo",
+        f"custom_reward_function.path={reward_file}",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.rollout.n=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64",
+        "actor_rollout_ref.actor.optim.lr=1e-2",
+        "trainer.total_training_steps=25",
+        "trainer.val_before_train=false",
+        "trainer.seed=0",
+        *extra,
+    )
     cfg.data.val_files = None
     with PPOTrainer(cfg) as trainer:
         trainer.fit()

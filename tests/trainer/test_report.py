@@ -22,15 +22,26 @@ def run_dir(tmp_path_factory, tiny_model_path) -> Path:
     each validation (before training and after the last step)."""
     data, run = tmp_path_factory.mktemp("data"), tmp_path_factory.mktemp("run") / "grpo"
     prepare_data(["arithmetic", str(data), "--train-size", "16", "--test-size", "4", "--seed", "0"])
-    cfg = load_config([
-        f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}",
-        f"actor_rollout_ref.model.path={tiny_model_path}", f"trainer.default_local_dir={run}",
-        "data.max_prompt_length=64", "data.max_response_length=4", "data.train_batch_size=4",
-        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "algorithm.adv_estimator=grpo",
-        "actor_rollout_ref.actor.use_kl_loss=true", "trainer.total_training_steps=3", "trainer.logger=[file]",
-        "trainer.log_val_generations=2", "trainer.save_freq=2",
-    ])
+    cfg = load_config(
+        [
+            f"data.train_files={data / 'train.parquet'}",
+            f"data.val_files={data / 'test.parquet'}",
+            f"actor_rollout_ref.model.path={tiny_model_path}",
+            f"trainer.default_local_dir={run}",
+            "data.max_prompt_length=64",
+            "data.max_response_length=4",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "trainer.total_training_steps=3",
+            "trainer.logger=[file]",
+            "trainer.log_val_generations=2",
+            "trainer.save_freq=2",
+        ]
+    )
     with PPOTrainer(cfg) as trainer:
         trainer.fit()
     return run
@@ -41,14 +52,20 @@ def _jsonl(path: Path) -> list[dict]:
 
 
 def _embedded(html_path: Path) -> dict:
-    match = re.search(r"<script type='application/json' id='report-data'>(.*?)</script>", html_path.read_text())
+    match = re.search(
+        r"<script type='application/json' id='report-data'>(.*?)</script>", html_path.read_text()
+    )
     return json.loads(match[1])
 
 
 def test_trainer_records_stage_spans_and_validation_samples(run_dir):
     spans = _jsonl(run_dir / "timeline.jsonl")
     assert sorted({s["step"] for s in spans}) == [1, 2, 3]
-    after_step = {1: [], 2: ["checkpoint"], 3: ["validate", "checkpoint"]}  # save_freq 2, validation at the end
+    after_step = {
+        1: [],
+        2: ["checkpoint"],
+        3: ["validate", "checkpoint"],
+    }  # save_freq 2, validation at the end
     for step in (1, 2, 3):
         stages = {s["stage"]: s for s in spans if s["step"] == step}
         assert set(stages) == {"gen", "reward", "ref", "adv", "update_actor", "step", *after_step[step]}
@@ -56,7 +73,14 @@ def test_trainer_records_stage_spans_and_validation_samples(run_dir):
         assert stages["ref"]["group"] == "ref" and stages["adv"]["group"] == "driver"
         whole = stages.pop("step")
         ordered = sorted(stages.values(), key=lambda s: s["start"])
-        assert [s["stage"] for s in ordered] == ["gen", "reward", "ref", "adv", "update_actor", *after_step[step]]
+        assert [s["stage"] for s in ordered] == [
+            "gen",
+            "reward",
+            "ref",
+            "adv",
+            "update_actor",
+            *after_step[step],
+        ]
         inside = ordered[:5]
         for before, after in zip(inside, inside[1:]):  # stages run one after the other, inside the step
             assert whole["start"] <= before["start"] <= before["end"] <= after["start"] <= whole["end"]

@@ -30,25 +30,42 @@ NOT_DETERMINISTIC = ("timing_s/", "perf/time_per_step", "perf/throughput")  # wa
 ESTIMATORS = {
     "grpo": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=true"],
     # A critic, two PPO epochs and an adaptive KL coefficient: more state that a resume must bring back.
-    "gae": ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
-            "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=10",
-            "actor_rollout_ref.actor.ppo_epochs=2"],
+    "gae": [
+        "algorithm.adv_estimator=gae",
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.type=adaptive",
+        "algorithm.kl_ctrl.horizon=10",
+        "actor_rollout_ref.actor.ppo_epochs=2",
+    ],
 }
 # Sampled validation draws random numbers too (between training steps when test_freq=1), so a resume that
 # restored the weights but not the random state would sample other responses.
-SAMPLED_VALIDATION = [f"actor_rollout_ref.rollout.val_kwargs.{setting}"
-                      for setting in ("n=2", "do_sample=true", "temperature=1.0")]
-STEP_METRICS = ["critic/score/mean", "critic/rewards/mean", "critic/advantages/mean", "actor/pg_loss",
-                "actor/grad_norm", "actor/lr", "actor/kl_loss", "response_length/mean",
-                "training/global_step", "training/kl_coef", "timing_s/step", "perf/throughput"]
+SAMPLED_VALIDATION = [
+    f"actor_rollout_ref.rollout.val_kwargs.{setting}"
+    for setting in ("n=2", "do_sample=true", "temperature=1.0")
+]
+STEP_METRICS = [
+    "critic/score/mean",
+    "critic/rewards/mean",
+    "critic/advantages/mean",
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "actor/lr",
+    "actor/kl_loss",
+    "response_length/mean",
+    "training/global_step",
+    "training/kl_coef",
+    "timing_s/step",
+    "perf/throughput",
+]
 VAL_METRICS = ["val/arithmetic/reward/mean@2", "val/arithmetic/acc/mean@2", "val/arithmetic/pass@2"]
 
 # Depends on every character of the response, so any difference in the sampled text shows in the rewards,
 # advantages and losses (the arithmetic scorer gives a random tiny model 0 almost always).
-TEXT_HASH_REWARD = '''
+TEXT_HASH_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return sum(map(ord, solution_str)) % 7 / 6
-'''
+"""
 
 KILLED_DURING_SAVE = '''
 import sys, time
@@ -94,13 +111,22 @@ def data_dir(arithmetic_data) -> Path:
 
 def overrides(data_dir: Path, model: str, run_dir: Path, *extra: str) -> list[str]:
     return [
-        f"data.train_files={data_dir / 'train.parquet'}", f"data.val_files={data_dir / 'test.parquet'}",
-        f"actor_rollout_ref.model.path={model}", f"trainer.default_local_dir={run_dir}",
-        "data.max_prompt_length=64", "data.max_response_length=4", "data.train_batch_size=4",
-        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.optim.lr=1e-3",
-        "critic.ppo_micro_batch_size_per_gpu=4", "trainer.total_training_steps=3", "trainer.save_freq=1",
-        "trainer.logger=[file]", *extra,
+        f"data.train_files={data_dir / 'train.parquet'}",
+        f"data.val_files={data_dir / 'test.parquet'}",
+        f"actor_rollout_ref.model.path={model}",
+        f"trainer.default_local_dir={run_dir}",
+        "data.max_prompt_length=64",
+        "data.max_response_length=4",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "critic.ppo_micro_batch_size_per_gpu=4",
+        "trainer.total_training_steps=3",
+        "trainer.save_freq=1",
+        "trainer.logger=[file]",
+        *extra,
     ]
 
 
@@ -127,9 +153,11 @@ class Stop(RuntimeError):
 
 def stop_after_checkpoint(step: int):
     """A hook that ends ``fit`` right after ``step``'s checkpoint, like a job whose time ran out."""
+
     def hook(trainer, at_step, metrics, batch):
         if at_step == step:
             raise Stop(f"stopped after the checkpoint of step {step}")
+
     return hook
 
 
@@ -149,8 +177,12 @@ def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
 @pytest.mark.parametrize("estimator", list(ESTIMATORS))
 def test_resumed_run_repeats_the_uninterrupted_one(estimator, data_dir, tiny_model_path, tmp_path):
     (tmp_path / "reward.py").write_text(TEXT_HASH_REWARD)
-    extra = [*ESTIMATORS[estimator], *SAMPLED_VALIDATION, "trainer.test_freq=1",
-             f"custom_reward_function.path={tmp_path / 'reward.py'}"]
+    extra = [
+        *ESTIMATORS[estimator],
+        *SAMPLED_VALIDATION,
+        "trainer.test_freq=1",
+        f"custom_reward_function.path={tmp_path / 'reward.py'}",
+    ]
     PPOTrainer(load_config(overrides(data_dir, tiny_model_path, tmp_path / "a", *extra))).fit()
 
     interrupted = PPOTrainer(load_config(overrides(data_dir, tiny_model_path, tmp_path / "b", *extra)))
@@ -167,8 +199,15 @@ def test_resumed_run_repeats_the_uninterrupted_one(estimator, data_dir, tiny_mod
 
     a, b = logged(tmp_path / "a"), logged(tmp_path / "b")
     assert sorted(a) == sorted(b) == [0, 1, 2, 3]
-    for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/lr", "response_length/mean",
-                "val/arithmetic/reward/mean@2", "val/arithmetic/pass@2"):
+    for key in (
+        "critic/score/mean",
+        "actor/pg_loss",
+        "actor/grad_norm",
+        "actor/lr",
+        "response_length/mean",
+        "val/arithmetic/reward/mean@2",
+        "val/arithmetic/pass@2",
+    ):
         assert key in b[3], key
     assert len({a[step]["critic/score/mean"] for step in (1, 2, 3)}) == 3  # the reward does vary
     if estimator == "gae":  # the adaptive coefficient moved, so its restore is tested
@@ -176,8 +215,9 @@ def test_resumed_run_repeats_the_uninterrupted_one(estimator, data_dir, tiny_mod
         assert "critic/vf_loss" in b[3] and "critic/grad_norm" in b[3]
     assert deterministic(b[3]).keys() == deterministic(a[3]).keys()
     assert deterministic(b[3]) == pytest.approx(deterministic(a[3]), rel=0, abs=1e-6)
-    assert deterministic(last) == pytest.approx({k: v for k, v in deterministic(a[3]).items() if k != "step"},
-                                                rel=0, abs=1e-6)
+    assert deterministic(last) == pytest.approx(
+        {k: v for k, v in deterministic(a[3]).items() if k != "step"}, rel=0, abs=1e-6
+    )
 
 
 # ------------------------------------------------------------------------------------------ a finished run
@@ -186,9 +226,20 @@ def finished_run(data_dir, tiny_model_path, tmp_path_factory) -> tuple[PPOTraine
     """GRPO, 3 steps, a checkpoint each step keeping the newest 2, sampled validation (n=2) before training,
     at step 2 (test_freq) and at the end, logged to JSONL and TensorBoard."""
     run_dir = tmp_path_factory.mktemp("finished")
-    trainer = PPOTrainer(load_config(overrides(
-        data_dir, tiny_model_path, run_dir, *ESTIMATORS["grpo"], *SAMPLED_VALIDATION, "trainer.test_freq=2",
-        "trainer.max_ckpt_to_keep=2", "trainer.logger=[file,tensorboard]")))
+    trainer = PPOTrainer(
+        load_config(
+            overrides(
+                data_dir,
+                tiny_model_path,
+                run_dir,
+                *ESTIMATORS["grpo"],
+                *SAMPLED_VALIDATION,
+                "trainer.test_freq=2",
+                "trainer.max_ckpt_to_keep=2",
+                "trainer.logger=[file,tensorboard]",
+            )
+        )
+    )
     trainer.fit()
     return trainer, run_dir
 
@@ -200,12 +251,14 @@ def test_checkpoint_is_a_plain_hugging_face_folder(finished_run):
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert_same_weights(model, actor_module(trainer))
 
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}], tokenize=False, add_generation_prompt=True
+    )
     assert text.endswith("<|im_start|>assistant\n")
     inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
-    out = model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False,
-                         pad_token_id=tokenizer.pad_token_id)
+    out = model.generate(
+        **inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=tokenizer.pad_token_id
+    )
     assert out.shape == (1, inputs["input_ids"].shape[1] + 3)
 
     step = run_dir / "global_step_3"
@@ -281,8 +334,12 @@ def test_run_killed_during_a_save_resumes_from_the_previous_checkpoint(data_dir,
     script.write_text(KILLED_DURING_SAVE)
     args = overrides(data_dir, tiny_model_path, run_dir, *ESTIMATORS["grpo"])
     with open(tmp_path / "out.txt", "w") as out:
-        proc = subprocess.Popen([sys.executable, str(script), str(marker), *args], stdout=out,
-                                stderr=subprocess.STDOUT, env=SUBPROCESS_ENV)
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(marker), *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=SUBPROCESS_ENV,
+        )
         try:
             deadline = time.monotonic() + 180
             while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -326,8 +383,7 @@ def step_heads(stdout: str) -> list[str]:
 
 
 def run_command(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env=SUBPROCESS_ENV)
+    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300, env=SUBPROCESS_ENV)
     output = f"{done.stdout[-1500:]}\n{done.stderr[-3000:]}"
     assert done.returncode == 0, f"{cmd[:3]} exited with {done.returncode}:\n{output}"
     return done
@@ -339,8 +395,15 @@ def test_command_line_end_to_end(tmp_path):
     assert cli(["make-tiny-model", str(model)]) == 0
     assert (data / "train.parquet").is_file() and (model / "config.json").is_file()
 
-    args = overrides(data, str(model), run, *ESTIMATORS["grpo"], "trainer.logger=[console,file]",
-                     "trainer.save_freq=-1", "trainer.total_training_steps=2")
+    args = overrides(
+        data,
+        str(model),
+        run,
+        *ESTIMATORS["grpo"],
+        "trainer.logger=[console,file]",
+        "trainer.save_freq=-1",
+        "trainer.total_training_steps=2",
+    )
     trained = run_command([str(BIN / "hybridflow"), "train", *args], tmp_path)
     assert step_heads(trained.stdout) == ["step 0", "step 1", "step 2"]  # validation, then 2 steps
     step_lines = [line for line in trained.stdout.splitlines() if line.startswith("step ")]
@@ -356,8 +419,19 @@ def test_command_line_end_to_end(tmp_path):
     assert (run / "global_step_3" / COMPLETE_MARKER).is_file()
 
     prompt = "What is 2+3?"
-    answered = run_command([str(BIN / "hybridflow"), "generate", "--model", str(run), "--prompt", prompt,
-                            "--max-new-tokens", "6"], tmp_path)
+    answered = run_command(
+        [
+            str(BIN / "hybridflow"),
+            "generate",
+            "--model",
+            str(run),
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            "6",
+        ],
+        tmp_path,
+    )
     expected = chat(*hybridflow.load_trained_actor(run), prompt, max_new_tokens=6)  # greedy: deterministic
     assert answered.stdout == f">>> {prompt}\n{expected}\n"
 

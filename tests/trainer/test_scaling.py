@@ -18,11 +18,20 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 def test_fsdp2_lora_run_on_two_ray_workers_resumes_on_one(data_dir, tiny_model_path, tmp_path, ray_session):  # noqa: F811
     (tmp_path / "reward.py").write_text(TEXT_HASH_REWARD)
-    common = [f"custom_reward_function.path={tmp_path / 'reward.py'}", "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=true",
-              "actor_rollout_ref.actor.kl_loss_coef=0.1", "actor_rollout_ref.model.lora_rank=4",
-              "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.optim.lr=1e-2",
-              "trainer.save_freq=1", "trainer.val_before_train=false"]
-    cfg = config(data_dir, tiny_model_path, tmp_path / "two", *common, "trainer.backend=ray", "trainer.n_workers=2")
+    common = [
+        f"custom_reward_function.path={tmp_path / 'reward.py'}",
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_coef=0.1",
+        "actor_rollout_ref.model.lora_rank=4",
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        "actor_rollout_ref.actor.optim.lr=1e-2",
+        "trainer.save_freq=1",
+        "trainer.val_before_train=false",
+    ]
+    cfg = config(
+        data_dir, tiny_model_path, tmp_path / "two", *common, "trainer.backend=ray", "trainer.n_workers=2"
+    )
     with PPOTrainer(cfg) as trainer:
         trainer.fit()
     two = [row for row in logged(tmp_path / "two") if "timing_s/step" in row]
@@ -32,8 +41,15 @@ def test_fsdp2_lora_run_on_two_ray_workers_resumes_on_one(data_dir, tiny_model_p
     assert (step2 / "lora_adapter" / "adapter_model.safetensors").is_file()
     AutoModelForCausalLM.from_pretrained(step2 / "huggingface")  # merged, consolidated from both ranks
 
-    cfg = config(data_dir, tiny_model_path, tmp_path / "one", *common, "trainer.n_workers=1",
-                 "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step2.parent}")
+    cfg = config(
+        data_dir,
+        tiny_model_path,
+        tmp_path / "one",
+        *common,
+        "trainer.n_workers=1",
+        "trainer.resume_mode=resume_path",
+        f"trainer.resume_from_path={step2.parent}",
+    )
     with PPOTrainer(cfg) as trainer:
         trainer.fit()
     one = [row for row in logged(tmp_path / "one") if "timing_s/step" in row]

@@ -16,12 +16,25 @@ def _read_jsonl(path):
 
 def test_file_backend_writes_one_plain_json_object_per_step(tmp_path):
     tracker = Tracking("proj", "exp", "file", tmp_path)
-    tracker.log({"critic/score/mean": np.float32(0.5), "actor/pg_loss": torch.tensor(-0.25),
-                 "perf/total_num_tokens": np.int64(1200), "training/done": True}, step=1)
+    tracker.log(
+        {
+            "critic/score/mean": np.float32(0.5),
+            "actor/pg_loss": torch.tensor(-0.25),
+            "perf/total_num_tokens": np.int64(1200),
+            "training/done": True,
+        },
+        step=1,
+    )
     # Flushed each step: readable before finish().
     assert _read_jsonl(tmp_path / "metrics.jsonl") == [
-        {"step": 1, "critic/score/mean": 0.5, "actor/pg_loss": -0.25, "perf/total_num_tokens": 1200,
-         "training/done": 1}]
+        {
+            "step": 1,
+            "critic/score/mean": 0.5,
+            "actor/pg_loss": -0.25,
+            "perf/total_num_tokens": 1200,
+            "training/done": 1,
+        }
+    ]
     tracker.log({"critic/score/mean": 0.75}, step=2)
     tracker.finish()
     lines = _read_jsonl(tmp_path / "metrics.jsonl")
@@ -39,7 +52,11 @@ def test_resumed_run_continues_the_file_without_duplicate_steps(tmp_path):
     resumed.log({"x": 40.0}, step=4)
     resumed.finish()
     assert _read_jsonl(tmp_path / "metrics.jsonl") == [
-        {"step": 1, "x": 1.0}, {"step": 2, "x": 2.0}, {"step": 3, "x": 30.0}, {"step": 4, "x": 40.0}]
+        {"step": 1, "x": 1.0},
+        {"step": 2, "x": 2.0},
+        {"step": 3, "x": 30.0},
+        {"step": 4, "x": 40.0},
+    ]
 
 
 def test_non_numeric_metric_is_an_error_naming_it(tmp_path):
@@ -65,11 +82,20 @@ def test_tensorboard_event_file_holds_the_scalars(tmp_path):
 
 def test_console_line_format():
     metrics = {
-        "critic/score/mean": 0.42, "critic/rewards/mean": 0.40, "actor/ppo_kl": 0.0131, "actor/kl_loss": 0.5,
+        "critic/score/mean": 0.42,
+        "critic/rewards/mean": 0.40,
+        "actor/ppo_kl": 0.0131,
+        "actor/kl_loss": 0.5,
         "actor/kl_ref": 0.0312,
-        "actor/pg_loss": -0.1874, "critic/vf_loss": 0.021, "response_length/mean": 12.5,
-        "timing_s/gen": 3.14, "timing_s/update_actor": 5.16, "timing_s/step": 9.83, "timing_s/ref": 1.0,
-        "val/arith/acc/mean@1": 0.5, "perf/throughput": 123.0,
+        "actor/pg_loss": -0.1874,
+        "critic/vf_loss": 0.021,
+        "response_length/mean": 12.5,
+        "timing_s/gen": 3.14,
+        "timing_s/update_actor": 5.16,
+        "timing_s/step": 9.83,
+        "timing_s/ref": 1.0,
+        "val/arith/acc/mean@1": 0.5,
+        "perf/throughput": 123.0,
     }
     assert format_step_line(3, metrics) == (
         "step 3 | reward 0.42 | kl_ref 0.0312 | ppo_kl 0.0131 | pg_loss -0.187 | vf_loss 0.021 | resp_len 12.5 | "
@@ -78,8 +104,12 @@ def test_console_line_format():
 
 
 def test_console_line_falls_back_and_omits_missing_keys():
-    assert format_step_line(7, {"critic/rewards/mean": 1.0, "actor/reward_kl_penalty": 0.002,
-                                "response_length/mean": 250.4}) == "step 7 | reward 1 | kl_ref 0.002 | resp_len 250"
+    assert (
+        format_step_line(
+            7, {"critic/rewards/mean": 1.0, "actor/reward_kl_penalty": 0.002, "response_length/mean": 250.4}
+        )
+        == "step 7 | reward 1 | kl_ref 0.002 | resp_len 250"
+    )
     assert format_step_line(0, {"val/arith/reward/mean@1": 0.25}) == "step 0 | val/arith/reward/mean@1 0.25"
 
 
@@ -92,15 +122,19 @@ def test_console_backend_prints_the_line(tmp_path, capsys):
 
 
 def test_unknown_backend_is_an_error(tmp_path):
-    with pytest.raises(ValueError, match=r"unknown logger 'tensorbord' in trainer.logger; known: \['console'"):
+    with pytest.raises(
+        ValueError, match=r"unknown logger 'tensorbord' in trainer.logger; known: \['console'"
+    ):
         Tracking("p", "e", ["console", "tensorbord"], tmp_path)
 
 
 @pytest.mark.parametrize("name", ["wandb", "mlflow"])
 def test_missing_package_names_the_install_command(tmp_path, monkeypatch, name):
     monkeypatch.setitem(sys.modules, name, None)  # makes `import name` fail even where it is installed
-    with pytest.raises(ImportError, match=f"trainer.logger includes '{name}' but the package is not installed: "
-                                          f"pip install {name}"):
+    with pytest.raises(
+        ImportError,
+        match=f"trainer.logger includes '{name}' but the package is not installed: pip install {name}",
+    ):
         Tracking("p", "e", ["file", name], tmp_path)
 
 
@@ -113,8 +147,10 @@ def test_records_go_to_their_own_file_and_resume_like_the_metrics(tmp_path):
     resumed.log_records("timeline", [{"stage": "gen", "start": 4.0}], step=2)
     resumed.finish()
     assert _read_jsonl(tmp_path / "timeline.jsonl") == [
-        {"step": 1, "stage": "gen", "start": 1.0}, {"step": 1, "stage": "adv", "start": 2.0},
-        {"step": 2, "stage": "gen", "start": 4.0}]
+        {"step": 1, "stage": "gen", "start": 1.0},
+        {"step": 1, "stage": "adv", "start": 2.0},
+        {"step": 2, "stage": "gen", "start": 4.0},
+    ]
     assert not (tmp_path / "metrics.jsonl").exists()
     console_only = Tracking("p", "e", ["console"], tmp_path / "c")
     console_only.log_records("timeline", [{"stage": "gen"}], step=1)  # no file logger: nothing written

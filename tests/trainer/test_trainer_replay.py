@@ -22,7 +22,9 @@ from hybridflow.trainer.replay import (
 PAD = 9
 
 
-def rollouts(prompt_lengths: list[int], width: int, advantages: list[list[float]], start: int = 1) -> DataProto:
+def rollouts(
+    prompt_lengths: list[int], width: int, advantages: list[list[float]], start: int = 1
+) -> DataProto:
     """Rows of ``width`` left-padded prompt columns (real lengths ``prompt_lengths``) and 2 response tokens."""
     rows = []
     for i, length in enumerate(prompt_lengths):
@@ -33,12 +35,19 @@ def rollouts(prompt_lengths: list[int], width: int, advantages: list[list[float]
     responses = torch.tensor([[7, 8]] * len(rows))
     mask = torch.ones_like(responses)
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-    return DataProto.from_dict({
-        "prompts": prompts, "responses": responses, "response_mask": mask,
-        "input_ids": torch.cat([prompts, responses], -1), "attention_mask": torch.cat([prompt_mask, mask], -1),
-        "position_ids": torch.cat([positions, positions[:, -1:] + torch.tensor([1, 2])], -1),
-        "advantages": torch.tensor(advantages), "old_log_probs": torch.full((len(rows), 2), -1.0),
-    }, {"uid": [f"u{i}" for i in range(len(rows))]})
+    return DataProto.from_dict(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "response_mask": mask,
+            "input_ids": torch.cat([prompts, responses], -1),
+            "attention_mask": torch.cat([prompt_mask, mask], -1),
+            "position_ids": torch.cat([positions, positions[:, -1:] + torch.tensor([1, 2])], -1),
+            "advantages": torch.tensor(advantages),
+            "old_log_probs": torch.full((len(rows), 2), -1.0),
+        },
+        {"uid": [f"u{i}" for i in range(len(rows))]},
+    )
 
 
 def test_prompt_width_pads_like_the_dataset_and_trims_back():
@@ -54,7 +63,9 @@ def test_prompt_width_pads_like_the_dataset_and_trims_back():
     back = set_prompt_width(wide, 3, PAD)
     for key in ("input_ids", "prompts", "attention_mask", "position_ids"):
         assert torch.equal(back.batch[key], data.batch[key]), key
-    with pytest.raises(ValueError, match="cannot fit prompts into 2 columns: the longest prompt of the batch takes 3"):
+    with pytest.raises(
+        ValueError, match="cannot fit prompts into 2 columns: the longest prompt of the batch takes 3"
+    ):
         set_prompt_width(data, 2, PAD)
 
 
@@ -85,8 +96,9 @@ def replay(**overrides) -> ActorReplay:
     config.capacity, config.sample_size, config.strategy = 8, 3, "priority"
     for key, value in overrides.items():
         setattr(config, key, value)
-    return ActorReplay(config, rows_per_step=2, max_prompt_length=4, pad_token_id=PAD, clip_low=0.2, clip_high=0.2,
-                       seed=0)
+    return ActorReplay(
+        config, rows_per_step=2, max_prompt_length=4, pad_token_id=PAD, clip_low=0.2, clip_high=0.2, seed=0
+    )
 
 
 def test_mix_replays_weighted_rows_of_other_widths_and_rescores_them():
@@ -120,7 +132,9 @@ def test_mix_replays_weighted_rows_of_other_widths_and_rescores_them():
 
 def test_replay_logs_the_alpha_in_force():
     """A uniform phase samples as alpha 0; it used to log the top-level alpha of a later priority phase."""
-    schedule = PPOConfig.from_dict({"replay_buffer": {"schedule": [{"until_step": 1, "strategy": "uniform"}]}})
+    schedule = PPOConfig.from_dict(
+        {"replay_buffer": {"schedule": [{"until_step": 1, "strategy": "uniform"}]}}
+    )
     mixer = replay(alpha=0.8, schedule=schedule.replay_buffer.schedule)
     logged = []
     for step in range(3):
@@ -136,20 +150,50 @@ def test_priority_replay_waits_for_a_row_with_signal():
     out = mixer.mix(rollouts([1, 1], width=1, advantages=[[0.0, 0.0]] * 2), step=1, metrics=metrics)
     assert len(out) == 2 and metrics["replay/rows"] == 0  # all priorities 0: nothing worth replaying
     with pytest.raises(KeyError, match="old_log_probs"):
-        mixer.mix(rollouts([1], width=1, advantages=[[1.0, 1.0]]).select(
-            batch_keys=["prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
-                        "advantages"]), step=2, metrics=metrics)
+        mixer.mix(
+            rollouts([1], width=1, advantages=[[1.0, 1.0]]).select(
+                batch_keys=[
+                    "prompts",
+                    "responses",
+                    "response_mask",
+                    "input_ids",
+                    "attention_mask",
+                    "position_ids",
+                    "advantages",
+                ]
+            ),
+            step=2,
+            metrics=metrics,
+        )
     with pytest.raises(ValueError, match=r"sample_size \(3\) must be a multiple of trainer.n_workers \(2\)"):
-        ActorReplay(PPOConfig().replay_buffer, rows_per_step=3, max_prompt_length=4, pad_token_id=PAD,
-                    clip_low=0.2, clip_high=0.2, n_workers=2)
+        ActorReplay(
+            PPOConfig().replay_buffer,
+            rows_per_step=3,
+            max_prompt_length=4,
+            pad_token_id=PAD,
+            clip_low=0.2,
+            clip_high=0.2,
+            n_workers=2,
+        )
 
 
 def test_config_schedule_ends_with_the_top_level_strategy():
-    config = load_config(["data.train_files=x.parquet", "replay_buffer.strategy=priority", "replay_buffer.alpha=0.8",
-                          "replay_buffer.schedule=[{until_step: 2, strategy: uniform}, "
-                          "{until_step: 4, strategy: priority, alpha: 0.4}]"])
+    config = load_config(
+        [
+            "data.train_files=x.parquet",
+            "replay_buffer.strategy=priority",
+            "replay_buffer.alpha=0.8",
+            "replay_buffer.schedule=[{until_step: 2, strategy: uniform}, "
+            "{until_step: 4, strategy: priority, alpha: 0.4}]",
+        ]
+    )
     sampler = ScheduledSampler.from_config(config.replay_buffer)
-    assert [sampler.params(s)["strategy"] for s in (0, 1, 2, 5)] == ["uniform", "uniform", "priority", "priority"]
+    assert [sampler.params(s)["strategy"] for s in (0, 1, 2, 5)] == [
+        "uniform",
+        "uniform",
+        "priority",
+        "priority",
+    ]
     assert [sampler.params(s)["alpha"] for s in (1, 3, 4, 100)] == [0.8, 0.4, 0.8, 0.8]
 
 
@@ -162,15 +206,32 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_config_two_stage_reward_sends_the_best_half_to_the_reward_model(tiny_model_path, tmp_path: Path, one_thread):
-    prepare_data(["arithmetic", str(tmp_path / "data"), "--train-size", "8", "--test-size", "1", "--seed", "0"])
-    config = load_config([
-        f"data.train_files={tmp_path / 'data' / 'train.parquet'}", f"actor_rollout_ref.model.path={tiny_model_path}",
-        f"trainer.default_local_dir={tmp_path / 'run'}", "data.max_prompt_length=64", "data.max_response_length=4",
-        "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "trainer.total_training_steps=1", "trainer.logger=[file]", "trainer.val_before_train=false",
-        "reward_model.enable=true", "reward_model.dummy=true", "reward_model.two_stage.enable=true",
-        "reward_model.two_stage.top_k_ratio=0.5", "reward_model.two_stage.unselected=zero"])
+def test_config_two_stage_reward_sends_the_best_half_to_the_reward_model(
+    tiny_model_path, tmp_path: Path, one_thread
+):
+    prepare_data(
+        ["arithmetic", str(tmp_path / "data"), "--train-size", "8", "--test-size", "1", "--seed", "0"]
+    )
+    config = load_config(
+        [
+            f"data.train_files={tmp_path / 'data' / 'train.parquet'}",
+            f"actor_rollout_ref.model.path={tiny_model_path}",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            "data.max_prompt_length=64",
+            "data.max_response_length=4",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "trainer.total_training_steps=1",
+            "trainer.logger=[file]",
+            "trainer.val_before_train=false",
+            "reward_model.enable=true",
+            "reward_model.dummy=true",
+            "reward_model.two_stage.enable=true",
+            "reward_model.two_stage.top_k_ratio=0.5",
+            "reward_model.two_stage.unselected=zero",
+        ]
+    )
     trainer = PPOTrainer(config)
     scored = []
     trainer.register_hook("after_reward", lambda trainer, step, metrics, batch: scored.append(batch))
@@ -188,15 +249,29 @@ def test_config_two_stage_reward_sends_the_best_half_to_the_reward_model(tiny_mo
 
 
 def test_replay_buffer_survives_a_resume(tiny_model_path, tmp_path: Path, one_thread):
-    prepare_data(["arithmetic", str(tmp_path / "data"), "--train-size", "16", "--test-size", "1", "--seed", "0"])
+    prepare_data(
+        ["arithmetic", str(tmp_path / "data"), "--train-size", "16", "--test-size", "1", "--seed", "0"]
+    )
 
     def config(steps: int) -> PPOConfig:
-        return load_config([
-            f"data.train_files={tmp_path / 'data' / 'train.parquet'}", f"actor_rollout_ref.model.path={tiny_model_path}",
-            f"trainer.default_local_dir={tmp_path / 'run'}", "data.max_prompt_length=64", "data.max_response_length=4",
-            "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-            f"trainer.total_training_steps={steps}", "trainer.logger=[file]", "trainer.val_before_train=false",
-            "algorithm.adv_estimator=grpo", "replay_buffer.enable=true", "replay_buffer.sample_size=4"])
+        return load_config(
+            [
+                f"data.train_files={tmp_path / 'data' / 'train.parquet'}",
+                f"actor_rollout_ref.model.path={tiny_model_path}",
+                f"trainer.default_local_dir={tmp_path / 'run'}",
+                "data.max_prompt_length=64",
+                "data.max_response_length=4",
+                "data.train_batch_size=4",
+                "actor_rollout_ref.rollout.n=2",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                f"trainer.total_training_steps={steps}",
+                "trainer.logger=[file]",
+                "trainer.val_before_train=false",
+                "algorithm.adv_estimator=grpo",
+                "replay_buffer.enable=true",
+                "replay_buffer.sample_size=4",
+            ]
+        )
 
     with PPOTrainer(config(2)) as first:
         first.fit()

@@ -90,8 +90,11 @@ def _engine_log_probs(worker, sequence: list[int], response_length: int) -> torc
     from vllm.inputs import TokensPrompt
 
     with worker.rollout.awake() as llm:
-        [out] = llm.generate([TokensPrompt(prompt_token_ids=sequence)], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                             use_tqdm=False)
+        [out] = llm.generate(
+            [TokensPrompt(prompt_token_ids=sequence)],
+            SamplingParams(max_tokens=1, prompt_logprobs=0),
+            use_tqdm=False,
+        )
     steps = out.prompt_logprobs[-response_length:]
     return torch.tensor([step[token].logprob for step, token in zip(steps, sequence[-response_length:])])
 
@@ -109,20 +112,23 @@ def test_actor_update_reaches_the_engine(worker, chat_prompts):
     keep = batch.batch["attention_mask"][row].bool()
     sequence = batch.batch["input_ids"][row][keep].tolist()
     before = _engine_log_probs(worker, sequence, length)
-    batch.batch["advantages"] = torch.where(torch.arange(len(batch))[:, None] == row, 1.0, -1.0).expand_as(
-        batch.batch["response_mask"]).float()
+    batch.batch["advantages"] = (
+        torch.where(torch.arange(len(batch))[:, None] == row, 1.0, -1.0)
+        .expand_as(batch.batch["response_mask"])
+        .float()
+    )
     worker.update_actor(batch)
     after = _engine_log_probs(worker, sequence, length)
-    trainer, _ = response_log_probs(worker.module, batch[row:row + 1], temperature=1.0)
+    trainer, _ = response_log_probs(worker.module, batch[row : row + 1], temperature=1.0)
     trainer = trainer[0, :length].detach().cpu()
     assert (after - trainer).abs().max() < LOGPROB_TOL, (after, trainer)
     assert (after - before).abs().max() > 20 * LOGPROB_TOL, "the engine still holds the old weights"
 
 
-FIRST_DIGIT_REWARD = '''
+FIRST_DIGIT_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return 1.0 if solution_str[:1].isdigit() else 0.0
-'''
+"""
 
 
 @pytest.mark.parametrize("engine", ["vllm", "hf"])
@@ -133,15 +139,28 @@ def test_grpo_with_vllm_learns_like_the_hf_rollout(engine, tiny_vllm_model, tmp_
     prepare_data(["arithmetic", str(data), "--train-size", "64", "--test-size", "8", "--seed", "0"])
     reward_file = tmp_path / "reward.py"
     reward_file.write_text(FIRST_DIGIT_REWARD)
-    cfg = load_config([
-        f"data.train_files={data / 'train.parquet'}", f"actor_rollout_ref.model.path={tiny_vllm_model}",
-        f"trainer.default_local_dir={tmp_path / 'run'}", "data.max_prompt_length=64", "data.max_response_length=4",
-        "data.train_batch_size=8", "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64", "actor_rollout_ref.actor.optim.lr=1e-2",
-        "algorithm.adv_estimator=grpo", f"custom_reward_function.path={reward_file}", "trainer.logger=[file]",
-        "trainer.total_training_steps=20", "trainer.seed=0", f"actor_rollout_ref.rollout.name={engine}",
-        "actor_rollout_ref.model.dtype=fp32", f"actor_rollout_ref.rollout.tensor_model_parallel_size={TP}",
-    ])
+    cfg = load_config(
+        [
+            f"data.train_files={data / 'train.parquet'}",
+            f"actor_rollout_ref.model.path={tiny_vllm_model}",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            "data.max_prompt_length=64",
+            "data.max_response_length=4",
+            "data.train_batch_size=8",
+            "actor_rollout_ref.rollout.n=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64",
+            "actor_rollout_ref.actor.optim.lr=1e-2",
+            "algorithm.adv_estimator=grpo",
+            f"custom_reward_function.path={reward_file}",
+            "trainer.logger=[file]",
+            "trainer.total_training_steps=20",
+            "trainer.seed=0",
+            f"actor_rollout_ref.rollout.name={engine}",
+            "actor_rollout_ref.model.dtype=fp32",
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={TP}",
+        ]
+    )
     with PPOTrainer(cfg) as trainer:
         trainer.fit()
     rows = [json.loads(line) for line in Path(tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -161,10 +180,18 @@ def test_greedy_vllm_equals_greedy_generate_on_the_embedded_model(chat_prompts):
     module = load_model(path, DEVICE, "fp32").eval()
     config = _config(path).rollout
     engine = build_rollout(config, module, tokenizer, 16, path)
-    prompts = _greedy(chat_prompts(tokenizer, ["What is 12+7?", "Compute 14+27. Reply in the form 14+27=<answer>.",
-                                               "Name a colour."]))
-    ours, hf = engine.generate_sequences(prompts), HFRollout(module, tokenizer, config, 16).generate_sequences(prompts)
+    prompts = _greedy(
+        chat_prompts(
+            tokenizer, ["What is 12+7?", "Compute 14+27. Reply in the form 14+27=<answer>.", "Name a colour."]
+        )
+    )
+    ours, hf = (
+        engine.generate_sequences(prompts),
+        HFRollout(module, tokenizer, config, 16).generate_sequences(prompts),
+    )
     texts = tokenizer.batch_decode(ours.batch["responses"], skip_special_tokens=True)
-    assert torch.equal(ours.batch["responses"], hf.batch["responses"]), (texts, tokenizer.batch_decode(
-        hf.batch["responses"], skip_special_tokens=True))
+    assert torch.equal(ours.batch["responses"], hf.batch["responses"]), (
+        texts,
+        tokenizer.batch_decode(hf.batch["responses"], skip_special_tokens=True),
+    )
     assert len(set(texts)) == 3 and all(texts), texts  # real, different answers (not empty or degenerate)

@@ -25,8 +25,11 @@ def actor_config(path: str, **actor_overrides):
 
 @pytest.fixture(scope="module")
 def actor_group(tiny_model_path):
-    group = LocalWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, actor_config(tiny_model_path),
-                                               role="actor_rollout_ref", response_length=6))
+    group = LocalWorkerGroup(
+        ClassWithInitArgs(
+            ActorRolloutRefWorker, actor_config(tiny_model_path), role="actor_rollout_ref", response_length=6
+        )
+    )
     group.init_model()
     return group
 
@@ -43,7 +46,9 @@ def test_generate_sequences_layout(actor_group, chat_prompts):
     out = actor_group.generate_sequences(prompts)  # n=2 from the rollout config
     assert len(out) == 4 and out.non_tensor_batch["uid"].tolist() == ["p0", "p0", "p1", "p1"]
     assert out.batch["responses"].shape == (4, 6) and out.batch["input_ids"].shape == (4, prompt_len + 6)
-    assert torch.equal(out.batch["input_ids"][:, :prompt_len], prompts.batch["input_ids"].repeat_interleave(2, 0))
+    assert torch.equal(
+        out.batch["input_ids"][:, :prompt_len], prompts.batch["input_ids"].repeat_interleave(2, 0)
+    )
     mask = out.batch["response_mask"]
     assert torch.equal(out.batch["attention_mask"][:, prompt_len:], mask)
     # positions continue after the prompt's last position
@@ -65,10 +70,18 @@ def test_greedy_generation_matches_transformers(actor_group, chat_prompts, tiny_
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     # The worker's weights may have been trained by another test: compare against its own module.
     reference.load_state_dict(worker.module.state_dict())
-    expected = reference.generate(prompts.batch["input_ids"], attention_mask=prompts.batch["attention_mask"],
-                                  do_sample=False, max_new_tokens=6, pad_token_id=worker.tokenizer.pad_token_id)
+    expected = reference.generate(
+        prompts.batch["input_ids"],
+        attention_mask=prompts.batch["attention_mask"],
+        do_sample=False,
+        max_new_tokens=6,
+        pad_token_id=worker.tokenizer.pad_token_id,
+    )
     n = int(out.batch["response_mask"].sum())
-    assert out.batch["responses"][0, :n].tolist() == expected[0, prompts.batch["input_ids"].shape[1]:][:n].tolist()
+    assert (
+        out.batch["responses"][0, :n].tolist()
+        == expected[0, prompts.batch["input_ids"].shape[1] :][:n].tolist()
+    )
 
 
 def test_update_actor_raises_log_prob_of_rewarded_response(actor_group, chat_prompts):
@@ -119,14 +132,18 @@ def test_checkpoint_is_a_plain_hf_folder_and_restores_state(actor_group, tmp_pat
 
 
 def test_scale_lr_halves_the_learning_rate(tiny_model_path):
-    group = LocalWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, actor_config(tiny_model_path), role="actor"))
+    group = LocalWorkerGroup(
+        ClassWithInitArgs(ActorRolloutRefWorker, actor_config(tiny_model_path), role="actor")
+    )
     group.init_model()
     assert group.scale_lr(0.5) == [pytest.approx(5e-3)]
     assert group.workers[0].engine.lr == pytest.approx(5e-3)
 
 
 def test_missing_role_is_a_clear_error(tiny_model_path, chat_prompts):
-    group = LocalWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, actor_config(tiny_model_path), role="ref"))
+    group = LocalWorkerGroup(
+        ClassWithInitArgs(ActorRolloutRefWorker, actor_config(tiny_model_path), role="ref")
+    )
     group.init_model()
     with pytest.raises(Exception, match="generate_sequences needs the 'rollout' role"):
         group.generate_sequences(chat_prompts(group.workers[0].tokenizer, ["hi"]))
@@ -142,13 +159,16 @@ def test_generation_batch_from_strings_and_chat_messages(actor_group, chat_promp
     expected = chat_prompts(tokenizer, questions)
     for key in ("input_ids", "attention_mask", "position_ids"):
         assert torch.equal(batch.batch[key], expected.batch[key]), key
-    assert batch.batch["attention_mask"][0, 0] == 0 and batch.batch["attention_mask"][:, -1].tolist() == [1, 1]
+    assert batch.batch["attention_mask"][0, 0] == 0 and batch.batch["attention_mask"][:, -1].tolist() == [
+        1,
+        1,
+    ]
     assert batch.non_tensor_batch["raw_prompt"][0] == [{"role": "user", "content": questions[0]}]
     out = actor_group.generate_sequences(batch)
     assert out.batch["responses"].shape == (4, 6)
     plain = generation_batch(["a b", "a"], tokenizer, apply_chat_template=False)  # a base model's prompt text
     ids = tokenizer(["a b", "a"], add_special_tokens=False)["input_ids"]
-    assert plain.batch["input_ids"][1, -len(ids[1]):].tolist() == ids[1]
+    assert plain.batch["input_ids"][1, -len(ids[1]) :].tolist() == ids[1]
     assert plain.batch["attention_mask"].sum(-1).tolist() == [len(ids[0]), len(ids[1])]
 
 
@@ -157,14 +177,26 @@ def test_generate_sequences_refuses_what_is_not_a_generation_batch(actor_group, 
     tokenizer = actor_group.workers[0].tokenizer
     left = chat_prompts(tokenizer, ["Compute 1+2.", "Say hello to the world please."])
     tokenizer.padding_side = "right"
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-             for q in ["Compute 1+2.", "Say hello to the world please."]]
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
+        for q in ["Compute 1+2.", "Say hello to the world please."]
+    ]
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     tokenizer.padding_side = "left"
-    right = DataProto.from_dict({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask,
-                                 "position_ids": (enc.attention_mask.cumsum(-1) - 1).clamp(min=0)})
-    with pytest.raises(WorkerError, match=r"prompt row\(s\) \[0\] end in padding .* right-padded.*"
-                                          r"hybridflow.generation_batch"):
+    right = DataProto.from_dict(
+        {
+            "input_ids": enc.input_ids,
+            "attention_mask": enc.attention_mask,
+            "position_ids": (enc.attention_mask.cumsum(-1) - 1).clamp(min=0),
+        }
+    )
+    with pytest.raises(
+        WorkerError,
+        match=r"prompt row\(s\) \[0\] end in padding .* right-padded.*"
+        r"hybridflow.generation_batch",
+    ):
         actor_group.generate_sequences(right)
     no_positions = DataProto.from_dict({k: left.batch[k] for k in ("input_ids", "attention_mask")})
     with pytest.raises(WorkerError, match=r"the batch has no position_ids; .*hybridflow.generation_batch"):
@@ -187,9 +219,14 @@ def test_update_reports_the_kl_to_the_reference(actor_group, chat_prompts):
 def test_tis_caps_the_rollout_trainer_ratio(tiny_model_path, chat_prompts):
     """With actor.tis_imp_ratio_cap, tokens whose trainer/rollout probability ratio exceeds the cap are
     counted (actor/tis_clipfrac): here the rollout's log-probs are lowered by 1 on every second token."""
-    group = LocalWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, actor_config(tiny_model_path,
-                                                                                   tis_imp_ratio_cap=2.0),
-                                               role="actor_rollout", response_length=6))
+    group = LocalWorkerGroup(
+        ClassWithInitArgs(
+            ActorRolloutRefWorker,
+            actor_config(tiny_model_path, tis_imp_ratio_cap=2.0),
+            role="actor_rollout",
+            response_length=6,
+        )
+    )
     group.init_model()
     torch.manual_seed(0)
     out = group.generate_sequences(chat_prompts(group.workers[0].tokenizer, ["Compute 3+4."]))

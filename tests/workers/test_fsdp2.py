@@ -40,9 +40,14 @@ class ShardProbe(ActorRolloutRefWorker):
     def generate_rank_lengths(self, input_ids: torch.Tensor) -> tuple[bool, int]:
         """Rank r generates 2 + 5r tokens: ranks run different numbers of forwards."""
         with gathered(self.module), torch.no_grad():
-            out = self.module.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                       max_new_tokens=2 + 5 * self.rank, min_new_tokens=2 + 5 * self.rank,
-                                       do_sample=False, pad_token_id=0)
+            out = self.module.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=2 + 5 * self.rank,
+                min_new_tokens=2 + 5 * self.rank,
+                do_sample=False,
+                pad_token_id=0,
+            )
         return is_sharded(self.module), out.shape[1] - input_ids.shape[1]
 
 
@@ -55,9 +60,12 @@ def ray_group(init, name):
     return group, pool
 
 
-def test_fsdp2_update_generation_and_resharding_checkpoints(tiny_model_path, chat_prompts, ray_session, tmp_path):
-    init = ClassWithInitArgs(ShardProbe, config(tiny_model_path, "fsdp2"), role="actor_rollout_ref",
-                             response_length=5)
+def test_fsdp2_update_generation_and_resharding_checkpoints(
+    tiny_model_path, chat_prompts, ray_session, tmp_path
+):
+    init = ClassWithInitArgs(
+        ShardProbe, config(tiny_model_path, "fsdp2"), role="actor_rollout_ref", response_length=5
+    )
     single = LocalWorkerGroup(init)  # fsdp2 on 1 rank: unsharded, but saving sharded (DCP) checkpoints
     single.init_model()
     batch = grpo_batch(single, chat_prompts)
@@ -89,7 +97,10 @@ def test_fsdp2_update_generation_and_resharding_checkpoints(tiny_model_path, cha
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "huggingface")
     for name, tensor in plain.state_dict().items():
         assert torch.equal(tensor, two_weights[name]), name
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "dcp").glob("*.distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
 
     # 2 -> 1: the sharded checkpoint loads into one unsharded rank, which continues like the 2 ranks did
     resumed = LocalWorkerGroup(init)

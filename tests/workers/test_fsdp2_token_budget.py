@@ -21,7 +21,7 @@ class BudgetProbe(ShardProbe):
     def uneven_step(self, data: DataProto, bounds: list[int], budget: int) -> dict[str, torch.Tensor]:
         """One optimiser step in which rank r holds rows ``bounds[r]:bounds[r + 1]`` (one rank alone holds
         them all): shards of unequal sizes, so the short one must run fillers. Returns the full gradients."""
-        shard = data[bounds[self.rank]:bounds[self.rank + 1]]
+        shard = data[bounds[self.rank] : bounds[self.rank + 1]]
         self.engine.train_mini_batch(shard, MicroBatching(0, budget), self._policy_loss)
         return self.applied_grads()
 
@@ -48,7 +48,13 @@ def uneven_batch() -> DataProto:
     gen = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(3, 900, (n,), generator=gen)  # noqa: E731
     rows = []
-    for prompt_len, response_lens in ((30, (10, 8)), (26, (9, 10)), (28, (7, 10)), (3, (2, 1, 3, 2)), (4, (1, 2))):
+    for prompt_len, response_lens in (
+        (30, (10, 8)),
+        (26, (9, 10)),
+        (28, (7, 10)),
+        (3, (2, 1, 3, 2)),
+        (4, (1, 2)),
+    ):
         prompt = ids(prompt_len)
         rows += [(prompt, ids(n)) for n in response_lens]
     data = layout(rows, prompt_width=30, length=10)
@@ -62,7 +68,9 @@ def test_token_budget_ranks_agree_and_equal_the_fixed_size_update(tiny_model_pat
     assert (budget.count(batch[:6]), budget.count(batch[6:])) == (3, 1)  # each rank's own count differs
     single = LocalWorkerGroup(ClassWithInitArgs(BudgetProbe, config(tiny_model_path, False), role="actor"))
     single.init_model()  # one rank, fixed-size micro-batches of 2 rows: the reference
-    group, pool = ray_group(ClassWithInitArgs(BudgetProbe, config(tiny_model_path, True), role="actor"), "budget")
+    group, pool = ray_group(
+        ClassWithInitArgs(BudgetProbe, config(tiny_model_path, True), role="actor"), "budget"
+    )
     try:
         two_log_probs = group.compute_log_prob(batch).batch["old_log_probs"]  # forward-only passes agree
         two = group.update_actor(batch).meta_info["metrics"]
@@ -75,8 +83,9 @@ def test_token_budget_ranks_agree_and_equal_the_fixed_size_update(tiny_model_pat
         group.shutdown()
         pool.remove()
     mask = batch.batch["response_mask"].bool()
-    torch.testing.assert_close(two_log_probs[mask], single.compute_log_prob(batch).batch["old_log_probs"][mask],
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        two_log_probs[mask], single.compute_log_prob(batch).batch["old_log_probs"][mask], rtol=0, atol=1e-5
+    )
     one = single.update_actor(batch).meta_info["metrics"]
     one_grads = single.applied_grads()[0]
     one_weights = {name: t.clone() for name, t in single.weights()[0].items()}  # the module's own tensors
@@ -99,7 +108,11 @@ def critic_config(path: str, dynamic: bool):
     cfg.actor_rollout_ref.actor.ppo_mini_batch_size = 6
     critic = cfg.critic
     critic.strategy, critic.optim.lr, critic.grad_clip = "fsdp2", 1e-3, 1e9
-    critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu = 2, dynamic, BUDGET
+    critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu = (
+        2,
+        dynamic,
+        BUDGET,
+    )
     return cfg.resolve().critic
 
 
@@ -108,10 +121,13 @@ def test_critic_values_and_update_with_token_budgets_on_two_fsdp2_ranks(tiny_mod
 
     batch = uneven_batch()
     batch.batch["returns"] = batch.batch["advantages"] * batch.batch["response_mask"]
-    single = LocalWorkerGroup(ClassWithInitArgs(CriticWorker, critic_config(tiny_model_path, False), rollout_n=2))
+    single = LocalWorkerGroup(
+        ClassWithInitArgs(CriticWorker, critic_config(tiny_model_path, False), rollout_n=2)
+    )
     single.init_model()
-    group, pool = ray_group(ClassWithInitArgs(CriticWorker, critic_config(tiny_model_path, True), rollout_n=2),
-                            "critic_budget")
+    group, pool = ray_group(
+        ClassWithInitArgs(CriticWorker, critic_config(tiny_model_path, True), rollout_n=2), "critic_budget"
+    )
     try:
         two_values = group.compute_values(batch).batch["values"]
         two = group.update_critic(batch.union(DataProto.from_dict({"values": two_values})))

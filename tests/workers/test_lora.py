@@ -35,8 +35,11 @@ def logits(model, batch) -> torch.Tensor:
 
 
 def test_lora_trains_adapters_only_and_checkpoints_load_everywhere(tiny_model_path, chat_prompts, tmp_path):
-    group = LocalWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, lora_config(tiny_model_path),
-                                               role="actor_rollout_ref", response_length=6))
+    group = LocalWorkerGroup(
+        ClassWithInitArgs(
+            ActorRolloutRefWorker, lora_config(tiny_model_path), role="actor_rollout_ref", response_length=6
+        )
+    )
     group.init_model()
     worker = group.workers[0]
     assert worker.ref_module is None  # no second copy of the weights
@@ -50,7 +53,11 @@ def test_lora_trains_adapters_only_and_checkpoints_load_everywhere(tiny_model_pa
     batch.batch["token_level_rewards"] = scores
     batch = compute_advantage(batch, "grpo")
     for _ in range(2):  # lora_B starts at zero: after updates the adapter changes the policy
-        batch = batch.union(group.compute_ref_log_prob(batch)) if "ref_log_prob" not in batch.batch.keys() else batch
+        batch = (
+            batch.union(group.compute_ref_log_prob(batch))
+            if "ref_log_prob" not in batch.batch.keys()
+            else batch
+        )
         group.update_actor(batch)
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path)
@@ -62,8 +69,9 @@ def test_lora_trains_adapters_only_and_checkpoints_load_everywhere(tiny_model_pa
 
     group.save_checkpoint(str(tmp_path / "full"))
     trained = logits(worker.module, batch)
-    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path),
-                                        tmp_path / "full" / "lora_adapter")
+    adapter = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_path), tmp_path / "full" / "lora_adapter"
+    )
     torch.testing.assert_close(logits(adapter, batch), trained, rtol=1e-5, atol=1e-5)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "huggingface")
     torch.testing.assert_close(logits(merged, batch), trained, rtol=1e-4, atol=1e-4)
@@ -79,10 +87,14 @@ def test_lora_trains_adapters_only_and_checkpoints_load_everywhere(tiny_model_pa
     assert tokenizer.chat_template == worker.tokenizer.chat_template
 
     # resume: the adapters and their optimiser state come back from the DCP checkpoint
-    resumed = LocalWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, lora_config(tiny_model_path),
-                                                 role="actor_rollout_ref", response_length=6))
+    resumed = LocalWorkerGroup(
+        ClassWithInitArgs(
+            ActorRolloutRefWorker, lora_config(tiny_model_path), role="actor_rollout_ref", response_length=6
+        )
+    )
     resumed.init_model()
     resumed.load_checkpoint(str(tmp_path / "full"))
     torch.testing.assert_close(logits(resumed.workers[0].module, batch), trained, rtol=0, atol=0)
-    assert (resumed.update_actor(batch).meta_info["metrics"]["actor/grad_norm"][0]
-            == pytest.approx(group.update_actor(batch).meta_info["metrics"]["actor/grad_norm"][0], rel=1e-6))
+    assert resumed.update_actor(batch).meta_info["metrics"]["actor/grad_norm"][0] == pytest.approx(
+        group.update_actor(batch).meta_info["metrics"]["actor/grad_norm"][0], rel=1e-6
+    )

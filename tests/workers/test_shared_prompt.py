@@ -1,7 +1,6 @@
 """One forward per shared run of tokens (prefix-tree packing) is an exact rewrite: same log-probs, values and
 gradients as row by row; token-budget micro-batches give the same update as fixed-size ones."""
 
-
 import numpy as np
 import pytest
 import torch
@@ -14,7 +13,9 @@ from hybridflow.workers.modeling import response_log_probs, response_values
 from hybridflow.workers.packing import MicroBatching, batched, pack_prefix_tree, prompt_groups
 
 
-def grouped_batch(group_sizes, prompt_lens, vocab=1000, prompt_width=12, length=7, seed=0, head=0) -> DataProto:
+def grouped_batch(
+    group_sizes, prompt_lens, vocab=1000, prompt_width=12, length=7, seed=0, head=0
+) -> DataProto:
     """Left-padded prompts of the given real lengths (the first ``head`` tokens the same in all, as a system
     prompt), each repeated for its group; right-padded responses of random lengths (one empty, one full) laid
     out as the rollout lays them out."""
@@ -35,13 +36,20 @@ def layout(rows, prompt_width, length) -> DataProto:
     bs, total = len(rows), prompt_width + length
     ids, mask = torch.zeros(bs, total, dtype=torch.long), torch.zeros(bs, total, dtype=torch.long)
     for r, (prompt, response) in enumerate(rows):
-        ids[r, prompt_width - len(prompt):prompt_width] = prompt
-        ids[r, prompt_width:prompt_width + len(response)] = response
-        mask[r, prompt_width - len(prompt):prompt_width + len(response)] = 1
+        ids[r, prompt_width - len(prompt) : prompt_width] = prompt
+        ids[r, prompt_width : prompt_width + len(response)] = response
+        mask[r, prompt_width - len(prompt) : prompt_width + len(response)] = 1
     prompt_pos = (mask[:, :prompt_width].cumsum(-1) - 1).clamp(min=0)
     pos = torch.cat([prompt_pos, prompt_pos[:, -1:] + torch.arange(1, length + 1)], dim=1)
-    return DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": pos,
-                                "responses": ids[:, prompt_width:], "response_mask": mask[:, prompt_width:]})
+    return DataProto.from_dict(
+        {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "position_ids": pos,
+            "responses": ids[:, prompt_width:],
+            "response_mask": mask[:, prompt_width:],
+        }
+    )
 
 
 GROUPS = ([1, 2, 5, 1], [5, 9, 3, 12])  # n = 1, 2, 5 and a lone row; prompts of different lengths
@@ -53,7 +61,12 @@ def test_groups_are_found_by_prompt_content():
 
 def test_rows_are_packed_as_a_prefix_tree():
     t = torch.tensor
-    rows = [(t([5, 6, 7]), t([8, 9])), (t([5, 6, 7]), t([8, 4, 2])), (t([5, 6, 3]), t([9])), (t([6, 7]), t([]))]
+    rows = [
+        (t([5, 6, 7]), t([8, 9])),
+        (t([5, 6, 7]), t([8, 4, 2])),
+        (t([5, 6, 3]), t([9])),
+        (t([6, 7]), t([])),
+    ]
     packed = pack_prefix_tree(layout(rows, prompt_width=4, length=3), torch.float32)
     # rows 0 and 1 share 5 6 7 8, row 2 shares 5 6 with them; row 3 starts at another token
     assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9, 4, 2, 3, 9, 6, 7]]
@@ -91,7 +104,9 @@ def _grads(model, data, share, micro):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("micro,head", [(9, 0), (4, 0), (9, 3)])  # 4 rows split the n = 5 group; a shared head
+@pytest.mark.parametrize(
+    "micro,head", [(9, 0), (4, 0), (9, 3)]
+)  # 4 rows split the n = 5 group; a shared head
 def test_log_probs_and_gradients_match_the_unshared_path(tiny_lm, micro, head):
     data = grouped_batch(*GROUPS, head=head)
     mask = data.batch["response_mask"].bool()
@@ -124,7 +139,9 @@ def test_values_match_the_unshared_path(tiny_model_path):
 def test_token_budget_keeps_groups_whole_and_sorts_by_length():
     data = grouped_batch([2, 2, 2, 1], [3, 12, 6, 4], seed=2)
     counts = data.batch["attention_mask"].sum(1)
-    batching = MicroBatching(0, max_token_len=int(counts[2:4].sum() - counts[3] + data.batch["response_mask"][3].sum()))
+    batching = MicroBatching(
+        0, max_token_len=int(counts[2:4].sum() - counts[3] + data.batch["response_mask"][3].sum())
+    )
     parts = batching.indices(data)
     assert sorted(np.concatenate(parts).tolist()) == list(range(7))
     assert [2, 3] in [p.tolist() for p in parts]  # the longest group, alone in its micro-batch
@@ -135,7 +152,8 @@ def test_token_budget_keeps_groups_whole_and_sorts_by_length():
 def test_an_agreed_count_cuts_exactly_that_many_balanced_micro_batches():
     data = grouped_batch([2, 2, 2, 1], [3, 12, 6, 4], seed=2)  # 4 groups, 7 rows
     costs = data.batch["attention_mask"].sum(1) - torch.tensor([0, 1, 0, 1, 0, 1, 0]) * data.batch[
-        "attention_mask"][:, :12].sum(1)  # a group's second row does not pay its prompt again
+        "attention_mask"
+    ][:, :12].sum(1)  # a group's second row does not pay its prompt again
     batching = MicroBatching(0, max_token_len=int(costs.sum()))
     assert batching.count(data) == 1
     for count in (1, 2, 3, 4):  # groups kept whole: the token sums are balanced over consecutive groups
@@ -175,7 +193,9 @@ def test_token_budget_update_equals_fixed_size_update(tiny_model_path, agg):
 
         def loss_fn(part):
             log_probs, _ = response_log_probs(model, part)
-            return agg_loss(-log_probs * part.batch["advantages"], part.batch["response_mask"].float(), agg), {}
+            return agg_loss(
+                -log_probs * part.batch["advantages"], part.batch["response_mask"].float(), agg
+            ), {}
 
         engine.train_mini_batch(data, micro, loss_fn, agg)  # the gradients stay on the parameters
         return {name: p.grad for name, p in model.named_parameters()}
@@ -202,8 +222,14 @@ def test_embedded_model_shares_prompts_exactly():
         model.zero_grad(set_to_none=True)
         log_probs, _ = response_log_probs(model, data, share_prompt=share)
         (log_probs * mask).sum().backward()
-        grads[share] = (log_probs.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                                              if n.endswith(("q_proj.weight", "embed_tokens.weight"))})
+        grads[share] = (
+            log_probs.detach(),
+            {
+                n: p.grad.clone()
+                for n, p in model.named_parameters()
+                if n.endswith(("q_proj.weight", "embed_tokens.weight"))
+            },
+        )
     torch.testing.assert_close(grads[True][0][mask], grads[False][0][mask], atol=1e-5, rtol=0)
     for name, grad in grads[False][1].items():
         assert (grads[True][1][name] - grad).norm() <= 1e-4 * grad.norm(), name
@@ -219,9 +245,13 @@ def test_actor_worker_config_switches_give_the_same_log_probs(tiny_model_path, c
     cfg.actor_rollout_ref.model.path = tiny_model_path
     cfg.actor_rollout_ref.rollout.n = 3
     arr = cfg.resolve().actor_rollout_ref
-    group = LocalWorkerGroup(ClassWithInitArgs(ActorRolloutRefWorker, arr, role="actor_rollout", response_length=6))
+    group = LocalWorkerGroup(
+        ClassWithInitArgs(ActorRolloutRefWorker, arr, role="actor_rollout", response_length=6)
+    )
     group.init_model()
-    prompts = chat_prompts(group.workers[0].tokenizer, ["Compute 1+2.", "Say hello to the world please.", "Hi"])
+    prompts = chat_prompts(
+        group.workers[0].tokenizer, ["Compute 1+2.", "Say hello to the world please.", "Hi"]
+    )
     batch = group.generate_sequences(prompts)
     results = []
     for share, dynamic in ((False, False), (True, False), (True, True)):

@@ -33,14 +33,25 @@ class RayResourcePool:
     """``process_on_nodes[i]`` processes on node ``i``; each process gets a bundle of ``cpus_per_process``
     CPUs (and one GPU when ``use_gpu``). Placement groups are reserved on first use."""
 
-    def __init__(self, process_on_nodes: list[int], use_gpu: bool = False, max_colocate_count: int = 1,
-                 cpus_per_process: float = 1.0, name: str = "pool", ready_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        process_on_nodes: list[int],
+        use_gpu: bool = False,
+        max_colocate_count: int = 1,
+        cpus_per_process: float = 1.0,
+        name: str = "pool",
+        ready_timeout_s: float = 60.0,
+    ) -> None:
         if not process_on_nodes or any(n < 1 for n in process_on_nodes):
-            raise ValueError(f"process_on_nodes must list at least one node, each with >= 1 process; "
-                             f"got {process_on_nodes}")
+            raise ValueError(
+                f"process_on_nodes must list at least one node, each with >= 1 process; "
+                f"got {process_on_nodes}"
+            )
         if max_colocate_count < 1 or cpus_per_process <= 0:
-            raise ValueError(f"max_colocate_count must be >= 1 and cpus_per_process > 0; got {max_colocate_count}"
-                             f" and {cpus_per_process}")
+            raise ValueError(
+                f"max_colocate_count must be >= 1 and cpus_per_process > 0; got {max_colocate_count}"
+                f" and {cpus_per_process}"
+            )
         self.process_on_nodes = list(process_on_nodes)
         self.use_gpu = use_gpu
         self.max_colocate_count = max_colocate_count
@@ -68,17 +79,21 @@ class RayResourcePool:
 
     def placements(self) -> list[Placement]:
         """One ``Placement`` per rank, ranks numbered node by node."""
-        return [Placement(group, local_rank, node, local_rank, count)
-                for node, (group, count) in enumerate(zip(self._placement_groups(), self.process_on_nodes))
-                for local_rank in range(count)]
+        return [
+            Placement(group, local_rank, node, local_rank, count)
+            for node, (group, count) in enumerate(zip(self._placement_groups(), self.process_on_nodes))
+            for local_rank in range(count)
+        ]
 
     def acquire(self, user: str) -> None:
         """Count one more worker group on the pool; refuse beyond ``max_colocate_count`` (its actors would
         wait forever for a share of the bundles)."""
         if len(self._users) >= self.max_colocate_count:
-            raise RuntimeError(f"resource pool {self.name!r} already holds {self._users} (max_colocate_count="
-                               f"{self.max_colocate_count}); cannot add worker group {user!r}: raise "
-                               "max_colocate_count or colocate the roles in one group")
+            raise RuntimeError(
+                f"resource pool {self.name!r} already holds {self._users} (max_colocate_count="
+                f"{self.max_colocate_count}); cannot add worker group {user!r}: raise "
+                "max_colocate_count or colocate the roles in one group"
+            )
         self._users.append(user)
 
     def release(self, user: str) -> None:
@@ -94,15 +109,19 @@ class RayResourcePool:
         if not self._groups:
             bundle = {"CPU": self.cpus_per_process, **({"GPU": 1.0} if self.use_gpu else {})}
             for node, count in enumerate(self.process_on_nodes):
-                group = placement_group([dict(bundle) for _ in range(count)], strategy="STRICT_PACK",
-                                        name=f"{self.name}:{node}:{id(self):x}")
+                group = placement_group(
+                    [dict(bundle) for _ in range(count)],
+                    strategy="STRICT_PACK",
+                    name=f"{self.name}:{node}:{id(self):x}",
+                )
                 self._groups.append(group)
                 if not group.wait(self.ready_timeout_s):
                     self.remove()
                     raise RuntimeError(
                         f"resource pool {self.name!r}: node {node} needs {count} bundles of {bundle} on one "
                         f"machine, not placed within {self.ready_timeout_s:.0f} s; the cluster has "
-                        f"{_rounded(ray.available_resources())} available")
+                        f"{_rounded(ray.available_resources())} available"
+                    )
         return self._groups
 
 
@@ -114,11 +133,19 @@ class ResourcePoolManager:
     ``max_colocate_count`` says otherwise.
     """
 
-    def __init__(self, resource_pool_spec: Mapping[str, list[int]], mapping: Mapping[str | Enum, str],
-                 use_gpu: bool = False, cpus_per_process: float = 1.0, max_colocate_count: int | None = None) -> None:
+    def __init__(
+        self,
+        resource_pool_spec: Mapping[str, list[int]],
+        mapping: Mapping[str | Enum, str],
+        use_gpu: bool = False,
+        cpus_per_process: float = 1.0,
+        max_colocate_count: int | None = None,
+    ) -> None:
         unknown = {str(role): pool for role, pool in mapping.items() if pool not in resource_pool_spec}
         if unknown:
-            raise KeyError(f"roles map to undefined pools {unknown}; defined pools: {sorted(resource_pool_spec)}")
+            raise KeyError(
+                f"roles map to undefined pools {unknown}; defined pools: {sorted(resource_pool_spec)}"
+            )
         self.resource_pool_spec = {name: list(nodes) for name, nodes in resource_pool_spec.items()}
         self.mapping = dict(mapping)
         self.use_gpu = use_gpu
@@ -131,8 +158,13 @@ class ResourcePoolManager:
         pools = {}
         for name, nodes in self.resource_pool_spec.items():
             roles = sum(1 for pool in self.mapping.values() if pool == name)
-            pools[name] = RayResourcePool(nodes, use_gpu=self.use_gpu, cpus_per_process=self.cpus_per_process,
-                                          max_colocate_count=self.max_colocate_count or max(1, roles), name=name)
+            pools[name] = RayResourcePool(
+                nodes,
+                use_gpu=self.use_gpu,
+                cpus_per_process=self.cpus_per_process,
+                max_colocate_count=self.max_colocate_count or max(1, roles),
+                name=name,
+            )
         self.check_resources(pools)
         for pool in pools.values():
             pool.placements()
@@ -143,7 +175,9 @@ class ResourcePoolManager:
         if not self.pools:
             raise RuntimeError("call create_resource_pool() before get_resource_pool()")
         if role not in self.mapping:
-            raise KeyError(f"role {str(role)!r} has no resource pool; mapped roles: {[str(r) for r in self.mapping]}")
+            raise KeyError(
+                f"role {str(role)!r} has no resource pool; mapped roles: {[str(r) for r in self.mapping]}"
+            )
         return self.pools[self.mapping[role]]
 
     @staticmethod
@@ -154,10 +188,15 @@ class ResourcePoolManager:
             for key, amount in pool.required_resources().items():
                 needed[key] = needed.get(key, 0.0) + amount
         available = ray.available_resources()
-        missing = {key: (amount, available.get(key, 0.0)) for key, amount in needed.items()
-                   if amount > available.get(key, 0.0) + 1e-9}
+        missing = {
+            key: (amount, available.get(key, 0.0))
+            for key, amount in needed.items()
+            if amount > available.get(key, 0.0) + 1e-9
+        }
         if missing:
-            detail = "; ".join(f"{key}: need {need:g}, available {have:g}" for key, (need, have) in missing.items())
+            detail = "; ".join(
+                f"{key}: need {need:g}, available {have:g}" for key, (need, have) in missing.items()
+            )
             spec = {name: pool.process_on_nodes for name, pool in pools.items()}
             raise RuntimeError(f"the Ray cluster cannot hold resource pools {spec}: {detail}")
 

@@ -53,7 +53,9 @@ class _WorkerHost:
             port = sock.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def build(self, env: dict[str, str], sys_path: list[str], cls_with_init: bytes, set_torch_threads: bool) -> None:
+    def build(
+        self, env: dict[str, str], sys_path: list[str], cls_with_init: bytes, set_torch_threads: bool
+    ) -> None:
         """Set the rank's environment, share the node's CPUs among its processes, construct the worker.
 
         The worker class arrives pickled and is loaded only after the driver's import path is added to
@@ -88,14 +90,21 @@ class RayWorkerGroup(WorkerGroup):
     a minute on a loaded 2-core machine; missing resources are reported by the pool before that).
     """
 
-    def __init__(self, resource_pool: RayResourcePool, cls_with_init: ClassWithInitArgs,
-                 name_prefix: str | None = None, set_torch_threads: bool = True,
-                 call_timeout_s: float | None = None, start_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        resource_pool: RayResourcePool,
+        cls_with_init: ClassWithInitArgs,
+        name_prefix: str | None = None,
+        set_torch_threads: bool = True,
+        call_timeout_s: float | None = None,
+        start_timeout_s: float = 600.0,
+    ) -> None:
         name = name_prefix or cls_with_init.cls.__name__
         resource_pool.acquire(name)
         try:
-            backend = _RayBackend.start(resource_pool, cls_with_init, name, set_torch_threads,
-                                        call_timeout_s, start_timeout_s)
+            backend = _RayBackend.start(
+                resource_pool, cls_with_init, name, set_torch_threads, call_timeout_s, start_timeout_s
+            )
         except BaseException:
             resource_pool.release(name)
             raise
@@ -116,20 +125,43 @@ class _RayBackend:
         self._call_timeout_s = call_timeout_s
 
     @classmethod
-    def start(cls, pool: RayResourcePool, cls_with_init: ClassWithInitArgs, group: str,
-              set_torch_threads: bool, call_timeout_s: float | None, start_timeout_s: float) -> _RayBackend:
+    def start(
+        cls,
+        pool: RayResourcePool,
+        cls_with_init: ClassWithInitArgs,
+        group: str,
+        set_torch_threads: bool,
+        call_timeout_s: float | None,
+        start_timeout_s: float,
+    ) -> _RayBackend:
         placements = pool.placements()
         resources = pool.actor_resources()
-        backend = cls([_RemoteHost.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(p.group, placement_group_bundle_index=p.bundle_index),
-            **resources).remote() for p in placements], call_timeout_s)
+        backend = cls(
+            [
+                _RemoteHost.options(
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        p.group, placement_group_bundle_index=p.bundle_index
+                    ),
+                    **resources,
+                ).remote()
+                for p in placements
+            ],
+            call_timeout_s,
+        )
         try:
-            [(addr, port)] = backend.wait([backend._actors[0].master_address.remote()], group,
-                                          "start (placing the actors)", start_timeout_s)
+            [(addr, port)] = backend.wait(
+                [backend._actors[0].master_address.remote()],
+                group,
+                "start (placing the actors)",
+                start_timeout_s,
+            )
             payload = cloudpickle.dumps(cls_with_init)
-            builds = [actor.build.remote(_rank_env(rank, p, len(placements), addr, port), sys.path, payload,
-                                         set_torch_threads)
-                      for rank, (actor, p) in enumerate(zip(backend._actors, placements))]
+            builds = [
+                actor.build.remote(
+                    _rank_env(rank, p, len(placements), addr, port), sys.path, payload, set_torch_threads
+                )
+                for rank, (actor, p) in enumerate(zip(backend._actors, placements))
+            ]
             backend.wait(builds, group, "__init__", None)
         except BaseException:
             backend.kill()
@@ -146,8 +178,10 @@ class _RayBackend:
 
     def submit(self, method: str, shards: Shards, group: str, label: str) -> list:
         shards = _put_repeated(shards)
-        return [self._actors[rank].execute.remote(method, *args, **kwargs)
-                for rank, (args, kwargs) in enumerate(zip(shards.args, shards.kwargs))]
+        return [
+            self._actors[rank].execute.remote(method, *args, **kwargs)
+            for rank, (args, kwargs) in enumerate(zip(shards.args, shards.kwargs))
+        ]
 
     def fetch(self, handles: list, group: str, label: str, timeout_s: float | None = None) -> list:
         return self.wait(handles, group, label, self._call_timeout_s if timeout_s is None else timeout_s)
@@ -159,12 +193,18 @@ class _RayBackend:
         except GetTimeoutError:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             late = [rank for rank, ref in enumerate(refs) if ref not in ready]
-            raise WorkerError(group, late[0], label, f"no answer within {timeout_s} s from ranks {late}") from None
+            raise WorkerError(
+                group, late[0], label, f"no answer within {timeout_s} s from ranks {late}"
+            ) from None
         except RayError as error:
             rank, error = _first_failure(refs, error)
             kind = WorkerDiedError if isinstance(error, RayActorError) else WorkerError
             # the worker's own exception, when it is an input error (the message already holds the rest)
-            cause = error.cause if isinstance(error, RayTaskError) and isinstance(error.cause, UserError) else None
+            cause = (
+                error.cause
+                if isinstance(error, RayTaskError) and isinstance(error.cause, UserError)
+                else None
+            )
             raised, cause = worker_failure(kind(group, rank, label, _ANSI.sub("", str(error))), cause)
             raise raised from cause
 
@@ -173,10 +213,18 @@ class _RayBackend:
             ray.kill(actor, no_restart=True)
 
 
-def _rank_env(rank: int, placement: Placement, world_size: int, master_addr: str, master_port: int) -> dict[str, str]:
-    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(placement.local_rank),
-            "LOCAL_WORLD_SIZE": str(placement.local_world_size), "MASTER_ADDR": master_addr,
-            "MASTER_PORT": str(master_port), SIMULATED_RANKS_ENV: "0"}
+def _rank_env(
+    rank: int, placement: Placement, world_size: int, master_addr: str, master_port: int
+) -> dict[str, str]:
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(placement.local_rank),
+        "LOCAL_WORLD_SIZE": str(placement.local_world_size),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        SIMULATED_RANKS_ENV: "0",
+    }
 
 
 def _first_failure(refs: list, fallback: RayError) -> tuple[int, RayError]:
@@ -195,7 +243,9 @@ def _put_repeated(shards: Shards) -> Shards:
     store, instead of serialising it once per rank; Ray hands each actor the stored value."""
     if len(shards) < 2:
         return shards
-    counts = Counter(id(v) for args, kwargs in zip(shards.args, shards.kwargs) for v in (*args, *kwargs.values()))
+    counts = Counter(
+        id(v) for args, kwargs in zip(shards.args, shards.kwargs) for v in (*args, *kwargs.values())
+    )
     stored: dict[int, ray.ObjectRef] = {}
 
     def share(value: Any) -> Any:
@@ -205,5 +255,8 @@ def _put_repeated(shards: Shards) -> Shards:
             stored[id(value)] = ray.put(value)
         return stored[id(value)]
 
-    return Shards([tuple(share(v) for v in args) for args in shards.args],
-                  [{k: share(v) for k, v in kwargs.items()} for kwargs in shards.kwargs], shards.pad_size)
+    return Shards(
+        [tuple(share(v) for v in args) for args in shards.args],
+        [{k: share(v) for k, v in kwargs.items()} for kwargs in shards.kwargs],
+        shards.pad_size,
+    )

@@ -19,8 +19,16 @@ from hybridflow.workers.rollout.hf_rollout import (
     response_mask_from,
 )
 
-__all__ = ["AgentLoop", "HFRollout", "SamplingParams", "agent_metrics", "assemble_rollout", "build_rollout",
-           "check_generation_batch", "response_mask_from"]
+__all__ = [
+    "AgentLoop",
+    "HFRollout",
+    "SamplingParams",
+    "agent_metrics",
+    "assemble_rollout",
+    "build_rollout",
+    "check_generation_batch",
+    "response_mask_from",
+]
 
 _HOW = "build it with hybridflow.generation_batch(prompts, tokenizer) (strings or chat messages)"
 
@@ -31,18 +39,28 @@ def check_generation_batch(prompts: DataProto) -> None:
     keys = prompts.batch.keys() if prompts.batch is not None else []
     missing = [k for k in ("input_ids", "attention_mask", "position_ids") if k not in keys]
     if missing:
-        raise ValueError(f"generate_sequences: the batch has no {', '.join(missing)}; it needs left-padded "
-                         f"input_ids, attention_mask and position_ids (bs, P): {_HOW}")
+        raise ValueError(
+            f"generate_sequences: the batch has no {', '.join(missing)}; it needs left-padded "
+            f"input_ids, attention_mask and position_ids (bs, P): {_HOW}"
+        )
     mask = prompts.batch["attention_mask"]
     ends_in_padding = (mask[:, -1] == 0).nonzero().flatten().tolist()
     if ends_in_padding:
-        raise ValueError(f"generate_sequences: prompt row(s) {ends_in_padding[:5]} end in padding (attention_mask "
-                         "0 in the last column): the batch is right-padded, and the model would continue after "
-                         f"the padding; prompts must be left-padded: {_HOW}, or tokenizer.padding_side='left'")
+        raise ValueError(
+            f"generate_sequences: prompt row(s) {ends_in_padding[:5]} end in padding (attention_mask "
+            "0 in the last column): the batch is right-padded, and the model would continue after "
+            f"the padding; prompts must be left-padded: {_HOW}, or tokenizer.padding_side='left'"
+        )
 
 
-def build_rollout(rollout: Any, module: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, response_length: int,
-                  model_path: str | None = None, seed: int = 0) -> Any:
+def build_rollout(
+    rollout: Any,
+    module: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    response_length: int,
+    model_path: str | None = None,
+    seed: int = 0,
+) -> Any:
     """The engine named by ``rollout.name`` (``rollout``: a ``RolloutConfig``). ``hf`` samples from ``module``
     itself (shared with the actor); ``vllm`` loads its own copy from ``model_path`` (in ``rollout.dtype``) and
     must be sent the weights after each change (``update_weights``). Wrapped in the agent loop when
@@ -56,8 +74,16 @@ def build_rollout(rollout: Any, module: PreTrainedModel, tokenizer: PreTrainedTo
         if model_path is None:
             raise ValueError("rollout.name=vllm needs model_path: vLLM loads the model from its folder")
         device = next(module.parameters()).device
-        engine = VLLMRollout(model_path, tokenizer, rollout, response_length, rollout.max_model_len,
-                             resolve_dtype(rollout.dtype, device), device, seed)
+        engine = VLLMRollout(
+            model_path,
+            tokenizer,
+            rollout,
+            response_length,
+            rollout.max_model_len,
+            resolve_dtype(rollout.dtype, device),
+            device,
+            seed,
+        )
     else:
         raise ValueError(f"unknown rollout engine {name!r}; known: hf, vllm")
     multi_turn = rollout.multi_turn

@@ -67,8 +67,14 @@ class AgentLoop:
     """``generate_sequences`` with tools; ``config`` is ``rollout.multi_turn`` (``max_assistant_turns``,
     ``max_user_turns``, ``format``), ``tools`` maps the names the model calls to tool objects."""
 
-    def __init__(self, engine: Any, tokenizer: PreTrainedTokenizerBase, config: Any, response_length: int,
-                 tools: dict[str, BaseTool]) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: PreTrainedTokenizerBase,
+        config: Any,
+        response_length: int,
+        tools: dict[str, BaseTool],
+    ) -> None:
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.response_length, self.tools = response_length, tools
         self.eos_token_ids = set(getattr(engine, "eos_token_ids", None) or [tokenizer.eos_token_id])
@@ -81,12 +87,16 @@ class AgentLoop:
         ``rollout_log_probs`` ``(bs*n, L)``, ``input_ids``/``attention_mask``/``position_ids`` ``(bs*n, P+L)``,
         non-tensor ``messages``, ``tool_calls``, ``num_turns``, ``tool_rewards``; ``meta_info["metrics"]``."""
         if "raw_prompt" not in prompts.non_tensor_batch:
-            raise KeyError("multi-turn rollouts need non_tensor_batch['raw_prompt'] (the chat messages), as "
-                           f"RLHFDataset provides; the batch has {sorted(prompts.non_tensor_batch)}")
+            raise KeyError(
+                "multi-turn rollouts need non_tensor_batch['raw_prompt'] (the chat messages), as "
+                f"RLHFDataset provides; the batch has {sorted(prompts.non_tensor_batch)}"
+            )
         rows = prompts.repeat(int(prompts.meta_info.get("n", 1)), interleave=True)
         mask = rows.batch["attention_mask"].bool()
-        conversations = [Conversation(ids[m].tolist(), copy.deepcopy(list(messages)))
-                         for ids, m, messages in zip(rows.batch["input_ids"], mask, rows.non_tensor_batch["raw_prompt"])]
+        conversations = [
+            Conversation(ids[m].tolist(), copy.deepcopy(list(messages)))
+            for ids, m, messages in zip(rows.batch["input_ids"], mask, rows.non_tensor_batch["raw_prompt"])
+        ]
         sampling = {k: prompts.meta_info[k] for k in SAMPLING_OVERRIDES if k in prompts.meta_info}
         for tool in self.tools.values():
             for c in conversations:
@@ -107,8 +117,10 @@ class AgentLoop:
         contexts = [c.prompt_ids + c.ids for c in live]
         width = max(map(len, contexts))
         padded = [left_pad(ids, width, self.tokenizer.pad_token_id) for ids in contexts]
-        batch = DataProto.from_dict({k: torch.stack([p[k] for p in padded]) for k in padded[0]},
-                                    meta_info={**sampling, "n": 1, "response_length": budget})
+        batch = DataProto.from_dict(
+            {k: torch.stack([p[k] for p in padded]) for k in padded[0]},
+            meta_info={**sampling, "n": 1, "response_length": budget},
+        )
         out = self.engine.generate_sequences(batch)
         lengths = out.batch["response_mask"].sum(-1).tolist()
         for c, ids, lps, length in zip(live, out.batch["responses"], out.batch["rollout_log_probs"], lengths):
@@ -121,13 +133,17 @@ class AgentLoop:
             c.messages.append({"role": "assistant", "content": text})
             c.pending = parse_tool_calls(text, self.config.format)
             if c.pending:
-                c.tool_calls.append({"turn": c.assistant_turns, "calls": [call.as_dict() for call in c.pending]})
+                c.tool_calls.append(
+                    {"turn": c.assistant_turns, "calls": [call.as_dict() for call in c.pending]}
+                )
             if not ended:
                 c.finish(truncated=True)  # the budget ran out mid-turn
             elif not c.pending:
                 c.finish()  # a final answer
-            elif (c.assistant_turns >= self.config.max_assistant_turns
-                  or c.user_turns >= self.config.max_user_turns):
+            elif (
+                c.assistant_turns >= self.config.max_assistant_turns
+                or c.user_turns >= self.config.max_user_turns
+            ):
                 c.finish(truncated=True)  # it wants tools, but a turn limit says stop
 
     def _tool_turn(self, waiting: list[Conversation]) -> None:
@@ -179,9 +195,12 @@ class AgentLoop:
             attention[i, :k] = 1
             log_probs[i, :k] = torch.tensor(c.log_probs, dtype=torch.float32)
         rows = attach_responses(rows, responses, response_mask, log_probs, attended=attention)
-        columns = {"messages": [c.messages for c in conversations], "tool_calls": [c.tool_calls for c in conversations],
-                   "num_turns": [c.assistant_turns for c in conversations],
-                   "tool_rewards": [c.tool_reward for c in conversations]}
+        columns = {
+            "messages": [c.messages for c in conversations],
+            "tool_calls": [c.tool_calls for c in conversations],
+            "num_turns": [c.assistant_turns for c in conversations],
+            "tool_rewards": [c.tool_reward for c in conversations],
+        }
         for key, values in columns.items():
             rows.non_tensor_batch[key] = np.empty(n, dtype=object)
             for i, value in enumerate(values):  # element by element: lists stay single elements
@@ -194,7 +213,9 @@ def agent_metrics(conversations: list[Conversation]) -> dict[str, float]:
     """Per-conversation means: assistant turns, well-formed tool calls, failed calls; share truncated."""
     n = max(len(conversations), 1)
     calls = [call for c in conversations for turn in c.tool_calls for call in turn["calls"]]
-    return {"agent/turns/mean": sum(c.assistant_turns for c in conversations) / n,
-            "agent/tool_calls/mean": sum(call["error"] is None for call in calls) / n,
-            "agent/tool_errors": sum(c.tool_errors for c in conversations) / n,
-            "agent/truncated": sum(c.truncated for c in conversations) / n}
+    return {
+        "agent/turns/mean": sum(c.assistant_turns for c in conversations) / n,
+        "agent/tool_calls/mean": sum(call["error"] is None for call in calls) / n,
+        "agent/tool_errors": sum(c.tool_errors for c in conversations) / n,
+        "agent/truncated": sum(c.truncated for c in conversations) / n,
+    }

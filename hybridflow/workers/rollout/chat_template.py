@@ -22,8 +22,10 @@ Messages = list[dict[str, Any]]
 
 _PROBE: Messages = [
     {"role": "user", "content": "What is 12*34?"},
-    {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}'
-                                     "</tool_call>"},
+    {
+        "role": "assistant",
+        "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>',
+    },
     {"role": "tool", "content": "408"},
     {"role": "assistant", "content": "12*34=408"},
 ]
@@ -34,8 +36,12 @@ class TemplateDelta:
 
     ``tools``: schemas passed to the template (templates without tool support ignore them)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, tools: list[dict[str, Any]] | None = None,
-                 eos_token_id: int | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        tools: list[dict[str, Any]] | None = None,
+        eos_token_id: int | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.kwargs = {"tools": tools} if tools else {}
         eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
@@ -43,29 +49,33 @@ class TemplateDelta:
         self.turn_end = self._check_append_only()
 
     def render(self, messages: Messages, generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                                  **self.kwargs)
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt, **self.kwargs
+        )
 
     def _check_append_only(self) -> str:
         """Render the probe turn by turn; returns what the template writes after an assistant turn's EOS."""
         name = getattr(self.tokenizer, "name_or_path", "") or type(self.tokenizer).__name__
         for k in range(1, len(_PROBE)):
             before = self.render(_PROBE[:k], generation_prompt=_PROBE[k]["role"] == "assistant")
-            after = self.render(_PROBE[:k + 1], generation_prompt=False)
+            after = self.render(_PROBE[: k + 1], generation_prompt=False)
             if not after.startswith(before):
                 raise UserError(
                     f"the chat template of {name} is not append-only: adding a {_PROBE[k]['role']!r} message "
                     f"after {len(_PROBE[:k])} message(s) rewrites what was rendered before, so multi-turn "
                     "rollouts cannot keep the model's tokens; use a ChatML-style template (e.g. set "
-                    "tokenizer.chat_template) or turn actor_rollout_ref.rollout.multi_turn.enable off")
+                    "tokenizer.chat_template) or turn actor_rollout_ref.rollout.multi_turn.enable off"
+                )
         prompt = self.render(_PROBE[:1], generation_prompt=True)
-        turn = self.render(_PROBE[:2], generation_prompt=False)[len(prompt):]
+        turn = self.render(_PROBE[:2], generation_prompt=False)[len(prompt) :]
         content = _PROBE[1]["content"]
         if not turn.startswith(content + self.eos_text):
-            raise UserError(f"the chat template of {name} does not end an assistant turn with the EOS token "
-                            f"{self.eos_text!r} right after its content (it renders {turn!r}); the agent loop "
-                            "needs the model's EOS to close its turn")
-        return turn[len(content) + len(self.eos_text):]
+            raise UserError(
+                f"the chat template of {name} does not end an assistant turn with the EOS token "
+                f"{self.eos_text!r} right after its content (it renders {turn!r}); the agent loop "
+                "needs the model's EOS to close its turn"
+            )
+        return turn[len(content) + len(self.eos_text) :]
 
     def after_assistant(self, messages: Messages, new_messages: Messages) -> list[int]:
         """Tokens after the EOS that ended ``messages[-1]`` (an assistant turn): its turn end, ``new_messages``
@@ -73,7 +83,9 @@ class TemplateDelta:
         before = self.render(messages, generation_prompt=False)
         after = self.render(messages + new_messages, generation_prompt=True)
         if not after.startswith(before):
-            raise UserError("the chat template rewrote earlier turns of a conversation (not append-only); "
-                            f"the last message was {messages[-1]!r:.200}")
-        text = self.turn_end + after[len(before):]
+            raise UserError(
+                "the chat template rewrote earlier turns of a conversation (not append-only); "
+                f"the last message was {messages[-1]!r:.200}"
+            )
+        text = self.turn_end + after[len(before) :]
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

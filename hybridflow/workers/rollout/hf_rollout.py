@@ -34,8 +34,14 @@ class SamplingParams:
 
     @classmethod
     def from_config(cls, config: Any, response_length: int, overrides: dict | None = None) -> SamplingParams:
-        values = {"n": config.n, "do_sample": config.do_sample, "temperature": config.temperature,
-                  "top_p": config.top_p, "top_k": config.top_k, "response_length": response_length}
+        values = {
+            "n": config.n,
+            "do_sample": config.do_sample,
+            "temperature": config.temperature,
+            "top_p": config.top_p,
+            "top_k": config.top_k,
+            "response_length": response_length,
+        }
         values.update({k: v for k, v in (overrides or {}).items() if k in SAMPLING_KEYS and v is not None})
         params = cls(**values)
         if params.temperature <= 0:  # temperature 0 means greedy, as in vLLM
@@ -99,15 +105,24 @@ def common_prefix_length(ids: torch.Tensor, mask: torch.Tensor, positions: torch
     lengths = mask.sum(dim=1)
     shortest = int(lengths.min())
     starts = (ids.shape[1] - lengths).tolist()
-    heads = torch.stack([torch.stack([ids[r, s:s + shortest], positions[r, s:s + shortest]])
-                         for r, s in enumerate(starts)])
+    heads = torch.stack(
+        [
+            torch.stack([ids[r, s : s + shortest], positions[r, s : s + shortest]])
+            for r, s in enumerate(starts)
+        ]
+    )
     differs = (heads != heads[:1]).any(dim=0).any(dim=0).nonzero()
     same = int(differs[0]) if len(differs) else shortest
     return max(0, min(same, shortest - 1))
 
 
-def assemble_rollout(expanded: DataProto, responses: torch.Tensor, rollout_log_probs: torch.Tensor,
-                     eos_token_ids: list[int], pad_token_id: int) -> DataProto:
+def assemble_rollout(
+    expanded: DataProto,
+    responses: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+) -> DataProto:
     """The rollout contract every engine returns, from its raw samples.
 
     ``expanded``: the prompts repeated ``n`` times (interleaved), ``(bs*n, P)`` left-padded;
@@ -119,8 +134,13 @@ def assemble_rollout(expanded: DataProto, responses: torch.Tensor, rollout_log_p
     return attach_responses(expanded, responses, response_mask, rollout_log_probs)
 
 
-def attach_responses(rows: DataProto, responses: torch.Tensor, response_mask: torch.Tensor,
-                     rollout_log_probs: torch.Tensor, attended: torch.Tensor | None = None) -> DataProto:
+def attach_responses(
+    rows: DataProto,
+    responses: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    attended: torch.Tensor | None = None,
+) -> DataProto:
     """Add ``prompts``, ``responses``, ``response_mask``, ``rollout_log_probs`` (masked) and the whole
     sequence's ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, P + L)`` to left-padded prompt
     ``rows``. ``attended`` ``(bs, L)`` marks the response tokens the model sees (default: ``response_mask``);
@@ -148,8 +168,9 @@ class HFRollout:
     decoding padding until the longest one ends, and no per-step logits processors run. Sampling is
     temperature, top-k and top-p, as vLLM's; the result is the rollout contract (``assemble_rollout``)."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: Any,
-                 response_length: int) -> None:
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: Any, response_length: int
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -180,15 +201,23 @@ class HFRollout:
             self.model.train(was_training)
         return DataProto.concat(parts) if len(parts) > 1 else parts[0]
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                 cache: Any = None) -> tuple[torch.Tensor, Any]:
+    def _forward(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any = None
+    ) -> tuple[torch.Tensor, Any]:
         """The next-token logits after the last column ``(rows, V)``, and the cache extended by ``ids``."""
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=1, **({self._cache_key: cache} if cache is not None else {}))
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **({self._cache_key: cache} if cache is not None else {}),
+        )
         return out.logits[:, -1], out[self._cache_key]
 
-    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor,
-                 positions: torch.Tensor) -> tuple[torch.Tensor, Any, torch.Tensor]:
+    def _prefill(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, Any, torch.Tensor]:
         """Run the prompts ``(bs, P)`` through the model once: the prefix they all share at batch size one,
         then each prompt's remainder, left-padded to the longest, after it. Returns the logits that sample
         the first response token ``(bs, V)``, the cache, and its attention mask ``(bs, C)``."""
@@ -197,21 +226,29 @@ class HFRollout:
             logits, cache = self._forward(ids, mask, positions)
             return logits, cache, mask
         start = ids.shape[1] - int(mask[0].sum())
-        _, cache = self._forward(ids[:1, start:start + shared], mask[:1, start:start + shared],
-                                 positions[:1, start:start + shared])
+        _, cache = self._forward(
+            ids[:1, start : start + shared],
+            mask[:1, start : start + shared],
+            positions[:1, start : start + shared],
+        )
         cache.batch_repeat_interleave(len(ids))
         lengths, width = mask.sum(dim=1), ids.shape[1]
         rest = int(lengths.max()) - shared  # the remainders, left-padded to a common width
-        remainder = torch.arange(width - rest, width, device=mask.device) >= (width - lengths + shared)[:, None]
-        mask = torch.cat([torch.ones(len(ids), shared, dtype=mask.dtype, device=mask.device),
-                          remainder.to(mask.dtype)], dim=1)
+        remainder = (
+            torch.arange(width - rest, width, device=mask.device) >= (width - lengths + shared)[:, None]
+        )
+        mask = torch.cat(
+            [torch.ones(len(ids), shared, dtype=mask.dtype, device=mask.device), remainder.to(mask.dtype)],
+            dim=1,
+        )
         logits, cache = self._forward(ids[:, -rest:], mask, positions[:, -rest:], cache)
         return logits, cache, mask
 
     def _generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
         device = next(self.model.parameters()).device
-        ids, mask, positions = (prompts.batch[k].to(device) for k in ("input_ids", "attention_mask",
-                                                                      "position_ids"))
+        ids, mask, positions = (
+            prompts.batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")
+        )
         logits, cache, mask = self._prefill(ids, mask, positions)
         n, length = params.n, params.response_length
         if n > 1:
@@ -238,4 +275,6 @@ class HFRollout:
             logits, cache = self._forward(tokens[:, None], mask, next_position[:, None], cache)
             next_position = next_position + 1
         expanded = prompts.repeat(n, interleave=True)
-        return assemble_rollout(expanded, responses.cpu(), log_probs.cpu(), self.eos_token_ids, self.pad_token_id)
+        return assemble_rollout(
+            expanded, responses.cpu(), log_probs.cpu(), self.eos_token_ids, self.pad_token_id
+        )

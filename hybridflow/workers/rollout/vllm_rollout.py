@@ -63,8 +63,17 @@ class VLLMRollout:
     ``config``: the rollout section (sampling defaults, engine keys); ``max_model_len``: the longest
     prompt + response; ``device``: where the actor trains (``cuda`` enables sleep mode)."""
 
-    def __init__(self, model_path: str, tokenizer: PreTrainedTokenizerBase, config: Any, response_length: int,
-                 max_model_len: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer: PreTrainedTokenizerBase,
+        config: Any,
+        response_length: int,
+        max_model_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
         vllm = _import_vllm()
         self.config, self.response_length, self.dtype = config, response_length, dtype
         self.pad_token_id = tokenizer.pad_token_id
@@ -74,17 +83,28 @@ class VLLMRollout:
         self.sleep_mode = self.on_gpu and config.free_cache_engine
         self._sampling_cls = vllm.SamplingParams
         self._tokens_prompt = vllm.inputs.TokensPrompt
-        gpu_only = {"gpu_memory_utilization": config.gpu_memory_utilization,
-                    "enable_sleep_mode": self.sleep_mode} if self.on_gpu else {}
+        gpu_only = (
+            {"gpu_memory_utilization": config.gpu_memory_utilization, "enable_sleep_mode": self.sleep_mode}
+            if self.on_gpu
+            else {}
+        )
         self.llm = vllm.LLM(
-            model=model_path, tokenizer=model_path, dtype=str(dtype).removeprefix("torch."),
-            max_model_len=max_model_len, enforce_eager=config.enforce_eager, seed=seed,
-            tensor_parallel_size=config.tensor_model_parallel_size, max_num_seqs=config.max_num_seqs,
+            model=model_path,
+            tokenizer=model_path,
+            dtype=str(dtype).removeprefix("torch."),
+            max_model_len=max_model_len,
+            enforce_eager=config.enforce_eager,
+            seed=seed,
+            tensor_parallel_size=config.tensor_model_parallel_size,
+            max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=max(config.max_num_batched_tokens, max_model_len or 0),
-            enable_chunked_prefill=config.enable_chunked_prefill, enable_prefix_caching=True,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            enable_prefix_caching=True,
             # the log-prob of each sampled token under the distribution it was sampled from (temperature
             # applied), which is what the trainer recomputes: rollout/logprob_diff compares like with like
-            logprobs_mode="processed_logprobs", **gpu_only)
+            logprobs_mode="processed_logprobs",
+            **gpu_only,
+        )
         self._asleep: set[str] = set()  # what sleep mode has moved out of GPU memory: weights, kv_cache
         self._sleep()
 
@@ -121,10 +141,18 @@ class VLLMRollout:
 
     # ------------------------------------------------------------------ generation
     def _sampling_params(self, params: SamplingParams) -> Any:
-        sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-                    "logprobs": 0} if params.do_sample else {"temperature": 0.0}
-        return self._sampling_cls(n=params.n, max_tokens=params.response_length, stop_token_ids=self.eos_token_ids,
-                                  detokenize=False, **sampling)
+        sampling = (
+            {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "logprobs": 0}
+            if params.do_sample
+            else {"temperature": 0.0}
+        )
+        return self._sampling_cls(
+            n=params.n,
+            max_tokens=params.response_length,
+            stop_token_ids=self.eos_token_ids,
+            detokenize=False,
+            **sampling,
+        )
 
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -142,10 +170,11 @@ class VLLMRollout:
         responses = torch.full((rows, params.response_length), self.pad_token_id, dtype=ids.dtype)
         log_probs = torch.zeros((rows, params.response_length), dtype=torch.float32)
         for i, sample in enumerate(s for out in outputs for s in out.outputs):  # prompt-major, like repeat(n)
-            tokens = list(sample.token_ids)[:params.response_length]
-            responses[i, :len(tokens)] = torch.tensor(tokens, dtype=ids.dtype)
+            tokens = list(sample.token_ids)[: params.response_length]
+            responses[i, : len(tokens)] = torch.tensor(tokens, dtype=ids.dtype)
             if params.do_sample and sample.logprobs:
-                log_probs[i, :len(tokens)] = torch.tensor(
-                    [step[token].logprob for step, token in zip(sample.logprobs, tokens)])
+                log_probs[i, : len(tokens)] = torch.tensor(
+                    [step[token].logprob for step, token in zip(sample.logprobs, tokens)]
+                )
         expanded = prompts.repeat(params.n, interleave=True)
         return assemble_rollout(expanded, responses, log_probs, self.eos_token_ids, self.pad_token_id)
