@@ -9,7 +9,6 @@ here, on the driver, by any estimator registered in ``hybridflow.algorithms``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from hybridflow.data.sft import SFTDataset
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RewardManager, default_compute_score, load_custom_reward_function
 from hybridflow.tools import load_tools
+from hybridflow.trainer.async_rollout import PromptStream, build_rollouts, endless, stale_tokens
 from hybridflow.trainer.checkpoint import CheckpointManager
 from hybridflow.trainer.config import PPOConfig
 from hybridflow.trainer.hooks import Hook, HookRegistry
@@ -102,6 +102,7 @@ class PPOTrainer:
         )
         self.global_step = 0
         self.wg = worker_groups
+        self.rollouts = self.stream = None  # set by init_workers / the training loop
 
     def _dataset(self, files: list[str]) -> RLHFDataset:
         d, multi_turn = self.config.data, self.config.actor_rollout_ref.rollout.multi_turn
@@ -143,16 +144,19 @@ class PPOTrainer:
         if self.wg is None:  # a two-stage reward calls the reward model from the driver, so it stays here
             two_stage = self.config.reward_model.two_stage.enable
             self.wg = build_worker_groups(self.config, reward_fn=None if two_stage else self.reward_fn)
+        self.rollouts = build_rollouts(self.config, self.wg.generator, self.wg.rollout is not None)
 
-    def sync_rollout_weights(self) -> None:
-        """Send the actor's weights to a rollout running in other processes (``trainer.placement=split``),
-        through Ray's object store; a rollout in the actor's process syncs itself inside ``update_actor``."""
-        if self.wg.rollout is not None:
-            self.wg.rollout.update_weights(self.wg.actor_rollout.get_weights()[0])
+    def sync_rollout_weights(self, version: int) -> None:
+        """Send the actor's weights (``version``: the steps they have trained) to a rollout worker of its own
+        (``trainer.placement=split``, or an asynchronous run), through Ray's object store on Ray; a rollout in
+        the actor's process syncs itself inside ``update_actor``."""
+        self.rollouts.post_weights(self.wg.actor_rollout, version)
 
     def close(self) -> None:
         """Stop the workers this trainer started (Ray actors give their CPUs/GPUs back). The trained
         weights live in the workers: save or use them first. ``with PPOTrainer(cfg) as t:`` closes too."""
+        if self.rollouts is not None:
+            self.rollouts.stop()
         if self.wg is not None:
             self.wg.shutdown()
             self.wg = None
@@ -207,9 +211,9 @@ class PPOTrainer:
         use_critic = wg.critic is not None
         with timer("step", t):
             self.hooks.emit("on_step_start", self, self.global_step, metrics, batch)
-            with timer("gen", t):
+            with timer("gen", t):  # sync: generated now; async: the oldest batch the producer finished
                 batch.meta_info["n"] = cfg.actor_rollout_ref.rollout.n
-                batch = wg.generator.generate_sequences(batch)
+                batch = self.rollouts.take(self.global_step, batch, metrics, t)
                 metrics.update(
                     reduce_metrics(batch.meta_info.pop("metrics", {}))
                 )  # agent/* of multi-turn rollouts
@@ -217,7 +221,9 @@ class PPOTrainer:
             with timer("reward", t):
                 batch = self.compute_reward(batch, metrics)
             self.hooks.emit("after_reward", self, self.global_step, metrics, batch)
-            if self._needs_old_log_prob():
+            if stale_tokens(batch, self.global_step).any():  # PPO's old policy is the one that sampled
+                batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+            elif self._needs_old_log_prob():
                 with timer("old_log_prob", t):
                     batch = self._union_with_metrics(batch, wg.actor_rollout.compute_log_prob(batch), metrics)
             if wg.ref is not None:
@@ -249,12 +255,12 @@ class PPOTrainer:
                     rows = self.replay.mix(batch, self.global_step, metrics) if self.replay else batch
                     out = wg.actor_rollout.update_actor(rows, sft)
                     metrics.update(reduce_metrics(out.meta_info["metrics"]))
-                if wg.rollout is not None:
-                    with timer("sync_weights", t):
-                        self.sync_rollout_weights()
                 if self.replay:
                     with timer("replay_priorities", t):
                         self.replay.update_priorities(wg.actor_rollout, metrics)
+            if wg.rollout is not None:
+                with timer("sync_weights", t):
+                    self.sync_rollout_weights(self.global_step + 1)
         metrics.update(compute_data_metrics(batch, use_critic))
         metrics.update({f"timing_s/{k}": v for k, v in t.items()})
         metrics.update(compute_throughput_metrics(batch, t, wg.actor_rollout.world_size))
@@ -285,7 +291,7 @@ class PPOTrainer:
             batch.meta_info.update(
                 n=kw.n, temperature=kw.temperature, top_p=kw.top_p, top_k=kw.top_k, do_sample=kw.do_sample
             )
-            out = self.wg.generator.generate_sequences(batch)
+            out = self.rollouts.generate_now(batch, self.global_step)
             agent.append(reduce_metrics(out.meta_info.pop("metrics", {})))
             result = self.val_reward_fn(out, return_dict=True)
             rows.append((out, result))
@@ -322,7 +328,7 @@ class PPOTrainer:
             torch.save(
                 {
                     "global_step": self.global_step,
-                    "loader": self.train_loader.state_dict(),
+                    "loader": self.stream.trained_state if self.stream else self.train_loader.state_dict(),
                     "sft_loader": self.sft_loader.state_dict() if self.sft_loader else None,
                     "kl_coef": self.kl_ctrl.value,
                     "replay": self.replay.state_dict() if self.replay else None,
@@ -347,7 +353,8 @@ class PPOTrainer:
         state = torch.load(folder / "trainer_state.pt", weights_only=False)
         self._check_same_data(folder, state["loader"])
         self.wg.actor_rollout.load_checkpoint(str(folder / "actor"))
-        self.sync_rollout_weights()
+        if self.wg.rollout is not None:
+            self.sync_rollout_weights(state["global_step"])
         if self.wg.critic is not None:
             self.wg.critic.load_checkpoint(str(folder / "critic"))
         self.global_step = state["global_step"]
@@ -427,13 +434,14 @@ class PPOTrainer:
     def _train(self, tracker: Tracking) -> dict[str, float]:
         """Steps from ``global_step`` to ``total_steps``: train, validate, log, checkpoint."""
         tr = self.config.trainer
-        train_batches = _endless(self.train_loader)
-        self._sft_batches = _endless(self.sft_loader) if self.sft_loader else None
+        self.stream = PromptStream(self.train_loader, self.global_step)
+        self._sft_batches = endless(self.sft_loader) if self.sft_loader else None
+        self.rollouts.start(self.stream, self.global_step)
         metrics: dict[str, float] = {}
         with tqdm(total=self.total_steps, initial=self.global_step, desc="training", unit="step") as bar:
             while self.global_step < self.total_steps:
                 metrics, timings = {}, StepTimings()
-                batch = self.train_step(next(train_batches), metrics, timings)
+                batch = self.train_step(self.stream.take(self.global_step), metrics, timings)
                 self.global_step += 1
                 last = self.global_step == self.total_steps
                 if self.val_dataset is not None and (last or _every(tr.test_freq, self.global_step)):
@@ -448,15 +456,10 @@ class PPOTrainer:
                         self.save_checkpoint()
                 tracker.log_records("timeline", timings.spans, step=self.global_step)
                 bar.update(1)
+        self.rollouts.stop()
         return metrics
 
 
 def _every(freq: int, step: int) -> bool:
     """Whether a ``*_freq`` cadence falls on ``step`` (``freq <= 0`` means never)."""
     return freq > 0 and step % freq == 0
-
-
-def _endless(loader: PromptLoader) -> Iterator[DataProto]:
-    """Batches across epochs; each pass over the loader continues from its (resumable) position."""
-    while True:
-        yield from loader

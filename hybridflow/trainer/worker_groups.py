@@ -174,10 +174,17 @@ def build_worker_groups(
     (default: ``role_inits``, the PPO roles; keys: a role or its group name) says which workers to start."""
     trainer = config.trainer
     given = None if inits is None else {str(name): init for name, init in inits.items()}
+    overlapping = config.async_training.mode != "sync"
     if trainer.backend != "ray":
-        inits = given or role_inits(config)
-        group = LocalWorkerGroup(create_colocated_worker_cls(inits), world_size=1, name_prefix="hybridflow")
-        return _init_views(group.spawn(prefix_set=list(inits)), None, inits)
+        # an asynchronous run generates while the actor trains: the rollout is a worker of its own
+        inits = given or role_inits(config, {"actor": "main", "rollout": "rollout"} if overlapping else None)
+        views = {}
+        for names in ([n for n in inits if n != "rollout"], [n for n in inits if n == "rollout"]):
+            members = {name: inits[name] for name in names}
+            if members:
+                group = LocalWorkerGroup(create_colocated_worker_cls(members), 1, name_prefix="hybridflow")
+                views.update(group.spawn(prefix_set=names))
+        return _init_views(views, None, inits)
 
     from hybridflow.single_controller.ray import RayWorkerGroup, ResourcePoolManager, init_ray
 
@@ -205,7 +212,11 @@ def build_worker_groups(
         for pool_name, pool in resource_pools.items():
             members = {name: init for name, init in inits.items() if pool_of[name] == pool_name}
             group = RayWorkerGroup(
-                pool, create_colocated_worker_cls(members), name_prefix=f"hybridflow/{pool_name}"
+                pool,
+                create_colocated_worker_cls(members),
+                name_prefix=f"hybridflow/{pool_name}",
+                # an asynchronous run posts weights to the rollout while it generates
+                max_concurrency=2 if overlapping and "rollout" in members else 1,
             )
             groups.append(group)
             views.update(group.spawn(prefix_set=list(members)))

@@ -67,7 +67,7 @@ def build_rollout(
     ``rollout.multi_turn.enable``."""
     name = rollout.name
     if name == "hf":
-        engine = HFRollout(module, tokenizer, rollout, response_length)
+        engine = HFRollout(module, tokenizer, rollout, response_length, seed)
     elif name == "vllm":
         from hybridflow.workers.rollout.vllm_rollout import VLLMRollout
 

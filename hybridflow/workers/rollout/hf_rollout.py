@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -63,11 +63,14 @@ def check_finite(logits: torch.Tensor) -> None:
         raise DivergedError("the model's next-token scores are not finite (inf or NaN)")
 
 
-def sample_tokens(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the next token of each row from ``logits`` ``(rows, V)``: argmax when greedy, else a draw at
     ``temperature`` from the ``top_k`` most likely tokens and the smallest set of them holding ``top_p`` of the
     probability. Returns ``tokens`` ``(rows,)`` and their log-probs ``(rows,)`` at ``temperature`` before the
-    top-k/top-p cut (what the trainer's forward computes; zero when greedy)."""
+    top-k/top-p cut (what the trainer's forward computes; zero when greedy). ``generator``: where the draws
+    come from (default: torch's global one)."""
     logits = logits.float()
     if not params.do_sample:
         return logits.argmax(dim=-1), torch.zeros(len(logits), device=logits.device)
@@ -82,20 +85,20 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.T
         probs = torch.softmax(ordered, dim=-1)
         covered_before = probs.cumsum(dim=-1) - probs  # a token goes once the ones above it hold top_p
         kept = kept.scatter(-1, order, ordered.masked_fill(covered_before >= params.top_p, float("-inf")))
-    tokens = draw(torch.softmax(kept, dim=-1))
+    tokens = draw(torch.softmax(kept, dim=-1), generator)
     return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def draw(probs: torch.Tensor) -> torch.Tensor:
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row of ``probs`` ``(rows, V)``, drawn as ``torch.multinomial`` would but by inverse CDF (a
     cumulative sum and a binary search), about 10x faster on a CPU over a 49k vocabulary. Where rounding lands
     on a token without mass (past the last one), that row is drawn again by ``multinomial``."""
     cdf = probs.cumsum(dim=-1)
-    point = torch.rand(len(probs), 1, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
+    point = torch.rand(len(probs), 1, device=probs.device, dtype=cdf.dtype, generator=generator) * cdf[:, -1:]
     tokens = torch.searchsorted(cdf, point, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
     missed = probs.gather(-1, tokens[:, None]).squeeze(-1) == 0
     if missed.any():
-        tokens[missed] = torch.multinomial(probs[missed], 1).squeeze(-1)
+        tokens[missed] = torch.multinomial(probs[missed], 1, generator=generator).squeeze(-1)
     return tokens
 
 
@@ -158,6 +161,16 @@ def attach_responses(
     return rows
 
 
+class WeightFeed(Protocol):
+    """Where a rollout's weights come from while it generates (an asynchronous run's rollout worker):
+    ``version`` is the weight version the module holds now; ``refresh()`` loads a newer one that arrived
+    since, if any, into the module and says whether it did."""
+
+    version: int
+
+    def refresh(self) -> bool: ...
+
+
 class HFRollout:
     """``generate_sequences`` over left-padded prompts with the model's own forward and KV cache.
 
@@ -166,12 +179,28 @@ class HFRollout:
     of ``generate``'s work is repeated or wasted: the prefix every prompt shares is run once, each prompt's
     remainder once for its ``n`` samples (their caches are copies), rows that ended leave the batch instead of
     decoding padding until the longest one ends, and no per-step logits processors run. Sampling is
-    temperature, top-k and top-p, as vLLM's; the result is the rollout contract (``assemble_rollout``)."""
+    temperature, top-k and top-p, as vLLM's; the result is the rollout contract (``assemble_rollout``).
+
+    ``seed``: the rollout draws from a generator of its own seeded with it (None: torch's global one), so its
+    samples do not depend on what else in the process draws random numbers, or when (a trainer in another
+    thread). ``weights`` (a ``WeightFeed``, set by an asynchronous run's rollout worker) is asked between
+    decoding steps for newer weights: when they came, the unfinished rows' KV cache is recomputed under them
+    (never reused stale), and ``rollout_weight_versions`` ``(bs*n, L)`` records per token the version that
+    sampled it."""
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: Any, response_length: int
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        config: Any,
+        response_length: int,
+        seed: int | None = None,
     ) -> None:
         self.model = model
+        self.generator = None
+        if seed is not None:
+            self.generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+        self.weights: WeightFeed | None = None
         self.tokenizer = tokenizer
         self.config = config
         self.response_length = response_length
@@ -249,6 +278,7 @@ class HFRollout:
         ids, mask, positions = (
             prompts.batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")
         )
+        prompt_mask = mask
         logits, cache, mask = self._prefill(ids, mask, positions)
         n, length = params.n, params.response_length
         if n > 1:
@@ -257,13 +287,16 @@ class HFRollout:
         rows = len(logits)
         responses = torch.full((rows, length), self.pad_token_id, dtype=ids.dtype, device=device)
         log_probs = torch.zeros(rows, length, device=device)
+        versions = torch.full((rows, length), -1, dtype=torch.long, device=device)
         live = torch.arange(rows, device=device)  # the rows still decoding, in cache order
         next_position = positions[:, -1].repeat_interleave(n) + 1
         eos = torch.tensor(self.eos_token_ids, device=device)
         for step in range(length):
             check_finite(logits)
-            tokens, token_log_probs = sample_tokens(logits, params)
+            tokens, token_log_probs = sample_tokens(logits, params, self.generator)
             responses[live, step], log_probs[live, step] = tokens, token_log_probs
+            if self.weights is not None:
+                versions[live, step] = self.weights.version
             going = ~torch.isin(tokens, eos)
             if step == length - 1 or not going.any():
                 break
@@ -271,10 +304,44 @@ class HFRollout:
                 keep = going.nonzero().flatten()
                 cache.batch_select_indices(keep)
                 live, tokens, mask, next_position = live[keep], tokens[keep], mask[keep], next_position[keep]
-            mask = torch.cat([mask, torch.ones(len(live), 1, dtype=mask.dtype, device=device)], dim=1)
-            logits, cache = self._forward(tokens[:, None], mask, next_position[:, None], cache)
+            if self.weights is not None and self.weights.refresh():
+                logits, cache, mask = self._recompute(ids, prompt_mask, positions, responses, live, n, step)
+            else:
+                mask = torch.cat([mask, torch.ones(len(live), 1, dtype=mask.dtype, device=device)], dim=1)
+                logits, cache = self._forward(tokens[:, None], mask, next_position[:, None], cache)
             next_position = next_position + 1
         expanded = prompts.repeat(n, interleave=True)
-        return assemble_rollout(
+        out = assemble_rollout(
             expanded, responses.cpu(), log_probs.cpu(), self.eos_token_ids, self.pad_token_id
         )
+        if self.weights is not None:
+            out.batch["rollout_weight_versions"] = versions.cpu().masked_fill(
+                out.batch["response_mask"] == 0, -1
+            )
+        return out
+
+    def _recompute(
+        self,
+        ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        positions: torch.Tensor,
+        responses: torch.Tensor,
+        live: torch.Tensor,
+        n: int,
+        step: int,
+    ) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """After a weight update in flight: run the ``live`` rows' prompts and their responses so far (tokens
+        ``0..step``) through the new weights in one pass. Returns the logits that sample token ``step + 1``,
+        a fresh cache and its attention mask; the cache computed under the old weights is dropped."""
+        prompt_rows = live // n  # the expanded rows are the prompts repeated n times, interleaved
+        prompt_ids, prompt_positions = ids[prompt_rows], positions[prompt_rows]
+        prompt_mask = prompt_mask[prompt_rows]
+        done = responses[live, : step + 1]
+        offsets = torch.arange(1, step + 2, device=ids.device)
+        full_ids = torch.cat([prompt_ids, done], dim=1)
+        full_positions = torch.cat([prompt_positions, prompt_positions[:, -1:] + offsets], dim=1)
+        full_mask = torch.cat(
+            [prompt_mask, torch.ones(done.shape, dtype=prompt_mask.dtype, device=ids.device)], dim=1
+        )
+        logits, cache = self._forward(full_ids, full_mask, full_positions)
+        return logits, cache, full_mask

@@ -1,0 +1,151 @@
+"""Asynchronous RL on the tiny model: a staleness bound of 0 reproduces sync bit for bit, one-step-off is
+reproducible and exactly one step stale, fully async stays within its bound with partial rollouts, and the
+metrics of every step say so."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridflow.trainer import PPOTrainer, load_config
+
+# metrics that measure time, or the asynchronous machinery itself, differ between otherwise identical runs
+TIMED = ("timing_s/", "perf/", "async/rollout_idle", "async/trainer_idle", "async/samples_in_flight")
+
+# A reward every sample of the random tiny model earns a different share of (the task's own is 0 for all of
+# them, which would leave the advantages, and so the updates, at zero).
+DIGIT_SHARE_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)
+"""
+
+
+@pytest.fixture(scope="module")
+def reward_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("reward") / "digits.py"
+    path.write_text(DIGIT_SHARE_REWARD)
+    return path
+
+
+def config(data_dir: Path, model: str, reward: Path, run_dir: Path, *overrides: str):
+    return load_config(
+        [
+            f"custom_reward_function.path={reward}",
+            f"data.train_files={data_dir / 'train.parquet'}",
+            f"actor_rollout_ref.model.path={model}",
+            f"trainer.default_local_dir={run_dir}",
+            "data.max_prompt_length=64",
+            "data.max_response_length=6",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.actor.optim.lr=1e-2",
+            "algorithm.adv_estimator=grpo",
+            "trainer.total_training_steps=4",
+            "trainer.logger=[file]",
+            *overrides,
+        ]
+    )
+
+
+def run(cfg) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """Each step's metrics and the actor's final weights."""
+    with PPOTrainer(cfg) as trainer:
+        trainer.fit()
+        weights = {
+            k: torch.from_numpy(v.copy()) for k, v in trainer.wg.actor_rollout.get_weights()[0].items()
+        }
+    rows = Path(cfg.trainer.default_local_dir, "metrics.jsonl").read_text().splitlines()
+    return [json.loads(row) for row in rows], weights
+
+
+def untimed(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith(TIMED)} for row in rows]
+
+
+def test_staleness_zero_is_sync_bit_for_bit(data_dir, tiny_model_path, reward_file, tmp_path):
+    sync_rows, sync_weights = run(config(data_dir, tiny_model_path, reward_file, tmp_path / "sync"))
+    async_rows, async_weights = run(
+        config(
+            data_dir,
+            tiny_model_path,
+            reward_file,
+            tmp_path / "async",
+            "async_training.mode=fully_async",
+            "async_training.max_staleness=0",
+        )
+    )
+    assert untimed(async_rows) == untimed(sync_rows)
+    assert [row["async/staleness_max"] for row in async_rows] == [0.0] * 4
+    assert async_weights.keys() == sync_weights.keys()
+    assert all(torch.equal(async_weights[k], sync_weights[k]) for k in sync_weights)
+    # and training moved the weights (the comparison is not between two untouched models)
+    with PPOTrainer(config(data_dir, tiny_model_path, reward_file, tmp_path / "untrained")) as fresh:
+        fresh.init_workers()
+        start = fresh.wg.actor_rollout.get_weights()[0]
+    assert any(not torch.equal(torch.from_numpy(start[k].copy()), sync_weights[k]) for k in start)
+
+
+def test_one_step_off_is_reproducible_and_one_step_stale(data_dir, tiny_model_path, reward_file, tmp_path):
+    runs = [
+        run(
+            config(
+                data_dir, tiny_model_path, reward_file, tmp_path / name, "async_training.mode=one_step_off"
+            )
+        )
+        for name in ("a", "b")
+    ]
+    (rows_a, weights_a), (rows_b, weights_b) = runs
+    assert untimed(rows_a) == untimed(rows_b)
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+    # batch 0 and 1 come from the initial weights, batch b >= 1 from the weights of step b - 1
+    assert [row["async/weight_version_max"] for row in rows_a] == [0.0, 0.0, 1.0, 2.0]
+    assert [row["async/staleness_max"] for row in rows_a] == [0.0, 1.0, 1.0, 1.0]
+    # stale batches are trained against the behaviour policy's log-probs: the ratio no longer starts at 1
+    assert rows_a[0]["actor/ppo_kl"] == 0.0 and rows_a[2]["actor/ppo_kl"] != 0.0
+    for row in rows_a:
+        assert 0.0 <= row["async/rollout_idle_frac"] <= 1.0 and 0.0 <= row["async/trainer_idle_frac"] <= 1.0
+
+
+def test_fully_async_with_partial_rollouts_stays_within_its_bound(
+    data_dir, tiny_model_path, reward_file, tmp_path
+):
+    rows, _ = run(
+        config(
+            data_dir,
+            tiny_model_path,
+            reward_file,
+            tmp_path,
+            "async_training.mode=fully_async",
+            "async_training.max_staleness=2",
+            "trainer.total_training_steps=6",
+            "actor_rollout_ref.actor.off_policy_mask=token_and_sequence",
+        )
+    )
+    assert len(rows) == 6
+    for row in rows:
+        assert 0 <= row["async/staleness_max"] <= 2
+        assert row["async/weight_version_max"] <= row["step"] - 1
+        assert "off_policy/masked_frac" in row and "off_policy/ratio_mean" in row
+    assert max(row["async/staleness_max"] for row in rows) >= 1  # the rollout did run ahead
+
+
+@pytest.mark.parametrize(
+    "overrides, culprit",
+    [
+        (["async_training.max_staleness=-1"], "async_training.max_staleness"),
+        (["actor_rollout_ref.actor.off_policy_mask_bounds=[1.5,2.0]"], "off_policy_mask_bounds"),
+        (["async_training.mode=one_step_off", "trainer.backend=ray"], "trainer.placement=split"),
+        (
+            ["async_training.mode=fully_async", "actor_rollout_ref.rollout.multi_turn.enable=true"],
+            "partial_rollout",
+        ),
+    ],
+)
+def test_bad_async_settings_name_the_key(
+    overrides, culprit, data_dir, tiny_model_path, reward_file, tmp_path
+):
+    with pytest.raises(ValueError, match=culprit):
+        config(data_dir, tiny_model_path, reward_file, tmp_path, *overrides)
