@@ -236,3 +236,26 @@ def test_a_killed_async_run_resumes_without_losing_or_repeating_a_prompt(
     assert len(flat) == len(set(flat)) == 20
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5]
+
+
+def test_on_ray_the_split_rollout_runs_ahead_within_its_bound(
+    data_dir, tiny_model_path, reward_file, tmp_path, ray_session
+):
+    """Split placement: the rollout worker is its own Ray process, which takes the weights posted while it
+    generates (a second concurrent call); the batches it makes stay within the staleness bound."""
+    rows, _ = run(
+        config(
+            data_dir,
+            tiny_model_path,
+            reward_file,
+            tmp_path,
+            "trainer.backend=ray",
+            "trainer.placement=split",
+            "trainer.cpus_per_worker=0.5",
+            "async_training.mode=fully_async",
+            "async_training.max_staleness=2",
+        )
+    )
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert all(0 <= row["async/staleness_max"] <= 2 for row in rows)
+    assert max(row["async/staleness_max"] for row in rows) >= 1
