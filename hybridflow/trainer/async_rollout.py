@@ -33,7 +33,6 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +40,7 @@ import numpy as np
 import torch
 
 from hybridflow.data import PromptLoader
+from hybridflow.data.loader import endless
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import WorkerGroup
 
@@ -94,7 +94,7 @@ class SyncRollouts:
     def __init__(self, generator: WorkerGroup, split: bool) -> None:
         self.generator, self.split = generator, split
 
-    def start(self, stream: PromptStream, version: int) -> None:
+    def start(self, stream: PromptStream, version: int, end: int) -> None:
         self.stream = stream
 
     def take(self, index: int, prompts: DataProto, metrics: dict[str, float], timings: Any) -> DataProto:
@@ -147,9 +147,10 @@ class AsyncRollouts:
         self._clock = _Clock()
 
     # -------------------------------------------------------------- trainer side
-    def start(self, stream: PromptStream, version: int) -> None:
-        """Run the producer from batch ``version`` on (the trainer's step; its weights already posted)."""
-        self.stream, self._first, self._posted = stream, version, version
+    def start(self, stream: PromptStream, version: int, end: int) -> None:
+        """Run the producer from batch ``version`` (the trainer's step; its weights already posted) up to
+        batch ``end`` (excluded: the run's last step)."""
+        self.stream, self._first, self._posted, self._end = stream, version, version, end
         self._clock, self._stopping, self._error = _Clock(), False, None
         self._done.clear()
         self._thread = threading.Thread(target=self._produce, name="hybridflow-rollout", daemon=True)
@@ -210,7 +211,7 @@ class AsyncRollouts:
     def _produce(self) -> None:
         index = self._first
         try:
-            while True:
+            while index < self._end:
                 needed = max(index - self.max_staleness, self._first)
                 idle = time.perf_counter()
                 with self._cond:
@@ -279,12 +280,6 @@ def _copy(prompts: DataProto) -> DataProto:
         non_tensor_batch={k: np.array(v, copy=True) for k, v in prompts.non_tensor_batch.items()},
         meta_info=dict(prompts.meta_info),
     )
-
-
-def endless(loader: PromptLoader) -> Iterator[DataProto]:
-    """Batches across epochs; each pass over the loader continues from its (resumable) position."""
-    while True:
-        yield from loader
 
 
 def build_rollouts(config: Any, generator: WorkerGroup, split: bool) -> SyncRollouts | AsyncRollouts:

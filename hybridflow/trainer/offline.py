@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from hybridflow.algorithms import get_offline_objective, kto_kl_estimate, sequence_log_probs
 from hybridflow.data import PromptLoader
+from hybridflow.data.loader import endless
 from hybridflow.data.offline import KTODataset, OfflineDataset, PreferenceDataset, SFTConversationDataset
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import ClassWithInitArgs, Role
@@ -34,7 +35,7 @@ from hybridflow.trainer.config import (
 )
 from hybridflow.trainer.metrics import reduce_metrics, timer
 from hybridflow.trainer.offline_config import DPOConfig, KTOConfig, SFTConfig
-from hybridflow.trainer.ppo import _endless, _every
+from hybridflow.trainer.ppo import _every
 from hybridflow.trainer.tracking import Tracking
 from hybridflow.trainer.worker_groups import WorkerGroups, build_worker_groups
 from hybridflow.workers import ActorRolloutRefWorker
@@ -240,7 +241,7 @@ class OfflineTrainer:
                 tracker.log(metrics, step=self.global_step)
             if tr.val_only:
                 return metrics
-            batches = _endless(self.train_loader)
+            batches = endless(self.train_loader)
             with tqdm(
                 total=self.total_steps, initial=self.global_step, desc=self.config.kind, unit="step"
             ) as bar:

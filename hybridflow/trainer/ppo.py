@@ -17,11 +17,12 @@ from tqdm.auto import tqdm
 
 from hybridflow.algorithms import apply_kl_penalty, compute_advantage, get_kl_controller
 from hybridflow.data import PromptLoader, RLHFDataset
+from hybridflow.data.loader import endless
 from hybridflow.data.sft import SFTDataset
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RewardManager, default_compute_score, load_custom_reward_function
 from hybridflow.tools import load_tools
-from hybridflow.trainer.async_rollout import PromptStream, build_rollouts, endless, stale_tokens
+from hybridflow.trainer.async_rollout import PromptStream, build_rollouts, stale_tokens
 from hybridflow.trainer.checkpoint import CheckpointManager
 from hybridflow.trainer.config import PPOConfig
 from hybridflow.trainer.hooks import Hook, HookRegistry
@@ -428,6 +429,7 @@ class PPOTrainer:
                 metrics = self._train(tracker)
             self.hooks.emit("on_fit_end", self, self.global_step, metrics, None)
         finally:
+            self.rollouts.stop()  # an asynchronous run's producer stops with the run, also when a step raises
             tracker.finish()  # flushed and closed even when a step or a hook raises
         return metrics
 
@@ -436,7 +438,7 @@ class PPOTrainer:
         tr = self.config.trainer
         self.stream = PromptStream(self.train_loader, self.global_step)
         self._sft_batches = endless(self.sft_loader) if self.sft_loader else None
-        self.rollouts.start(self.stream, self.global_step)
+        self.rollouts.start(self.stream, self.global_step, self.total_steps)
         metrics: dict[str, float] = {}
         with tqdm(total=self.total_steps, initial=self.global_step, desc="training", unit="step") as bar:
             while self.global_step < self.total_steps:
@@ -456,7 +458,6 @@ class PPOTrainer:
                         self.save_checkpoint()
                 tracker.log_records("timeline", timings.spans, step=self.global_step)
                 bar.update(1)
-        self.rollouts.stop()
         return metrics
 
 
