@@ -98,7 +98,7 @@ class SyncRollouts:
         self.stream = stream
 
     def take(self, index: int, prompts: DataProto, metrics: dict[str, float], timings: Any) -> DataProto:
-        batch = self.generator.generate_sequences(prompts)
+        batch = self.generator.generate_sequences(_with_meta(prompts, global_step=index))
         mask = batch.batch["response_mask"]
         batch.batch["rollout_weight_versions"] = torch.full_like(mask, index).masked_fill(mask == 0, -1)
         metrics.update(version_metrics(batch, index))
@@ -221,7 +221,12 @@ class AsyncRollouts:
                         return
                     self._clock.rollout_idle += time.perf_counter() - idle
                 prompts, _ = self.stream.get(index)
-                meta = {"n": self.n, "weight_version": needed if self.exact else None, "keep_from": needed}
+                meta = {
+                    "n": self.n,
+                    "global_step": index,  # the rollout's draws for this step (HFRollout.reseed)
+                    "weight_version": needed if self.exact else None,
+                    "keep_from": needed,
+                }
                 if not self.exact:
                     meta["follow_weights"] = True
                 with self._cond:

@@ -144,7 +144,11 @@ class PPOTrainer:
     def init_workers(self) -> None:
         if self.wg is None:  # a two-stage reward calls the reward model from the driver, so it stays here
             two_stage = self.config.reward_model.two_stage.enable
-            self.wg = build_worker_groups(self.config, reward_fn=None if two_stage else self.reward_fn)
+            self.wg = build_worker_groups(
+                self.config,
+                reward_fn=None if two_stage else self.reward_fn,
+                overlapping=self.config.async_training.mode != "sync",
+            )
         self.rollouts = build_rollouts(self.config, self.wg.generator, self.wg.rollout is not None)
 
     def sync_rollout_weights(self, version: int) -> None:

@@ -168,13 +168,15 @@ def build_worker_groups(
     config: Any,
     reward_fn: Callable[..., dict] | None = None,
     inits: dict[Any, ClassWithInitArgs] | None = None,
+    overlapping: bool = False,
 ) -> WorkerGroups:
     """Start the workers (``trainer.backend``: ``local`` or ``ray``, placed by ``trainer.placement``) and load
     their models. ``reward_fn`` runs in a worker of its own where the placement maps ``reward``; ``inits``
-    (default: ``role_inits``, the PPO roles; keys: a role or its group name) says which workers to start."""
+    (default: ``role_inits``, the PPO roles; keys: a role or its group name) says which workers to start.
+    ``overlapping``: the rollout generates while the actor trains (an asynchronous run), so it is a worker of
+    its own on the local backend too, and on Ray takes a second call (posted weights) while it generates."""
     trainer = config.trainer
     given = None if inits is None else {str(name): init for name, init in inits.items()}
-    overlapping = config.async_training.mode != "sync"
     if trainer.backend != "ray":
         # an asynchronous run generates while the actor trains: the rollout is a worker of its own
         inits = given or role_inits(config, {"actor": "main", "rollout": "rollout"} if overlapping else None)

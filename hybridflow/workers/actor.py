@@ -148,6 +148,8 @@ class ActorRolloutRefWorker(Worker):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         self._require(self.rollout, "rollout", "generate_sequences")
         check_generation_batch(prompts)
+        if "global_step" in prompts.meta_info and hasattr(self.rollout, "reseed"):
+            self.rollout.reseed(prompts.meta_info["global_step"])
         versioned = self.mailbox is not None and "weight_version" in prompts.meta_info
         if versioned:
             self._use_weights(prompts.meta_info)

@@ -11,6 +11,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -197,7 +198,7 @@ class HFRollout:
         seed: int | None = None,
     ) -> None:
         self.model = model
-        self.generator = None
+        self.seed, self.generator = seed, None
         if seed is not None:
             self.generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
         self.weights: WeightFeed | None = None
@@ -211,6 +212,14 @@ class HFRollout:
         # transformers renamed `past_key_values` to `cache` (5.2x); use whichever this version takes
         forward_params = inspect.signature(type(model).forward).parameters
         self._cache_key = "cache" if "cache" in forward_params else "past_key_values"
+
+    def reseed(self, step: int) -> None:
+        """Draw the samples of training step ``step`` from a generator seeded by ``(seed, step)``: a step's
+        samples then depend on the seed, the weights and the prompts only, not on what was drawn before, so
+        a resumed run, or a rollout that runs ahead of the trainer, draws what an uninterrupted lock-step run
+        does."""
+        if self.generator is not None:
+            self.generator.manual_seed(int(np.random.SeedSequence([self.seed, step]).generate_state(1)[0]))
 
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
