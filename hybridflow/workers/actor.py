@@ -355,7 +355,7 @@ class ActorRolloutRefWorker(Worker):
             advantages = advantages * weights
             metrics["actor/tis_clipfrac"] = float(tis_clipfrac)
             metrics["actor/tis_weight_mean"] = float(masked_mean(weights, mask))
-        if actor.off_policy_mask != "off":
+        if rollout.abs().sum() > 0:  # sampled (a greedy rollout has no log-probs): ratio stats, and the mask
             low, high = actor.off_policy_mask_bounds
             keep, mask_metrics = off_policy_mask(current, rollout, mask, actor.off_policy_mask, low, high)
             advantages = advantages * keep

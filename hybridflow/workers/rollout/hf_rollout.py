@@ -184,7 +184,7 @@ class HFRollout:
 
     ``seed``: the rollout draws from a generator of its own seeded with it (None: torch's global one), so its
     samples do not depend on what else in the process draws random numbers, or when (a trainer in another
-    thread). ``weights`` (a ``WeightFeed``, set by an asynchronous run's rollout worker) is asked between
+    thread); ``reseed(step)`` gives each training step's draws their own seed. ``weights`` (a ``WeightFeed``, set by an asynchronous run's rollout worker) is asked between
     decoding steps for newer weights: when they came, the unfinished rows' KV cache is recomputed under them
     (never reused stale), and ``rollout_weight_versions`` ``(bs*n, L)`` records per token the version that
     sampled it."""
