@@ -31,6 +31,6 @@ test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_engine
 
 demo: venv
-	$(PY) -m hybridflow.demo
+	$(PY) -m hybridflow.commands.demo
 
 .PHONY: venv test test-vllm demo

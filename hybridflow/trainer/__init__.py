@@ -7,8 +7,8 @@ The trainers are imported on first use, so tools that only need a checkpoint hel
 
 from typing import Any
 
-from hybridflow.trainer.config import ConfigError, PPOConfig, load_config
-from hybridflow.trainer.offline_config import DPOConfig, KTOConfig, SFTConfig, load_offline_config
+from hybridflow.config.offline import DPOConfig, KTOConfig, SFTConfig, load_offline_config
+from hybridflow.config.schema import ConfigError, PPOConfig, load_config
 
 __all__ = [
     "ConfigError",

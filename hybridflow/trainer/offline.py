@@ -20,22 +20,22 @@ import torch
 from tqdm.auto import tqdm
 
 from hybridflow.algorithms import get_offline_objective, kto_kl_estimate, sequence_log_probs
-from hybridflow.data import PromptLoader
-from hybridflow.data.offline import KTODataset, OfflineDataset, PreferenceDataset, SFTConversationDataset
-from hybridflow.protocol import DataProto
-from hybridflow.single_controller import ClassWithInitArgs, Role
-from hybridflow.trainer.checkpoint import CheckpointManager
-from hybridflow.trainer.config import (
+from hybridflow.config.offline import DPOConfig, KTOConfig, SFTConfig
+from hybridflow.config.schema import (
     ActorConfig,
     ActorRolloutRefConfig,
     PolicyModelConfig,
     RefConfig,
     RolloutConfig,
 )
+from hybridflow.data import PromptLoader
+from hybridflow.data.offline import KTODataset, OfflineDataset, PreferenceDataset, SFTConversationDataset
+from hybridflow.protocol import DataProto
+from hybridflow.runs.checkpoint import CheckpointManager
+from hybridflow.runs.tracking import Tracking
+from hybridflow.single_controller import ClassWithInitArgs, Role
 from hybridflow.trainer.metrics import reduce_metrics, timer
-from hybridflow.trainer.offline_config import DPOConfig, KTOConfig, SFTConfig
 from hybridflow.trainer.ppo import _endless, _every
-from hybridflow.trainer.tracking import Tracking
 from hybridflow.trainer.worker_groups import WorkerGroups, build_worker_groups
 from hybridflow.workers import ActorRolloutRefWorker
 from hybridflow.workers.modeling import load_tokenizer

@@ -17,13 +17,15 @@ import torch
 from tqdm.auto import tqdm
 
 from hybridflow.algorithms import apply_kl_penalty, compute_advantage, get_kl_controller
+from hybridflow.config.schema import PPOConfig
 from hybridflow.data import PromptLoader, RLHFDataset
 from hybridflow.data.sft import SFTDataset
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RewardManager, default_compute_score, load_custom_reward_function
+from hybridflow.runs.checkpoint import CheckpointManager
+from hybridflow.runs.lock import RunLock
+from hybridflow.runs.tracking import Tracking
 from hybridflow.tools import load_tools
-from hybridflow.trainer.checkpoint import CheckpointManager
-from hybridflow.trainer.config import PPOConfig
 from hybridflow.trainer.hooks import Hook, HookRegistry
 from hybridflow.trainer.metrics import (
     StepTimings,
@@ -33,8 +35,6 @@ from hybridflow.trainer.metrics import (
     timer,
 )
 from hybridflow.trainer.replay import ActorReplay
-from hybridflow.trainer.run_lock import RunLock
-from hybridflow.trainer.tracking import Tracking
 from hybridflow.trainer.two_stage_reward import TwoStageRewardFn
 from hybridflow.trainer.validation import validation_metrics
 from hybridflow.trainer.worker_groups import WorkerGroups, build_worker_groups

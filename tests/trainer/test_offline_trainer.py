@@ -12,19 +12,19 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
 import hybridflow.workers.actor as actor_worker
-from hybridflow.cli import main as cli
-from hybridflow.data.prepare import main as prepare_data
-from hybridflow.trainer.checkpoint import find_latest_checkpoint
-from hybridflow.trainer.config import ConfigError
-from hybridflow.trainer.inference import load_trained_actor
-from hybridflow.trainer.offline import OfflineTrainer
-from hybridflow.trainer.offline_config import (
+from hybridflow.commands.cli import main as cli
+from hybridflow.config.offline import (
     CONFIGS,
     DPOConfig,
     SFTConfig,
     default_config_path,
     load_offline_config,
 )
+from hybridflow.config.schema import ConfigError
+from hybridflow.data.prepare import main as prepare_data
+from hybridflow.runs.checkpoint import find_latest_checkpoint
+from hybridflow.runs.trained_model import load_trained_actor
+from hybridflow.trainer.offline import OfflineTrainer
 from hybridflow.workers.modeling import response_log_probs
 from hybridflow.workers.packing import MicroBatching
 

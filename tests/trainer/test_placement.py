@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from hybridflow.config.schema import ConfigError
 from hybridflow.trainer import PPOTrainer, load_config
-from hybridflow.trainer.config import ConfigError
 from hybridflow.trainer.worker_groups import placement
 
 # rollout/logprob_diff: the actor's log-probs of what the rollout worker sampled, same fp32 weights and

@@ -14,7 +14,7 @@ from hybridflow.utils.errors import run_cli
 
 
 def _generate(argv: list[str]) -> int:
-    from hybridflow.trainer.inference import chat, load_trained_actor
+    from hybridflow.runs.trained_model import chat, load_trained_actor
 
     parser = argparse.ArgumentParser(
         prog="hybridflow generate", description="Answer prompts with a trained actor (or any HF model)."
@@ -33,13 +33,13 @@ def _generate(argv: list[str]) -> int:
 
 
 def _report(argv: list[str]) -> int:
-    from hybridflow.trainer.report import main
+    from hybridflow.commands.report import main
 
     return main(argv)
 
 
 def _doctor(argv: list[str]) -> int:
-    from hybridflow.trainer.doctor import main
+    from hybridflow.commands.doctor import main
 
     return main(argv)
 
@@ -51,7 +51,7 @@ def _train(argv: list[str]) -> int:
 
 
 def _config(argv: list[str]) -> int:
-    from hybridflow.trainer.config_docs import main
+    from hybridflow.config.docs import main
 
     return main(argv)
 
