@@ -154,9 +154,7 @@ def test_config_error_fails_and_skips_what_needs_it(base):
     assert "did you mean 'actor_rollout_ref.actor.optim.lr'" in checks["config"].detail
 
 
-@pytest.mark.filterwarnings(
-    "ignore::hybridflow.config.checks.IgnoredKeyWarning"
-)  # lora, fsdp2 (not yet)
+@pytest.mark.filterwarnings("ignore::hybridflow.config.checks.IgnoredKeyWarning")  # lora, fsdp2 (not yet)
 def test_memory_estimate_by_hand():
     shape = ModelShape(
         params=10_000_000,
