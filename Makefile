@@ -17,6 +17,7 @@ venv: .venv/.installed
 
 test: venv
 	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
 	$(PY) -m pytest -q tests
 
 # The vLLM rollout's tests, in their own environment: vLLM's CPU build pins other package versions than the

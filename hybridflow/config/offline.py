@@ -247,6 +247,8 @@ class KTOConfig(_OfflineConfig):
         return {"loss": "kto", **dataclasses.asdict(self.kto)}
 
 
+OfflineConfig = SFTConfig | DPOConfig | KTOConfig
+
 CONFIGS: dict[str, type[_OfflineConfig]] = {"sft": SFTConfig, "dpo": DPOConfig, "kto": KTOConfig}
 
 

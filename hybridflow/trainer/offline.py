@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.algorithms import get_offline_objective, kto_kl_estimate, sequence_log_probs
-from hybridflow.config.offline import DPOConfig, KTOConfig, SFTConfig
+from hybridflow.config.offline import DPOConfig, KTOConfig, OfflineConfig, SFTConfig
 from hybridflow.config.schema import (
     ActorConfig,
     ActorRolloutRefConfig,
@@ -38,8 +38,6 @@ from hybridflow.workers import ActorRolloutRefWorker
 from hybridflow.workers.modeling import load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-OfflineConfig = SFTConfig | DPOConfig | KTOConfig
 
 
 #: What matters in an offline step: the loss, the preference margin and accuracy (DPO; KTO's chosen and rejected

@@ -30,10 +30,10 @@ from hybridflow.trainer.metrics import (
     compute_throughput_metrics,
     reduce_metrics,
     timer,
+    validation_metrics,
 )
 from hybridflow.trainer.replay import ActorReplay
 from hybridflow.trainer.two_stage_reward import TwoStageRewardFn
-from hybridflow.trainer.validation import validation_metrics
 from hybridflow.trainer.worker_groups import WorkerGroups, build_worker_groups
 from hybridflow.workers.modeling import load_tokenizer
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from hybridflow.config import RolloutConfig, SamplingConfig
 from hybridflow.protocol import DataProto
 from hybridflow.workers.engine import DivergedError
 
@@ -33,7 +34,9 @@ class SamplingParams:
     top_k: int
 
     @classmethod
-    def from_config(cls, config: Any, response_length: int, overrides: dict | None = None) -> SamplingParams:
+    def from_config(
+        cls, config: SamplingConfig, response_length: int, overrides: dict | None = None
+    ) -> SamplingParams:
         values = {
             "n": config.n,
             "do_sample": config.do_sample,
@@ -169,7 +172,11 @@ class HFRollout:
     temperature, top-k and top-p, as vLLM's; the result is the rollout contract (``assemble_rollout``)."""
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: Any, response_length: int
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        config: RolloutConfig,
+        response_length: int,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
