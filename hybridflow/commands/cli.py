@@ -71,6 +71,12 @@ def _prepare_data(argv: list[str]) -> int:
     return main(argv)
 
 
+def _demo(argv: list[str]) -> int:
+    from hybridflow.commands.demo import main
+
+    return main(argv)
+
+
 def _make_tiny_model(argv: list[str]) -> int:
     from hybridflow.models.tiny import main
 
@@ -79,6 +85,10 @@ def _make_tiny_model(argv: list[str]) -> int:
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "train": (_train, "run PPO/GRPO/... training: hybridflow train key=value ..."),
+    "demo": (
+        _demo,
+        "GRPO on the embedded SmolLM2 and the arithmetic task (make demo): hybridflow demo [key=value ...]",
+    ),
     "config": (_config, "inspect the config: hybridflow config show [key=value ...] | keys | yaml [--write]"),
     "sft": (_offline("sft"), "supervised fine-tuning: hybridflow sft data.train_files=... key=value ..."),
     "dpo": (_offline("dpo"), "preference optimisation (DPO/IPO/hinge): hybridflow dpo data.train_files=..."),
