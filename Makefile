@@ -17,6 +17,7 @@ venv: .venv/.installed
 
 test: venv
 	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
 	$(PY) -m pytest -q tests
 
 # The vLLM rollout's tests, in their own environment: vLLM's CPU build pins other package versions than the
@@ -31,6 +32,6 @@ test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_engine
 
 demo: venv
-	$(PY) -m hybridflow.demo
+	$(PY) -m hybridflow.commands.demo
 
 .PHONY: venv test test-vllm demo

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from hybridflow.config.schema import PPOConfig
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.config import PPOConfig
 
 SETTINGS = {
     "ddp": {"strategy": "ddp"},

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
+from hybridflow.config.schema import RolloutConfig
 from hybridflow.data import RLHFDataset, collate_fn
 from hybridflow.data.prepare import main as prepare_data
-from hybridflow.trainer.config import RolloutConfig
 from hybridflow.workers.modeling import load_model, load_tokenizer, model_location
 from hybridflow.workers.rollout import HFRollout, build_rollout, response_mask_from
 from hybridflow.workers.rollout.hf_rollout import common_prefix_length

@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 
 from hybridflow.algorithms import compute_advantage
+from hybridflow.commands.demo import DEMO_SETTINGS
+from hybridflow.config.schema import load_config
 from hybridflow.data import RLHFDataset, collate_fn
 from hybridflow.data.prepare import main as prepare_data
-from hybridflow.demo import DEMO_SETTINGS
 from hybridflow.models import resolve_model_path
 from hybridflow.single_controller import ClassWithInitArgs, LocalWorkerGroup
-from hybridflow.trainer.config import load_config
 from hybridflow.workers import ActorRolloutRefWorker
 
 # name -> (share_prompt_prefix, use_dynamic_bsz)

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
+from hybridflow.commands.demo import DEMO_SETTINGS
+from hybridflow.config.schema import load_config
 from hybridflow.data.prepare import main as prepare_data
-from hybridflow.demo import DEMO_SETTINGS
 from hybridflow.models import default_model_path
 from hybridflow.rewards.arithmetic import compute_score
-from hybridflow.trainer.config import load_config
 from hybridflow.trainer.ppo import PPOTrainer
 
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from _setup import logged, run, tiny_config
 
+from hybridflow.config.offline import DPOConfig, SFTConfig, load_offline_config
 from hybridflow.data.prepare import main as prepare_data
 from hybridflow.trainer import PPOTrainer
 from hybridflow.trainer.offline import OfflineTrainer
-from hybridflow.trainer.offline_config import DPOConfig, SFTConfig, load_offline_config
 
 
 def offline_stage(cls: type, out: Path, model: str | Path, steps: int) -> tuple[Path, list[dict]]:

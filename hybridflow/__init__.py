@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "PPOConfig": "hybridflow.trainer",
     "PPOTrainer": "hybridflow.trainer",
-    "load_trained_actor": "hybridflow.trainer.inference",
+    "load_trained_actor": "hybridflow.runs.trained_model",
     "generation_batch": "hybridflow.data",
 }
 

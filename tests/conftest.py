@@ -4,11 +4,14 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
 from hybridflow import DataProto
+from hybridflow.data.prepare import main as prepare_data
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 torch.set_num_threads(1)  # tiny models: thread overhead exceeds the work (20x slower on a busy CPU)
@@ -69,3 +72,33 @@ def ray_session():
 # tests/vllm_engine need vLLM's CPU build, which lives in its own environment (`make test-vllm`, README: vLLM
 # rollout); the core environment does not collect them, and `make test-vllm` runs them there.
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_engine"]
+
+
+@pytest.fixture(scope="session")
+def arithmetic_data(tmp_path_factory) -> Callable[[int, int], Path]:
+    """``arithmetic_data(train_size, test_size)``: a folder with the arithmetic task's train.parquet and
+    test.parquet, seeded."""
+
+    def make(train_size: int, test_size: int) -> Path:
+        out = tmp_path_factory.mktemp("arith")
+        prepare_data(
+            [
+                "arithmetic",
+                str(out),
+                "--train-size",
+                str(train_size),
+                "--test-size",
+                str(test_size),
+                "--seed",
+                "0",
+            ]
+        )
+        return out
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def data_dir(arithmetic_data) -> Path:
+    """The arithmetic task: 64 training and 8 test prompts (parquet), seeded."""
+    return arithmetic_data(64, 8)

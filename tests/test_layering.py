@@ -1,6 +1,7 @@
-"""The layering rule of the README: a top-level module imports only modules of earlier tiers.
+"""The layering rule of the README: a room (top-level package or module) imports only rooms of earlier
+tiers, and no two modules import each other, directly or round a longer cycle.
 
-Imports inside functions count too (a lazy import is still a dependency). Modules in one tier sit beside
+Imports inside functions count too (a lazy import is still a dependency). Rooms in one tier sit beside
 each other and import none of the others.
 """
 
@@ -13,11 +14,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hybridflow"
 TIERS: list[tuple[str, ...]] = [
     ("utils", "protocol", "models"),
     ("algorithms",),
-    ("single_controller", "rewards", "dataflow", "tools"),
+    ("config",),  # the typed sections the workers and trainers read
+    ("single_controller", "rewards", "dataflow", "tools", "runs"),
     ("data",),  # the offline task data judges the model's own samples with the rule scorers
     ("workers",),
     ("trainer",),
-    ("config", "demo", "cli"),
+    ("commands",),
 ]
 TIER = {name: i for i, names in enumerate(TIERS) for name in names}
 
@@ -39,6 +41,50 @@ def _imported(tree: ast.AST) -> list[tuple[int, str]]:
             names = [a.name for a in node.names]
         found += [(node.lineno, n.split(".")[1]) for n in names if n.startswith("hybridflow.")]
     return found
+
+
+def _imported_modules(tree: ast.AST, modules: set[str] | dict[str, Path]) -> set[str]:
+    """The hybridflow modules the file imports: ``from a import b`` is the module ``a.b`` when there is one,
+    else ``a`` (``b`` is a name defined in ``a``)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found.add(full if full in modules else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {name for name in found if name in modules}
+
+
+def _module_name(path: Path, package: Path) -> str:
+    parts = ("hybridflow", *path.relative_to(package).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_cycles(package: Path = PACKAGE) -> list[str]:
+    """Every cycle of imports between modules, as ``a -> b -> a``; a package's ``__init__`` is the module
+    named by the package."""
+    paths = {_module_name(p, package): p for p in sorted(package.rglob("*.py"))}
+    graph = {
+        name: sorted(_imported_modules(ast.parse(path.read_text()), paths) - {name})
+        for name, path in paths.items()
+    }
+    cycles, state = [], dict.fromkeys(graph, 0)  # 0 new, 1 on the current path, 2 done
+
+    def visit(name: str, trail: list[str]) -> None:
+        state[name] = 1
+        for other in graph[name]:
+            if state[other] == 1:
+                cycles.append(" -> ".join([*trail[trail.index(other) :], other]))
+            elif state[other] == 0:
+                visit(other, [*trail, other])
+        state[name] = 2
+
+    for name in graph:
+        if state[name] == 0:
+            visit(name, [name])
+    return cycles
 
 
 def layering_violations(package: Path = PACKAGE) -> list[str]:
@@ -63,6 +109,29 @@ def test_every_import_goes_to_an_earlier_layer():
     assert layering_violations() == []
 
 
+def test_no_module_imports_itself_round_a_cycle():
+    assert module_cycles() == []
+
+
+def test_a_cycle_is_caught_even_through_a_function(tmp_path):
+    files = {
+        "__init__.py": "",
+        "config/__init__.py": "from hybridflow.config.schema import Config\n",
+        "config/schema.py": "def load():\n    from hybridflow.config.loader import read\n",
+        "config/loader.py": "from hybridflow.config import schema\n",
+        "tools/base.py": "from hybridflow.tools.calculator import Calculator\n",
+        "tools/calculator.py": "from hybridflow.tools.base import BaseTool\n",
+        "tools/parsing.py": "from hybridflow.tools.base import BaseTool\n",
+    }
+    for module, text in files.items():
+        (tmp_path / module).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / module).write_text(text)
+    assert module_cycles(tmp_path) == [
+        "hybridflow.config.schema -> hybridflow.config.loader -> hybridflow.config.schema",
+        "hybridflow.tools.base -> hybridflow.tools.calculator -> hybridflow.tools.base",
+    ]
+
+
 def test_a_wrong_way_import_is_caught(tmp_path):
     for module, text in {
         "protocol.py": "from hybridflow.trainer import PPOTrainer\n",
@@ -73,8 +142,8 @@ def test_a_wrong_way_import_is_caught(tmp_path):
         (tmp_path / module).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / module).write_text(text)
     assert layering_violations(tmp_path) == [
-        "protocol.py:1 imports hybridflow.trainer (tier 5) from tier 0 (protocol)",
-        "rewards/y.py:1 imports hybridflow.dataflow (tier 2) from tier 2 (rewards)",
+        "protocol.py:1 imports hybridflow.trainer (tier 6) from tier 0 (protocol)",
+        "rewards/y.py:1 imports hybridflow.dataflow (tier 3) from tier 3 (rewards)",
     ]
 
 

@@ -4,6 +4,8 @@ offline objectives (SFT, DPO and its loss types, KTO) in ``preference``.
 Everything here is a tensor function (plus two DataProto helpers, ``compute_advantage`` and
 ``apply_kl_penalty``); estimators and policy losses are looked up by name in registries that users can
 extend with ``register_adv_est`` / ``register_policy_loss``. Names and signatures follow verl's.
+
+May import: ``utils``, ``protocol``, ``models``. Nothing here knows about configs, workers or trainers.
 """
 
 from hybridflow.algorithms.advantages import (

@@ -1,4 +1,8 @@
-"""Prompt data: verl-format datasets, DataProto batching with a resumable loader, demo task generators."""
+"""Prompt data: verl-format datasets, DataProto batching with a resumable loader, demo task generators.
+
+May import: ``utils``, ``protocol``, ``models``, ``algorithms``, ``config``, and the rooms of the tier before it
+(``rewards``: the offline task data judges the model's own samples with the rule scorers).
+"""
 
 from hybridflow.data.dataset import RLHFDataset
 from hybridflow.data.generation import generation_batch

@@ -132,9 +132,3 @@ class PromptLoader:
         if not 0 <= state["position"] <= len(self):
             raise ValueError(f"loader state position {state['position']} is outside 0..{len(self)}")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
-
-
-def endless(loader: PromptLoader) -> Iterator[DataProto]:
-    """Batches across epochs; each pass over the loader continues from its (resumable) position."""
-    while True:
-        yield from loader

@@ -4,7 +4,9 @@
 * ``DataFlow`` / ``Router``: route each row down its own path and merge the rows back in order.
 * ``TwoStageReward``: a cheap scorer on every row, an expensive one only on each group's best rows.
 
-This layer depends on ``hybridflow.protocol`` only, so it works in any driver, trainer or not.
+It works in any driver, trainer or not.
+
+May import: ``utils``, ``protocol``, ``models``, ``algorithms``, ``config`` (the replay buffer reads its typed section).
 """
 
 from hybridflow.algorithms import sequence_to_token_scores  # re-exported: scorers here return (bs,) scores

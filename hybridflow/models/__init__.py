@@ -1,4 +1,7 @@
-"""Models hybridflow can run without downloads: tiny random test models and the embedded SmolLM2."""
+"""Models hybridflow can run without downloads: tiny random test models and the embedded SmolLM2.
+
+May import: ``utils`` only (it sits in the first tier, beside ``protocol``).
+"""
 
 from hybridflow.models.default import default_model_path, resolve_model_path
 from hybridflow.models.tiny import make_tiny_model, make_tiny_tokenizer

@@ -1,19 +1,14 @@
 """Tools a policy may call during multi-turn rollouts, the Hermes tool-call parser, and the sandbox.
 
-Beside ``rewards`` in the layering: ``workers`` (the agent loop) import it; it imports nothing above it.
+Beside ``rewards`` in the layering: ``workers`` (the agent loop) import it. May import: ``utils``, ``protocol``,
+``models``, ``algorithms``, ``config``. ``registry.py`` holds the built-in tool table and loads a run's tool list.
 """
 
-from hybridflow.tools.base import (
-    BaseTool,
-    ToolError,
-    ToolOutput,
-    builtin_tools,
-    load_tools,
-    tools_from_entries,
-)
+from hybridflow.tools.base import BaseTool, ToolError, ToolOutput
 from hybridflow.tools.calculator import CalculatorTool, calculate
 from hybridflow.tools.parsing import ToolCall, parse_tool_calls
 from hybridflow.tools.python_tool import PythonTool
+from hybridflow.tools.registry import builtin_tools, load_tools, tools_from_entries
 from hybridflow.tools.sandbox import SandboxLimits, SandboxResult, isolation, run_python
 
 __all__ = [

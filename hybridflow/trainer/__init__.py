@@ -1,14 +1,17 @@
-"""The driver layer: ``PPOTrainer``, ``OfflineTrainer`` (SFT, DPO, KTO) and their configs, checkpoints,
-tracking and validation.
+"""The trainers: the one run loop (``loop.py``), ``PPOTrainer`` (``ppo.py``: the driver, one screen per step),
+``OfflineTrainer`` (``offline.py``: SFT, DPO, KTO), worker-group assembly and placement (``worker_groups.py``),
+hooks, metrics and validation, replay and the two-stage reward in the driver, and the ``main_*`` entry points.
 
-The trainers are imported on first use, so tools that only need a checkpoint helper (such as
-``hybridflow generate``) do not load the workers and Ray.
+May import every room before it (``workers``, ``data``, ``runs``, ``config``...); only ``commands`` imports it.
+
+The trainers are imported on first use, so ``from hybridflow.trainer import PPOConfig`` does not load the
+workers and Ray.
 """
 
 from typing import Any
 
-from hybridflow.trainer.config import ConfigError, PPOConfig, load_config
-from hybridflow.trainer.offline_config import DPOConfig, KTOConfig, SFTConfig, load_offline_config
+from hybridflow.config.offline import DPOConfig, KTOConfig, SFTConfig, load_offline_config
+from hybridflow.config.schema import ConfigError, PPOConfig, load_config
 
 __all__ = [
     "ConfigError",

@@ -41,9 +41,9 @@ import numpy as np
 import torch
 
 from hybridflow.data import PromptLoader
-from hybridflow.data.loader import endless
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import WorkerGroup
+from hybridflow.trainer.loop import endless
 
 
 class PromptStream:

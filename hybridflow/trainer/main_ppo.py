@@ -13,7 +13,7 @@ import argparse
 import logging
 import sys
 
-from hybridflow.trainer.config import load_config
+from hybridflow.config.schema import load_config
 from hybridflow.trainer.ppo import PPOTrainer
 from hybridflow.utils.errors import run_cli
 

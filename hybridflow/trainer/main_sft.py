@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hybridflow.trainer.config import ConfigError
+from hybridflow.config.offline import CONFIGS, default_config_path, load_offline_config
+from hybridflow.config.schema import ConfigError
 from hybridflow.trainer.main_ppo import _show_info_logs
 from hybridflow.trainer.offline import OfflineTrainer
-from hybridflow.trainer.offline_config import CONFIGS, default_config_path, load_offline_config
 
 
 def run(kind: str, argv: list[str] | None = None) -> int:

@@ -5,9 +5,10 @@ pairs, or labelled completions, laid out like rollouts by ``hybridflow.data.offl
 policy's log-probs from the reference worker (``compute_ref_log_prob``; with LoRA the actor's workers, adapter
 off) when the objective needs them, then the actor takes one optimiser step on it (``update_actor_offline``:
 ``TrainingEngine``, micro-batches of rows or of a token budget, data-parallel gradient averaging, clipping).
-Worker groups (local or Ray), checkpoints (``global_step_N/actor/huggingface`` is a plain model folder, so it
-is the next trainer's ``model.partial_pretrain`` or ``actor_rollout_ref.model.path``), resuming, tracking and
-the progress bar are the PPO trainer's.
+The run around the steps is ``RunLoop``'s, as for RL: the run-folder lock, tracking (the console line shows the
+loss, DPO/KTO's reward margin and accuracy, the gradient norm and lr), resuming (refused with other data
+settings), validation and save cadence, hooks, the progress bar. Checkpoints' ``global_step_N/actor/huggingface``
+is a plain model folder, so it is the next trainer's ``model.partial_pretrain`` or ``actor_rollout_ref.model.path``.
 """
 
 from __future__ import annotations
@@ -16,43 +17,53 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import torch
-from tqdm.auto import tqdm
-
 from hybridflow.algorithms import get_offline_objective, kto_kl_estimate, sequence_log_probs
-from hybridflow.data import PromptLoader
-from hybridflow.data.loader import endless
-from hybridflow.data.offline import KTODataset, OfflineDataset, PreferenceDataset, SFTConversationDataset
-from hybridflow.protocol import DataProto
-from hybridflow.single_controller import ClassWithInitArgs, Role
-from hybridflow.trainer.checkpoint import CheckpointManager
-from hybridflow.trainer.config import (
+from hybridflow.config.offline import DPOConfig, KTOConfig, OfflineConfig, SFTConfig
+from hybridflow.config.schema import (
     ActorConfig,
     ActorRolloutRefConfig,
     PolicyModelConfig,
     RefConfig,
     RolloutConfig,
 )
-from hybridflow.trainer.metrics import reduce_metrics, timer
-from hybridflow.trainer.offline_config import DPOConfig, KTOConfig, SFTConfig
-from hybridflow.trainer.ppo import _every
-from hybridflow.trainer.tracking import Tracking
+from hybridflow.data import PromptLoader
+from hybridflow.data.offline import KTODataset, OfflineDataset, PreferenceDataset, SFTConversationDataset
+from hybridflow.protocol import DataProto
+from hybridflow.runs.tracking import ConsoleFields, Tracking
+from hybridflow.single_controller import ClassWithInitArgs, Role
+from hybridflow.trainer.loop import RunLoop
+from hybridflow.trainer.metrics import StepTimings, reduce_metrics, timer
 from hybridflow.trainer.worker_groups import WorkerGroups, build_worker_groups
 from hybridflow.workers import ActorRolloutRefWorker
 from hybridflow.workers.modeling import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-OfflineConfig = SFTConfig | DPOConfig | KTOConfig
+
+#: What matters in an offline step: the loss, the preference margin and accuracy (DPO; KTO's chosen and rejected
+#: rewards and KL reference point), and the optimiser's gradient norm and learning rate.
+OFFLINE_CONSOLE_FIELDS: ConsoleFields = (
+    ("loss", ("train/loss",)),
+    ("margin", ("rewards/margins",)),
+    ("acc", ("rewards/accuracies",)),
+    ("chosen", ("rewards/chosen",)),
+    ("rejected", ("rewards/rejected",)),
+    ("kl", ("kl",)),
+    ("grad_norm", ("actor/grad_norm",)),
+    ("lr", ("actor/lr",)),
+)
 
 
-class OfflineTrainer:
+class OfflineTrainer(RunLoop):
     """Trains on a fixed dataset with the objective of ``config``'s type (``SFTConfig``, ``DPOConfig``,
     ``KTOConfig``). ``worker_groups`` may be given (e.g. your own Ray groups); else built on ``fit``."""
 
+    console_fields = OFFLINE_CONSOLE_FIELDS
+
     def __init__(self, config: OfflineConfig, *, worker_groups: WorkerGroups | None = None) -> None:
-        config.validate()
-        self.config = config = config.resolve()
+        self.config = config = config.validate()  # resolved and checked
+        super().__init__(config.trainer, config.to_dict(), worker_groups)
+        self.name = config.kind
         self.objective = get_offline_objective(config.kind)
         self.tokenizer = load_tokenizer(config.model.partial_pretrain, config.model.trust_remote_code)
         d = config.data
@@ -62,11 +73,6 @@ class OfflineTrainer:
             config.trainer.total_training_steps or len(self.train_loader) * config.trainer.total_epochs
         )
         config.optim.total_training_steps = self.total_steps
-        self.checkpoints = CheckpointManager(
-            config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep
-        )
-        self.global_step = 0
-        self.wg = worker_groups
 
     def _dataset(self, files: list[str]) -> OfflineDataset:
         d, tok = self.config.data, self.tokenizer
@@ -141,18 +147,6 @@ class OfflineTrainer:
             )
         self.wg = build_worker_groups(self.config, inits=inits)
 
-    def close(self) -> None:
-        """Stop the workers this trainer started; ``with OfflineTrainer(cfg) as t:`` closes too."""
-        if self.wg is not None:
-            self.wg.shutdown()
-            self.wg = None
-
-    def __enter__(self) -> OfflineTrainer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # ------------------------------------------------------------------ one step
     def prepare_batch(self, batch: DataProto) -> DataProto:
         """Attach the objective's settings and the reference log-probs; for KTO, split off the mismatched
@@ -174,21 +168,27 @@ class OfflineTrainer:
         mask = mismatched.batch["response_mask"].float()
         return float(kto_kl_estimate(sequence_log_probs(policy, mask), sequence_log_probs(ref, mask)))
 
-    def train_step(self, batch: DataProto) -> dict[str, float]:
-        """One optimiser step; ``train/loss`` plus the objective's metrics (``rewards/*``, ``logps/*``)."""
-        t: dict[str, float] = {}
+    def train_step(
+        self, batch: DataProto, metrics: dict[str, float], timings: StepTimings | None = None
+    ) -> DataProto:
+        """One optimiser step; ``train/loss`` plus the objective's metrics (``rewards/*``, ``logps/*``) and the
+        optimiser's (``actor/grad_norm``, ``actor/lr``) go into ``metrics``."""
+        t = StepTimings() if timings is None else timings
         with timer("step", t):
             with timer("ref", t):
                 batch = self.prepare_batch(batch)
             with timer("update_actor", t):
-                metrics = reduce_metrics(
-                    self.wg.actor_rollout.update_actor_offline(batch).meta_info["metrics"]
-                )
+                out = self.wg.actor_rollout.update_actor_offline(batch)
+                metrics.update(reduce_metrics(out.meta_info["metrics"]))
         metrics["train/loss"] = metrics.pop("loss")
         metrics.update({f"timing_s/{k}": v for k, v in t.items()})
-        return metrics
+        return batch
 
-    def validate(self) -> dict[str, float]:
+    @property
+    def has_validation(self) -> bool:
+        return self.val_loader is not None
+
+    def validate(self, tracker: Tracking | None = None) -> dict[str, float]:
         """The objective on the validation files without updating: ``val/loss``, ``val/rewards/*``..."""
         if self.val_loader is None:
             return {}
@@ -204,59 +204,9 @@ class OfflineTrainer:
         return {f"val/{key}": value / count for key, value in sums.items()}
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self) -> Path:
-        with self.checkpoints.saving(self.global_step) as folder:
-            self.wg.actor_rollout.save_checkpoint(str(folder / "actor"))
-            torch.save(
-                {"global_step": self.global_step, "loader": self.train_loader.state_dict()},
-                folder / "trainer_state.pt",
-            )
-        return self.checkpoints.path(self.global_step)
+    def save_state(self, folder: Path) -> dict[str, Any]:
+        self.wg.actor_rollout.save_checkpoint(str(folder / "actor"))
+        return {}
 
-    def load_checkpoint(self) -> None:
-        """Resume as the PPO trainer does (``trainer.resume_mode``: auto | disable | resume_path)."""
-        tr = self.config.trainer
-        folder = self.checkpoints.to_resume(tr.resume_mode, tr.resume_from_path)
-        if folder is None:
-            return
-        state = torch.load(folder / "trainer_state.pt", weights_only=False)
+    def load_state(self, folder: Path, state: dict[str, Any]) -> None:
         self.wg.actor_rollout.load_checkpoint(str(folder / "actor"))
-        self.global_step = state["global_step"]
-        self.train_loader.load_state_dict(state["loader"])
-        logger.info("resumed from %s at step %d", folder, self.global_step)
-
-    # ------------------------------------------------------------------ the loop
-    def fit(self) -> dict[str, float]:
-        """Train for ``total_steps`` (epochs over the data); returns the last step's metrics."""
-        self.init_workers()
-        tr = self.config.trainer
-        tracker = Tracking(
-            tr.project_name, tr.experiment_name, tr.logger, tr.default_local_dir, self.config.to_dict()
-        )
-        metrics: dict[str, Any] = {}
-        try:
-            self.load_checkpoint()
-            if self.val_loader is not None and (tr.val_only or tr.val_before_train and self.global_step == 0):
-                metrics = self.validate()
-                tracker.log(metrics, step=self.global_step)
-            if tr.val_only:
-                return metrics
-            batches = endless(self.train_loader)
-            with tqdm(
-                total=self.total_steps, initial=self.global_step, desc=self.config.kind, unit="step"
-            ) as bar:
-                while self.global_step < self.total_steps:
-                    metrics = self.train_step(next(batches))
-                    self.global_step += 1
-                    last = self.global_step == self.total_steps
-                    if self.val_loader is not None and (last or _every(tr.test_freq, self.global_step)):
-                        metrics.update(self.validate())
-                    metrics["training/global_step"] = self.global_step
-                    metrics["training/epoch"] = self.train_loader.epoch
-                    tracker.log(metrics, step=self.global_step)
-                    if last or _every(tr.save_freq, self.global_step):
-                        self.save_checkpoint()
-                    bar.update(1)
-        finally:
-            tracker.finish()
-        return metrics

@@ -9,6 +9,7 @@ here, on the driver, by any estimator registered in ``hybridflow.algorithms``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,40 +17,37 @@ import torch
 from tqdm.auto import tqdm
 
 from hybridflow.algorithms import apply_kl_penalty, compute_advantage, get_kl_controller
+from hybridflow.config.schema import PPOConfig
 from hybridflow.data import PromptLoader, RLHFDataset
-from hybridflow.data.loader import endless
 from hybridflow.data.sft import SFTDataset
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RewardManager, default_compute_score, load_custom_reward_function
+from hybridflow.runs.tracking import Tracking
 from hybridflow.tools import load_tools
 from hybridflow.trainer.async_rollout import PromptStream, build_rollouts, stale_tokens
-from hybridflow.trainer.checkpoint import CheckpointManager
-from hybridflow.trainer.config import PPOConfig
-from hybridflow.trainer.hooks import Hook, HookRegistry
+from hybridflow.trainer.loop import RunLoop, endless
 from hybridflow.trainer.metrics import (
     StepTimings,
     compute_data_metrics,
     compute_throughput_metrics,
     reduce_metrics,
     timer,
+    validation_metrics,
 )
 from hybridflow.trainer.replay import ActorReplay
-from hybridflow.trainer.run_lock import RunLock
-from hybridflow.trainer.tracking import Tracking
 from hybridflow.trainer.two_stage_reward import TwoStageRewardFn
-from hybridflow.trainer.validation import validation_metrics
 from hybridflow.trainer.worker_groups import WorkerGroups, build_worker_groups
-from hybridflow.utils.errors import UserError
 from hybridflow.workers.modeling import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 
-class PPOTrainer:
+class PPOTrainer(RunLoop):
     """PPO-family training (GRPO, RLOO, REINFORCE++, ReMax, PPO with a critic...) from one config.
 
     Everything is built from ``config`` unless given: ``worker_groups`` (e.g. your own Ray groups),
-    ``reward_fn`` (``DataProto -> {"reward_tensor", "reward_extra_info"}``, like ``RewardManager``)."""
+    ``reward_fn`` (``DataProto -> {"reward_tensor", "reward_extra_info"}``, like ``RewardManager``). The run
+    around the steps (lock, tracker, resume, cadence, hooks) is ``RunLoop``'s."""
 
     def __init__(
         self,
@@ -60,6 +58,7 @@ class PPOTrainer:
         val_reward_fn: Any = None,
     ) -> None:
         self.config = config = config.validate()  # resolved and checked
+        super().__init__(config.trainer, config.to_dict(), worker_groups)
         self.tokenizer = load_tokenizer(
             config.actor_rollout_ref.model.path, config.actor_rollout_ref.model.trust_remote_code
         )
@@ -97,13 +96,8 @@ class PPOTrainer:
         self.kl_ctrl = get_kl_controller(
             alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon
         )
-        self.hooks = HookRegistry()
-        self.checkpoints = CheckpointManager(
-            config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep
-        )
-        self.global_step = 0
-        self.wg = worker_groups
-        self.rollouts = self.stream = None  # set by init_workers / the training loop
+        self._sft_batches = endless(self.sft_loader) if self.sft_loader else None
+        self.rollouts = self.stream = None  # where the samples come from (async_training.mode): init_workers
 
     def _dataset(self, files: list[str]) -> RLHFDataset:
         d, multi_turn = self.config.data, self.config.actor_rollout_ref.rollout.multi_turn
@@ -132,15 +126,7 @@ class PPOTrainer:
         )
         return PromptLoader(sft, data.sft.batch_size, shuffle=True, seed=data.seed)
 
-    # ------------------------------------------------------------------ user API
-    def register_hook(self, event: str, fn: Hook) -> None:
-        """Call ``fn(trainer, step, metrics, batch)`` on ``event`` (see ``hooks.EVENTS``)."""
-        self.hooks.register(event, fn)
-
-    def adapt_lr(self, scale: float) -> float:
-        """Multiply the actor's learning rate by ``scale`` from the next update on; returns the new lr."""
-        return self.wg.actor_rollout.scale_lr(scale)[0]
-
+    # ------------------------------------------------------------------ workers
     def init_workers(self) -> None:
         if self.wg is None:  # a two-stage reward calls the reward model from the driver, so it stays here
             two_stage = self.config.reward_model.two_stage.enable
@@ -158,19 +144,27 @@ class PPOTrainer:
         self.rollouts.post_weights(self.wg.actor_rollout, version)
 
     def close(self) -> None:
-        """Stop the workers this trainer started (Ray actors give their CPUs/GPUs back). The trained
-        weights live in the workers: save or use them first. ``with PPOTrainer(cfg) as t:`` closes too."""
         if self.rollouts is not None:
             self.rollouts.stop()
-        if self.wg is not None:
-            self.wg.shutdown()
-            self.wg = None
+        super().close()
 
-    def __enter__(self) -> PPOTrainer:
-        return self
+    # ------------------------------------------------------------------ where the samples come from
+    def batches(self) -> Iterator[DataProto]:
+        """The prompts of each step; an asynchronous run's producer, started here, draws ahead of them."""
+        self.stream = PromptStream(self.train_loader, self.global_step)
+        self.rollouts.start(self.stream, self.global_step, self.total_steps)
+        while True:
+            yield self.stream.take(self.global_step)
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def data_position(self) -> dict[str, Any]:
+        """The loader's position after the last *trained* batch (the producer may have drawn further)."""
+        return self.stream.trained_state if self.stream else self.train_loader.state_dict()
+
+    def _train(self, tracker: Tracking) -> dict[str, float]:
+        try:
+            return super()._train(tracker)
+        finally:  # an asynchronous run's producer stops with the run, also when a step raises
+            self.rollouts.stop()
 
     # ------------------------------------------------------------------ one step, stage by stage
     def compute_reward(self, batch: DataProto, metrics: dict[str, float] | None = None) -> DataProto:
@@ -215,7 +209,6 @@ class PPOTrainer:
         cfg, wg, t = self.config, self.wg, StepTimings() if timings is None else timings
         use_critic = wg.critic is not None
         with timer("step", t):
-            self.hooks.emit("on_step_start", self, self.global_step, metrics, batch)
             with timer("gen", t):  # sync: generated now; async: the oldest batch the producer finished
                 batch.meta_info["n"] = cfg.actor_rollout_ref.rollout.n
                 batch = self.rollouts.take(self.global_step, batch, metrics, t)
@@ -284,6 +277,10 @@ class PPOTrainer:
         return batch
 
     # ------------------------------------------------------------------ validation
+    @property
+    def has_validation(self) -> bool:
+        return self.val_dataset is not None
+
     def validate(self, tracker: Tracking | None = None) -> dict[str, float]:
         """Generate on the validation set with ``rollout.val_kwargs``; ``val/<source>/...`` metrics.
         The ``trainer.log_val_generations`` samples shown also go to ``tracker`` (``val_generations.jsonl``)."""
@@ -307,7 +304,6 @@ class PPOTrainer:
         )
         if tracker is not None and samples:
             tracker.log_records("val_generations", samples, step=self.global_step)
-        self.hooks.emit("on_validation_end", self, self.global_step, metrics, None)
         return metrics
 
     def _show_generations(self, batch: DataProto, rewards: torch.Tensor, count: int) -> list[dict[str, Any]]:
@@ -325,51 +321,30 @@ class PPOTrainer:
         return samples
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self) -> Path:
-        with self.checkpoints.saving(self.global_step) as folder:
-            self.wg.actor_rollout.save_checkpoint(str(folder / "actor"))
-            if self.wg.critic is not None:
-                self.wg.critic.save_checkpoint(str(folder / "critic"))
-            torch.save(
-                {
-                    "global_step": self.global_step,
-                    "loader": self.stream.trained_state if self.stream else self.train_loader.state_dict(),
-                    "sft_loader": self.sft_loader.state_dict() if self.sft_loader else None,
-                    "kl_coef": self.kl_ctrl.value,
-                    "replay": self.replay.state_dict() if self.replay else None,
-                },
-                folder / "trainer_state.pt",
-            )
-        self.hooks.emit("on_checkpoint", self, self.global_step, {}, None)
-        return self.checkpoints.path(self.global_step)
+    def save_state(self, folder: Path) -> dict[str, Any]:
+        self.wg.actor_rollout.save_checkpoint(str(folder / "actor"))
+        if self.wg.critic is not None:
+            self.wg.critic.save_checkpoint(str(folder / "critic"))
+        return {
+            "sft_loader": self.sft_loader.state_dict() if self.sft_loader else None,
+            "kl_coef": self.kl_ctrl.value,
+            "replay": self.replay.state_dict() if self.replay else None,
+        }
 
-    def load_checkpoint(self) -> None:
-        """Restore ``trainer.resume_mode``'s checkpoint: ``auto`` the run folder's newest intact one (none:
-        start fresh), ``resume_path`` the complete checkpoint or run folder ``resume_from_path``.
-
-        The run folder's ``.tmp-*`` leftovers of a save that a killed process never finished are deleted; with
-        ``auto``, a damaged newer checkpoint is set aside (the run resumes from the previous one), and the
-        latest-step file and ``max_ckpt_to_keep`` are repaired. Optimiser settings changed since the save
-        (lr, betas, weight decay, schedule) apply from here on; the change is logged by the workers."""
-        tr = self.config.trainer
-        folder = self.checkpoints.to_resume(tr.resume_mode, tr.resume_from_path)
-        if folder is None:
-            return
-        state = torch.load(folder / "trainer_state.pt", weights_only=False)
-        self._check_same_data(folder, state["loader"])
+    def load_state(self, folder: Path, state: dict[str, Any]) -> None:
         self.wg.actor_rollout.load_checkpoint(str(folder / "actor"))
         if self.wg.rollout is not None:
             self.sync_rollout_weights(state["global_step"])
         if self.wg.critic is not None:
             self.wg.critic.load_checkpoint(str(folder / "critic"))
-        self.global_step = state["global_step"]
-        self.train_loader.load_state_dict(state["loader"])
         if self.sft_loader and state["sft_loader"]:
             self.sft_loader.load_state_dict(state["sft_loader"])
         self._restore_kl_coef(state["kl_coef"])
         if self.replay and state.get("replay"):
             self.replay.load_state_dict(state["replay"])
-        logger.info("resumed from %s at step %d", folder, self.global_step)
+
+    def step_metrics(self) -> dict[str, float]:
+        return {"training/kl_coef": self.kl_ctrl.value}
 
     def _restore_kl_coef(self, saved: float) -> None:
         """An adaptive coefficient is state and comes back; a fixed one is a setting, and a changed
@@ -384,87 +359,3 @@ class PPOTrainer:
             )
         else:
             self.kl_ctrl.value = saved
-
-    def _check_same_data(self, folder: Path, saved: dict[str, Any]) -> None:
-        """A checkpoint's data position only means something for the same prompts, batch size and order:
-        refuse to resume with others, naming the keys, rather than fail deep in the loader."""
-        keys = {
-            "batch_size": "data.train_batch_size",
-            "num_rows": "the number of training prompts",
-            "seed": "data.seed",
-            "shuffle": "data.shuffle",
-        }
-        mine = self.train_loader.state_dict()
-        changed = [
-            f"{name} {saved.get(key)!r} -> {mine[key]!r}"
-            for key, name in keys.items()
-            if saved.get(key) != mine[key]
-        ]
-        if changed:
-            raise UserError(
-                f"cannot resume from {folder}: it was saved with other data settings ("
-                f"{', '.join(changed)}); resume with the saved values, or start a new run in another "
-                "trainer.default_local_dir (or set trainer.resume_mode=disable)"
-            )
-
-    # ------------------------------------------------------------------ the loop
-    def fit(self) -> dict[str, float]:
-        """Train for ``total_training_steps``; returns the last step's metrics (validation included)."""
-        tr = self.config.trainer
-        with RunLock(tr.default_local_dir):  # held until the run ends (or its process dies)
-            self.init_workers()
-            return self._fit()
-
-    def _fit(self) -> dict[str, float]:
-        """``fit`` once the run folder is ours and the workers are up: resume, validate, train."""
-        tr = self.config.trainer
-        tracker = Tracking(
-            tr.project_name, tr.experiment_name, tr.logger, tr.default_local_dir, self.config.to_dict()
-        )
-        try:
-            self.load_checkpoint()
-            self.hooks.emit("on_fit_start", self, self.global_step, {}, None)
-            metrics: dict[str, float] = {}
-            fresh = self.global_step == 0
-            if self.val_dataset is not None and (tr.val_only or tr.val_before_train and fresh):
-                metrics = self.validate(tracker)
-                tracker.log(metrics, step=self.global_step)
-            if not tr.val_only:
-                metrics = self._train(tracker)
-            self.hooks.emit("on_fit_end", self, self.global_step, metrics, None)
-        finally:
-            self.rollouts.stop()  # an asynchronous run's producer stops with the run, also when a step raises
-            tracker.finish()  # flushed and closed even when a step or a hook raises
-        return metrics
-
-    def _train(self, tracker: Tracking) -> dict[str, float]:
-        """Steps from ``global_step`` to ``total_steps``: train, validate, log, checkpoint."""
-        tr = self.config.trainer
-        self.stream = PromptStream(self.train_loader, self.global_step)
-        self._sft_batches = endless(self.sft_loader) if self.sft_loader else None
-        self.rollouts.start(self.stream, self.global_step, self.total_steps)
-        metrics: dict[str, float] = {}
-        with tqdm(total=self.total_steps, initial=self.global_step, desc="training", unit="step") as bar:
-            while self.global_step < self.total_steps:
-                metrics, timings = {}, StepTimings()
-                batch = self.train_step(self.stream.take(self.global_step), metrics, timings)
-                self.global_step += 1
-                last = self.global_step == self.total_steps
-                if self.val_dataset is not None and (last or _every(tr.test_freq, self.global_step)):
-                    with timer("validate", timings):
-                        metrics.update(self.validate(tracker))
-                metrics["training/global_step"] = self.global_step
-                metrics["training/kl_coef"] = self.kl_ctrl.value
-                tracker.log(metrics, step=self.global_step)
-                self.hooks.emit("on_step_end", self, self.global_step, metrics, batch)
-                if last or _every(tr.save_freq, self.global_step):
-                    with timer("checkpoint", timings):
-                        self.save_checkpoint()
-                tracker.log_records("timeline", timings.spans, step=self.global_step)
-                bar.update(1)
-        return metrics
-
-
-def _every(freq: int, step: int) -> bool:
-    """Whether a ``*_freq`` cadence falls on ``step`` (``freq <= 0`` means never)."""
-    return freq > 0 and step % freq == 0

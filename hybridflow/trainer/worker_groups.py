@@ -18,6 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hybridflow.config import PPOConfig, TrainerConfig
+from hybridflow.config.checks import ConfigError
+from hybridflow.config.offline import OfflineConfig
 from hybridflow.single_controller import (
     ClassWithInitArgs,
     LocalWorkerGroup,
@@ -25,7 +28,6 @@ from hybridflow.single_controller import (
     WorkerGroup,
     create_colocated_worker_cls,
 )
-from hybridflow.trainer.config_checks import ConfigError
 from hybridflow.utils.errors import UserError
 from hybridflow.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker, RewardWorker
 
@@ -60,15 +62,14 @@ class WorkerGroups:
             self.release = None
 
 
-def needs_ref(config: Any) -> bool:
+def needs_ref(config: PPOConfig) -> bool:
     """A reference policy is only loaded when a KL term (in the loss or in the reward) uses it."""
     return bool(config.actor_rollout_ref.actor.use_kl_loss or config.algorithm.use_kl_in_reward)
 
 
-def placement(config: Any) -> tuple[dict[str, list[int]], dict[str, str]]:
+def placement(tr: TrainerConfig) -> tuple[dict[str, list[int]], dict[str, str]]:
     """``(pools, role -> pool)`` for ``trainer.placement``, with ``resource_pool_spec`` and ``role_pools``
     laid over the preset; every role maps to a defined pool."""
-    tr = config.trainer
     if tr.placement == "split":
         pools = {"actor": [tr.n_workers], "rollout": [1], "reward": [1]}
         roles = {
@@ -111,7 +112,7 @@ def placement(config: Any) -> tuple[dict[str, list[int]], dict[str, str]]:
 
 
 def role_inits(
-    config: Any, roles: dict[str, str] | None = None, reward_fn: Callable[..., dict] | None = None
+    config: PPOConfig, roles: dict[str, str] | None = None, reward_fn: Callable[..., dict] | None = None
 ) -> dict[str, ClassWithInitArgs]:
     """The deferred constructor of each role's worker, keyed by the role's group name. With ``roles`` (a
     placement's role -> pool), an actor and rollout in different pools become two workers, and
@@ -165,7 +166,7 @@ def check_ray_resources(needed: dict[str, float], n_workers: int) -> None:
 
 
 def build_worker_groups(
-    config: Any,
+    config: PPOConfig | OfflineConfig,
     reward_fn: Callable[..., dict] | None = None,
     inits: dict[Any, ClassWithInitArgs] | None = None,
     overlapping: bool = False,
@@ -190,7 +191,7 @@ def build_worker_groups(
 
     from hybridflow.single_controller.ray import RayWorkerGroup, ResourcePoolManager, init_ray
 
-    pools, roles = placement(config)
+    pools, roles = placement(trainer)
     inits = given or role_inits(config, roles, reward_fn)
     init_ray(**dict(trainer.ray_kwargs))
     # a worker's pool is its role's (actor_rollout runs where the actor does)

@@ -3,6 +3,10 @@
 ``ActorRolloutRefWorker`` (policy: actor / rollout / reference in any combination), ``CriticWorker``
 (value model), ``RewardModelWorker`` (a sequence-classification reward model, or a dummy one) and
 ``RewardWorker`` (the rule-based or custom reward function, in its own process).
+
+May import: every room before it (``config`` for their typed sections: ``ActorRolloutRefConfig``,
+``CriticConfig``, ``RolloutConfig``...; ``single_controller``, ``tools``, ``data``, ``rewards``...); never the
+trainers or commands.
 """
 
 from hybridflow.workers.actor import ActorRolloutRefWorker

@@ -24,6 +24,7 @@ from hybridflow.algorithms import (
     off_policy_mask,
     truncated_importance_weights,
 )
+from hybridflow.config import ActorRolloutRefConfig
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.checkpointing import load_worker_state, save_worker_state
@@ -67,7 +68,7 @@ class ActorRolloutRefWorker(Worker):
 
     def __init__(
         self,
-        config: Any,
+        config: ActorRolloutRefConfig,
         role: str = "actor_rollout",
         response_length: int = 64,
         seed: int = 0,

@@ -6,12 +6,11 @@ linear head, so the critic starts from the policy's (or any) checkpoint and save
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from transformers import AutoModelForTokenClassification
 
 from hybridflow.algorithms import compute_value_loss, masked_mean
+from hybridflow.config import CriticConfig
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.checkpointing import load_worker_state, save_worker_state
@@ -25,7 +24,7 @@ class CriticWorker(Worker):
     """``config``: the ``critic`` config section (its ``model.path`` already resolved by the trainer);
     ``rollout_n``: samples per prompt, since ``ppo_mini_batch_size`` counts prompts; ``device``: ``trainer.device``."""
 
-    def __init__(self, config: Any, rollout_n: int = 1, seed: int = 0, device: str = "auto") -> None:
+    def __init__(self, config: CriticConfig, rollout_n: int = 1, seed: int = 0, device: str = "auto") -> None:
         super().__init__(device)
         self.config, self.rollout_n, self.seed = config, rollout_n, seed
         self.module = self.engine = self.tokenizer = None

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridflow.config import OptimConfig
 from hybridflow.protocol import DataProto
 from hybridflow.utils.errors import UserError
 from hybridflow.workers.packing import MicroBatching, as_micro_batching
@@ -64,7 +65,7 @@ class TrainingEngine:
     def __init__(
         self,
         module: torch.nn.Module,
-        optim: Any,
+        optim: OptimConfig,
         grad_clip: float | None,
         name: str,
         world_size: int = 1,

@@ -11,12 +11,11 @@ change before a real reward model exists.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from transformers import AutoModelForSequenceClassification
 
 from hybridflow.algorithms import sequence_to_token_scores
+from hybridflow.config import RewardModelConfig
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.modeling import load_model, load_tokenizer
@@ -35,7 +34,7 @@ def dummy_scores(data: DataProto) -> torch.Tensor:
 class RewardModelWorker(Worker):
     """``config``: the ``reward_model`` section; ``policy_tokenizer_path``: to decode the policy's tokens."""
 
-    def __init__(self, config: Any, policy_tokenizer_path: str, device: str = "auto") -> None:
+    def __init__(self, config: RewardModelConfig, policy_tokenizer_path: str, device: str = "auto") -> None:
         super().__init__(device)
         self.config, self.policy_tokenizer_path = config, policy_tokenizer_path
         self.model = None

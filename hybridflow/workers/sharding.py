@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridflow.config import FSDPConfig
 from hybridflow.protocol import DataProto
 from hybridflow.workers.packing import MicroBatching
 
@@ -57,7 +58,7 @@ def load_placement(strategy: str, dtype: str | None, device: torch.device) -> tu
 def wrap_model(
     module: nn.Module,
     strategy: str,
-    fsdp_config: Any,
+    fsdp_config: FSDPConfig,
     device: torch.device,
     lora_rank: int = 0,
     lora_alpha: int = 16,
@@ -125,7 +126,7 @@ def _decoder_layers(module: nn.Module) -> list[nn.Module]:
     )
 
 
-def shard_module(module: nn.Module, fsdp_config: Any, device: torch.device) -> nn.Module:
+def shard_module(module: nn.Module, fsdp_config: FSDPConfig, device: torch.device) -> nn.Module:
     """``fully_shard`` each decoder layer, then the root, over all ranks of the default process group.
 
     Returns ``module`` itself (now an ``FSDPModule`` on ``device``) after broadcasting rank 0's weights;

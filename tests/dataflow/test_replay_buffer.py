@@ -9,8 +9,8 @@ import torch
 from omegaconf import OmegaConf
 
 from hybridflow import DataProto
+from hybridflow.config.schema import PPOConfig
 from hybridflow.dataflow import ReplayBuffer, ScheduledSampler, importance_weights, priority_probabilities
-from hybridflow.trainer.config import PPOConfig
 
 
 def rows(values, width=3):

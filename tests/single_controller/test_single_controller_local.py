@@ -40,7 +40,7 @@ def test_worker_standalone_is_rank_zero_of_one(monkeypatch):
 
 def test_trainer_device_decides_the_worker_device(monkeypatch):
     """trainer.device reaches every role's worker: cpu stays cpu even where a GPU is visible."""
-    from hybridflow.trainer.config import PPOConfig
+    from hybridflow.config.schema import PPOConfig
     from hybridflow.trainer.worker_groups import role_inits
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -20,12 +20,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hybridflow.cli import main as cli
+from hybridflow.commands.cli import main as cli
 from hybridflow.data.dataset import read_rows
+from hybridflow.runs.checkpoint import LATEST_FILE
+from hybridflow.runs.lock import RunLock
 from hybridflow.trainer import PPOTrainer, load_config
-from hybridflow.trainer.checkpoint import LATEST_FILE
 from hybridflow.trainer.hooks import EVENTS
-from hybridflow.trainer.run_lock import RunLock
 
 NOT_DETERMINISTIC = ("timing_s/", "perf/time_per_step", "perf/throughput")  # wall-clock measurements
 STEPS = 3

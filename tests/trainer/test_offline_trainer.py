@@ -12,19 +12,21 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
 import hybridflow.workers.actor as actor_worker
-from hybridflow.cli import main as cli
-from hybridflow.data.prepare import main as prepare_data
-from hybridflow.trainer.checkpoint import find_latest_checkpoint
-from hybridflow.trainer.config import ConfigError
-from hybridflow.trainer.inference import load_trained_actor
-from hybridflow.trainer.offline import OfflineTrainer
-from hybridflow.trainer.offline_config import (
+from hybridflow.commands.cli import main as cli
+from hybridflow.config.offline import (
     CONFIGS,
     DPOConfig,
     SFTConfig,
     default_config_path,
     load_offline_config,
 )
+from hybridflow.config.schema import ConfigError
+from hybridflow.data.prepare import main as prepare_data
+from hybridflow.runs.checkpoint import find_latest_checkpoint
+from hybridflow.runs.lock import RunLock
+from hybridflow.runs.trained_model import load_trained_actor
+from hybridflow.trainer.offline import OfflineTrainer
+from hybridflow.utils.errors import UserError
 from hybridflow.workers.modeling import response_log_probs
 from hybridflow.workers.packing import MicroBatching
 
@@ -216,7 +218,9 @@ def test_sft_token_budget_micro_batches_give_the_fixed_size_update(
                 k: v.copy() for k, v in trainer.wg.actor_rollout.get_weights()[0].items()
             }  # local: views
             batch = next(iter(trainer.train_loader))
-            norm = trainer.train_step(batch)["actor/grad_norm"]
+            metrics: dict[str, float] = {}
+            trainer.train_step(batch, metrics)
+            norm = metrics["actor/grad_norm"]
             return start, trainer.wg.actor_rollout.get_weights()[0], norm, batch
 
     start, fixed, fixed_norm, batch = one_step()
@@ -229,3 +233,36 @@ def test_sft_token_budget_micro_batches_give_the_fixed_size_update(
     # shows as a fraction of lr (2e-3), a wrongly weighted micro-batch as sign flips of 2 lr
     for name, value in fixed.items():
         np.testing.assert_allclose(budget[name], value, rtol=1e-5, atol=2e-5, err_msg=name)
+
+
+def test_offline_runs_go_through_the_run_loop_lock_resume_check_hooks_and_console_line(
+    data, tiny_model_path, tmp_path, capsys
+):
+    """What RL runs do, a DPO run does too: it holds the run folder, refuses a resume with other data settings,
+    calls hooks, and its console line shows the loss, margin, accuracy, gradient norm and lr."""
+    run = tmp_path / "run"
+    args = overrides(
+        data, "dpo", tiny_model_path, run, "trainer.total_training_steps=2", "trainer.logger=[console,file]"
+    )
+    seen = []
+    with OfflineTrainer(load_offline_config(DPOConfig, args)) as trainer:
+        trainer.register_hook(
+            "on_step_end", lambda t, step, metrics, batch: seen.append((step, "train/loss" in metrics))
+        )
+        trainer.register_hook("on_checkpoint", lambda t, step, metrics, batch: seen.append((step, "saved")))
+        with RunLock(run):  # another process owns the folder: the run must not start
+            with pytest.raises(UserError, match="in use by another run"):
+                trainer.fit()
+        trainer.fit()
+    assert seen == [(1, True), (2, True), (2, "saved")]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step 2 |")]
+    assert len(lines) == 1
+    for label in ("loss", "margin", "acc", "grad_norm", "lr"):
+        assert f"| {label} " in lines[0], lines[0]
+    first_loss = logged(run)[1]["train/loss"]
+    assert first_loss == pytest.approx(math.log(2), abs=0.05)  # the policy starts as the reference
+
+    bigger_batches = [*args, "data.train_batch_size=8", "trainer.total_training_steps=3"]
+    with OfflineTrainer(load_offline_config(DPOConfig, bigger_batches)) as trainer:
+        with pytest.raises(UserError, match=r"other data settings \(data.train_batch_size 4 -> 8"):
+            trainer.fit()

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from hybridflow.config.schema import ConfigError
 from hybridflow.trainer import PPOTrainer, load_config
-from hybridflow.trainer.config import ConfigError
 from hybridflow.trainer.worker_groups import placement
 
 # rollout/logprob_diff: the actor's log-probs of what the rollout worker sampled, same fp32 weights and
@@ -102,11 +102,11 @@ def test_placement_presets_and_overrides(data_dir, tiny_model_path, tmp_path):
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
         "+trainer.resource_pool_spec.rollout=[2]",
     )
-    pools, roles = placement(cfg)
+    pools, roles = placement(cfg.trainer)
     assert pools == {"actor": [2], "rollout": [2], "reward": [1]}
     assert roles["critic"] == roles["ref"] == "actor" and roles["reward_model"] == "reward"
     cfg = _config(data_dir, tiny_model_path, tmp_path, "+trainer.role_pools.rollout=nowhere")
     with pytest.raises(ConfigError, match=r"maps \{'rollout': 'nowhere'\} to undefined pools"):
-        placement(cfg)
+        placement(cfg.trainer)
     with pytest.raises(ConfigError, match="set trainer.backend=ray"):
         _config(data_dir, tiny_model_path, tmp_path, "trainer.placement=split", "trainer.backend=local")

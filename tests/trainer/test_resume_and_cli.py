@@ -18,11 +18,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hybridflow
-from hybridflow.cli import main as cli
+from hybridflow.commands.cli import main as cli
+from hybridflow.runs.checkpoint import COMPLETE_MARKER, LATEST_FILE, resolve_checkpoint
+from hybridflow.runs.trained_model import chat
 from hybridflow.trainer import PPOTrainer, load_config
-from hybridflow.trainer.checkpoint import COMPLETE_MARKER, LATEST_FILE, resolve_checkpoint
 from hybridflow.trainer.hooks import HookError
-from hybridflow.trainer.inference import chat
 
 SUBPROCESS_ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
 BIN = Path(sys.executable).parent  # the venv's bin folder, holding the `hybridflow` console script

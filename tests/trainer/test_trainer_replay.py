@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from hybridflow import DataProto
+from hybridflow.config.schema import PPOConfig
 from hybridflow.data.prepare import main as prepare_data
 from hybridflow.dataflow import ScheduledSampler
 from hybridflow.trainer import PPOTrainer, load_config
-from hybridflow.trainer.config import PPOConfig
 from hybridflow.trainer.replay import (
     ActorReplay,
     advantage_priorities,

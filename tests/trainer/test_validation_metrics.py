@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hybridflow import DataProto
-from hybridflow.trainer.validation import validation_metrics
+from hybridflow.trainer.metrics import validation_metrics
 
 
 def generated(sources: list[str], uids: list[str], scores: list[float]) -> tuple[DataProto, torch.Tensor]:

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridflow.config.schema import PPOConfig
 from hybridflow.data.prepare import main as prepare_data
 from hybridflow.models import make_tiny_model
 from hybridflow.protocol import DataProto
 from hybridflow.trainer import PPOTrainer, load_config
-from hybridflow.trainer.config import PPOConfig
 from hybridflow.workers import ActorRolloutRefWorker
 from hybridflow.workers.modeling import load_model, load_tokenizer, response_log_probs
 from hybridflow.workers.rollout import HFRollout, build_rollout

@@ -4,8 +4,8 @@ from transformers import AutoModelForCausalLM
 
 from hybridflow import DataProto, generation_batch
 from hybridflow.algorithms import compute_advantage
+from hybridflow.config.schema import PPOConfig
 from hybridflow.single_controller import ClassWithInitArgs, LocalWorkerGroup, WorkerError
-from hybridflow.trainer.config import PPOConfig
 from hybridflow.workers import ActorRolloutRefWorker
 from hybridflow.workers.rollout import response_mask_from
 

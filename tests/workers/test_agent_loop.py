@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from hybridflow.config.schema import MultiTurnConfig, RolloutConfig
 from hybridflow.models.default import default_model_path
 from hybridflow.models.tiny import make_tiny_model, make_tiny_tokenizer, teach_conversations
 from hybridflow.protocol import DataProto
 from hybridflow.tools import CalculatorTool, PythonTool
-from hybridflow.trainer.config import MultiTurnConfig, RolloutConfig
 from hybridflow.utils.errors import UserError
 from hybridflow.workers.modeling import response_log_probs
 from hybridflow.workers.rollout import AgentLoop, HFRollout

@@ -5,8 +5,8 @@ import torch
 
 from hybridflow import DataProto
 from hybridflow.algorithms import compute_advantage
+from hybridflow.config.schema import PPOConfig
 from hybridflow.single_controller import ClassWithInitArgs, Dispatch, LocalWorkerGroup, register
-from hybridflow.trainer.config import PPOConfig
 from hybridflow.workers import ActorRolloutRefWorker
 
 

@@ -9,8 +9,8 @@ from test_fsdp2 import ShardProbe, ray_group
 from test_shared_prompt import layout
 
 from hybridflow import DataProto
+from hybridflow.config.schema import PPOConfig
 from hybridflow.single_controller import ClassWithInitArgs, Dispatch, LocalWorkerGroup, register
-from hybridflow.trainer.config import PPOConfig
 from hybridflow.workers.packing import MicroBatching
 
 BUDGET = 60  # tokens: each long group of rank 0 fills a micro-batch alone, rank 1's shard fits in one

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hybridflow.trainer.config import RolloutConfig
+from hybridflow.config.schema import RolloutConfig
 from hybridflow.workers.modeling import load_tokenizer
 from hybridflow.workers.rollout import HFRollout
 from hybridflow.workers.rollout.hf_rollout import SamplingParams, common_prefix_length, draw, sample_tokens

@@ -8,9 +8,9 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from hybridflow.algorithms import compute_advantage
+from hybridflow.config.schema import PPOConfig
+from hybridflow.runs.trained_model import load_trained_actor
 from hybridflow.single_controller import ClassWithInitArgs, LocalWorkerGroup
-from hybridflow.trainer.config import PPOConfig
-from hybridflow.trainer.inference import load_trained_actor
 from hybridflow.workers import ActorRolloutRefWorker
 from hybridflow.workers.modeling import response_log_probs
 

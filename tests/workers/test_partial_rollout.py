@@ -7,7 +7,7 @@ import copy
 import torch
 from transformers import AutoModelForCausalLM
 
-from hybridflow.trainer.config import RolloutConfig
+from hybridflow.config import RolloutConfig
 from hybridflow.workers.modeling import load_tokenizer
 from hybridflow.workers.rollout import HFRollout
 

@@ -5,8 +5,8 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from hybridflow import DataProto
+from hybridflow.config.schema import PPOConfig
 from hybridflow.single_controller import ClassWithInitArgs, LocalWorkerGroup, WorkerError
-from hybridflow.trainer.config import PPOConfig
 from hybridflow.workers import CriticWorker, RewardModelWorker
 from hybridflow.workers.modeling import load_tokenizer
 

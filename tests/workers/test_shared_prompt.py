@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from hybridflow import DataProto
-from hybridflow.trainer.config import OptimConfig
+from hybridflow.config.schema import OptimConfig
 from hybridflow.workers.engine import TrainingEngine
 from hybridflow.workers.modeling import response_log_probs, response_values
 from hybridflow.workers.packing import MicroBatching, batched, pack_prefix_tree, prompt_groups
@@ -237,8 +237,8 @@ def test_embedded_model_shares_prompts_exactly():
 
 def test_actor_worker_config_switches_give_the_same_log_probs(tiny_model_path, chat_prompts):
     """The worker reads share_prompt_prefix and the token-budget keys; rows come back in their order."""
+    from hybridflow.config.schema import PPOConfig
     from hybridflow.single_controller import ClassWithInitArgs, LocalWorkerGroup
-    from hybridflow.trainer.config import PPOConfig
     from hybridflow.workers import ActorRolloutRefWorker
 
     cfg = PPOConfig()

@@ -8,6 +8,7 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from hybridflow.config import RolloutConfig
 from hybridflow.protocol import DataProto
 from hybridflow.tools import load_tools
 from hybridflow.workers.modeling import resolve_dtype
@@ -54,7 +55,7 @@ def check_generation_batch(prompts: DataProto) -> None:
 
 
 def build_rollout(
-    rollout: Any,
+    rollout: RolloutConfig,
     module: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     response_length: int,

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from hybridflow.config import MultiTurnConfig
 from hybridflow.data.dataset import left_pad
 from hybridflow.protocol import DataProto
 from hybridflow.tools import BaseTool, ToolCall, ToolError, parse_tool_calls
@@ -71,7 +72,7 @@ class AgentLoop:
         self,
         engine: Any,
         tokenizer: PreTrainedTokenizerBase,
-        config: Any,
+        config: MultiTurnConfig,
         response_length: int,
         tools: dict[str, BaseTool],
     ) -> None:

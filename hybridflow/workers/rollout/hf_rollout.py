@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from hybridflow.config import RolloutConfig, SamplingConfig
 from hybridflow.protocol import DataProto
 from hybridflow.workers.engine import DivergedError
 
@@ -34,7 +35,9 @@ class SamplingParams:
     top_k: int
 
     @classmethod
-    def from_config(cls, config: Any, response_length: int, overrides: dict | None = None) -> SamplingParams:
+    def from_config(
+        cls, config: SamplingConfig, response_length: int, overrides: dict | None = None
+    ) -> SamplingParams:
         values = {
             "n": config.n,
             "do_sample": config.do_sample,
@@ -193,7 +196,7 @@ class HFRollout:
         self,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
-        config: Any,
+        config: RolloutConfig,
         response_length: int,
         seed: int | None = None,
     ) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from hybridflow.config import RolloutConfig
 from hybridflow.protocol import DataProto
 from hybridflow.workers.rollout.hf_rollout import SamplingParams, assemble_rollout
 
@@ -67,7 +68,7 @@ class VLLMRollout:
         self,
         model_path: str,
         tokenizer: PreTrainedTokenizerBase,
-        config: Any,
+        config: RolloutConfig,
         response_length: int,
         max_model_len: int,
         dtype: torch.dtype,

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.cli import main as cli
-from hybridflow.demo import DEMO_SETTINGS
-from hybridflow.trainer.config import load_config
-from hybridflow.trainer.config_loader import load_unvalidated
-from hybridflow.trainer.doctor import run_checks
-from hybridflow.trainer.memory_estimate import GB, RUNTIME_BYTES, ModelShape, estimate_memory
+from hybridflow.commands.cli import main as cli
+from hybridflow.commands.demo import DEMO_SETTINGS
+from hybridflow.commands.doctor import run_checks
+from hybridflow.commands.memory_estimate import GB, RUNTIME_BYTES, ModelShape, estimate_memory
+from hybridflow.config.schema import load_config, load_unvalidated
 
 NAMES = ["config", "paths", "model", "dataset", "batch", "reward", "memory", "environment"]
 
@@ -155,9 +154,7 @@ def test_config_error_fails_and_skips_what_needs_it(base):
     assert "did you mean 'actor_rollout_ref.actor.optim.lr'" in checks["config"].detail
 
 
-@pytest.mark.filterwarnings(
-    "ignore::hybridflow.trainer.config_checks.IgnoredKeyWarning"
-)  # lora, fsdp2 (not yet)
+@pytest.mark.filterwarnings("ignore::hybridflow.config.checks.IgnoredKeyWarning")  # lora, fsdp2 (not yet)
 def test_memory_estimate_by_hand():
     shape = ModelShape(
         params=10_000_000,
@@ -226,7 +223,7 @@ def test_memory_estimate_by_hand():
 
 
 def test_environment_fails_when_the_rollout_engine_does_not_import(tmp_path, monkeypatch):
-    from hybridflow.trainer.doctor import _import_error, check_environment
+    from hybridflow.commands.doctor import _import_error, check_environment
 
     (tmp_path / "broken_engine.py").write_text("raise RuntimeError('no CUDA driver found')\n")
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -234,6 +231,6 @@ def test_environment_fails_when_the_rollout_engine_does_not_import(tmp_path, mon
     assert _import_error("broken_engine") == "RuntimeError: no CUDA driver found"
     assert _import_error("json") == "" and _import_error("no_such_engine_xyz") == "not installed"
     cfg = load_unvalidated(["data.train_files=x.parquet", "actor_rollout_ref.rollout.name=vllm"])
-    monkeypatch.setattr("hybridflow.trainer.doctor._import_error", lambda module: f"{module}: not installed")
+    monkeypatch.setattr("hybridflow.commands.doctor._import_error", lambda module: f"{module}: not installed")
     check = check_environment(cfg)
     assert check.verdict == "fail" and "rollout.name is vllm but it does not import: vllm" in check.detail

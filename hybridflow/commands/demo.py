@@ -7,7 +7,7 @@ and after plus where everything was written, and end with the run report (``hybr
 reward credits the answer *and* the reply's form (``A+B=<sum>`` and nothing else), so the model does not
 learn to pad its answers with chatter.
 
-Any setting can be changed with the usual dotted overrides: ``python -m hybridflow.demo trainer.total_training_steps=5``.
+Any setting can be changed with the usual dotted overrides: ``python -m hybridflow.commands.demo trainer.total_training_steps=5``.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import sys
 import time
 from pathlib import Path
 
+from hybridflow.commands.report import write_report
+from hybridflow.config.schema import load_config
 from hybridflow.data.prepare import main as prepare_data
 from hybridflow.models import default_model_path
-from hybridflow.trainer.config import load_config
 from hybridflow.trainer.ppo import PPOTrainer
-from hybridflow.trainer.report import write_report
 
 RUN_DIR = Path(os.environ.get("HYBRIDFLOW_DEMO_DIR", "runs/demo"))
 ACC = "val/arithmetic/acc/mean@1"

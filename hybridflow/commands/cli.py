@@ -14,7 +14,7 @@ from hybridflow.utils.errors import run_cli
 
 
 def _generate(argv: list[str]) -> int:
-    from hybridflow.trainer.inference import chat, load_trained_actor
+    from hybridflow.runs.trained_model import chat, load_trained_actor
 
     parser = argparse.ArgumentParser(
         prog="hybridflow generate", description="Answer prompts with a trained actor (or any HF model)."
@@ -33,13 +33,13 @@ def _generate(argv: list[str]) -> int:
 
 
 def _report(argv: list[str]) -> int:
-    from hybridflow.trainer.report import main
+    from hybridflow.commands.report import main
 
     return main(argv)
 
 
 def _doctor(argv: list[str]) -> int:
-    from hybridflow.trainer.doctor import main
+    from hybridflow.commands.doctor import main
 
     return main(argv)
 
@@ -51,7 +51,7 @@ def _train(argv: list[str]) -> int:
 
 
 def _config(argv: list[str]) -> int:
-    from hybridflow.trainer.config_docs import main
+    from hybridflow.config.docs import main
 
     return main(argv)
 
@@ -71,6 +71,12 @@ def _prepare_data(argv: list[str]) -> int:
     return main(argv)
 
 
+def _demo(argv: list[str]) -> int:
+    from hybridflow.commands.demo import main
+
+    return main(argv)
+
+
 def _make_tiny_model(argv: list[str]) -> int:
     from hybridflow.models.tiny import main
 
@@ -79,6 +85,10 @@ def _make_tiny_model(argv: list[str]) -> int:
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "train": (_train, "run PPO/GRPO/... training: hybridflow train key=value ..."),
+    "demo": (
+        _demo,
+        "GRPO on the embedded SmolLM2 and the arithmetic task (make demo): hybridflow demo [key=value ...]",
+    ),
     "config": (_config, "inspect the config: hybridflow config show [key=value ...] | keys | yaml [--write]"),
     "sft": (_offline("sft"), "supervised fine-tuning: hybridflow sft data.train_files=... key=value ..."),
     "dpo": (_offline("dpo"), "preference optimisation (DPO/IPO/hinge): hybridflow dpo data.train_files=..."),

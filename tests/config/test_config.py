@@ -8,7 +8,7 @@ import warnings
 import pytest
 from omegaconf import OmegaConf
 
-from hybridflow.trainer.config import (
+from hybridflow.config.schema import (
     DEFAULT_CONFIG_PATH,
     ActorConfig,
     ActorRolloutRefConfig,
@@ -142,7 +142,7 @@ def test_sharding_and_lora_keys_are_typed_and_ref_and_critic_follow_the_actor():
 
 
 def test_vllm_keys_do_not_warn_when_vllm_is_used(monkeypatch):
-    monkeypatch.setattr("hybridflow.trainer.config_checks.cuda_available", lambda: True)
+    monkeypatch.setattr("hybridflow.config.checks.cuda_available", lambda: True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", IgnoredKeyWarning)
         cfg = _load(

@@ -1,20 +1,17 @@
 """Checks of the trainer config: value ranges, batch-size arithmetic, names, cross-field rules, and the
 table of verl keys that have no effect here.
 
-They read the config by attribute only (``cfg.actor_rollout_ref.actor.optim.lr``), so this module does not
-depend on the schema in ``config.py``; ``PPOConfig.validate`` runs them on a resolved config.
+They read a resolved ``PPOConfig`` by attribute only (``cfg.actor_rollout_ref.actor.optim.lr``), so this
+module comes before the schema (``schema.py``) and imports none of it; ``PPOConfig.validate`` runs them.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import warnings
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from hybridflow.utils.errors import UserError
-
-if TYPE_CHECKING:
-    from hybridflow.trainer.config import PPOConfig
 
 
 class ConfigError(UserError, ValueError):
@@ -131,7 +128,7 @@ def get_key(obj: Any, key: str) -> Any:
     return obj
 
 
-def path_fields(cfg: PPOConfig) -> list[tuple[Any, str]]:
+def path_fields(cfg: Any) -> list[tuple[Any, str]]:
     """(object, attribute) of every field holding a file path, where ``~`` is expanded."""
     return [
         (cfg.data, "train_files"),
@@ -251,7 +248,7 @@ _RANGES: dict[str, tuple] = {
 }
 
 
-def check_ranges(cfg: PPOConfig) -> None:
+def check_ranges(cfg: Any) -> None:
     for key, (ok, expected) in _RANGES.items():
         value = get_key(cfg, key)
         if value is not None and not ok(value):
@@ -267,7 +264,7 @@ def check_ranges(cfg: PPOConfig) -> None:
         )
 
 
-def check_batch_sizes(cfg: PPOConfig) -> None:
+def check_batch_sizes(cfg: Any) -> None:
     """The batch arithmetic: prompts -> sequences (x rollout.n) -> workers -> mini- and micro-batches."""
     prompts, n, workers = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n, cfg.trainer.n_workers
     if cfg.trainer.backend == "local" and workers != 1:
@@ -302,7 +299,7 @@ def check_batch_sizes(cfg: PPOConfig) -> None:
             )
 
 
-def check_choices(cfg: PPOConfig) -> None:
+def check_choices(cfg: Any) -> None:
     """Names looked up in the algorithm registries (which users extend, so no fixed list here)."""
     from hybridflow.algorithms import get_adv_estimator_fn, get_policy_loss_fn
 
@@ -316,7 +313,7 @@ def check_choices(cfg: PPOConfig) -> None:
             raise ConfigError(f"{key}: {err}") from None
 
 
-def check_cross_fields(cfg: PPOConfig) -> None:
+def check_cross_fields(cfg: Any) -> None:
     data, rm, trainer = cfg.data, cfg.reward_model, cfg.trainer
     problems = [
         (
@@ -383,7 +380,7 @@ def check_cross_fields(cfg: PPOConfig) -> None:
         raise ConfigError(f"replay_buffer.schedule until_step values must strictly increase, got {steps}")
 
 
-def _async_problems(cfg: PPOConfig) -> list[tuple[bool, str]]:
+def _async_problems(cfg: Any) -> list[tuple[bool, str]]:
     """An asynchronous rollout needs a rollout worker of its own (the trainer changes the actor's module while
     it generates), and a partial rollout the engine that can swap weights between decoding steps."""
     run, rollout, trainer = cfg.async_training, cfg.actor_rollout_ref.rollout, cfg.trainer

@@ -27,7 +27,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from hybridflow.trainer.checkpoint import list_checkpoints
+from hybridflow.runs.checkpoint import list_checkpoints
 
 TIMELINE_STEPS = 3  # steps drawn in the Gantt chart: the last few
 LINESTYLES = ("-", "--", ":", "-.")

@@ -21,13 +21,12 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from hybridflow.trainer import config_checks
-from hybridflow.trainer.config_checks import (
+from hybridflow.config.checks import (
     DTYPE_ALIASES,
     IGNORED_KEYS,
+    VLLM_GPU_ONLY_KEYS,
     ConfigError,
     IgnoredKey,
     IgnoredKeyWarning,
@@ -35,7 +34,22 @@ from hybridflow.trainer.config_checks import (
     check_choices,
     check_cross_fields,
     check_ranges,
+    get_key,
+    ignored_rule,
     path_fields,
+    warn_ignored,
+)
+from hybridflow.config.loader import Schema, apply_flat_keywords, known_keys, load
+from hybridflow.config.sections import (
+    YAML_DIR,
+    DataFilesConfig,
+    Dtype,
+    FSDPConfig,
+    LoRAConfig,
+    ModelLoadingConfig,
+    OptimConfig,
+    TrainerConfig,
+    resolve_shared,
 )
 
 __all__ = [
@@ -49,12 +63,11 @@ __all__ = [
     "load_config",
 ]
 
-DEFAULT_CONFIG_PATH = Path(__file__).parent / "config" / "ppo_trainer.yaml"
+DEFAULT_CONFIG_PATH = YAML_DIR / "ppo_trainer.yaml"
 
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
-Dtype = Literal["auto", "fp32", "bf16", "fp16", "float32", "bfloat16", "float16"]
 
 
 @dataclass
@@ -70,56 +83,27 @@ class SFTMixConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(DataFilesConfig):
     """Prompt files and batch sizes; ``train_batch_size`` counts prompts, before ``rollout.n``."""
 
-    #: required: prompt file(s) for training, one path or a list [a.parquet, b.parquet]
-    train_files: list[str] | None = None
-    val_files: list[str] | None = None  #: prompt file(s) for validation; null = no validation
-    prompt_key: str = "prompt"  #: column holding the prompt (a chat message list or a plain string)
-    train_batch_size: int = 8  #: prompts per training step (each gets rollout.n responses)
     #: prompts per validation batch; null = the whole validation set at once
     val_batch_size: int | None = None
     max_prompt_length: int = 512  #: longest prompt in tokens; longer ones are filtered or truncated
     max_response_length: int = 64  #: most tokens generated per response
-    truncation: Literal["error", "left", "right"] = "error"  #: over-long prompt that was not filtered
     filter_overlong_prompts: bool = True  #: drop prompts longer than max_prompt_length when loading
-    shuffle: bool = True  #: shuffle training prompts each epoch
-    seed: int | None = None  #: data order seed; null = trainer.seed
     #: optional supervised loss mixed into the policy update (hybridflow extension)
     sft: SFTMixConfig = field(default_factory=SFTMixConfig)
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(ModelLoadingConfig):
     """A Hugging Face model folder or hub id; ``path: null`` (critic only) means the actor's model."""
 
     #: Hugging Face folder or hub id; "default" = the packaged demo model (critic: null = the actor's)
     path: str | None = "default"
-    trust_remote_code: bool = False  #: allow model code shipped with the checkpoint
-    #: recompute activations in backward: less memory, about 30% slower
-    enable_gradient_checkpointing: bool = False
-    #: auto (fp32 on cpu, bf16 on cuda) | fp32 | bf16 | fp16 (or float32 | bfloat16 | float16)
-    dtype: Dtype = "auto"
     #: compute every run of tokens several rows begin with once (a prompt's n samples, a shared system prompt)
     #: in log-probs, values and updates; an exact rewrite (same log-probs and gradients); false = row by row
     share_prompt_prefix: bool = True
-
-
-@dataclass
-class LoRAConfig:
-    """Training through LoRA adapters (``peft``) on frozen base weights; the reference policy is then the same
-    module with the adapter switched off, so no second copy of the weights is loaded."""
-
-    lora_rank: int = (
-        0  #: LoRA rank; 0 trains every weight, > 0 trains rank-r adapters (the reference is the base)
-    )
-    lora_alpha: int = (
-        16  #: LoRA scale numerator: the adapter's update is multiplied by lora_alpha / lora_rank
-    )
-    #: which linear layers get adapters: ["all-linear"] (all but the output layer) or module names,
-    #: e.g. [q_proj, v_proj]
-    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
 
 
 @dataclass
@@ -128,36 +112,10 @@ class PolicyModelConfig(LoRAConfig, ModelConfig):
 
 
 @dataclass
-class FSDPConfig:
-    """FSDP2 sharding of one model (used when its strategy is fsdp2)."""
-
-    param_offload: bool = False  #: keep parameter shards in CPU memory between uses (CUDA only; no-op on CPU)
-    optimizer_offload: bool = False  #: keep AdamW moments in CPU memory outside the step (CUDA only)
-    reshard_after_forward: bool = (
-        True  #: free gathered layers after the forward (less memory, one more gather)
-    )
-    fsdp_size: int = -1  #: ranks one model is sharded over; -1 = all; smaller replicates across groups (HSDP)
-
-
-@dataclass
 class CriticModelConfig(ModelConfig):
     """The value model; ``path: null`` means the actor's model."""
 
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  #: sharding when critic.strategy is fsdp2
-
-
-@dataclass
-class OptimConfig:
-    """AdamW with an optional warmup and cosine decay; shared by actor and critic."""
-
-    lr: float = 1e-6  #: learning rate
-    weight_decay: float = 0.01  #: AdamW weight decay
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  #: AdamW betas
-    lr_warmup_steps: int = -1  #: warmup steps; -1 = use lr_warmup_steps_ratio
-    lr_warmup_steps_ratio: float = 0.0  #: warmup as a share of total_training_steps
-    warmup_style: Literal["constant", "cosine"] = "constant"  #: after warmup: constant | cosine
-    min_lr_ratio: float = 0.0  #: cosine decays to lr * min_lr_ratio
-    total_training_steps: int = -1  #: filled in by the trainer
 
 
 @dataclass
@@ -184,9 +142,8 @@ class ActorConfig:
     ppo_mini_batch_size: int = 8  #: prompts per optimizer step (times rollout.n sequences)
     #: sequences per forward/backward on one worker (gradient accumulation)
     ppo_micro_batch_size_per_gpu: int = 4
-    use_dynamic_bsz: bool = (
-        False  #: micro-batches filled to ppo_max_token_len_per_gpu tokens, not a row count
-    )
+    #: micro-batches filled to ppo_max_token_len_per_gpu tokens, not a row count
+    use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384  #: real tokens per micro-batch when use_dynamic_bsz
     ppo_epochs: int = 1  #: passes over each step's batch
     shuffle: bool = False  #: shuffle sequences between mini-batches
@@ -247,12 +204,10 @@ class MultiTurnConfig:
     enable: bool = False  #: generate in turns, running the tools the model calls between them
     max_assistant_turns: int = 5  #: most model turns per conversation (the last one may not call tools)
     max_user_turns: int = 5  #: most tool-result turns appended per conversation
-    tool_config_path: str | None = (
-        None  #: YAML file listing the tools (see hybridflow.tools.base); null = none
-    )
-    format: Literal["hermes"] = (
-        "hermes"  #: tool-call syntax: hermes = <tool_call>{"name", "arguments"}</tool_call>
-    )
+    #: YAML file listing the tools (see hybridflow.tools.base); null = none
+    tool_config_path: str | None = None
+    #: tool-call syntax: hermes = <tool_call>{"name", "arguments"}</tool_call>
+    format: Literal["hermes"] = "hermes"
 
 
 @dataclass
@@ -276,9 +231,8 @@ class RolloutConfig(SamplingConfig):
     free_cache_engine: bool = True
     dtype: Dtype = "auto"  #: vllm: engine dtype; auto = the actor's (actor_rollout_ref.model.dtype)
     seed: int | None = None  #: vllm: engine sampling seed; null = trainer.seed (plus the rank)
-    max_model_len: int | None = (
-        None  #: vllm: longest sequence; null = data.max_prompt_length + max_response_length
-    )
+    #: vllm: longest sequence; null = data.max_prompt_length + max_response_length
+    max_model_len: int | None = None
     #: sampling for validation (greedy by default)
     val_kwargs: SamplingConfig = field(
         default_factory=lambda: SamplingConfig(temperature=0.0, do_sample=False)
@@ -312,9 +266,8 @@ class CriticConfig:
     ppo_mini_batch_size: int | None = None  #: prompts per optimizer step; null = the actor's
     #: sequences per forward/backward (and per value forward) on one worker
     ppo_micro_batch_size_per_gpu: int = 4
-    use_dynamic_bsz: bool = (
-        False  #: value and update micro-batches filled to ppo_max_token_len_per_gpu tokens
-    )
+    #: value and update micro-batches filled to ppo_max_token_len_per_gpu tokens
+    use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 32768  #: real tokens per critic micro-batch when use_dynamic_bsz
     ppo_epochs: int | None = None  #: passes over each batch; null = the actor's
     cliprange_value: float = 0.5  #: value clipping range
@@ -414,49 +367,52 @@ class ReplayBufferConfig:
     schedule: list[ReplayScheduleEntry] | None = None
 
 
-@dataclass
-class TrainerConfig:
-    """The run: length, logging, workers, validation and checkpoint cadence, resuming."""
-
-    total_epochs: int = 1  #: passes over the training prompts
-    total_training_steps: int | None = None  #: stop after this many steps; null = total_epochs worth
-    project_name: str = "hybridflow"  #: groups runs in the loggers and the run folder
-    experiment_name: str = "run"  #: this run's name
-    #: any of console | file | tensorboard | wandb | mlflow (a bare name works)
-    logger: list[Literal["console", "file", "tensorboard", "wandb", "mlflow"]] = field(
-        default_factory=lambda: ["console", "file"]
-    )
-    log_val_generations: int = 0  #: validation samples to print/log each validation
-    nnodes: int = 1  #: verl key; ignored here (use n_workers)
-    n_gpus_per_node: int = 0  #: verl key; ignored here (use n_workers)
-    #: where the workers run: auto (cuda if available) | cpu | cuda
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    backend: Literal["local", "ray"] = "local"  #: worker groups in this process (local) or on Ray (ray)
-    n_workers: int = 1  #: data-parallel workers (backend=ray; the local backend runs exactly one)
-    #: keyword arguments for ray.init, e.g. +trainer.ray_kwargs.num_cpus=4
-    ray_kwargs: dict[str, Any] = field(default_factory=dict)
-    #: where the roles run on the Ray backend: colocated = every role in one process per rank (the hybrid
-    #: engine); split = the actor (with reference and critic), the rollout, and the reward (function and
-    #: model) each in their own processes, weights sent to the rollout after every update
-    placement: Literal["colocated", "split"] = "colocated"
-    #: Ray resource pools, pool name -> processes per node (e.g. {actor: [2], rollout: [1]}); overrides the
-    #: placement preset's pools of the same name
-    resource_pool_spec: dict[str, Any] = field(default_factory=dict)
-    #: role (actor, rollout, ref, critic, reward_model, reward) -> pool name; overrides the preset's mapping
-    role_pools: dict[str, Any] = field(default_factory=dict)
-    cpus_per_worker: float = 1.0  #: CPUs each Ray worker process reserves (fractions let roles share cores)
-    save_freq: int = -1  #: save a checkpoint every N steps; -1 = never
-    test_freq: int = -1  #: validate every N steps; -1 = never
-    val_before_train: bool = True  #: validate once before the first step
-    val_only: bool = False  #: validate and stop
-    #: run folder (checkpoints, logs)
-    default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"
-    #: auto (latest checkpoint in the run folder) | disable | resume_path
-    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
-    resume_from_path: str | None = None  #: checkpoint folder for resume_mode resume_path
-    max_ckpt_to_keep: int | None = None  #: keep only the newest N checkpoints; null = all
-    seed: int = 42  #: global seed
-    critic_warmup: int = 0  #: first N steps update only the critic (the actor waits for useful values)
+#: Names users bring from TRL, OpenRLHF or Hugging Face ``TrainingArguments`` -> the hybridflow key.
+ALIASES: dict[str, str] = {
+    "output_dir": "trainer.default_local_dir",
+    "save_path": "trainer.default_local_dir",
+    "logging_dir": "trainer.default_local_dir",
+    "exp_name": "trainer.experiment_name",
+    "run_name": "trainer.experiment_name",
+    "project": "trainer.project_name",
+    "wandb_project": "trainer.project_name",
+    "report_to": "trainer.logger",
+    "use_wandb": "trainer.logger",
+    "save_total_limit": "trainer.max_ckpt_to_keep",
+    "save_steps": "trainer.save_freq",
+    "eval_steps": "trainer.test_freq",
+    "max_steps": "trainer.total_training_steps",
+    "num_train_epochs": "trainer.total_epochs",
+    "max_epochs": "trainer.total_epochs",
+    "learning_rate": "actor_rollout_ref.actor.optim.lr",
+    "actor_learning_rate": "actor_rollout_ref.actor.optim.lr",
+    "critic_learning_rate": "critic.optim.lr",
+    "warmup_ratio": "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio",
+    "warmup_steps": "actor_rollout_ref.actor.optim.lr_warmup_steps",
+    "lr_scheduler_type": "actor_rollout_ref.actor.optim.warmup_style",
+    "max_grad_norm": "actor_rollout_ref.actor.grad_clip",
+    "num_generations": "actor_rollout_ref.rollout.n",
+    "n_samples_per_prompt": "actor_rollout_ref.rollout.n",
+    "num_return_sequences": "actor_rollout_ref.rollout.n",
+    "max_completion_length": "data.max_response_length",
+    "max_new_tokens": "data.max_response_length",
+    "generate_max_len": "data.max_response_length",
+    "response_length": "data.max_response_length",
+    "prompt_max_len": "data.max_prompt_length",
+    "prompt_data": "data.train_files",
+    "rollout_batch_size": "data.train_batch_size",
+    "per_device_train_batch_size": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "micro_train_batch_size": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "num_iterations": "actor_rollout_ref.actor.ppo_epochs",
+    "epsilon": "actor_rollout_ref.actor.clip_ratio",
+    "epsilon_high": "actor_rollout_ref.actor.clip_ratio_high",
+    "cliprange": "actor_rollout_ref.actor.clip_ratio",
+    "loss_type": "actor_rollout_ref.actor.loss_agg_mode",
+    "init_kl_coef": "algorithm.kl_ctrl.kl_coef",
+    "model_name_or_path": "actor_rollout_ref.model.path",
+    "pretrain": "actor_rollout_ref.model.path",
+    "gradient_checkpointing": "actor_rollout_ref.model.enable_gradient_checkpointing",
+}
 
 
 @dataclass
@@ -477,7 +433,7 @@ class AsyncTrainingConfig:
 
 
 @dataclass(init=False)
-class PPOConfig:
+class PPOConfig(Schema):
     """The whole configuration; every section has defaults, so ``PPOConfig()`` is complete.
 
     Sections by keyword (``PPOConfig(data=DataConfig(...))``), or leaves by their name when it is unique
@@ -500,33 +456,21 @@ class PPOConfig:
     #: rollout and training overlapping: sync, one-step-off-policy, fully async (hybridflow extension)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
-    def __init__(self, **kwargs: Any) -> None:
-        from hybridflow.trainer.config_loader import apply_flat_keywords
+    ALIASES: ClassVar[dict[str, str]] = ALIASES
 
+    def __init__(self, **kwargs: Any) -> None:
         for f in dataclasses.fields(self):
             setattr(self, f.name, kwargs.pop(f.name) if f.name in kwargs else f.default_factory())
         apply_flat_keywords(self, kwargs)
 
     @classmethod
-    def from_dict(cls, tree: dict[str, Any]) -> PPOConfig:
-        """A (partial) nested dict merged over the defaults, interpolations resolved, then typed.
-
-        Not resolved (see ``resolve``) and not validated, so ``from_dict(cfg.to_dict())`` round-trips.
-        """
-        from hybridflow.trainer.config_loader import build_config, merge
-
-        merged = PPOConfig().to_dict()
-        merge(merged, tree, [], "from_dict")
-        return build_config(merged)
+    def ignored_rule(cls, key: str) -> IgnoredKey | None:
+        return ignored_rule(key)
 
     @classmethod
     def from_overrides(cls, overrides: list[str]) -> PPOConfig:
         """Same as ``load_config(overrides)``: the defaults + ``a.b=c`` overrides, resolved, validated."""
         return load_config(overrides)
-
-    def to_dict(self) -> dict[str, Any]:
-        """A plain nested dict (deep copy), e.g. to save as ``config.yaml`` in the run folder."""
-        return dataclasses.asdict(self)
 
     def resolve(self) -> PPOConfig:
         """A copy with every derived value filled in; idempotent.
@@ -538,14 +482,7 @@ class PPOConfig:
         """
         cfg = PPOConfig.from_dict(self.to_dict())
         arr, critic, trainer = cfg.actor_rollout_ref, cfg.critic, cfg.trainer
-        if trainer.device == "auto":
-            trainer.device = "cuda" if config_checks.cuda_available() else "cpu"
-        for model in (arr.model, critic.model):
-            model.dtype = DTYPE_ALIASES.get(model.dtype, model.dtype)
-            if model.dtype == "auto":
-                model.dtype = "bf16" if trainer.device == "cuda" else "fp32"
-        if cfg.data.seed is None:
-            cfg.data.seed = trainer.seed
+        resolve_shared(cfg, [arr.model, critic.model], path_fields(cfg))
         rollout = arr.rollout
         rollout.dtype = DTYPE_ALIASES.get(rollout.dtype, rollout.dtype)
         if rollout.dtype == "auto":
@@ -565,12 +502,6 @@ class PPOConfig:
             critic.ppo_mini_batch_size = arr.actor.ppo_mini_batch_size
         if critic.ppo_epochs is None:
             critic.ppo_epochs = arr.actor.ppo_epochs
-        for owner, name in path_fields(cfg):
-            value = getattr(owner, name)
-            if isinstance(value, str):
-                setattr(owner, name, os.path.expanduser(value))
-            elif isinstance(value, list):
-                setattr(owner, name, [os.path.expanduser(v) for v in value])
         return cfg
 
     def validate(self) -> PPOConfig:
@@ -578,8 +509,6 @@ class PPOConfig:
 
         Also warns (IgnoredKeyWarning) for GPU-only keys set away from their default.
         """
-        from hybridflow.trainer.config_loader import warn_ignored_schema_keys
-
         cfg = self.resolve()
         check_ranges(cfg)
         check_batch_sizes(cfg)
@@ -599,9 +528,32 @@ def load_config(
     ``trainer.ray_kwargs`` (the rest of the schema is closed), ``++a.b=value`` sets or adds, ``~a.b``
     deletes a key of a free-form dict. Values may interpolate others: ``${actor_rollout_ref.model.path}``.
     """
-    from hybridflow.trainer.config_loader import load_config as load
+    return load_unvalidated(overrides, config_path).validate()
 
-    return load(overrides, config_path)
+
+def load_unvalidated(
+    overrides: list[str] | None = None, config_path: str | os.PathLike | None = None
+) -> PPOConfig:
+    """Defaults + file + overrides, typed and resolved but not checked for consistency (``config show``)."""
+    return load(PPOConfig, overrides, config_path)
+
+
+def warn_ignored_schema_keys(cfg: PPOConfig) -> None:
+    """Warn for schema keys in IGNORED_KEYS set away from their default (a default changes nothing)."""
+    defaults, vllm = PPOConfig(), cfg.actor_rollout_ref.rollout.name == "vllm"
+    for key in known_keys(PPOConfig):
+        rule = ignored_rule(key)
+        value = get_key(cfg, key)
+        if dataclasses.is_dataclass(value):  # a section: its changed leaves warn, each by name
+            continue
+        if rule and not (rule.used_with_vllm and vllm) and value != get_key(defaults, key):
+            warn_ignored(key, rule, value)
+    if vllm and cfg.trainer.device == "cpu":
+        for name in VLLM_GPU_ONLY_KEYS:
+            key = f"actor_rollout_ref.rollout.{name}"
+            if get_key(cfg, key) != get_key(defaults, key):
+                why = "vLLM's CPU build has no GPU memory to share or free"
+                warn_ignored(key, IgnoredKey(key, why), get_key(cfg, key))
 
 
 #: Every section class of the schema by name (what ``hybridflow.config`` and ``hybridflow`` export); found, not
@@ -611,6 +563,6 @@ SECTION_CLASSES: dict[str, type] = {
     for name, obj in list(globals().items())
     if isinstance(obj, type)
     and dataclasses.is_dataclass(obj)
-    and obj.__module__ == __name__
+    and obj.__module__ in (__name__, "hybridflow.config.sections")
     and obj is not PPOConfig
 }

@@ -1,12 +1,12 @@
 """Each config key's doc, read from the schema's ``#:`` comments, and what is rendered from it.
 
-The docs are the ``#:`` comments in ``config.py``: ``name: type = default  #: doc`` or, for a long doc,
+The docs are the ``#:`` comments in the schema modules (``schema.py``, ``sections.py``, ``offline.py``): ``name: type = default  #: doc`` or, for a long doc,
 ``#: ...`` lines directly above the field. They are read from the source (``ast`` for the fields,
 ``tokenize`` for the comments), so a field is documented where it is defined and nowhere else. From the
-schema and these docs come the shipped ``config/ppo_trainer.yaml``, ``hybridflow config keys`` (every key
+schema and these docs come the shipped ``config/yaml/ppo_trainer.yaml``, ``hybridflow config keys`` (every key
 with type, default and doc) and ``hybridflow config show`` (a resolved config as commented YAML).
 
-``hybridflow config yaml --write`` (or ``python -m hybridflow.trainer.config_docs yaml --write``) regenerates
+``hybridflow config yaml --write`` (or ``python -m hybridflow.config.docs yaml --write``) regenerates
 the shipped YAML after a field changes; a test fails while it is stale.
 """
 
@@ -26,13 +26,13 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-from hybridflow.trainer.config import DEFAULT_CONFIG_PATH, PPOConfig
-from hybridflow.trainer.config_checks import IGNORED_KEYS, ConfigError
-from hybridflow.trainer.config_loader import hints, is_section, load_unvalidated, type_name
+from hybridflow.config.checks import IGNORED_KEYS, ConfigError
+from hybridflow.config.loader import hints, is_section, type_name
+from hybridflow.config.schema import DEFAULT_CONFIG_PATH, PPOConfig, load_unvalidated
 
 YAML_HEADER = """\
 # hybridflow {what} configuration: verl's key names, one comment per key.
-# Generated from the dataclasses in hybridflow/trainer/{module}.py (`hybridflow config yaml --write`):
+# Generated from the dataclasses in hybridflow/config/{module}.py (`hybridflow config yaml --write`):
 # edit the `#:` docs and defaults there, not this file.
 # Override on the command line: key=value, +key=value (add inside free-form dicts), ~key (delete there).
 """
@@ -40,7 +40,7 @@ YAML_HEADER = """\
 
 def shipped_configs() -> dict[Path, type]:
     """Every shipped YAML and the root dataclass it is generated from: PPO's and the offline trainers'."""
-    from hybridflow.trainer.offline_config import DPOConfig, KTOConfig, SFTConfig, default_config_path
+    from hybridflow.config.offline import DPOConfig, KTOConfig, SFTConfig, default_config_path
 
     return {
         DEFAULT_CONFIG_PATH: PPOConfig,

@@ -14,8 +14,8 @@ import zlib
 import pytest
 import torch
 
-from hybridflow.trainer import checkpoint
-from hybridflow.trainer.checkpoint import (
+from hybridflow.runs import checkpoint
+from hybridflow.runs.checkpoint import (
     COMPLETE_MARKER,
     LATEST_FILE,
     CheckpointManager,

@@ -8,10 +8,10 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from hybridflow.cli import main as cli
+from hybridflow.commands.cli import main as cli
+from hybridflow.commands.report import write_report
 from hybridflow.data.prepare import main as prepare_data
 from hybridflow.trainer import PPOTrainer, load_config
-from hybridflow.trainer.report import write_report
 
 FIGURES = ("reward", "kl", "entropy", "response_length", "grad_norm", "lr", "stage_times", "timeline")
 

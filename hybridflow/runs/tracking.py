@@ -26,8 +26,11 @@ from tqdm.auto import tqdm
 
 logger = logging.getLogger(__name__)
 
-# (label, metric keys tried in order) of the console line's summary fields.
-_CONSOLE_FIELDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+#: The console line's summary fields: (label, metric keys tried in order). Each trainer names its own.
+ConsoleFields = tuple[tuple[str, tuple[str, ...]], ...]
+
+#: What matters in an RL step (the PPO family's line).
+CONSOLE_FIELDS: ConsoleFields = (
     ("reward", ("critic/score/mean", "critic/rewards/mean")),
     # KL to the reference policy (the tutorials' "healthy KL 0.02-0.06"), present when a reference is loaded;
     # ppo_kl: how far one update moved the policy (0 with one on-policy epoch)
@@ -44,13 +47,14 @@ _CONSOLE_TIMINGS: tuple[tuple[str, str], ...] = (
 )
 
 
-def format_step_line(step: int, metrics: Mapping[str, float]) -> str:
+def format_step_line(step: int, metrics: Mapping[str, float], fields: ConsoleFields = CONSOLE_FIELDS) -> str:
     """``step 3 | reward 0.42 | kl_ref 0.031 | ppo_kl 0.013 | pg_loss -0.187 | resp_len 12.5 | gen 3.1s ...``.
 
-    Missing metrics are left out; every ``val/*`` metric present is appended as ``val/<name> <value>``.
+    ``fields`` are the summary fields (the RL ones by default); missing metrics are left out; every ``val/*``
+    metric present is appended as ``val/<name> <value>``.
     """
     parts = [f"step {step}"]
-    for label, keys in _CONSOLE_FIELDS:
+    for label, keys in fields:
         key = next((k for k in keys if k in metrics), None)
         if key is not None:
             parts.append(f"{label} {_short(metrics[key])}")
@@ -73,13 +77,13 @@ class _Backend(Protocol):
 
 
 class ConsoleBackend:
-    """One ``format_step_line`` per step."""
+    """One ``format_step_line`` per step, with the trainer's summary fields."""
 
-    def __init__(self, project_name: str, experiment_name: str, log_dir: Path, config: dict | None) -> None:
-        pass
+    def __init__(self, fields: ConsoleFields) -> None:
+        self.fields = fields
 
     def log(self, data: dict[str, float], step: int) -> None:
-        tqdm.write(format_step_line(step, data))
+        tqdm.write(format_step_line(step, data, self.fields))
 
     def finish(self) -> None:
         pass
@@ -233,7 +237,8 @@ class Tracking:
     """Log one dict of scalar metrics per step to every backend named in ``default_backend``.
 
     ``log_dir`` holds the file and tensorboard outputs (the run folder, ``trainer.default_local_dir``);
-    ``config`` (a plain nested dict, ``PPOConfig.to_dict()``) is recorded by tensorboard, wandb and mlflow.
+    ``config`` (a plain nested dict, ``PPOConfig.to_dict()``) is recorded by tensorboard, wandb and mlflow;
+    ``console_fields`` are the console line's summary fields (each trainer shows what matters for it).
     """
 
     def __init__(
@@ -243,13 +248,16 @@ class Tracking:
         default_backend: str | Iterable[str],
         log_dir: str | os.PathLike,
         config: dict | None = None,
+        console_fields: ConsoleFields = CONSOLE_FIELDS,
     ) -> None:
         names = [default_backend] if isinstance(default_backend, str) else list(default_backend)
         unknown = [name for name in names if name not in BACKENDS]
         if unknown:
             raise ValueError(f"unknown logger {unknown[0]!r} in trainer.logger; known: {sorted(BACKENDS)}")
         self.backends: list[_Backend] = [
-            BACKENDS[name](project_name, experiment_name, Path(log_dir), config)
+            ConsoleBackend(console_fields)
+            if name == "console"
+            else BACKENDS[name](project_name, experiment_name, Path(log_dir), config)
             for name in dict.fromkeys(names)
         ]
 

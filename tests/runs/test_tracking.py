@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridflow.trainer.tracking import Tracking, format_step_line
+from hybridflow.runs.tracking import Tracking, format_step_line
 
 
 def _read_jsonl(path):

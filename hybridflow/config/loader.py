@@ -1,9 +1,10 @@
-"""Loading the trainer config: YAML files, ``a.b=c`` overrides, typing a nested dict into ``PPOConfig``.
+"""Loading a config: YAML files, ``a.b=c`` overrides, typing a nested dict into a schema's dataclasses.
 
-The schema (``config.py``) says what exists; this module turns what a user wrote into it, and when a key
-does not exist says what they meant: a name from TRL or OpenRLHF (``learning_rate``, ``output_dir``) gets
-the hybridflow key it corresponds to (``ALIASES``), a typo gets the nearest key, and anything else gets no
-guess at all (a wrong guess costs more than none).
+Generic: every function takes the root schema class (``PPOConfig``, ``SFTConfig``...) as an argument and
+this module imports none of them. The schema says what exists; this module turns what a user wrote into
+it, and when a key does not exist says what they meant: a name from TRL or OpenRLHF (``learning_rate``,
+``output_dir``) gets the key it corresponds to (the schema's ``ALIASES``), a typo gets the nearest key,
+and anything else gets no guess at all (a wrong guess costs more than none).
 """
 
 from __future__ import annotations
@@ -15,98 +16,69 @@ import os
 import re
 import types
 from functools import cache
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from hybridflow.trainer.config import PPOConfig
-from hybridflow.trainer.config_checks import (
-    VLLM_GPU_ONLY_KEYS,
-    ConfigError,
-    IgnoredKey,
-    get_key,
-    ignored_rule,
-    warn_ignored,
-)
+from hybridflow.config.checks import ConfigError, IgnoredKey, get_key, warn_ignored
 
 __all__ = [
-    "ALIASES",
+    "Schema",
     "apply_flat_keywords",
     "build_config",
     "known_keys",
-    "load_config",
+    "load",
     "merge",
     "nearest_key",
     "schema_entry",
 ]
 
-#: Names users bring from TRL, OpenRLHF or Hugging Face ``TrainingArguments`` -> the hybridflow key.
-ALIASES: dict[str, str] = {
-    "output_dir": "trainer.default_local_dir",
-    "save_path": "trainer.default_local_dir",
-    "logging_dir": "trainer.default_local_dir",
-    "exp_name": "trainer.experiment_name",
-    "run_name": "trainer.experiment_name",
-    "project": "trainer.project_name",
-    "wandb_project": "trainer.project_name",
-    "report_to": "trainer.logger",
-    "use_wandb": "trainer.logger",
-    "save_total_limit": "trainer.max_ckpt_to_keep",
-    "save_steps": "trainer.save_freq",
-    "eval_steps": "trainer.test_freq",
-    "max_steps": "trainer.total_training_steps",
-    "num_train_epochs": "trainer.total_epochs",
-    "max_epochs": "trainer.total_epochs",
-    "learning_rate": "actor_rollout_ref.actor.optim.lr",
-    "actor_learning_rate": "actor_rollout_ref.actor.optim.lr",
-    "critic_learning_rate": "critic.optim.lr",
-    "warmup_ratio": "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio",
-    "warmup_steps": "actor_rollout_ref.actor.optim.lr_warmup_steps",
-    "lr_scheduler_type": "actor_rollout_ref.actor.optim.warmup_style",
-    "max_grad_norm": "actor_rollout_ref.actor.grad_clip",
-    "num_generations": "actor_rollout_ref.rollout.n",
-    "n_samples_per_prompt": "actor_rollout_ref.rollout.n",
-    "num_return_sequences": "actor_rollout_ref.rollout.n",
-    "max_completion_length": "data.max_response_length",
-    "max_new_tokens": "data.max_response_length",
-    "generate_max_len": "data.max_response_length",
-    "response_length": "data.max_response_length",
-    "prompt_max_len": "data.max_prompt_length",
-    "prompt_data": "data.train_files",
-    "rollout_batch_size": "data.train_batch_size",
-    "per_device_train_batch_size": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-    "micro_train_batch_size": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-    "num_iterations": "actor_rollout_ref.actor.ppo_epochs",
-    "epsilon": "actor_rollout_ref.actor.clip_ratio",
-    "epsilon_high": "actor_rollout_ref.actor.clip_ratio_high",
-    "cliprange": "actor_rollout_ref.actor.clip_ratio",
-    "loss_type": "actor_rollout_ref.actor.loss_agg_mode",
-    "init_kl_coef": "algorithm.kl_ctrl.kl_coef",
-    "model_name_or_path": "actor_rollout_ref.model.path",
-    "pretrain": "actor_rollout_ref.model.path",
-    "gradient_checkpointing": "actor_rollout_ref.model.enable_gradient_checkpointing",
-}
+S = TypeVar("S", bound="Schema")
 
 
-def load_config(
-    overrides: list[str] | None = None, config_path: str | os.PathLike | None = None
-) -> PPOConfig:
-    """See ``hybridflow.trainer.config.load_config``: defaults, a user YAML, overrides; resolved, validated."""
-    return load_unvalidated(overrides, config_path).validate()
+class Schema:
+    """What a root config class (``PPOConfig``, ``SFTConfig``...) gives the loader: its other-library
+    aliases, the keys it accepts with a warning, and the dict round trip. The loader imports no schema."""
+
+    #: Names users bring from other libraries (TRL, OpenRLHF, ``TrainingArguments``) -> this schema's key.
+    ALIASES: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def ignored_rule(cls, key: str) -> IgnoredKey | None:
+        """The rule under which an unknown ``key`` is accepted with a warning; None = an error."""
+        return None
+
+    @classmethod
+    def from_dict(cls: type[S], tree: dict[str, Any]) -> S:
+        """A (partial) nested dict merged over the defaults, interpolations resolved, then typed.
+
+        Not resolved (see ``resolve``) and not validated, so ``from_dict(cfg.to_dict())`` round-trips.
+        """
+        merged = cls().to_dict()
+        merge(merged, tree, [], "from_dict", cls)
+        return build_config(merged, cls)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain nested dict (deep copy), e.g. to save as ``config.yaml`` in the run folder."""
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    def resolve(self: S) -> S:
+        raise NotImplementedError
 
 
-def load_unvalidated(
-    overrides: list[str] | None = None, config_path: str | os.PathLike | None = None
-) -> PPOConfig:
-    """Defaults + file + overrides, typed and resolved but not checked for consistency (``config show``)."""
-    tree = PPOConfig().to_dict()
+def load(
+    root: type[S], overrides: list[str] | None = None, config_path: str | os.PathLike | None = None
+) -> S:
+    """The schema ``root``'s defaults, a user YAML merged over them, then ``a.b=c`` overrides: typed and
+    resolved (``root.resolve``), not yet checked for consistency (``validate``)."""
+    tree = root().to_dict()
     if config_path is not None:
-        merge(tree, load_yaml(config_path), [], f"config file {os.fspath(config_path)}")
+        merge(tree, load_yaml(config_path), [], f"config file {os.fspath(config_path)}", root)
     for text in overrides or []:
-        apply_override(tree, text)
-    return build_config(tree).resolve()
+        apply_override(tree, text, root)
+    return build_config(tree, root).resolve()
 
 
 def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
@@ -118,40 +90,21 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     return tree
 
 
-def warn_ignored_schema_keys(cfg: PPOConfig) -> None:
-    """Warn for schema keys in IGNORED_KEYS set away from their default (a default changes nothing)."""
-    defaults, vllm = PPOConfig(), cfg.actor_rollout_ref.rollout.name == "vllm"
-    for key in known_keys():
-        rule = ignored_rule(key)
-        value = get_key(cfg, key)
-        if dataclasses.is_dataclass(value):  # a section: its changed leaves warn, each by name
-            continue
-        if rule and not (rule.used_with_vllm and vllm) and value != get_key(defaults, key):
-            warn_ignored(key, rule, value)
-    if vllm and cfg.trainer.device == "cpu":
-        for name in VLLM_GPU_ONLY_KEYS:
-            key = f"actor_rollout_ref.rollout.{name}"
-            if get_key(cfg, key) != get_key(defaults, key):
-                warn_ignored(
-                    key,
-                    IgnoredKey(key, "vLLM's CPU build has no GPU memory to share or free"),
-                    get_key(cfg, key),
-                )
-
-
 # ------------------------------------------------------------------------------------- the schema's keys
 
 
 @cache
 def hints(cls: type) -> dict[str, Any]:
-    return get_type_hints(cls)
+    """The schema fields of the section ``cls`` and their types (class variables such as ``ALIASES`` are not keys)."""
+    types_ = get_type_hints(cls)
+    return {f.name: types_[f.name] for f in dataclasses.fields(cls)}
 
 
 def is_section(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
-def schema_entry(path: list[str], root: type = PPOConfig) -> tuple[Any, bool] | None:
+def schema_entry(path: list[str], root: type) -> tuple[Any, bool] | None:
     """(type, inside_free_form_dict) of the key at ``path`` in the schema ``root`` (PPOConfig, or an offline
     trainer's config); None for a key the schema does not have."""
     tp: Any = root
@@ -165,7 +118,7 @@ def schema_entry(path: list[str], root: type = PPOConfig) -> tuple[Any, bool] | 
 
 
 @cache
-def known_keys(root: type = PPOConfig) -> tuple[str, ...]:
+def known_keys(root: type) -> tuple[str, ...]:
     """Every dotted key of the schema ``root``, sections included, in schema order."""
     keys: list[str] = []
 
@@ -184,12 +137,12 @@ def _initials(name: str) -> str:
     return "".join(w[0] for w in words if w) if len(words) > 1 else ""
 
 
-def nearest_key(key: str, known: list[str] | tuple[str, ...]) -> str | None:
+def nearest_key(key: str, known: list[str] | tuple[str, ...], aliases: dict[str, str]) -> str | None:
     """The known key the user most likely meant, or None when nothing is convincingly close.
 
     In order: a sibling that abbreviates the leaf or is abbreviated by it (lr ~ learning_rate) or extends
     it (ppo_micro_batch_size -> ..._per_gpu); a sibling whose leaf name is a near-typo; an alias from
-    another library (``ALIASES``); the same leaf name in another section (the closest such path).
+    another library (the schema's ``ALIASES``); the same leaf name in another section (the closest such path).
     Leaves are compared alone: on whole dotted paths the shared section prefix makes unrelated leaves look
     alike (``trainer.output_dir`` and ``trainer.test_freq``).
     """
@@ -201,8 +154,8 @@ def nearest_key(key: str, known: list[str] | tuple[str, ...]) -> str | None:
     close = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.8)
     if close:
         return siblings[close[0]]
-    if leaf in ALIASES and ALIASES[leaf] in known:
-        return ALIASES[leaf]
+    if leaf in aliases and aliases[leaf] in known:
+        return aliases[leaf]
     same_leaf = [k for k in known if k.rpartition(".")[2] == leaf]
     if not section and len(same_leaf) > 1:  # a bare `lr`: nothing says which section's was meant
         return None
@@ -210,12 +163,16 @@ def nearest_key(key: str, known: list[str] | tuple[str, ...]) -> str | None:
     return close[0] if close else None
 
 
-def unknown_key_error(key: str, known: list[str] | tuple[str, ...], source: str) -> ConfigError:
-    near = nearest_key(key, known)
+def unknown_key_error(
+    key: str, root: type[Schema], source: str, known: list[str] | None = None
+) -> ConfigError:
+    """``key`` is not in the schema ``root`` (or among ``known``, the keys of one section): say what was meant."""
+    known = known or list(known_keys(root))
+    near = nearest_key(key, known, root.ALIASES)
     where = f" in {source}" if source else ""
     hint = f"; did you mean '{near}'?" if near else ""
     leaf = key.rpartition(".")[2]
-    if near is not None and ALIASES.get(leaf) == near:
+    if near is not None and root.ALIASES.get(leaf) == near:
         hint += f" ('{leaf}' is another library's name for it)"
     same_leaf = [k for k in known if k.rpartition(".")[2] == leaf]
     if near is None and len(same_leaf) > 1:
@@ -226,9 +183,9 @@ def unknown_key_error(key: str, known: list[str] | tuple[str, ...], source: str)
 # ------------------------------------------------------------------------------- merging and overrides
 
 
-def merge(tree: dict[str, Any], updates: Any, prefix: list[str], source: str, root: type = PPOConfig) -> None:
+def merge(tree: dict[str, Any], updates: Any, prefix: list[str], source: str, root: type[Schema]) -> None:
     """Merge the nested dict ``updates`` into ``tree`` in place, checking every key against the schema
-    ``root`` (verl keys ignored here are accepted with a warning in PPOConfig only)."""
+    ``root`` (keys the schema ignores are accepted with a warning: ``root.ignored_rule``)."""
     if not isinstance(updates, dict):
         raise ConfigError(
             f"{'.'.join(prefix) or 'the config'} in {source} must be a mapping, got {updates!r}"
@@ -237,10 +194,10 @@ def merge(tree: dict[str, Any], updates: Any, prefix: list[str], source: str, ro
         path = [*prefix, str(name)]
         key = ".".join(path)
         if schema_entry(path, root) is None:
-            rule = ignored_rule(key) if root is PPOConfig else None
+            rule = root.ignored_rule(key)
             for leaf, leaf_value in _leaves(key, value):
                 if rule is None:
-                    raise unknown_key_error(leaf, known_keys(root), source)
+                    raise unknown_key_error(leaf, root, source)
                 warn_ignored(leaf, rule, leaf_value)
         elif isinstance(value, dict) and isinstance(tree.get(name), dict):
             merge(tree[name], value, path, source, root)
@@ -284,7 +241,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return match["op"] or "", match["key"], value
 
 
-def apply_override(tree: dict[str, Any], text: str, root: type = PPOConfig) -> None:
+def apply_override(tree: dict[str, Any], text: str, root: type[Schema]) -> None:
     op, key, value = parse_override(text)
     path, source = key.split("."), f"override {text!r}"
     entry = schema_entry(path, root)
@@ -323,7 +280,7 @@ def _lookup(tree: Any, path: list[str]) -> Any:
 # ------------------------------------------------------------------------------------------- typing
 
 
-def build_config(tree: dict[str, Any], root: type = PPOConfig) -> Any:
+def build_config(tree: dict[str, Any], root: type[S]) -> S:
     """Resolve ``${...}`` interpolations, then type the nested dict into ``root``."""
     if "${" in repr(tree):  # OmegaConf is slow (~0.1 s); a resolved tree skips it
         try:
@@ -394,7 +351,7 @@ def _build_section(cls: type, values: dict[str, Any], key: str) -> Any:
     names = {name: f"{key}.{name}" if key else name for name in fields}
     for name in values:
         if name not in fields:
-            raise unknown_key_error(f"{key}.{name}" if key else name, list(names.values()), "")
+            raise unknown_key_error(f"{key}.{name}" if key else name, Schema, "", list(names.values()))
     required = [
         f.name
         for f in dataclasses.fields(cls)
@@ -406,30 +363,32 @@ def _build_section(cls: type, values: dict[str, Any], key: str) -> Any:
     return cls(**{name: build(fields[name], value, names[name]) for name, value in values.items()})
 
 
-# ----------------------------------------------------------------------------- PPOConfig(flat=keywords)
+# ------------------------------------------------------------------------- Config(flat=keywords)
 
 
-def apply_flat_keywords(cfg: PPOConfig, keywords: dict[str, Any]) -> None:
+def apply_flat_keywords(cfg: Schema, keywords: dict[str, Any]) -> None:
     """Set ``PPOConfig(...)`` keywords on ``cfg``: top-level sections, leaf names unique in the schema
     (``n=4``), or dotted keys (``**{"critic.optim.lr": 1e-5}``), each typed as an override would be."""
+    root = type(cfg)
     for name, value in keywords.items():
-        key = name if "." in name or name in hints(PPOConfig) else _key_of_keyword(name)
+        key = name if "." in name or name in hints(root) else _key_of_keyword(name, root)
         path = key.split(".")
-        entry = schema_entry(path)
+        entry = schema_entry(path, root)
         if entry is None:
-            raise unknown_key_error(key, known_keys(), "PPOConfig(...)")
+            raise unknown_key_error(key, root, f"{root.__name__}(...)")
         parent = get_key(cfg, ".".join(path[:-1])) if len(path) > 1 else cfg
         setattr(parent, path[-1], build(entry[0], copy.deepcopy(value), key))
 
 
-def _key_of_keyword(name: str) -> str:
-    """The dotted key a bare ``PPOConfig`` keyword means; a ConfigError when it is ambiguous or unknown."""
-    if name in ALIASES:
+def _key_of_keyword(name: str, root: type[Schema]) -> str:
+    """The dotted key a bare keyword of ``root(...)`` means; a ConfigError when it is ambiguous or unknown."""
+    cls, aliases = root.__name__, root.ALIASES
+    if name in aliases:
         raise ConfigError(
-            f"PPOConfig got {name}=: '{name}' is another library's name; hybridflow's key is "
-            f"'{ALIASES[name]}': pass **{{'{ALIASES[name]}': ...}} or set it in its section"
+            f"{cls} got {name}=: '{name}' is another library's name; hybridflow's key is "
+            f"'{aliases[name]}': pass **{{'{aliases[name]}': ...}} or set it in its section"
         )
-    matches = [k for k in known_keys() if k.rpartition(".")[2] == name]
+    matches = [k for k in known_keys(root) if k.rpartition(".")[2] == name]
     # rollout.n over rollout.val_kwargs.n: of two matches where one's section holds the other, the outer
     matches = [
         k
@@ -444,15 +403,15 @@ def _key_of_keyword(name: str) -> str:
     if len(matches) > 1:
         sections = " or ".join(k.rpartition(".")[0] for k in matches)
         raise ConfigError(
-            f"PPOConfig got {name}=, which exists in {sections}: pass it inside its section, e.g. "
-            f"PPOConfig.from_dict({_nested_example(matches[0])}) or **{{'{matches[0]}': ...}}"
+            f"{cls} got {name}=, which exists in {sections}: pass it inside its section, e.g. "
+            f"{cls}.from_dict({_nested_example(matches[0])}) or **{{'{matches[0]}': ...}}"
         )
-    leaves = sorted({k.rpartition(".")[2] for k in known_keys()})
+    leaves = sorted({k.rpartition(".")[2] for k in known_keys(root)})
     close = difflib.get_close_matches(name, leaves, n=1, cutoff=0.8)
     hint = f"; did you mean {close[0]}=?" if close else ""
     raise ConfigError(
-        f"PPOConfig got an unknown keyword {name}={hint} (sections: "
-        f"{', '.join(hints(PPOConfig))}; `hybridflow config keys` lists every key)"
+        f"{cls} got an unknown keyword {name}={hint} (sections: "
+        f"{', '.join(hints(root))}; `hybridflow config keys` lists every key)"
     )
 
 

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from transformers.utils import logging as hf_logging
 
 from hybridflow.models import resolve_model_path
-from hybridflow.trainer.checkpoint import find_latest_checkpoint
+from hybridflow.runs.checkpoint import find_latest_checkpoint
 from hybridflow.utils.errors import MissingInputError
 
 ADAPTER_CONFIG = "adapter_config.json"

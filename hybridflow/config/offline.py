@@ -3,9 +3,9 @@
 verl's SFT key names where they exist (``data.train_files``, ``data.micro_batch_size_per_gpu``,
 ``data.max_length``, ``data.truncation``, ``model.partial_pretrain``, ``optim.lr``, ``optim.clip_grad``,
 ``trainer.total_epochs`` ...), TRL's names for the preference knobs (``dpo.beta``, ``dpo.loss_type``,
-``dpo.label_smoothing``, ``kto.desirable_weight`` ...). The optimiser and trainer sections are the PPO
-config's own classes, and loading goes through the same merge/override/typing machinery
-(``load_offline_config``), so every mistake fails at load time naming the key.
+``dpo.label_smoothing``, ``kto.desirable_weight`` ...). The data files, model loading, LoRA, optimiser and
+trainer sections are the ones every trainer shares (``sections.py``), and loading goes through the same
+generic loader (``load_offline_config``), so every mistake fails at load time naming the key.
 """
 
 from __future__ import annotations
@@ -14,28 +14,27 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, TypeVar
 
-from hybridflow.trainer import config_loader as base
-from hybridflow.trainer.config import ConfigError, Dtype, LoRAConfig, OptimConfig, TrainerConfig
-from hybridflow.trainer.config_checks import DTYPE_ALIASES, cuda_available
-
-CONFIG_DIR = Path(__file__).parent / "config"
+from hybridflow.config.checks import ConfigError
+from hybridflow.config.loader import Schema, load
+from hybridflow.config.sections import (
+    YAML_DIR,
+    DataFilesConfig,
+    LoRAConfig,
+    ModelLoadingConfig,
+    OptimConfig,
+    TrainerConfig,
+    resolve_shared,
+)
 
 
 @dataclass
-class OfflineDataConfig:
+class OfflineDataConfig(DataFilesConfig):
     """Data files and batch sizes shared by the offline trainers."""
 
-    train_files: list[str] | None = None  #: required: training file(s), parquet or JSONL
-    val_files: list[str] | None = None  #: held-out file(s) for the validation loss; null = none
-    prompt_key: str = "prompt"  #: column holding the prompt (a string or chat messages)
-    train_batch_size: int = 8  #: rows per optimiser step (DPO: pairs; KTO: completions)
     micro_batch_size_per_gpu: int = 4  #: rows per forward/backward on one worker (gradient accumulation)
     max_length: int = 1024  #: most prompt + response tokens per sample
-    truncation: Literal["error", "left", "right"] = "error"  #: over max_length: error | left (prompt) | right
-    shuffle: bool = True  #: shuffle the training rows each epoch
-    seed: int | None = None  #: data order seed; null = trainer.seed
 
 
 @dataclass
@@ -67,15 +66,11 @@ class KTODataConfig(OfflineDataConfig):
 
 
 @dataclass
-class _StartingModel:
+class _StartingModel(ModelLoadingConfig):
     """The starting model: a Hugging Face folder, a checkpoint's ``actor/huggingface`` folder, or ``default``."""
 
-    partial_pretrain: str = (
-        "default"  #: model folder or hub id; "default" = the embedded SmolLM2-135M-Instruct
-    )
-    trust_remote_code: bool = False  #: allow model code shipped with the checkpoint
-    enable_gradient_checkpointing: bool = False  #: recompute activations in backward: less memory, slower
-    dtype: Dtype = "auto"  #: auto (fp32 on cpu, bf16 on cuda) | fp32 | bf16 | fp16
+    #: model folder or hub id; "default" = the embedded SmolLM2-135M-Instruct
+    partial_pretrain: str = "default"
 
 
 @dataclass
@@ -114,7 +109,7 @@ C = TypeVar("C", bound="_OfflineConfig")
 
 
 @dataclass
-class _OfflineConfig:
+class _OfflineConfig(Schema):
     """What the three configs share: loading, resolving, validating."""
 
     model: OfflineModelConfig = field(default_factory=OfflineModelConfig)  #: the model trained
@@ -124,37 +119,28 @@ class _OfflineConfig:
 
     kind = ""  # sft | dpo | kto: the objective, the YAML file and the command's name
 
-    @classmethod
-    def from_dict(cls: type[C], tree: dict[str, Any]) -> C:
-        """A (partial) nested dict merged over the defaults, then typed (not resolved or validated)."""
-        merged = cls().to_dict()
-        base.merge(merged, tree, [], "from_dict", cls)
-        return base.build_config(merged, cls)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    ALIASES: ClassVar[dict[str, str]] = {
+        "output_dir": "trainer.default_local_dir",
+        "max_steps": "trainer.total_training_steps",
+        "num_train_epochs": "trainer.total_epochs",
+        "learning_rate": "optim.lr",
+        "max_grad_norm": "optim.clip_grad",
+        "warmup_ratio": "optim.lr_warmup_steps_ratio",
+        "per_device_train_batch_size": "data.micro_batch_size_per_gpu",
+        "model_name_or_path": "model.partial_pretrain",
+        "gradient_checkpointing": "model.enable_gradient_checkpointing",
+    }
 
     def resolve(self: C) -> C:
-        """A copy with derived values filled: device and dtype ``auto``, ``data.seed`` null -> trainer.seed,
-        ``${...}`` interpolations, ``~`` in paths."""
+        """A copy with derived values filled (``resolve_shared``), ``${...}`` interpolations resolved."""
         cfg = type(self).from_dict(self.to_dict())
-        if cfg.trainer.device == "auto":
-            cfg.trainer.device = "cuda" if cuda_available() else "cpu"
-        cfg.model.dtype = DTYPE_ALIASES.get(cfg.model.dtype, cfg.model.dtype)
-        if cfg.model.dtype == "auto":
-            cfg.model.dtype = "bf16" if cfg.trainer.device == "cuda" else "fp32"
-        if cfg.data.seed is None:
-            cfg.data.seed = cfg.trainer.seed
-        expand = os.path.expanduser
-        cfg.model.partial_pretrain = expand(cfg.model.partial_pretrain)
-        cfg.trainer.default_local_dir = expand(cfg.trainer.default_local_dir)
-        for key in ("train_files", "val_files"):
-            files = getattr(cfg.data, key)
-            setattr(cfg.data, key, [expand(f) for f in files] if files else files)
+        paths = [(cfg.model, "partial_pretrain"), (cfg.data, "train_files"), (cfg.data, "val_files")]
+        paths += [(cfg.trainer, "default_local_dir"), (cfg.trainer, "resume_from_path")]
+        resolve_shared(cfg, [cfg.model], paths)
         return cfg
 
-    def validate(self) -> None:
-        """ConfigError naming the first inconsistent key."""
+    def validate(self: C) -> C:
+        """The resolved config, checked: a ConfigError names the first inconsistent key."""
         cfg = self.resolve()
         d, tr = cfg.data, cfg.trainer
         if not d.train_files:
@@ -185,6 +171,7 @@ class _OfflineConfig:
                 f"{tr.total_epochs}"
             )
         self._validate_loss(cfg)
+        return cfg
 
     def _validate_loss(self, cfg: Any) -> None:
         """Checks of the objective's own keys."""
@@ -260,24 +247,19 @@ class KTOConfig(_OfflineConfig):
         return {"loss": "kto", **dataclasses.asdict(self.kto)}
 
 
+OfflineConfig = SFTConfig | DPOConfig | KTOConfig
+
 CONFIGS: dict[str, type[_OfflineConfig]] = {"sft": SFTConfig, "dpo": DPOConfig, "kto": KTOConfig}
 
 
 def default_config_path(cls: type[_OfflineConfig]) -> Path:
     """The packaged YAML of a trainer: ``config/{sft,dpo,kto}_trainer.yaml``."""
-    return CONFIG_DIR / f"{cls.kind}_trainer.yaml"
+    return YAML_DIR / f"{cls.kind}_trainer.yaml"
 
 
 def load_offline_config(
     cls: type[C], overrides: list[str] | None = None, config_path: str | os.PathLike | None = None
 ) -> C:
-    """The packaged YAML of ``cls``, a user YAML merged over it, then dotted overrides; resolved, validated.
-    Same syntax as ``load_config`` for PPO."""
-    tree = base.load_yaml(default_config_path(cls))
-    if config_path is not None:
-        base.merge(tree, base.load_yaml(config_path), [], f"config file {os.fspath(config_path)}", cls)
-    for text in overrides or []:
-        base.apply_override(tree, text, cls)
-    cfg = base.build_config(tree, cls).resolve()
-    cfg.validate()
-    return cfg
+    """The defaults of ``cls`` (what its packaged YAML holds), a user YAML merged over them, then dotted
+    overrides; resolved, validated. Same syntax as ``load_config`` for PPO."""
+    return load(cls, overrides, config_path).validate()

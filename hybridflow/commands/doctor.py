@@ -24,16 +24,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from hybridflow.trainer.config import ConfigError, PPOConfig
-from hybridflow.trainer.config_checks import (
+from hybridflow.commands.memory_estimate import GB, ModelShape, estimate_memory, knob, model_shape
+from hybridflow.config.checks import (
     IgnoredKeyWarning,
     check_batch_sizes,
     check_choices,
     check_cross_fields,
     check_ranges,
 )
-from hybridflow.trainer.config_loader import load_unvalidated
-from hybridflow.trainer.memory_estimate import GB, ModelShape, estimate_memory, knob, model_shape
+from hybridflow.config.schema import ConfigError, PPOConfig, load_unvalidated
 
 Verdict = Literal["ok", "warn", "fail", "skip"]
 DATASET_ROWS = 1000  # rows read per data file: enough for length percentiles, quick on any file
