@@ -10,7 +10,8 @@ asynchronous modes overlap the two. Each mode runs in its own process on the emb
 number of samples, then evaluates greedily on 64 held-out (short) problems. sync gets both cores as torch
 threads; the asynchronous modes give the trainer thread one and the rollout thread the other
 (OMP_NUM_THREADS=1 for the process). Prints steps per hour, samples per second (the first step, which
-also loads the model, is not counted), the idle fractions and held-out accuracy; writes JSON.
+also warms up, and the last, which also validates and saves, are not counted), the idle fractions and held-out
+accuracy; writes JSON.
 
 Run it alone: two benchmarks on the same 2 cores measure each other.
 """
@@ -110,7 +111,8 @@ def run_mode(mode: str, data: Path, run_dir: Path, steps: int, extra: list[str])
 
 def summary(result: dict, samples_per_step: int) -> dict[str, float]:
     stamps, rows = result["stamps"], [r for r in result["rows"] if "timing_s/step" in r]
-    step_s = statistics.mean(b - a for a, b in zip(stamps, stamps[1:]))  # after the first step
+    # between the ends of steps 1 and N-1: not the first step (warm-up), nor the last (validation, checkpoint)
+    step_s = statistics.mean(b - a for a, b in zip(stamps[:-2], stamps[1:-1]))
     if result["mode"] == "sync":  # the rollout idles while the actor trains, the actor while it generates
         rollout_idle = statistics.mean(1 - r["timing_s/gen"] / r["timing_s/step"] for r in rows[1:])
         trainer_idle = statistics.mean(r["timing_s/gen"] / r["timing_s/step"] for r in rows[1:])

@@ -69,11 +69,12 @@ class PromptStream:
             return _copy(prompts), state
 
     def take(self, index: int) -> DataProto:
-        """Batch ``index`` for the trainer, which trains it next: the batches up to it are forgotten, and
-        ``trained_state`` becomes the loader's position after it."""
+        """Batch ``index`` for the trainer, which trains it next: the batches before it are forgotten (the
+        producer may not have fetched this one yet), and ``trained_state`` becomes the loader's position after
+        it."""
         prompts, state = self.get(index)
         with self._lock:
-            self._kept = {i: kept for i, kept in self._kept.items() if i > index}
+            self._kept = {i: kept for i, kept in self._kept.items() if i >= index}
             self.trained_state = state
         return prompts
 

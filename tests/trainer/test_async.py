@@ -260,3 +260,21 @@ def test_on_ray_the_split_rollout_runs_ahead_within_its_bound(
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     assert all(0 <= row["async/staleness_max"] <= 2 for row in rows)
     assert max(row["async/staleness_max"] for row in rows) >= 1
+
+
+def test_the_prompt_stream_keeps_a_batch_the_producer_has_not_fetched(
+    data_dir, tiny_model_path, reward_file, tmp_path
+):
+    """With staleness 0 the trainer may take step 1's prompts before the producer fetches them (it wakes on
+    the weights of step 0): the batch must still be there, the same one, and the checkpoint position after
+    it. Before, the trainer's take forgot it and the producer failed with a KeyError."""
+    from hybridflow.trainer.async_rollout import PromptStream
+
+    loader = PPOTrainer(config(data_dir, tiny_model_path, reward_file, tmp_path)).train_loader
+    stream = PromptStream(loader, 0)
+    stream.get(0)
+    first = stream.take(0)
+    taken = stream.take(1)
+    late, state = stream.get(1)
+    assert prompts_of(late) == prompts_of(taken) != prompts_of(first)
+    assert state == stream.trained_state and state["position"] == 2
