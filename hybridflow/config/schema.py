@@ -230,7 +230,9 @@ class RolloutConfig(SamplingConfig):
     #: the GPU while it trains; on CPU nothing is freed
     free_cache_engine: bool = True
     dtype: Dtype = "auto"  #: vllm: engine dtype; auto = the actor's (actor_rollout_ref.model.dtype)
-    seed: int | None = None  #: vllm: engine sampling seed; null = trainer.seed (plus the rank)
+    #: sampling seed; null = trainer.seed. hf: each sample seeded by it, the step and its prompt; vllm: the
+    #: engine's seed (plus the rank)
+    seed: int | None = None
     #: vllm: longest sequence; null = data.max_prompt_length + max_response_length
     max_model_len: int | None = None
     #: sampling for validation (greedy by default)

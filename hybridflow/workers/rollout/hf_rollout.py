@@ -8,6 +8,7 @@ current weights and no second copy of the model exists.
 from __future__ import annotations
 
 import inspect
+import zlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -67,14 +68,17 @@ def check_finite(logits: torch.Tensor) -> None:
         raise DivergedError("the model's next-token scores are not finite (inf or NaN)")
 
 
+Generators = torch.Generator | list[torch.Generator] | None
+
+
 def sample_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    logits: torch.Tensor, params: SamplingParams, generator: Generators = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the next token of each row from ``logits`` ``(rows, V)``: argmax when greedy, else a draw at
     ``temperature`` from the ``top_k`` most likely tokens and the smallest set of them holding ``top_p`` of the
     probability. Returns ``tokens`` ``(rows,)`` and their log-probs ``(rows,)`` at ``temperature`` before the
     top-k/top-p cut (what the trainer's forward computes; zero when greedy). ``generator``: where the draws
-    come from (default: torch's global one)."""
+    come from: one for all rows, one per row (a list), or torch's global one (None)."""
     logits = logits.float()
     if not params.do_sample:
         return logits.argmax(dim=-1), torch.zeros(len(logits), device=logits.device)
@@ -93,15 +97,25 @@ def sample_tokens(
     return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def draw(probs: torch.Tensor, generator: Generators = None) -> torch.Tensor:
     """One token per row of ``probs`` ``(rows, V)``, drawn as ``torch.multinomial`` would but by inverse CDF (a
     cumulative sum and a binary search), about 10x faster on a CPU over a 49k vocabulary. Where rounding lands
-    on a token without mass (past the last one), that row is drawn again by ``multinomial``."""
+    on a token without mass (past the last one), that row is drawn again by ``multinomial``. ``generator``: one
+    for all rows, one per row (a list: each row's draw depends on its own generator only), or None (torch's
+    global one)."""
     cdf = probs.cumsum(dim=-1)
-    point = torch.rand(len(probs), 1, device=probs.device, dtype=cdf.dtype, generator=generator) * cdf[:, -1:]
+    if isinstance(generator, list):
+        uniform = torch.cat([torch.rand(1, dtype=cdf.dtype, generator=g) for g in generator])[:, None]
+        point = uniform.to(probs.device) * cdf[:, -1:]
+    else:
+        point = (
+            torch.rand(len(probs), 1, device=probs.device, dtype=cdf.dtype, generator=generator) * cdf[:, -1:]
+        )
     tokens = torch.searchsorted(cdf, point, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
     missed = probs.gather(-1, tokens[:, None]).squeeze(-1) == 0
-    if missed.any():
+    for row in missed.nonzero().flatten().tolist() if isinstance(generator, list) else []:
+        tokens[row] = torch.multinomial(probs[row], 1, generator=generator[row]).squeeze(-1)
+    if missed.any() and not isinstance(generator, list):
         tokens[missed] = torch.multinomial(probs[missed], 1, generator=generator).squeeze(-1)
     return tokens
 
@@ -185,9 +199,11 @@ class HFRollout:
     decoding padding until the longest one ends, and no per-step logits processors run. Sampling is
     temperature, top-k and top-p, as vLLM's; the result is the rollout contract (``assemble_rollout``).
 
-    ``seed``: the rollout draws from a generator of its own seeded with it (None: torch's global one), so its
-    samples do not depend on what else in the process draws random numbers, or when (a trainer in another
-    thread); ``reseed(step)`` gives each training step's draws their own seed. ``weights`` (a ``WeightFeed``, set by an asynchronous run's rollout worker) is asked between
+    ``seed`` (None: torch's global generator): each sample draws from a generator of its own, seeded by
+    ``(seed, step, its prompt's tokens, its number among the prompt's n)`` (``reseed(step)`` sets the training
+    step). A sample then depends on the seed, the step, its prompt and the weights only: not on what else in
+    the process draws random numbers, or when (a trainer in another thread), not on which other prompts share
+    its batch or its worker (another worker count, a resumed run). ``weights`` (a ``WeightFeed``, set by an asynchronous run's rollout worker) is asked between
     decoding steps for newer weights: when they came, the unfinished rows' KV cache is recomputed under them
     (never reused stale), and ``rollout_weight_versions`` ``(bs*n, L)`` records per token the version that
     sampled it."""
@@ -201,9 +217,7 @@ class HFRollout:
         seed: int | None = None,
     ) -> None:
         self.model = model
-        self.seed, self.generator = seed, None
-        if seed is not None:
-            self.generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+        self.seed, self.step = seed, 0
         self.weights: WeightFeed | None = None
         self.tokenizer = tokenizer
         self.config = config
@@ -217,12 +231,24 @@ class HFRollout:
         self._cache_key = "cache" if "cache" in forward_params else "past_key_values"
 
     def reseed(self, step: int) -> None:
-        """Draw the samples of training step ``step`` from a generator seeded by ``(seed, step)``: a step's
-        samples then depend on the seed, the weights and the prompts only, not on what was drawn before, so
-        a resumed run, or a rollout that runs ahead of the trainer, draws what an uninterrupted lock-step run
+        """The next generations draw the samples of training step ``step`` (see the class docstring): a
+        resumed run, or a rollout that runs ahead of the trainer, draws what an uninterrupted lock-step run
         does."""
-        if self.generator is not None:
-            self.generator.manual_seed(int(np.random.SeedSequence([self.seed, step]).generate_state(1)[0]))
+        self.step = step
+
+    def _row_generators(self, prompts: DataProto, n: int) -> list[torch.Generator] | None:
+        """One generator per sample (prompt-major, as the rows are expanded), or None without a seed."""
+        if self.seed is None:
+            return None
+        device, generators, seen = next(self.model.parameters()).device, [], {}
+        for ids, mask in zip(prompts.batch["input_ids"], prompts.batch["attention_mask"]):
+            key = zlib.crc32(ids[mask.bool()].cpu().numpy().tobytes())
+            seen[key] = seen.get(key, -1) + 1  # the same prompt twice in a batch: other samples
+            for j in range(n):
+                entropy = [self.seed, self.step, key, seen[key], j]
+                seed = int(np.random.SeedSequence(entropy).generate_state(1)[0])
+                generators.append(torch.Generator(device).manual_seed(seed))
+        return generators
 
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -297,6 +323,7 @@ class HFRollout:
             cache.batch_repeat_interleave(n)
             logits, mask = logits.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
         rows = len(logits)
+        generators = self._row_generators(prompts, n)
         responses = torch.full((rows, length), self.pad_token_id, dtype=ids.dtype, device=device)
         log_probs = torch.zeros(rows, length, device=device)
         versions = torch.full((rows, length), -1, dtype=torch.long, device=device)
@@ -305,7 +332,8 @@ class HFRollout:
         eos = torch.tensor(self.eos_token_ids, device=device)
         for step in range(length):
             check_finite(logits)
-            tokens, token_log_probs = sample_tokens(logits, params, self.generator)
+            live_generators = [generators[row] for row in live.tolist()] if generators else None
+            tokens, token_log_probs = sample_tokens(logits, params, live_generators)
             responses[live, step], log_probs[live, step] = tokens, token_log_probs
             if self.weights is not None:
                 versions[live, step] = self.weights.version
