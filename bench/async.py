@@ -57,14 +57,14 @@ MODES = {
 ACC = "val/arithmetic/acc/mean@1"
 
 
-def long_tail_data(folder: Path) -> Path:
+def long_tail_data(folder: Path, test_size: int = TEST) -> Path:
     """The arithmetic task's files, with every ``LONG_EVERY``-th training prompt asking for an explanation."""
     from hybridflow.data.dataset import read_rows
     from hybridflow.data.prepare import main as prepare_data
     from hybridflow.data.prepare import write_parquet
 
     prepare_data(
-        ["arithmetic", str(folder), "--train-size", str(TRAIN), "--test-size", str(TEST), "--seed", "0"]
+        ["arithmetic", str(folder), "--train-size", str(TRAIN), "--test-size", str(test_size), "--seed", "0"]
     )
     rows = read_rows(folder / "train.parquet")
     for i, row in enumerate(rows):
@@ -143,6 +143,7 @@ def main() -> None:
     )
     parser.add_argument("--threads", default="2,1", help="torch threads of sync, and of the async modes")
     parser.add_argument("--samples-per-step", type=int, default=32, help="train_batch_size x rollout.n")
+    parser.add_argument("--test-size", type=int, default=TEST, help="held-out problems")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process: run this mode, print JSON
     args = parser.parse_args()
     work = Path(args.work)
@@ -150,7 +151,7 @@ def main() -> None:
         result = run_mode(args.one, work / "data", work / args.one, args.steps, args.set)
         print("RESULT " + json.dumps(result))
         return
-    long_tail_data(work / "data")
+    long_tail_data(work / "data", args.test_size)
     results = {}
     for mode in args.modes.split(","):
         threads = args.threads.split(",")[0 if mode == "sync" else 1]
