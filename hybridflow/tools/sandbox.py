@@ -139,6 +139,21 @@ def processes_of(uids: range) -> list[int]:
     return found
 
 
+def _kill_user(uid: int) -> None:
+    """SIGKILL every process of ``uid`` (which only this call holds), until none is left: a fork bomb may
+    fork between the scan and the kill."""
+    for _ in range(200):
+        pids = processes_of(range(uid, uid + 1))
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+
+
 def _wait_until_gone(uid: int, seconds: float = 5.0) -> None:
     """Before the user id goes back to the pool: the kernel tears a killed PID namespace down
     asynchronously, and the next holder's process limit must not count this call's dying processes."""
@@ -264,8 +279,7 @@ def _run(code: str, limits: SandboxLimits, mode: str) -> SandboxResult:
             proc.wait()
         if uid is not None:
             if mode == "unsafe":  # no PID namespace: the call's leftovers, by the user id only it holds
-                for pid in processes_of(range(uid, uid + 1)):
-                    os.kill(pid, signal.SIGKILL)
+                _kill_user(uid)
             _wait_until_gone(uid)
     text = out.status.decode()
     status = json.loads(text) if text else {}

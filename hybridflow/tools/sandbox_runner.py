@@ -161,7 +161,7 @@ def limit_and_exec(spec: dict) -> None:
     limits, uid, mode = spec["limits"], spec["uid"], spec["mode"]
     mb = 1024 * 1024
     nproc = limits["max_processes"]
-    if mode == "unsafe":  # RLIMIT_NPROC counts every task of the real user id, not only this call's
+    if mode == "unsafe" and uid is None:  # RLIMIT_NPROC counts every task of the user id, not this call's
         nproc += processes_of(os.getuid())
     for name, value in (
         (resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1)),
