@@ -88,29 +88,32 @@ def read_only(target: str, keep_devices: bool = False) -> None:
     mount("none", target, None, flags)
 
 
-def bind(source: str, target: str, keep_devices: bool = False) -> None:
-    """``source`` (a folder or a device node) at ``target`` in the new root, read-only."""
-    if os.path.isdir(source):
+def bind(source: int, target: str, keep_devices: bool = False) -> None:
+    """The folder or device node open as ``source`` (an ``O_PATH`` descriptor) at ``target``, read-only."""
+    if os.path.isdir(f"/proc/self/fd/{source}"):
         os.makedirs(target, mode=0o755, exist_ok=True)
-        mount(source, target, None, MS_BIND | MS_REC)
+        mount(f"/proc/self/fd/{source}", target, None, MS_BIND | MS_REC)
     else:
         os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
         open(target, "a").close()
-        mount(source, target, None, MS_BIND)
+        mount(f"/proc/self/fd/{source}", target, None, MS_BIND)
+    os.close(source)
     read_only(target, keep_devices)
 
 
 def build_root(spec: dict) -> None:
     """The call's whole file system (see the module docstring); ends with the new root as ``/``."""
     size_mb = spec["limits"]["tmp_size_mb"]
+    # what to show, opened before the new root hides the host's /tmp (an interpreter may live there)
+    shown = {path: os.open(path, os.O_PATH) for path in spec["binds"] if os.path.exists(path)}
+    devices = {name: os.open(f"/dev/{name}", os.O_PATH) for name in DEVICES}
     root = "/tmp"  # any folder will do as the mount point: it is detached with the old root
     mount("none", "/", None, MS_REC | MS_PRIVATE)
     mount("sandbox-root", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=0755")
-    for path in spec["binds"]:
-        if os.path.exists(path):
-            bind(path, root + path)
-    for name in DEVICES:
-        bind(f"/dev/{name}", f"{root}/dev/{name}", keep_devices=True)
+    for path, fd in shown.items():
+        bind(fd, root + path)
+    for name, fd in devices.items():
+        bind(fd, f"{root}/dev/{name}", keep_devices=True)
     for name, fd in (("stdin", 0), ("stdout", 1), ("stderr", 2)):
         os.symlink(f"/proc/self/fd/{fd}", f"{root}/dev/{name}")
     os.symlink("/proc/self/fd", f"{root}/dev/fd")

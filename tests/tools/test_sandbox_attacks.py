@@ -9,6 +9,7 @@ nobody can read, and a Python nobody can run (this checkout's or the system's)."
 import ctypes
 import json
 import os
+import pwd
 import shutil
 import subprocess
 import sys
@@ -203,20 +204,29 @@ def test_sysv_ipc_does_not_outlive_the_call(mode, request):
         _remove_host_ipc(key)
 
 
-def test_the_hosts_tmp_and_a_live_ray_session_are_out_of_reach(mode, request, host_dir):
-    """Ray makes /tmp/ray/session_latest/sockets 0777; a fake one in the host's /tmp stands for it."""
+def test_the_hosts_tmp_a_live_ray_session_and_the_trainers_files_are_out_of_reach(mode, request, host_dir):
+    """Ray makes /tmp/ray/session_latest/sockets 0777; a fake one in the host's /tmp stands for it. The
+    trainer's run folder (0700, its checkpoint 0600) belongs to whoever started the sandbox: as nobody,
+    the code's host user id is the trainer's own."""
     sockets = host_dir / "session_latest" / "sockets"
     sockets.mkdir(parents=True)
     for folder in (host_dir / "session_latest", sockets):
         folder.chmod(0o777)
     (sockets / "raylet").write_text("the trainer's socket")
-    (sockets / "raylet").chmod(0o644)
     (host_dir / "notes").write_text(SECRET)
-    (host_dir / "notes").chmod(0o644)
+    run_folder = host_dir / "run"
+    run_folder.mkdir(mode=0o700)
+    (run_folder / "ckpt").write_text(SECRET)
+    (run_folder / "ckpt").chmod(0o600)
+    trainer = 0 if mode == "root" else pwd.getpwnam("nobody").pw_uid
+    for path in (run_folder, run_folder / "ckpt"):
+        os.chown(path, trainer, trainer)
+    d, ckpt = str(sockets), str(run_folder / "ckpt")
     code = (
-        f"import os\nd = {str(sockets)!r}\nfor act in (lambda: open(d + '/evil', 'w').write('x'),\n"
-        "            lambda: os.unlink(d + '/raylet'), lambda: os.rename(d, d + '-gone'),\n"
+        f"import os\nfor act in (lambda: open({d!r} + '/evil', 'w').write('x'),\n"
+        f"            lambda: os.unlink({d!r} + '/raylet'), lambda: os.rename({d!r}, {d!r} + '-gone'),\n"
         f"            lambda: print(open({str(host_dir / 'notes')!r}).read()),\n"
+        f"            lambda: print(open({ckpt!r}).read()), lambda: os.unlink({ckpt!r}),\n"
         f"            lambda: print({host_dir.name!r} in os.listdir('/tmp'))):\n"
         "    try:\n        act()\n    except OSError as e:\n        print(type(e).__name__)"
     )
@@ -226,6 +236,7 @@ def test_the_hosts_tmp_and_a_live_ray_session_are_out_of_reach(mode, request, ho
         sorted(os.listdir(sockets)) == ["raylet"]
         and (sockets / "raylet").read_text() == "the trainer's socket"
     )
+    assert (run_folder / "ckpt").read_text() == SECRET
 
 
 def test_one_output_cap_for_stdout_and_stderr_together(mode, request):
