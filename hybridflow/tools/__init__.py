@@ -14,7 +14,7 @@ from hybridflow.tools.base import (
 from hybridflow.tools.calculator import CalculatorTool, calculate
 from hybridflow.tools.parsing import ToolCall, parse_tool_calls
 from hybridflow.tools.python_tool import PythonTool
-from hybridflow.tools.sandbox import SandboxLimits, SandboxResult, isolation, run_python
+from hybridflow.tools.sandbox import SandboxLimits, SandboxResult, SandboxUnavailable, isolation, run_python
 
 __all__ = [
     "BaseTool",
@@ -22,6 +22,7 @@ __all__ = [
     "PythonTool",
     "SandboxLimits",
     "SandboxResult",
+    "SandboxUnavailable",
     "ToolCall",
     "ToolError",
     "ToolOutput",

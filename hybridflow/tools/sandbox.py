@@ -154,11 +154,32 @@ def _kill_user(uid: int) -> None:
         time.sleep(0.01)
 
 
-def _wait_until_gone(uid: int, seconds: float = 5.0) -> None:
-    """Before the user id goes back to the pool: the kernel tears a killed PID namespace down
-    asynchronously, and the next holder's process limit must not count this call's dying processes."""
+def _call_namespace(runner: int) -> str | None:
+    """The PID namespace of the call the process ``runner`` started (ours: the one it unshared; with
+    bubblewrap: its child's), or None when it is gone or not made yet."""
+    own = os.readlink("/proc/self/ns/pid")
+    try:
+        found = [os.readlink(f"/proc/{runner}/ns/pid_for_children")]
+        with open(f"/proc/{runner}/task/{runner}/children") as f:
+            found += [os.readlink(f"/proc/{child}/ns/pid") for child in f.read().split()]
+    except OSError:
+        return None
+    return next((namespace for namespace in found if namespace != own), None)
+
+
+def _wait_until_gone(namespace: str, seconds: float = 5.0) -> None:
+    """Until no process of the call's PID namespace is left: the kernel tears a killed namespace down
+    asynchronously, and a call's user id goes back to the pool (or the caller goes on) only after."""
     end = time.monotonic() + seconds
-    while processes_of(range(uid, uid + 1)) and time.monotonic() < end:
+    while time.monotonic() < end:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.readlink(f"/proc/{pid}/ns/pid") == namespace:
+                    break
+            except OSError:
+                continue
+        else:
+            return
         time.sleep(0.005)
 
 
@@ -275,12 +296,18 @@ def _run(code: str, limits: SandboxLimits, mode: str) -> SandboxResult:
             except BrokenPipeError:  # the runner died at once: its stderr says why
                 pass
             out = _read_capped(proc, status_r, start + limits.timeout_s, limits.max_output_bytes)
+            namespace = _call_namespace(proc.pid) if mode != "unsafe" else None
+            if not (out.timed_out or out.over_cap):  # the runner ends once the namespace is torn down
+                try:
+                    proc.wait(timeout=2.0)
+                except subprocess.TimeoutExpired:
+                    pass
             _kill_group(proc)  # a timed-out or flooding run; the PID namespace dies with the runner
             proc.wait()
-        if uid is not None:
-            if mode == "unsafe":  # no PID namespace: the call's leftovers, by the user id only it holds
-                _kill_user(uid)
-            _wait_until_gone(uid)
+        if namespace is not None:
+            _wait_until_gone(namespace)
+        if uid is not None and mode == "unsafe":  # no namespace: the leftovers, by the id only it holds
+            _kill_user(uid)
     text = out.status.decode()
     status = json.loads(text) if text else {}
     stdout = out.stdout.decode(errors="replace")

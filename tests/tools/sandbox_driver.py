@@ -7,6 +7,7 @@ or {"unavailable": why} when the requested mode cannot be created here.
 """
 
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -39,18 +40,19 @@ def pair(run_python, limits, codes: list[str], delay_s: float = 0.5) -> list[dic
     return [first, second]
 
 
-def leftovers() -> list[int]:
-    """Processes of this user id that run sandboxed code (``main.py``), other than this one."""
+def leftovers(uid: int | None = None) -> list[int]:
+    """Processes of ``uid`` (default: ours) that run sandboxed code (``main.py``), other than this one."""
+    uid = os.getuid() if uid is None else uid
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/status") as f:
-                uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
+                owner = int(next(line for line in f if line.startswith("Uid:")).split()[1])
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read()
         except (OSError, StopIteration):
             continue
-        if uid == os.getuid() and b"main.py" in cmdline and int(pid) != os.getpid():
+        if owner == uid and b"main.py" in cmdline and int(pid) != os.getpid():
             found.append(int(pid))
     return found
 
@@ -70,18 +72,16 @@ def _import_sandbox(root: str):
 def main() -> None:
     request = json.loads(sys.stdin.read())
     sandbox = _import_sandbox(sys.argv[1])
-    if request["modes"] is not None:
-        sandbox.MODES = tuple(request["modes"])
-        try:
-            sandbox.sandbox_mode()
-        except sandbox.SandboxUnavailable as err:
-            print(json.dumps({"unavailable": str(err)}))
-            return
+    sandbox.MODES = tuple(request["modes"])  # none: the unsafe opt-out
+    try:
+        sandbox.sandbox_mode(allow_unsafe=not sandbox.MODES)
+    except sandbox.SandboxUnavailable as err:
+        print(json.dumps({"unavailable": str(err)}))
+        return
     scenario = {"calls": calls, "pair": pair}[request["scenario"]]
     limits = sandbox.SandboxLimits(**request["limits"])
     codes = [code.replace("DRIVER_PID", str(os.getpid())) for code in request["codes"]]
-    results = scenario(sandbox.run_python, limits, codes)
-    time.sleep(0.2)  # the kernel tears a PID namespace down asynchronously
+    results = scenario(functools.partial(sandbox.run_python, allow_unsafe=not sandbox.MODES), limits, codes)
     print(json.dumps({"results": results, "leftovers": leftovers(), "alive": True}))
 
 

@@ -1,7 +1,8 @@
 """Attacks on the sandbox (issue 24), each asserting that the attacker's success criterion is false, in
 every mode this machine offers: as root (the sandbox's own namespaces, a user id per call) and as an
 unprivileged user (the sandbox started by ``nobody`` through ``runuser``: unprivileged user namespaces,
-and bubblewrap where it is installed). A mode that cannot be created here is skipped with the reason.
+bubblewrap where it is installed, and the unsafe opt-out, which is expected to lose the attacks listed in
+``UNSAFE_BREAKS``). A mode that cannot be created here is skipped with the reason.
 
 The non-root runs start ``sandbox_driver.py`` as nobody with a copy of the sandbox's modules in a folder
 nobody can read, and a Python nobody can run (this checkout's or the system's)."""
@@ -11,6 +12,7 @@ import json
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -72,10 +74,26 @@ def nobody_copy(tmp_path_factory):
     shutil.rmtree(folder)
 
 
-@pytest.fixture(params=["root", "nobody", "nobody-bwrap"])
+# What the unsafe opt-out (no namespaces, the trainer's own user id) does not stop: these attacks succeed
+# there (strict xfail, so the README's table stays true; the fork bomb only sometimes leaves survivors
+# behind); the others hold in every mode.
+UNSAFE_BREAKS = {
+    "test_files_do_not_persist_across_calls": True,
+    "test_sysv_ipc_does_not_outlive_the_call": True,
+    "test_the_hosts_tmp_a_live_ray_session_and_the_trainers_files_are_out_of_reach": True,
+    "test_the_trainer_cannot_be_signalled_and_no_orphan_survives": True,
+    "test_fork_bomb_is_contained": False,
+    "test_disk_fill_stops_at_the_private_tmp_size": True,
+}
+
+
+@pytest.fixture(params=["root", "nobody", "nobody-bwrap", "nobody-unsafe"])
 def mode(request) -> str:
     if request.param == "root" and os.geteuid() != 0:
         pytest.skip("the root mode needs root")
+    if request.param == "nobody-unsafe" and request.node.originalname in UNSAFE_BREAKS:
+        strict = UNSAFE_BREAKS[request.node.originalname]
+        request.applymarker(pytest.mark.xfail(strict=strict, reason="the unsafe opt-out does not stop it"))
     return request.param
 
 
@@ -90,16 +108,35 @@ def sandboxed(mode: str, request, codes: list[str], scenario: str = "calls", lim
         "scenario": scenario,
         "codes": codes,
         "limits": {k: getattr(limits, k) for k in limits.__dataclass_fields__},
-        "modes": ["bwrap"] if mode == "nobody-bwrap" else ["namespaces"],
+        "modes": {"nobody": ["namespaces"], "nobody-bwrap": ["bwrap"], "nobody-unsafe": []}[mode],
     }
-    done = subprocess.run(
-        ["runuser", "-u", "nobody", "--", python, "-I", "-S", str(folder / "sandbox_driver.py"), str(folder)],
-        input=json.dumps(ask),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd="/",
-    )
+    folders = set(Path(tempfile.gettempdir()).glob("hybridflow-sandbox-*"))
+    try:
+        done = subprocess.run(
+            [
+                "runuser",
+                "-u",
+                "nobody",
+                "--",
+                python,
+                "-I",
+                "-S",
+                str(folder / "sandbox_driver.py"),
+                str(folder),
+            ],
+            input=json.dumps(ask),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd="/",
+        )
+    finally:  # what unsafe calls leave behind (their driver killed by the code): processes, work folders
+        nobody = pwd.getpwnam("nobody").pw_uid
+        for pid in sandbox_driver.leftovers(nobody) if mode == "nobody-unsafe" else []:
+            os.kill(pid, signal.SIGKILL)
+        for leftover in set(Path(tempfile.gettempdir()).glob("hybridflow-sandbox-*")) - folders:
+            if leftover.stat().st_uid == nobody:
+                shutil.rmtree(leftover, ignore_errors=True)
     assert done.returncode == 0 and done.stdout, f"the driver failed: {done.stderr[-2000:]}"
     answer = json.loads(done.stdout)
     if "unavailable" in answer:
@@ -287,11 +324,11 @@ def test_the_trainer_cannot_be_signalled_and_no_orphan_survives(mode, request):
 
 def test_fork_bomb_is_contained(mode, request):
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
-    limits = SandboxLimits(**{**LIMITS.__dict__, "timeout_s": 3.0})
+    limits = SandboxLimits(**{**LIMITS.__dict__, "timeout_s": 2.0})
     answer = sandboxed(mode, request, [bomb, "print('after')"], limits=limits)
     bombed, after = answer["results"]
-    assert bombed["error"] in ("timed out after 3 s (wall clock)", "CPU time limit exceeded (1 s)"), bombed
-    assert after["stdout"] == "after\n" and answer["leftovers"] == []
+    assert bombed["error"] in ("timed out after 2 s (wall clock)", "CPU time limit exceeded (1 s)"), bombed
+    assert after["stdout"] == "after\n" and answer["leftovers"] == [], answer
 
 
 def test_disk_fill_stops_at_the_private_tmp_size(mode, request):
