@@ -44,6 +44,7 @@ from hybridflow.tools.sandbox_uids import allocated_uid
 from hybridflow.utils.errors import UserError
 
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
+PYTHON = os.path.realpath(sys.executable)  # the interpreter itself, not a virtualenv's link to it
 MODES = ("namespaces", "bwrap")  # tried in this order; "unsafe" only when the user opts out
 SYSTEM_FOLDERS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 ISOLATION = {  # what each mode isolates (the keys of SandboxResult.isolation)
@@ -105,14 +106,14 @@ def _bwrap_command(limits: SandboxLimits, binds: list[str]) -> list[str]:
     for path in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock"):
         command += ["--perms", "1777", "--size", str(limits.tmp_size_mb * 2**20), "--tmpfs", path]
     command += ["--ro-bind", str(RUNNER), "/run/sandbox_runner.py", "--remount-ro", "/", "--chdir", "/tmp"]
-    return [*command, sys.executable, "-I", "-S", "/run/sandbox_runner.py"]
+    return [*command, PYTHON, "-I", "-S", "/run/sandbox_runner.py"]
 
 
 def _binds() -> list[str]:
-    """Folders the code's file system shows read-only: the system's and the interpreter's."""
-    python = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))]
+    """Folders the code's file system shows read-only: the system's and the interpreter's (its binary and
+    its standard library; a virtualenv's packages are not needed under ``-S``)."""
     folders = list(SYSTEM_FOLDERS)
-    for path in map(os.path.realpath, python):
+    for path in map(os.path.realpath, (sys.base_prefix, sys.base_exec_prefix, os.path.dirname(PYTHON))):
         if not any(path == f or path.startswith(f + "/") for f in folders):
             folders.append(path)
     return folders
@@ -261,7 +262,7 @@ def _run(code: str, limits: SandboxLimits, mode: str) -> SandboxResult:
         spec = {
             "mode": mode,
             "code": code,
-            "python": sys.executable,
+            "python": PYTHON,
             "uid": uid,
             "setpriv": shutil.which("setpriv"),
             "cwd": "/tmp",
