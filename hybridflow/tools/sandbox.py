@@ -322,7 +322,10 @@ def _run(code: str, limits: SandboxLimits, mode: str) -> SandboxResult:
     elif out.over_cap:
         error = f"output limit exceeded: stopped after {limits.max_output_bytes} bytes"
     elif not status:
-        error = f"the sandbox failed to start (exit code {proc.returncode}): {stderr.strip()[-300:]}"
+        last = (stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1][-300:]
+        error = (
+            last if last.startswith("sandbox: could not start") else f"the sandbox failed to start: {last}"
+        )
     else:
         error = _describe(status, stderr, limits)
     isolated = {key: key in ISOLATION[mode] for key in ISOLATION_KEYS}

@@ -246,7 +246,10 @@ def main() -> None:
     os.close(null)
     status = os.fdopen(spec["status_fd"], "w")
     if spec["mode"] == "namespaces":
-        enter_namespaces(spec, status)
+        try:
+            enter_namespaces(spec, status)
+        except SetupError as err:  # one line for the refusal message, not a traceback
+            sys.exit(f"sandbox: could not start: {err}")
         return
     with open(os.path.join(spec["cwd"], "main.py"), "w") as f:
         f.write(spec["code"])

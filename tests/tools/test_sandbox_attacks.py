@@ -97,33 +97,14 @@ def mode(request) -> str:
     return request.param
 
 
-def sandboxed(mode: str, request, codes: list[str], scenario: str = "calls", limits: SandboxLimits = LIMITS):
-    """{"results": [result dict per call], "leftovers": [pid of sandboxed code still running]}."""
-    if mode == "root":
-        run = {"calls": sandbox_driver.calls, "pair": sandbox_driver.pair}[scenario]
-        results = run(run_python, limits, [c.replace("DRIVER_PID", str(os.getpid())) for c in codes])
-        return {"results": results, "leftovers": sandbox.processes_of(SANDBOX_UIDS)}
+def drive(request, ask: dict, wrapper: list[str] = ()) -> dict:
+    """The driver's answer to ``ask``, run as nobody (by ``runuser``, or by ``wrapper``)."""
     python, folder = request.getfixturevalue("nobody_copy")
-    ask = {
-        "scenario": scenario,
-        "codes": codes,
-        "limits": {k: getattr(limits, k) for k in limits.__dataclass_fields__},
-        "modes": {"nobody": ["namespaces"], "nobody-bwrap": ["bwrap"], "nobody-unsafe": []}[mode],
-    }
+    start_as_nobody = list(wrapper) or ["runuser", "-u", "nobody", "--"]
     folders = set(Path(tempfile.gettempdir()).glob("hybridflow-sandbox-*"))
     try:
         done = subprocess.run(
-            [
-                "runuser",
-                "-u",
-                "nobody",
-                "--",
-                python,
-                "-I",
-                "-S",
-                str(folder / "sandbox_driver.py"),
-                str(folder),
-            ],
+            [*start_as_nobody, python, "-I", "-S", str(folder / "sandbox_driver.py"), str(folder)],
             input=json.dumps(ask),
             capture_output=True,
             text=True,
@@ -132,13 +113,28 @@ def sandboxed(mode: str, request, codes: list[str], scenario: str = "calls", lim
         )
     finally:  # what unsafe calls leave behind (their driver killed by the code): processes, work folders
         nobody = pwd.getpwnam("nobody").pw_uid
-        for pid in sandbox_driver.leftovers(nobody) if mode == "nobody-unsafe" else []:
+        for pid in sandbox_driver.leftovers(nobody) if not ask["modes"] else []:
             os.kill(pid, signal.SIGKILL)
         for leftover in set(Path(tempfile.gettempdir()).glob("hybridflow-sandbox-*")) - folders:
             if leftover.stat().st_uid == nobody:
                 shutil.rmtree(leftover, ignore_errors=True)
     assert done.returncode == 0 and done.stdout, f"the driver failed: {done.stderr[-2000:]}"
-    answer = json.loads(done.stdout)
+    return json.loads(done.stdout)
+
+
+def sandboxed(mode: str, request, codes: list[str], scenario: str = "calls", limits: SandboxLimits = LIMITS):
+    """{"results": [result dict per call], "leftovers": [pid of sandboxed code still running]}."""
+    if mode == "root":
+        run = {"calls": sandbox_driver.calls, "pair": sandbox_driver.pair}[scenario]
+        results = run(run_python, limits, [c.replace("DRIVER_PID", str(os.getpid())) for c in codes])
+        return {"results": results, "leftovers": sandbox.processes_of(SANDBOX_UIDS)}
+    ask = {
+        "scenario": scenario,
+        "codes": codes,
+        "limits": {k: getattr(limits, k) for k in limits.__dataclass_fields__},
+        "modes": {"nobody": ["namespaces"], "nobody-bwrap": ["bwrap"], "nobody-unsafe": []}[mode],
+    }
+    answer = drive(request, ask)
     if "unavailable" in answer:
         pytest.skip(f"{mode}: {answer['unavailable']}")
     return answer
@@ -348,3 +344,44 @@ def test_hundred_megabytes_of_output_stop_at_the_cap(mode, request):
     code = "import sys\nsys.stdout.write('x' * 50_000_000)\nsys.stderr.write('y' * 50_000_000)"
     (result,) = sandboxed(mode, request, [code])["results"]
     assert len(result["stdout"]) + len(result["stderr"]) <= LIMITS.max_output_bytes and result["truncated"]
+
+
+# Starts a command as nobody in a user namespace (root and nobody mapped) that may create no user
+# namespace below it: a machine without unprivileged user namespaces, where bubblewrap fails too.
+NO_USER_NAMESPACES = """
+import ctypes, os, sys
+ready_r, ready_w = os.pipe()
+go_r, go_w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    if ctypes.CDLL(None, use_errno=True).unshare(0x10000000) != 0:
+        os._exit(90)
+    os.write(ready_w, b"x")
+    os.read(go_r, 1)
+    with open("/proc/sys/user/max_user_namespaces", "w") as f:
+        f.write("0")
+    os.setgroups([])
+    os.setresgid(65534, 65534, 65534)
+    os.setresuid(65534, 65534, 65534)
+    os.execv(sys.argv[1], sys.argv[1:])
+os.read(ready_r, 1)
+for kind in ("uid", "gid"):
+    with open(f"/proc/{pid}/{kind}_map", "w") as f:
+        f.write("0 0 1\\n65534 65534 1\\n")
+os.write(go_w, b"x")
+sys.exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+def test_without_user_namespaces_a_non_root_user_is_refused_in_one_line_unless_unsafe(request, tmp_path):
+    if pwd.getpwnam("nobody").pw_uid != 65534:
+        pytest.skip("the wrapper maps nobody as user 65534")
+    (tmp_path / "wrap.py").write_text(NO_USER_NAMESPACES)
+    wrapper = [sys.executable, "-I", "-S", str(tmp_path / "wrap.py")]
+    ask = {"scenario": "calls", "codes": ["print(6 * 7)"], "limits": {}, "modes": ["namespaces", "bwrap"]}
+    refused = drive(request, ask, wrapper)["unavailable"]
+    assert "cannot isolate code on this machine" in refused and "\n" not in refused
+    assert "allow unprivileged user namespaces" in refused and "install bubblewrap" in refused
+    assert f"{sandbox.UNSAFE_KEY}=true" in refused
+    (result,) = drive(request, {**ask, "modes": []}, wrapper)["results"]
+    assert result["stdout"] == "42\n" and result["mode"] == "unsafe"
