@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -97,6 +98,23 @@ def mode(request) -> str:
     return request.param
 
 
+def _kill_all(uid: int) -> None:
+    """Kill ``uid``'s sandboxed code until scans find none for 0.2 s (a killed driver's code may still be
+    forking), so that no test sees another's leftovers."""
+    quiet = 0
+    for _ in range(500):
+        pids = sandbox_driver.leftovers(uid)
+        quiet = 0 if pids else quiet + 1
+        if quiet == 20:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+
+
 def drive(request, ask: dict, wrapper: list[str] = ()) -> dict:
     """The driver's answer to ``ask``, run as nobody (by ``runuser``, or by ``wrapper``)."""
     python, folder = request.getfixturevalue("nobody_copy")
@@ -113,8 +131,8 @@ def drive(request, ask: dict, wrapper: list[str] = ()) -> dict:
         )
     finally:  # what unsafe calls leave behind (their driver killed by the code): processes, work folders
         nobody = pwd.getpwnam("nobody").pw_uid
-        for pid in sandbox_driver.leftovers(nobody) if not ask["modes"] else []:
-            os.kill(pid, signal.SIGKILL)
+        if not ask["modes"]:
+            _kill_all(nobody)
         for leftover in set(Path(tempfile.gettempdir()).glob("hybridflow-sandbox-*")) - folders:
             if leftover.stat().st_uid == nobody:
                 shutil.rmtree(leftover, ignore_errors=True)
