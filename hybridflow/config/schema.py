@@ -203,6 +203,10 @@ class MultiTurnConfig:
     tool_config_path: str | None = None
     #: tool-call syntax: hermes = <tool_call>{"name", "arguments"}</tool_call>
     format: Literal["hermes"] = "hermes"
+    #: run the python tool with limits only where this machine can create no sandbox (no root, no
+    #: unprivileged user namespaces, no bubblewrap): the code then runs as your own user and can read your
+    #: files and kill your processes; false = refuse to start with a line saying how to enable a sandbox
+    unsafe_python_tool_without_isolation: bool = False
 
 
 @dataclass

@@ -90,5 +90,6 @@ def build_rollout(
     multi_turn = rollout.multi_turn
     if not multi_turn.enable:
         return engine
-    tools = load_tools(multi_turn.tool_config_path) if multi_turn.tool_config_path else {}
+    unsafe = multi_turn.unsafe_python_tool_without_isolation
+    tools = load_tools(multi_turn.tool_config_path, unsafe) if multi_turn.tool_config_path else {}
     return AgentLoop(engine, tokenizer, multi_turn, response_length, tools)
