@@ -439,7 +439,9 @@ class TrainerConfig:
     resource_pool_spec: dict[str, Any] = field(default_factory=dict)
     #: role (actor, rollout, ref, critic, reward_model, reward) -> pool name; overrides the preset's mapping
     role_pools: dict[str, Any] = field(default_factory=dict)
-    cpus_per_worker: float = 1.0  #: CPUs each Ray worker process reserves (fractions let roles share cores)
+    #: CPUs each Ray worker process reserves (fractions let roles share cores); when Ray has fewer than the
+    #: processes ask for together, they share its CPUs equally
+    cpus_per_worker: float = 1.0
     save_freq: int = -1  #: save a checkpoint every N steps; -1 = never
     test_freq: int = -1  #: validate every N steps; -1 = never
     val_before_train: bool = True  #: validate once before the first step
