@@ -104,6 +104,9 @@ class ModelConfig:
     #: compute every run of tokens several rows begin with once (a prompt's n samples, a shared system prompt)
     #: in log-probs, values and updates; an exact rewrite (same log-probs and gradients); false = row by row
     share_prompt_prefix: bool = True
+    #: set the model's dropout rates to 0 when it is loaded (TRL's default), so that updates see the policy
+    #: the log-probs were computed with; false = keep the checkpoint's dropout in training forwards
+    disable_dropout: bool = True
 
 
 @dataclass

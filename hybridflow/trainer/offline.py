@@ -109,6 +109,7 @@ class OfflineTrainer:
                 trust_remote_code=m.trust_remote_code,
                 enable_gradient_checkpointing=m.enable_gradient_checkpointing,
                 dtype=m.dtype,
+                disable_dropout=m.disable_dropout,
                 lora_rank=m.lora_rank,
                 lora_alpha=m.lora_alpha,
                 target_modules=list(m.target_modules),

@@ -76,6 +76,9 @@ class _StartingModel:
     trust_remote_code: bool = False  #: allow model code shipped with the checkpoint
     enable_gradient_checkpointing: bool = False  #: recompute activations in backward: less memory, slower
     dtype: Dtype = "auto"  #: auto (fp32 on cpu, bf16 on cuda) | fp32 | bf16 | fp16
+    #: set the model's dropout rates to 0 when it is loaded (TRL's default): the policy's forwards then match
+    #: the reference's, and DPO starts at ln 2; false = keep the checkpoint's dropout in training forwards
+    disable_dropout: bool = True
 
 
 @dataclass

@@ -98,6 +98,7 @@ class ActorRolloutRefWorker(Worker):
                 model_cfg.path,
                 *load_placement(strategy, model_cfg.dtype, self.device),
                 trust_remote_code=model_cfg.trust_remote_code,
+                disable_dropout=model_cfg.disable_dropout,
                 gradient_checkpointing=self._is_actor and model_cfg.enable_gradient_checkpointing,
             )
             lora = model_cfg.lora_rank if self._is_actor else 0
@@ -135,6 +136,7 @@ class ActorRolloutRefWorker(Worker):
                 model_cfg.path,
                 *load_placement(strategy, model_cfg.dtype, self.device),
                 trust_remote_code=model_cfg.trust_remote_code,
+                disable_dropout=model_cfg.disable_dropout,
             ).eval()
             module.requires_grad_(False)
             self.ref_module = wrap_model(module, strategy, ref.fsdp_config, self.device)

@@ -45,6 +45,7 @@ class CriticWorker(Worker):
             num_labels=1,
             trust_remote_code=model_cfg.trust_remote_code,
             new_head="the critic's value head",
+            disable_dropout=model_cfg.disable_dropout,
             gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
         )
         module.config.pad_token_id = self.tokenizer.pad_token_id
