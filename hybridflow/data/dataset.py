@@ -151,8 +151,8 @@ class RLHFDataset(Dataset):
     """Chat prompts from one or more parquet/JSONL files, tokenized and left-padded to `max_prompt_length`.
 
     `apply_chat_template=True` renders the messages with the tokenizer's chat template and the
-    assistant generation prompt; `False` joins the message contents with newlines (for base models
-    without a template). Prompts longer than `max_prompt_length` tokens are dropped when
+    assistant generation prompt; `False` feeds a string prompt as it is and joins chat messages' contents
+    with newlines (pre-rendered text, base models without a template). Prompts longer than `max_prompt_length` tokens are dropped when
     `filter_overlong_prompts` (their number is `num_filtered`), otherwise handled by `truncation`:
     "error" raises naming the file and row, "left" keeps the last tokens, "right" the first.
     `chat_template_kwargs` go to `apply_chat_template` (e.g. a model's `enable_thinking`).
@@ -205,8 +205,14 @@ class RLHFDataset(Dataset):
         return render_prompt(self.tokenizer, messages, self.apply_chat_template, self.chat_template_kwargs)
 
     def _tokenize(self, all_messages: list[list[dict[str, str]]]) -> list[list[int]]:
+        """A templated prompt holds its special tokens already; raw text gets what the tokenizer adds (a base
+        model's BOS), as the plain tokenizer output would."""
         texts = [self.render(m) for m in all_messages]
-        return self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        return (
+            self.tokenizer(texts, add_special_tokens=not self.apply_chat_template)["input_ids"]
+            if texts
+            else []
+        )
 
     def _fit(
         self, rows: list[PromptRow], token_ids: list[list[int]], filter_overlong: bool

@@ -77,6 +77,10 @@ class DataConfig:
     train_files: list[str] | None = None
     val_files: list[str] | None = None  #: prompt file(s) for validation; null = no validation
     prompt_key: str = "prompt"  #: column holding the prompt (a chat message list or a plain string)
+    #: render prompts with the tokenizer's chat template and generation prompt (a string is one user turn);
+    #: false = a string prompt fed as it is (pre-rendered text, base models), its ids the tokenizer's plain
+    #: output (chat messages: their contents joined by newlines)
+    apply_chat_template: bool = True
     train_batch_size: int = 8  #: prompts per training step (each gets rollout.n responses)
     #: prompts per validation batch; null = the whole validation set at once
     val_batch_size: int | None = None

@@ -69,7 +69,12 @@ class OfflineTrainer:
 
     def _dataset(self, files: list[str]) -> OfflineDataset:
         d, tok = self.config.data, self.tokenizer
-        common = {"max_length": d.max_length, "truncation": d.truncation, "prompt_key": d.prompt_key}
+        common = {
+            "max_length": d.max_length,
+            "truncation": d.truncation,
+            "prompt_key": d.prompt_key,
+            "apply_chat_template": d.apply_chat_template,
+        }
         if isinstance(self.config, DPOConfig):
             return PreferenceDataset(
                 files, tok, chosen_key=d.chosen_key, rejected_key=d.rejected_key, **common

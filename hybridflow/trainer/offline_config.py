@@ -30,6 +30,10 @@ class OfflineDataConfig:
     train_files: list[str] | None = None  #: required: training file(s), parquet or JSONL
     val_files: list[str] | None = None  #: held-out file(s) for the validation loss; null = none
     prompt_key: str = "prompt"  #: column holding the prompt (a string or chat messages)
+    #: render prompts and completions with the tokenizer's chat template (a string prompt is one user turn);
+    #: false = strings fed as they are (pre-rendered text, base models without a template): prompt ids are the
+    #: tokenizer's plain output, the completion's get EOS appended
+    apply_chat_template: bool = True
     train_batch_size: int = 8  #: rows per optimiser step (DPO: pairs; KTO: completions)
     micro_batch_size_per_gpu: int = 4  #: rows per forward/backward on one worker (gradient accumulation)
     max_length: int = 1024  #: most prompt + response tokens per sample
