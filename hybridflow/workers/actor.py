@@ -69,7 +69,7 @@ class ActorRolloutRefWorker(Worker):
         config: Any,
         role: str = "actor_rollout",
         response_length: int = 64,
-        seed: int = 0,
+        seed: int = 42,
         device: str = "auto",
         announce: bool = False,
     ) -> None:
@@ -128,7 +128,7 @@ class ActorRolloutRefWorker(Worker):
                 self.tokenizer,
                 self.response_length,
                 model_location(model_cfg.path),
-                (rollout.seed or 0) + self.rank,
+                (self.seed if rollout.seed is None else rollout.seed) + self.rank,
             )
         if self._is_ref and not (self.module is not None and is_lora(self.module)):
             strategy = resolve_strategy(ref.strategy, self.world_size, "actor_rollout_ref.ref.strategy")
@@ -352,7 +352,7 @@ class ActorRolloutRefWorker(Worker):
         self.module.train()
         extra = []
         if sft_data is not None and len(sft_data):
-            extra = [(sft_data, self._sft_loss, float(sft_data.meta_info.get("loss_coef", 1.0)))]
+            extra = [(sft_data, self._sft_loss, float(sft_data.meta_info["loss_coef"]))]
         metrics = self.engine.update(
             data,
             mini_batch,

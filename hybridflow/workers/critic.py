@@ -25,7 +25,7 @@ class CriticWorker(Worker):
     """``config``: the ``critic`` config section (its ``model.path`` already resolved by the trainer);
     ``rollout_n``: samples per prompt, since ``ppo_mini_batch_size`` counts prompts; ``device``: ``trainer.device``."""
 
-    def __init__(self, config: Any, rollout_n: int = 1, seed: int = 0, device: str = "auto") -> None:
+    def __init__(self, config: Any, rollout_n: int = 1, seed: int = 42, device: str = "auto") -> None:
         super().__init__(device)
         self.config, self.rollout_n, self.seed = config, rollout_n, seed
         self.module = self.engine = self.tokenizer = None
