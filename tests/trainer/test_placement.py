@@ -187,4 +187,4 @@ def test_shared_cpus_gives_each_process_an_equal_share_ray_accepts():
     assert shared_cpus(3, 1.0, 4.0) == 1.0  # they fit: as asked
     assert shared_cpus(3, 1.0, 2.0) == pytest.approx(0.6666)  # ten-thousandths, floored: 3 x 0.6666 <= 2
     assert shared_cpus(3, 4.0, 8.0) == 2.0  # above one CPU Ray takes whole numbers only (8/3 -> 2)
-    assert shared_cpus(2, 1.0, 0.0) == 0.0  # nothing free: nothing to share
+    assert shared_cpus(2, 1.0, 0.0) == 0.0  # no CPU: nothing to share

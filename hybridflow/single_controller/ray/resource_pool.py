@@ -23,14 +23,14 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 RAY_RESOURCE_UNIT = 1e-4
 
 
-def shared_cpus(processes: int, wanted: float, free: float) -> float:
-    """CPUs per process for ``processes`` processes that each want ``wanted`` CPUs when ``free`` CPUs are
-    free: ``wanted`` when they all fit, else an equal share of ``free`` that Ray accepts (a whole number above
-    one CPU, ten-thousandths below), so that a small machine runs them on shared cores instead of waiting
-    for cores it does not have. 0.0 when not even one unit per process is free."""
-    if processes * wanted <= free + 1e-9:
+def shared_cpus(processes: int, wanted: float, available: float) -> float:
+    """CPUs per process for ``processes`` processes that each want ``wanted`` CPUs on a Ray with
+    ``available`` CPUs: ``wanted`` when they all fit, else an equal share that Ray accepts (a whole number
+    above one CPU, ten-thousandths below), so that a small machine runs them on shared cores instead of
+    waiting for cores it does not have. 0.0 when not even one unit per process is there."""
+    if processes * wanted <= available + 1e-9:
         return wanted
-    share = free / processes
+    share = available / processes
     if share >= 1:
         return float(math.floor(share))
     return math.floor(share / RAY_RESOURCE_UNIT + 1e-9) * RAY_RESOURCE_UNIT
