@@ -130,6 +130,20 @@ def render_prompt(
     return "\n".join(m["content"] for m in messages)
 
 
+def tokenize_prompts(
+    tokenizer,
+    all_messages: Sequence[list[dict[str, str]]],
+    apply_chat_template: bool,
+    chat_template_kwargs: dict | None = None,
+) -> tuple[list[str], list[list[int]]]:
+    """``(texts, token ids)`` of prompts as the model sees them (``render_prompt``): the dataset and
+    ``hybridflow doctor`` both count prompt tokens with it. A templated prompt holds its special tokens
+    already; raw text gets what the tokenizer adds (a base model's BOS), as its plain output would."""
+    texts = [render_prompt(tokenizer, m, apply_chat_template, chat_template_kwargs) for m in all_messages]
+    ids = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"] if texts else []
+    return texts, ids
+
+
 def left_pad(ids: Sequence[int], length: int, pad_id: int) -> dict[str, torch.Tensor]:
     """Left-pad one prompt to `length`: input_ids, attention_mask and position_ids, each `(length,)`.
 
@@ -200,19 +214,10 @@ class RLHFDataset(Dataset):
                 "raise data.max_prompt_length or set data.filter_overlong_prompts=false with a truncation"
             )
 
-    def render(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text the model sees for these messages."""
-        return render_prompt(self.tokenizer, messages, self.apply_chat_template, self.chat_template_kwargs)
-
     def _tokenize(self, all_messages: list[list[dict[str, str]]]) -> list[list[int]]:
-        """A templated prompt holds its special tokens already; raw text gets what the tokenizer adds (a base
-        model's BOS), as the plain tokenizer output would."""
-        texts = [self.render(m) for m in all_messages]
-        return (
-            self.tokenizer(texts, add_special_tokens=not self.apply_chat_template)["input_ids"]
-            if texts
-            else []
-        )
+        return tokenize_prompts(
+            self.tokenizer, all_messages, self.apply_chat_template, self.chat_template_kwargs
+        )[1]
 
     def _fit(
         self, rows: list[PromptRow], token_ids: list[list[int]], filter_overlong: bool

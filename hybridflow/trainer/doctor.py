@@ -231,7 +231,7 @@ def _not_append_only(tokenizer: Any) -> str:
 def check_dataset(ctx: Context) -> Check:
     import numpy as np
 
-    from hybridflow.data.dataset import parse_row, read_rows
+    from hybridflow.data.dataset import parse_row, read_rows, tokenize_prompts
 
     data = ctx.cfg.data
     lengths, first_text, partial = [], "", False
@@ -239,10 +239,7 @@ def check_dataset(ctx: Context) -> Check:
         try:
             raw = read_rows(path)
             rows = [parse_row(r, path, i, i, data.prompt_key) for i, r in enumerate(raw[:DATASET_ROWS])]
-            texts = [
-                ctx.tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=False)
-                for r in rows
-            ]
+            texts, ids = tokenize_prompts(ctx.tokenizer, [r.messages for r in rows], data.apply_chat_template)
         except Exception as err:  # noqa: BLE001 - a bad row or a template error is the verdict
             return Check(
                 "dataset",
@@ -253,7 +250,7 @@ def check_dataset(ctx: Context) -> Check:
         partial |= len(raw) > DATASET_ROWS
         ctx.rows += rows
         first_text = first_text or texts[0] if texts else first_text
-        lengths += [len(ids) for ids in ctx.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        lengths += [len(prompt) for prompt in ids]
     if not lengths:
         return Check(
             "dataset", "fail", "no rows in data.train_files", "point data.train_files at prompt files"

@@ -288,3 +288,23 @@ def test_replay_buffer_mistakes_are_config_problems(base, capsys):
         "hybridflow train: error: replay_buffer: schedule phase 0: unknown strategy 'prioritized'; known: "
         "['uniform', 'priority']"
     )
+
+
+def test_dataset_check_counts_prompt_tokens_as_the_dataset_feeds_them(base, data_dir, tiny_model_path):
+    """Before: doctor always chat-templated the prompts it measured, also under data.apply_chat_template=false."""
+    from hybridflow.data.dataset import read_rows
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    rows = read_rows(data_dir / "train.parquet")
+    raw = max(len(tok("\n".join(m["content"] for m in row["prompt"]))["input_ids"]) for row in rows)
+    texts = [
+        tok.apply_chat_template(list(row["prompt"]), add_generation_prompt=True, tokenize=False)
+        for row in rows
+    ]
+    templated = max(len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"])
+    assert raw < templated
+    assert (
+        f", max {raw} vs data.max_prompt_length"
+        in verdicts([*base, "data.apply_chat_template=false"])["dataset"].detail
+    )
+    assert f", max {templated} vs data.max_prompt_length" in verdicts(base)["dataset"].detail
