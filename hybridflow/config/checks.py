@@ -11,6 +11,7 @@ import fnmatch
 import warnings
 from typing import Any, NamedTuple
 
+from hybridflow.dataflow.replay_buffer import ScheduledSampler
 from hybridflow.utils.errors import UserError
 
 
@@ -371,3 +372,8 @@ def check_cross_fields(cfg: Any) -> None:
     steps = [entry.until_step for entry in cfg.replay_buffer.schedule or []]
     if steps != sorted(set(steps)):
         raise ConfigError(f"replay_buffer.schedule until_step values must strictly increase, got {steps}")
+    if cfg.replay_buffer.enable:  # the sampler checks its own settings: its refusal is a config mistake
+        try:
+            ScheduledSampler.from_config(cfg.replay_buffer)
+        except ValueError as err:
+            raise ConfigError(f"replay_buffer: {err}") from err

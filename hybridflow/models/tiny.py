@@ -133,6 +133,7 @@ def make_tiny_model(
     num_kv_heads: int = 2,
     intermediate_size: int | None = None,
     max_position_embeddings: int = 2048,
+    attention_dropout: float = 0.0,
 ) -> str:
     """Write a randomly initialised small LlamaForCausalLM and its tokenizer to `out_dir`.
 
@@ -154,6 +155,7 @@ def make_tiny_model(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
+        attention_dropout=attention_dropout,
         tie_word_embeddings=True,
         bos_token_id=bos_id,
         eos_token_id=eos_id,

@@ -4,7 +4,7 @@ worker of the group and one result (usually a ``DataProto``) comes back.
 This package never imports Ray: ``LocalWorkerGroup`` runs workers in the driver's process. The Ray backend
 (``RayWorkerGroup``, resource pools, ``init_ray``) lives in ``hybridflow.single_controller.ray``.
 
-May import: ``utils``, ``protocol``, ``models``, ``algorithms``, ``config``.
+May import: ``utils``, ``protocol``, ``models``, ``algorithms``, ``dataflow``, ``config``.
 """
 
 from hybridflow.single_controller.colocate import create_colocated_worker_cls

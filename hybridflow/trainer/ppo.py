@@ -110,6 +110,7 @@ class PPOTrainer(RunLoop):
             prompt_key=d.prompt_key,
             truncation=d.truncation,
             filter_overlong_prompts=d.filter_overlong_prompts,
+            apply_chat_template=d.apply_chat_template,
             chat_template_kwargs=kwargs,
         )
 
@@ -121,6 +122,7 @@ class PPOTrainer(RunLoop):
             max_response_length=data.max_response_length,
             prompt_key=data.sft.prompt_key,
             response_key=data.sft.response_key,
+            apply_chat_template=data.apply_chat_template,
         )
         return PromptLoader(sft, data.sft.batch_size, shuffle=True, seed=data.seed)
 

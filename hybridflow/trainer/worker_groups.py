@@ -14,6 +14,7 @@ process (colocated only), or ``RayWorkerGroup`` s with the pools' processes. Eve
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,8 @@ from hybridflow.single_controller import (
 )
 from hybridflow.utils.errors import UserError
 from hybridflow.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker, RewardWorker
+
+logger = logging.getLogger(__name__)
 
 # The roles a placement maps to pools. "actor" and "rollout" in one pool form the hybrid engine's
 # actor_rollout worker; "reward" is the reward function's worker (without it, the driver scores).
@@ -150,19 +153,48 @@ def role_inits(
     return inits
 
 
-def check_ray_resources(needed: dict[str, float], n_workers: int) -> None:
-    """Refuse up front a run that Ray cannot place (else the placement waits, then fails with Ray's
-    resource message): each worker process takes ``trainer.cpus_per_worker`` CPUs (and one GPU on cuda)."""
-    import ray
+# Ray returns the resources of stopped workers a moment after they stop: how long to wait for them
+RELEASE_WAIT_S = 15.0
 
-    available, total = ray.available_resources(), ray.cluster_resources()
-    for kind, amount in needed.items():
-        if amount > available.get(kind, 0.0) + 1e-9:
+
+def ray_cpus_per_worker(trainer: Any, processes: int) -> float:
+    """CPUs each of ``processes`` Ray worker processes reserves: ``trainer.cpus_per_worker``, or, on a Ray
+    with fewer CPUs than they ask for together, an equal share of its CPUs (a laptop user who asks for split
+    placement gets it on shared cores; one log line says so). On cuda each process also takes a GPU of its
+    own. Refused up front (else the placement would wait a minute, then fail with Ray's resource message):
+    what can never be placed, a Ray with fewer GPUs than processes or without CPUs, and what other Ray work
+    holds the resources for."""
+    from hybridflow.single_controller.ray import free_and_total, shared_cpus
+
+    who = f"trainer.n_workers={trainer.n_workers} with trainer.placement={trainer.placement}"
+    if trainer.device == "cuda":
+        free_gpus, total_gpus = free_and_total("GPU", at_least=processes, wait_s=RELEASE_WAIT_S)
+        if processes > free_gpus + 1e-9:
             raise UserError(
-                f"trainer.n_workers={n_workers} needs {amount:g} {kind}s on Ray, but Ray sees "
-                f"{available.get(kind, 0.0):g} available (of {total.get(kind, 0.0):g}): lower trainer.n_workers "
-                f"or give Ray more (trainer.ray_kwargs.num_{kind.lower()}s=..., or a larger Ray cluster)"
+                f"{who} starts {processes} worker processes, each needing a GPU of its own, but Ray sees "
+                f"{free_gpus:g} GPUs available (of {total_gpus:g}): lower trainer.n_workers, use "
+                "trainer.placement=colocated, or give Ray more GPUs"
             )
+    wanted = trainer.cpus_per_worker
+    share = shared_cpus(processes, wanted, free_and_total("CPU")[1])
+    free, total = free_and_total("CPU", at_least=processes * share, wait_s=RELEASE_WAIT_S)
+    if share <= 0 or processes * share > free + 1e-9:
+        held = "" if share <= 0 else f"; other Ray work holds {total - free:g}"
+        raise UserError(
+            f"{who} starts {processes} worker processes, but Ray sees {free:g} CPUs available (of "
+            f"{total:g}){held}: stop that work, or give Ray CPUs (trainer.ray_kwargs.num_cpus=...)"
+        )
+    if share < wanted:
+        logger.warning(
+            "%d worker processes x trainer.cpus_per_worker=%g ask %g CPUs, Ray has %g: they share them, "
+            "%g CPUs each",
+            processes,
+            wanted,
+            processes * wanted,
+            total,
+            share,
+        )
+    return share
 
 
 def build_worker_groups(
@@ -189,15 +221,11 @@ def build_worker_groups(
     pool_of = {name: roles["actor" if name == str(Role.ACTOR_ROLLOUT) else name] for name in inits}
     used = {pool: nodes for pool, nodes in pools.items() if pool in pool_of.values()}
     processes = sum(sum(nodes) for nodes in used.values())
-    needed = {"CPU": processes * trainer.cpus_per_worker}
-    if trainer.device == "cuda":
-        needed["GPU"] = float(processes)
-    check_ray_resources(needed, trainer.n_workers)
     manager = ResourcePoolManager(
         used,
         {name: pool_of[name] for name in inits},
         use_gpu=trainer.device == "cuda",
-        cpus_per_process=trainer.cpus_per_worker,
+        cpus_per_process=ray_cpus_per_worker(trainer, processes),
         max_colocate_count=1,
     )
     resource_pools = manager.create_resource_pool()

@@ -70,7 +70,7 @@ class ActorRolloutRefWorker(Worker):
         config: ActorRolloutRefConfig,
         role: str = "actor_rollout",
         response_length: int = 64,
-        seed: int = 0,
+        seed: int = 42,
         device: str = "auto",
         announce: bool = False,
     ) -> None:
@@ -99,6 +99,7 @@ class ActorRolloutRefWorker(Worker):
                 model_cfg.path,
                 *load_placement(strategy, model_cfg.dtype, self.device),
                 trust_remote_code=model_cfg.trust_remote_code,
+                disable_dropout=model_cfg.disable_dropout,
                 gradient_checkpointing=self._is_actor and model_cfg.enable_gradient_checkpointing,
             )
             lora = model_cfg.lora_rank if self._is_actor else 0
@@ -128,7 +129,7 @@ class ActorRolloutRefWorker(Worker):
                 self.tokenizer,
                 self.response_length,
                 model_location(model_cfg.path),
-                (rollout.seed or 0) + self.rank,
+                (self.seed if rollout.seed is None else rollout.seed) + self.rank,
             )
         if self._is_ref and not (self.module is not None and is_lora(self.module)):
             strategy = resolve_strategy(ref.strategy, self.world_size, "actor_rollout_ref.ref.strategy")
@@ -136,6 +137,7 @@ class ActorRolloutRefWorker(Worker):
                 model_cfg.path,
                 *load_placement(strategy, model_cfg.dtype, self.device),
                 trust_remote_code=model_cfg.trust_remote_code,
+                disable_dropout=model_cfg.disable_dropout,
             ).eval()
             module.requires_grad_(False)
             self.ref_module = wrap_model(module, strategy, ref.fsdp_config, self.device)
@@ -351,7 +353,7 @@ class ActorRolloutRefWorker(Worker):
         self.module.train()
         extra = []
         if sft_data is not None and len(sft_data):
-            extra = [(sft_data, self._sft_loss, float(sft_data.meta_info.get("loss_coef", 1.0)))]
+            extra = [(sft_data, self._sft_loss, float(sft_data.meta_info["loss_coef"]))]
         metrics = self.engine.update(
             data,
             mini_batch,

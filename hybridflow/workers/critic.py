@@ -24,7 +24,9 @@ class CriticWorker(Worker):
     """``config``: the ``critic`` config section (its ``model.path`` already resolved by the trainer);
     ``rollout_n``: samples per prompt, since ``ppo_mini_batch_size`` counts prompts; ``device``: ``trainer.device``."""
 
-    def __init__(self, config: CriticConfig, rollout_n: int = 1, seed: int = 0, device: str = "auto") -> None:
+    def __init__(
+        self, config: CriticConfig, rollout_n: int = 1, seed: int = 42, device: str = "auto"
+    ) -> None:
         super().__init__(device)
         self.config, self.rollout_n, self.seed = config, rollout_n, seed
         self.module = self.engine = self.tokenizer = None
@@ -44,6 +46,7 @@ class CriticWorker(Worker):
             num_labels=1,
             trust_remote_code=model_cfg.trust_remote_code,
             new_head="the critic's value head",
+            disable_dropout=model_cfg.disable_dropout,
             gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
         )
         module.config.pad_token_id = self.tokenizer.pad_token_id

@@ -77,9 +77,11 @@ def load_model(
     trust_remote_code: bool = False,
     gradient_checkpointing: bool = False,
     new_head: str | None = None,
+    disable_dropout: bool = True,
     **kwargs: Any,
 ) -> PreTrainedModel:
-    """A Hugging Face model on ``device``; ``path`` may be ``default`` (the embedded SmolLM2).
+    """A Hugging Face model on ``device``; ``path`` may be ``default`` (the embedded SmolLM2), with its
+    dropout off unless ``disable_dropout`` is false (``without_dropout``).
 
     ``new_head`` (e.g. ``"the critic's value head"``): a head the checkpoint is expected to lack. Its
     fresh weights are reported in one line instead of transformers' table of MISSING keys, which reads
@@ -106,8 +108,29 @@ def load_model(
             hf_logging.set_verbosity(verbosity)
         _report_new_head(model, sorted(info.get("missing_keys", [])), new_head, path)
     model = model.to(device)
+    if disable_dropout:
+        without_dropout(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Set every dropout probability in ``model`` to 0: ``nn.Dropout`` layers and the rates attention layers
+    keep as plain floats (Llama's ``attention_dropout``, read in the forward only in training mode).
+
+    Why (TRL's ``disable_dropout``): log-probs are computed in eval mode and updates in training mode, so with
+    dropout the update's forward is not the policy that was scored: PPO's first ratio is not 1 and DPO's
+    first loss is not ln 2 although the policy equals the reference. The model's config (saved with each
+    checkpoint) keeps its rates."""
+    for module in model.modules():
+        rates = [
+            name for name, value in vars(module).items() if name.endswith("dropout") and type(value) is float
+        ]
+        if isinstance(module, torch.nn.Dropout):
+            rates.append("p")
+        for name in rates:
+            setattr(module, name, 0.0)
     return model
 
 

@@ -7,12 +7,15 @@ import shutil
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from hybridflow.commands.cli import main as cli
 from hybridflow.commands.demo import DEMO_SETTINGS
 from hybridflow.commands.doctor import run_checks
 from hybridflow.commands.memory_estimate import GB, RUNTIME_BYTES, ModelShape, estimate_memory
 from hybridflow.config.schema import load_config, load_unvalidated
+from hybridflow.rewards import RewardManager, load_custom_reward_function
+from hybridflow.utils.errors import UserError
 
 NAMES = ["config", "paths", "model", "dataset", "batch", "reward", "memory", "environment"]
 
@@ -234,3 +237,71 @@ def test_environment_fails_when_the_rollout_engine_does_not_import(tmp_path, mon
     monkeypatch.setattr("hybridflow.commands.doctor._import_error", lambda module: f"{module}: not installed")
     check = check_environment(cfg)
     assert check.verdict == "fail" and "rollout.name is vllm but it does not import: vllm" in check.detail
+
+
+SCORERS = {
+    "tensor.py": "import torch\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    return torch.tensor(float(str(ground_truth) in solution_str))\n",
+    "numpy.py": "import numpy as np\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    return {'score': np.float32(str(ground_truth) in solution_str)}\n",
+    "text.py": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return '1.0'\n",
+}
+
+
+@pytest.mark.parametrize("scorer", sorted(SCORERS))
+def test_doctor_accepts_exactly_the_scores_training_accepts(base, tmp_path, tiny_model_path, scorer):
+    """Before: doctor failed a 0-d tensor and a numpy float that training takes, with its own rule. Now both
+    call ``checked_score``: what RewardManager accepts passes doctor, what it refuses fails doctor."""
+    path = tmp_path / scorer
+    path.write_text(SCORERS[scorer])
+    checks = verdicts([*base, f"custom_reward_function.path={path}"])
+    manager = RewardManager(AutoTokenizer.from_pretrained(tiny_model_path), load_custom_reward_function(path))
+    try:
+        manager._score_one(0, "arithmetic", "=5", 5, {})
+        trains = True
+    except UserError:
+        trains = False
+    assert trains == (scorer != "text.py")
+    if trains:
+        assert checks["reward"].verdict == "ok", checks["reward"].detail
+        assert "ground-truth 1, wrong 0" in checks["reward"].detail
+    else:
+        assert failed(checks) == ["reward"]
+        assert "on a ground-truth response for data_source 'arithmetic'" in checks["reward"].detail
+        assert "it returned str '1.0': a score is a number" in checks["reward"].detail
+
+
+def test_replay_buffer_mistakes_are_config_problems(base, capsys):
+    """Before: doctor said nothing (the replay buffer checks its settings when the trainer builds it), and
+    ``hybridflow train`` stopped there with a ValueError traceback."""
+    bad = [*base, "replay_buffer.enable=true", "replay_buffer.strategy=prioritized"]
+    checks = verdicts(bad)
+    assert failed(checks) == ["config"]
+    assert checks["config"].detail == (
+        "replay_buffer: schedule phase 0: unknown strategy 'prioritized'; known: ['uniform', 'priority']"
+    )
+    assert cli(["train", *bad]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "hybridflow train: error: replay_buffer: schedule phase 0: unknown strategy 'prioritized'; known: "
+        "['uniform', 'priority']"
+    )
+
+
+def test_dataset_check_counts_prompt_tokens_as_the_dataset_feeds_them(base, data_dir, tiny_model_path):
+    """Before: doctor always chat-templated the prompts it measured, also under data.apply_chat_template=false."""
+    from hybridflow.data.dataset import read_rows
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    rows = read_rows(data_dir / "train.parquet")
+    raw = max(len(tok("\n".join(m["content"] for m in row["prompt"]))["input_ids"]) for row in rows)
+    texts = [
+        tok.apply_chat_template(list(row["prompt"]), add_generation_prompt=True, tokenize=False)
+        for row in rows
+    ]
+    templated = max(len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"])
+    assert raw < templated
+    assert (
+        f", max {raw} vs data.max_prompt_length"
+        in verdicts([*base, "data.apply_chat_template=false"])["dataset"].detail
+    )
+    assert f", max {templated} vs data.max_prompt_length" in verdicts(base)["dataset"].detail

@@ -22,6 +22,7 @@ from hybridflow.config.offline import (
 )
 from hybridflow.config.schema import ConfigError
 from hybridflow.data.prepare import main as prepare_data
+from hybridflow.models import make_tiny_model
 from hybridflow.runs.checkpoint import find_latest_checkpoint
 from hybridflow.runs.lock import RunLock
 from hybridflow.runs.trained_model import load_trained_actor
@@ -122,6 +123,30 @@ def test_dpo_starts_at_ln2_and_learns_the_preferences(data, tiny_model_path, tmp
     )
     model, _ = load_trained_actor(tmp_path)  # the checkpoint is a plain Hugging Face model
     assert find_latest_checkpoint(tmp_path).name == "global_step_4" and model.config.model_type == "llama"
+
+
+@pytest.mark.parametrize("disable_dropout", [True, False])
+def test_dpo_with_a_dropout_model_starts_at_ln2_with_dropout_off(data, tmp_path, disable_dropout):
+    """Before: with attention dropout 0.5 the policy's training forward was not the reference's eval forward,
+    and the first DPO loss was not ln 2 although the policy equals the reference."""
+    model = make_tiny_model(tmp_path / "model", attention_dropout=0.5)
+    cfg = overrides(
+        data,
+        "dpo",
+        model,
+        tmp_path / "run",
+        "trainer.total_training_steps=1",
+        "trainer.val_before_train=false",
+        f"model.disable_dropout={disable_dropout}",
+    )
+    with OfflineTrainer(load_offline_config(DPOConfig, cfg)) as trainer:
+        trainer.fit()
+    first = logged(tmp_path / "run")[0]
+    if disable_dropout:
+        assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-5)
+        assert first["rewards/margins"] == pytest.approx(0, abs=1e-5)
+    else:  # the key keeps the checkpoint's dropout: the training forward is then a noisy policy
+        assert abs(first["train/loss"] - math.log(2)) > 1e-4  # 7.5e-4 here, 75x the tolerance above
 
 
 def test_kto_cli_run_starts_at_one_half_and_separates_good_from_bad(data, tiny_model_path, tmp_path):

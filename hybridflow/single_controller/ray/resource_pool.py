@@ -4,17 +4,48 @@ A ``RayResourcePool`` reserves, per node, one placement-group bundle per process
 node's bundles on one machine). Rank ``r`` of every group built on the pool runs in bundle ``r``; up to
 ``max_colocate_count`` groups may share the bundles (each actor asks for that fraction of a bundle), which
 is how separate groups of different roles share devices. ``ResourcePoolManager`` maps roles to named pools
-and checks that the cluster can hold them before reserving anything.
+and checks that the cluster can hold them before reserving anything; ``shared_cpus`` says how many CPUs each
+process can have when a machine has fewer than the processes ask for.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+# Ray counts fractional resources in ten-thousandths, and accepts a fraction only below one
+RAY_RESOURCE_UNIT = 1e-4
+
+
+def shared_cpus(processes: int, wanted: float, available: float) -> float:
+    """CPUs per process for ``processes`` processes that each want ``wanted`` CPUs on a Ray with
+    ``available`` CPUs: ``wanted`` when they all fit, else an equal share that Ray accepts (a whole number
+    above one CPU, ten-thousandths below), so that a small machine runs them on shared cores instead of
+    waiting for cores it does not have. 0.0 when not even one unit per process is there."""
+    if processes * wanted <= available + 1e-9:
+        return wanted
+    share = available / processes
+    if share >= 1:
+        return float(math.floor(share))
+    return math.floor(share / RAY_RESOURCE_UNIT + 1e-9) * RAY_RESOURCE_UNIT
+
+
+def free_and_total(kind: str, at_least: float = 0.0, wait_s: float = 0.0) -> tuple[float, float]:
+    """How much of resource ``kind`` (``"CPU"``, ``"GPU"``) the running Ray cluster has free, and in all;
+    waits up to ``wait_s`` seconds for ``at_least`` to be free (Ray takes back a stopped worker's resources
+    a moment after it stops)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        free, total = ray.available_resources().get(kind, 0.0), ray.cluster_resources().get(kind, 0.0)
+        if free + 1e-9 >= min(at_least, total) or time.monotonic() >= deadline:
+            return free, total
+        time.sleep(0.1)
 
 
 @dataclass(frozen=True)

@@ -59,12 +59,13 @@ def build_rollout(
     module: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     response_length: int,
-    model_path: str | None = None,
-    seed: int = 0,
+    model_path: str | None,
+    seed: int,
 ) -> Any:
     """The engine named by ``rollout.name`` (``rollout``: a ``RolloutConfig``). ``hf`` samples from ``module``
     itself (shared with the actor); ``vllm`` loads its own copy from ``model_path`` (in ``rollout.dtype``) and
-    must be sent the weights after each change (``update_weights``). Wrapped in the agent loop when
+    must be sent the weights after each change (``update_weights``); ``seed``: vLLM's sampling seed
+    (``rollout.seed``, null = ``trainer.seed``, plus the rank). Wrapped in the agent loop when
     ``rollout.multi_turn.enable``."""
     name = rollout.name
     if name == "hf":
