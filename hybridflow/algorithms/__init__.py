@@ -37,6 +37,7 @@ from hybridflow.algorithms.losses import (
     register_policy_loss,
     truncated_importance_weights,
 )
+from hybridflow.algorithms.off_policy import MASK_LEVELS, off_policy_mask
 from hybridflow.algorithms.preference import (
     dpo_loss,
     get_offline_objective,
@@ -58,6 +59,7 @@ from hybridflow.algorithms.utils import (
 
 __all__ = [
     "AdaptiveKLController",
+    "MASK_LEVELS",
     "FixedKLController",
     "KLController",
     "agg_loss",
@@ -88,6 +90,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "off_policy_mask",
     "sequence_log_probs",
     "sequence_to_token_scores",
     "register_adv_est",

@@ -174,6 +174,18 @@ CURVE_FIGURES: tuple[CurveFigure, ...] = (
     CurveFigure(
         "lr", "Learning rate", "lr", (Curve("actor", ("actor/lr",)), Curve("critic", ("critic/lr",)))
     ),
+    CurveFigure(
+        "async",
+        "Asynchronous training: staleness of the trained samples, idle time",
+        "weight versions behind",
+        (
+            Curve("staleness mean", ("async/staleness_mean",)),
+            Curve("staleness max", ("async/staleness_max",)),
+            Curve("rollout idle", ("async/rollout_idle_frac",), right=True),
+            Curve("trainer idle", ("async/trainer_idle_frac",), right=True),
+        ),
+        right_label="share of the step's time",
+    ),
 )
 
 

@@ -243,6 +243,7 @@ _RANGES: dict[str, tuple] = {
     },
     **{f"trainer.{k}": _NON_NEGATIVE for k in ("log_val_generations", "n_gpus_per_node", "critic_warmup")},
     "trainer.cpus_per_worker": _GREATER_THAN_0,
+    "async_training.max_staleness": _NON_NEGATIVE,
     "trainer.save_freq": _FREQUENCY,
     "trainer.test_freq": _FREQUENCY,
 }
@@ -257,6 +258,11 @@ def check_ranges(cfg: Any) -> None:
         betas = get_key(cfg, key)
         if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
             raise ConfigError(f"{key} must be two numbers in [0, 1) (Adam's beta1, beta2), got {betas}")
+    bounds = cfg.actor_rollout_ref.actor.off_policy_mask_bounds
+    if len(bounds) != 2 or not 0 <= bounds[0] <= 1 <= bounds[1]:
+        raise ConfigError(
+            f"{_ACTOR}.off_policy_mask_bounds must be [low, high] with 0 <= low <= 1 <= high, got {bounds}"
+        )
 
 
 def check_batch_sizes(cfg: Any) -> None:
@@ -365,6 +371,7 @@ def check_cross_fields(cfg: Any) -> None:
                 f"{r}.fsdp_config.fsdp_size" for r in (_ACTOR, "actor_rollout_ref.ref", "critic.model")
             )
         ),
+        *_async_problems(cfg),
     ]
     for failed, message in problems:
         if failed:
@@ -377,3 +384,22 @@ def check_cross_fields(cfg: Any) -> None:
             ScheduledSampler.from_config(cfg.replay_buffer)
         except ValueError as err:
             raise ConfigError(f"replay_buffer: {err}") from err
+
+
+def _async_problems(cfg: Any) -> list[tuple[bool, str]]:
+    """An asynchronous rollout needs a rollout worker of its own (the trainer changes the actor's module while
+    it generates), and a partial rollout the engine that can swap weights between decoding steps."""
+    run, rollout, trainer = cfg.async_training, cfg.actor_rollout_ref.rollout, cfg.trainer
+    partial = run.mode == "fully_async" and run.partial_rollout
+    return [
+        (
+            run.mode != "sync" and trainer.backend == "ray" and trainer.placement != "split",
+            f"async_training.mode={run.mode} generates while the actor trains, in a rollout worker of its own: "
+            "set trainer.placement=split on the Ray backend",
+        ),
+        (
+            partial and (rollout.name != "hf" or rollout.multi_turn.enable),
+            "async_training.partial_rollout=true swaps weights between decoding steps, which only the hf "
+            "rollout without the agent loop does: set async_training.partial_rollout=false",
+        ),
+    ]

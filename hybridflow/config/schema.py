@@ -155,6 +155,11 @@ class ActorConfig:
     #: truncated importance sampling: weight each token by min(pi_trainer / pi_rollout, cap) to correct for
     #: the rollout engine's mismatch with the trainer (vLLM kernels, stale weights); <= 0 (-1) = off
     tis_imp_ratio_cap: float = -1.0
+    #: drop tokens whose trainer/rollout probability ratio left off_policy_mask_bounds (their advantage is
+    #: zeroed): off | token | sequence (a sample's length-normalised ratio) | token_and_sequence
+    off_policy_mask: Literal["off", "token", "sequence", "token_and_sequence"] = "off"
+    #: [low, high] bounds of that ratio (0 <= low <= 1 <= high)
+    off_policy_mask_bounds: list[float] = field(default_factory=lambda: [0.5, 2.0])
     loss_agg_mode: LossAggMode = "token-mean"  #: how token losses become one number
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)  #: the policy-gradient loss
     entropy_coeff: float = 0.0  #: weight of the entropy bonus
@@ -229,7 +234,9 @@ class RolloutConfig(SamplingConfig):
     #: the GPU while it trains; on CPU nothing is freed
     free_cache_engine: bool = True
     dtype: Dtype = "auto"  #: vllm: engine dtype; auto = the actor's (actor_rollout_ref.model.dtype)
-    seed: int | None = None  #: vllm: engine sampling seed; null = trainer.seed (plus the rank)
+    #: sampling seed; null = trainer.seed. hf: each sample seeded by it, the step and its prompt; vllm: the
+    #: engine's seed (plus the rank)
+    seed: int | None = None
     #: vllm: longest sequence; null = data.max_prompt_length + max_response_length
     max_model_len: int | None = None
     #: sampling for validation (greedy by default)
@@ -414,6 +421,23 @@ ALIASES: dict[str, str] = {
 }
 
 
+@dataclass
+class AsyncTrainingConfig:
+    """Rollout and training overlapping (``hybridflow.trainer.async_rollout``): generation runs ahead of the
+    trainer on weights up to ``max_staleness`` updates old."""
+
+    #: sync = generate, then train (lock-step); one_step_off = the rollout of step k+1 runs while step k
+    #: trains, on the weights of step k-1 (deterministic); fully_async = the rollout runs up to max_staleness
+    #: updates ahead, and with partial_rollout each update reaches the generations in flight
+    mode: Literal["sync", "one_step_off", "fully_async"] = "sync"
+    #: fully_async: most weight updates between the weights a token was sampled with and the weights that
+    #: train on it (0 = lock-step, as sync)
+    max_staleness: int = 1
+    #: fully_async: a weight update reaches generations in flight (their KV cache is recomputed under the new
+    #: weights); false = a batch is generated whole by one weight version
+    partial_rollout: bool = True
+
+
 @dataclass(init=False)
 class PPOConfig(Schema):
     """The whole configuration; every section has defaults, so ``PPOConfig()`` is complete.
@@ -435,6 +459,8 @@ class PPOConfig(Schema):
     #: past rollouts replayed in the actor update (hybridflow extension)
     replay_buffer: ReplayBufferConfig = field(default_factory=ReplayBufferConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  #: the run
+    #: rollout and training overlapping: sync, one-step-off-policy, fully async (hybridflow extension)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
     ALIASES: ClassVar[dict[str, str]] = ALIASES
 

@@ -87,6 +87,11 @@ class RunLoop:
     def step_metrics(self) -> dict[str, float]:
         return {}
 
+    def data_position(self) -> dict[str, Any]:
+        """What a checkpoint records as the data position: the loader's (a trainer that draws batches ahead
+        of training says where the trained ones end)."""
+        return self.train_loader.state_dict()
+
     def batches(self) -> Iterator[DataProto]:
         """The training batches, across epochs, from the (resumable) position of ``train_loader``."""
         return endless(self.train_loader)
@@ -118,7 +123,7 @@ class RunLoop:
         """``global_step_N/``: the workers' checkpoints and ``trainer_state.pt``, written atomically."""
         with self.checkpoints.saving(self.global_step) as folder:
             state = self.save_state(folder)
-            state.update(global_step=self.global_step, loader=self.train_loader.state_dict())
+            state.update(global_step=self.global_step, loader=self.data_position())
             torch.save(state, folder / "trainer_state.pt")
         self.hooks.emit("on_checkpoint", self, self.global_step, {}, None)
         return self.checkpoints.path(self.global_step)

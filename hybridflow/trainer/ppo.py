@@ -9,6 +9,7 @@ here, on the driver, by any estimator registered in ``hybridflow.algorithms``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.rewards import RewardManager, default_compute_score, load_custom_reward_function
 from hybridflow.runs.tracking import Tracking
 from hybridflow.tools import load_tools
+from hybridflow.trainer.async_rollout import PromptStream, build_rollouts, stale_tokens
 from hybridflow.trainer.loop import RunLoop, endless
 from hybridflow.trainer.metrics import (
     StepTimings,
@@ -95,6 +97,7 @@ class PPOTrainer(RunLoop):
             alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon
         )
         self._sft_batches = endless(self.sft_loader) if self.sft_loader else None
+        self.rollouts = self.stream = None  # where the samples come from (async_training.mode): init_workers
 
     def _dataset(self, files: list[str]) -> RLHFDataset:
         d, multi_turn = self.config.data, self.config.actor_rollout_ref.rollout.multi_turn
@@ -130,13 +133,41 @@ class PPOTrainer(RunLoop):
     def init_workers(self) -> None:
         if self.wg is None:  # a two-stage reward calls the reward model from the driver, so it stays here
             two_stage = self.config.reward_model.two_stage.enable
-            self.wg = build_worker_groups(self.config, reward_fn=None if two_stage else self.reward_fn)
+            self.wg = build_worker_groups(
+                self.config,
+                reward_fn=None if two_stage else self.reward_fn,
+                overlapping=self.config.async_training.mode != "sync",
+            )
+        self.rollouts = build_rollouts(self.config, self.wg.generator, self.wg.rollout is not None)
 
-    def sync_rollout_weights(self) -> None:
-        """Send the actor's weights to a rollout running in other processes (``trainer.placement=split``),
-        through Ray's object store; a rollout in the actor's process syncs itself inside ``update_actor``."""
-        if self.wg.rollout is not None:
-            self.wg.rollout.update_weights(self.wg.actor_rollout.get_weights()[0])
+    def sync_rollout_weights(self, version: int) -> None:
+        """Send the actor's weights (``version``: the steps they have trained) to a rollout worker of its own
+        (``trainer.placement=split``, or an asynchronous run), through Ray's object store on Ray; a rollout in
+        the actor's process syncs itself inside ``update_actor``."""
+        self.rollouts.post_weights(self.wg.actor_rollout, version)
+
+    def close(self) -> None:
+        if self.rollouts is not None:
+            self.rollouts.stop()
+        super().close()
+
+    # ------------------------------------------------------------------ where the samples come from
+    def batches(self) -> Iterator[DataProto]:
+        """The prompts of each step; an asynchronous run's producer, started here, draws ahead of them."""
+        self.stream = PromptStream(self.train_loader, self.global_step)
+        self.rollouts.start(self.stream, self.global_step, self.total_steps)
+        while True:
+            yield self.stream.take(self.global_step)
+
+    def data_position(self) -> dict[str, Any]:
+        """The loader's position after the last *trained* batch (the producer may have drawn further)."""
+        return self.stream.trained_state if self.stream else self.train_loader.state_dict()
+
+    def _train(self, tracker: Tracking) -> dict[str, float]:
+        try:
+            return super()._train(tracker)
+        finally:  # an asynchronous run's producer stops with the run, also when a step raises
+            self.rollouts.stop()
 
     # ------------------------------------------------------------------ one step, stage by stage
     def compute_reward(self, batch: DataProto, metrics: dict[str, float] | None = None) -> DataProto:
@@ -181,9 +212,9 @@ class PPOTrainer(RunLoop):
         cfg, wg, t = self.config, self.wg, StepTimings() if timings is None else timings
         use_critic = wg.critic is not None
         with timer("step", t):
-            with timer("gen", t):
+            with timer("gen", t):  # sync: generated now; async: the oldest batch the producer finished
                 batch.meta_info["n"] = cfg.actor_rollout_ref.rollout.n
-                batch = wg.generator.generate_sequences(batch)
+                batch = self.rollouts.take(self.global_step, batch, metrics, t)
                 metrics.update(
                     reduce_metrics(batch.meta_info.pop("metrics", {}))
                 )  # agent/* of multi-turn rollouts
@@ -191,7 +222,9 @@ class PPOTrainer(RunLoop):
             with timer("reward", t):
                 batch = self.compute_reward(batch, metrics)
             self.hooks.emit("after_reward", self, self.global_step, metrics, batch)
-            if self._needs_old_log_prob():
+            if stale_tokens(batch, self.global_step).any():  # PPO's old policy is the one that sampled
+                batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+            elif self._needs_old_log_prob():
                 with timer("old_log_prob", t):
                     batch = self._union_with_metrics(batch, wg.actor_rollout.compute_log_prob(batch), metrics)
             if wg.ref is not None:
@@ -223,12 +256,12 @@ class PPOTrainer(RunLoop):
                     rows = self.replay.mix(batch, self.global_step, metrics) if self.replay else batch
                     out = wg.actor_rollout.update_actor(rows, sft)
                     metrics.update(reduce_metrics(out.meta_info["metrics"]))
-                if wg.rollout is not None:
-                    with timer("sync_weights", t):
-                        self.sync_rollout_weights()
                 if self.replay:
                     with timer("replay_priorities", t):
                         self.replay.update_priorities(wg.actor_rollout, metrics)
+            if wg.rollout is not None:
+                with timer("sync_weights", t):
+                    self.sync_rollout_weights(self.global_step + 1)
         metrics.update(compute_data_metrics(batch, use_critic))
         metrics.update({f"timing_s/{k}": v for k, v in t.items()})
         metrics.update(compute_throughput_metrics(batch, t, wg.actor_rollout.world_size))
@@ -263,7 +296,7 @@ class PPOTrainer(RunLoop):
             batch.meta_info.update(
                 n=kw.n, temperature=kw.temperature, top_p=kw.top_p, top_k=kw.top_k, do_sample=kw.do_sample
             )
-            out = self.wg.generator.generate_sequences(batch)
+            out = self.rollouts.generate_now(batch, self.global_step)
             agent.append(reduce_metrics(out.meta_info.pop("metrics", {})))
             result = self.val_reward_fn(out, return_dict=True)
             rows.append((out, result))
@@ -303,7 +336,8 @@ class PPOTrainer(RunLoop):
 
     def load_state(self, folder: Path, state: dict[str, Any]) -> None:
         self.wg.actor_rollout.load_checkpoint(str(folder / "actor"))
-        self.sync_rollout_weights()
+        if self.wg.rollout is not None:
+            self.sync_rollout_weights(state["global_step"])
         if self.wg.critic is not None:
             self.wg.critic.load_checkpoint(str(folder / "critic"))
         if self.sft_loader and state["sft_loader"]:

@@ -201,16 +201,25 @@ def build_worker_groups(
     config: PPOConfig | OfflineConfig,
     reward_fn: Callable[..., dict] | None = None,
     inits: dict[Any, ClassWithInitArgs] | None = None,
+    overlapping: bool = False,
 ) -> WorkerGroups:
     """Start the workers (``trainer.backend``: ``local`` or ``ray``, placed by ``trainer.placement``) and load
     their models. ``reward_fn`` runs in a worker of its own where the placement maps ``reward``; ``inits``
-    (default: ``role_inits``, the PPO roles; keys: a role or its group name) says which workers to start."""
+    (default: ``role_inits``, the PPO roles; keys: a role or its group name) says which workers to start.
+    ``overlapping``: the rollout generates while the actor trains (an asynchronous run), so it is a worker of
+    its own on the local backend too, and on Ray takes a second call (posted weights) while it generates."""
     trainer = config.trainer
     given = None if inits is None else {str(name): init for name, init in inits.items()}
     if trainer.backend != "ray":
-        inits = given or role_inits(config)
-        group = LocalWorkerGroup(create_colocated_worker_cls(inits), world_size=1, name_prefix="hybridflow")
-        return _init_views(group.spawn(prefix_set=list(inits)), None, inits)
+        # an asynchronous run generates while the actor trains: the rollout is a worker of its own
+        inits = given or role_inits(config, {"actor": "main", "rollout": "rollout"} if overlapping else None)
+        views = {}
+        for names in ([n for n in inits if n != "rollout"], [n for n in inits if n == "rollout"]):
+            members = {name: inits[name] for name in names}
+            if members:
+                group = LocalWorkerGroup(create_colocated_worker_cls(members), 1, name_prefix="hybridflow")
+                views.update(group.spawn(prefix_set=names))
+        return _init_views(views, None, inits)
 
     from hybridflow.single_controller.ray import RayWorkerGroup, ResourcePoolManager, init_ray
 
@@ -234,7 +243,11 @@ def build_worker_groups(
         for pool_name, pool in resource_pools.items():
             members = {name: init for name, init in inits.items() if pool_of[name] == pool_name}
             group = RayWorkerGroup(
-                pool, create_colocated_worker_cls(members), name_prefix=f"hybridflow/{pool_name}"
+                pool,
+                create_colocated_worker_cls(members),
+                name_prefix=f"hybridflow/{pool_name}",
+                # an asynchronous run posts weights to the rollout while it generates
+                max_concurrency=2 if overlapping and "rollout" in members else 1,
             )
             groups.append(group)
             views.update(group.spawn(prefix_set=list(members)))

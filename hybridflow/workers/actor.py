@@ -21,6 +21,7 @@ from hybridflow.algorithms import (
     get_policy_loss_fn,
     kl_penalty,
     masked_mean,
+    off_policy_mask,
     truncated_importance_weights,
 )
 from hybridflow.config import ActorRolloutRefConfig
@@ -39,7 +40,7 @@ from hybridflow.workers.sharding import (
     resolve_strategy,
     wrap_model,
 )
-from hybridflow.workers.weight_sync import from_numpy, policy_weights, to_numpy
+from hybridflow.workers.weight_sync import WeightMailbox, from_numpy, policy_weights, to_numpy
 
 ROLES = ("actor", "rollout", "ref")
 
@@ -85,6 +86,7 @@ class ActorRolloutRefWorker(Worker):
             announce  # print what this worker did (a role in its own process, as the tutorial logs)
         )
         self.module = self.ref_module = self.engine = self.rollout = None
+        self.mailbox: WeightMailbox | None = None  # a rollout-only worker's weight versions (async runs)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -131,6 +133,8 @@ class ActorRolloutRefWorker(Worker):
                 model_location(model_cfg.path),
                 (self.seed if rollout.seed is None else rollout.seed) + self.rank,
             )
+            if not self._is_actor:
+                self.mailbox = WeightMailbox(self._load_weights)
         if self._is_ref and not (self.module is not None and is_lora(self.module)):
             strategy = resolve_strategy(ref.strategy, self.world_size, "actor_rollout_ref.ref.strategy")
             module = load_model(
@@ -147,6 +151,11 @@ class ActorRolloutRefWorker(Worker):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         self._require(self.rollout, "rollout", "generate_sequences")
         check_generation_batch(prompts)
+        if "global_step" in prompts.meta_info and hasattr(self.rollout, "reseed"):
+            self.rollout.reseed(prompts.meta_info["global_step"])
+        versioned = self.mailbox is not None and "weight_version" in prompts.meta_info
+        if versioned:
+            self._use_weights(prompts.meta_info)
         try:
             with gathered(self.module, self.config.actor.fsdp_config.reshard_after_forward):
                 out = self.rollout.generate_sequences(prompts)
@@ -157,11 +166,45 @@ class ActorRolloutRefWorker(Worker):
                 f"{e}: the update of training step {self.engine.steps_done} (lr "
                 f"{self.engine.lr:g}) broke the weights; lower actor_rollout_ref.actor.optim.lr"
             ) from e
+        finally:
+            if versioned and self.mailbox.follow:
+                self.mailbox.follow, self.rollout.weights = False, None
+        if versioned and "rollout_weight_versions" not in out.batch.keys():
+            mask = out.batch["response_mask"]
+            out.batch["rollout_weight_versions"] = torch.full_like(mask, self.mailbox.version).masked_fill(
+                mask == 0, -1
+            )
         if self.announce:
             print(f"[rollout] generated {len(out)} responses for {len(prompts)} prompts", flush=True)
         return out
 
     # ---------------------------------------------------------------- weight sync
+    def _use_weights(self, meta: dict[str, Any]) -> None:
+        """An asynchronous run's generation: load ``meta["weight_version"]`` (None: the newest posted), forget
+        versions older than ``meta["keep_from"]``, and with ``meta["follow_weights"]`` (a partial rollout) let
+        the engine take newer versions between decoding steps."""
+        self.mailbox.use(meta["weight_version"], meta.get("keep_from"))
+        if meta.get("follow_weights"):
+            if not hasattr(self.rollout, "weights"):
+                raise ValueError(
+                    f"a partial rollout needs an engine that swaps weights between decoding steps (hf); "
+                    f"{type(self.rollout).__name__} does not"
+                )
+            self.mailbox.follow, self.rollout.weights = True, self.mailbox
+
+    def _load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        self.module.load_state_dict(dict(named))
+        if hasattr(self.rollout, "update_weights"):
+            self.rollout.update_weights(named)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def post_weights(self, weights: dict[str, np.ndarray], version: int) -> None:
+        """Keep the actor's weights (``get_weights``) as ``version`` for this rollout worker's next
+        generations, or for the one in flight when it follows new weights; returns at once (a copy is made
+        here, so the actor may train on)."""
+        self._require(self.mailbox, "rollout", "post_weights")
+        self.mailbox.post(version, list(from_numpy(weights, next(self.module.parameters()).dtype)))
+
     def _sync_rollout(self) -> None:
         """After the actor's weights changed: a rollout engine with its own copy (vLLM) takes the new ones
         in memory; the Hugging Face rollout samples from the trained module itself and needs nothing."""
@@ -181,10 +224,7 @@ class ActorRolloutRefWorker(Worker):
     def update_weights(self, weights: dict[str, np.ndarray]) -> None:
         """Load the actor's weights (``get_weights``) into this rollout worker's model and engine."""
         self._require(self.rollout, "rollout", "update_weights")
-        named = list(from_numpy(weights, next(self.module.parameters()).dtype))
-        self.module.load_state_dict(dict(named))
-        if hasattr(self.rollout, "update_weights"):
-            self.rollout.update_weights(named)
+        self._load_weights(list(from_numpy(weights, next(self.module.parameters()).dtype)))
 
     # ---------------------------------------------------------------- log-probs
     def _log_probs(
@@ -264,7 +304,7 @@ class ActorRolloutRefWorker(Worker):
         # On-policy shortcut: with one pass over the data the old policy *is* the current one, so the
         # driver may skip the extra forward pass and let the ratio start at exactly 1.
         old = micro.batch["old_log_probs"] if "old_log_probs" in micro.batch.keys() else log_prob.detach()
-        advantages, tis_metrics = self._tis_corrected(micro, old, mask)
+        advantages, tis_metrics = self._off_policy_corrected(micro, old, log_prob.detach(), mask)
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = get_policy_loss_fn(actor.policy_loss.loss_mode)(
             old_log_prob=old,
             log_prob=log_prob,
@@ -301,19 +341,29 @@ class ActorRolloutRefWorker(Worker):
             metrics.update(logprob_diff_metrics(micro.batch["rollout_log_probs"], log_prob.detach(), mask))
         return loss, metrics
 
-    def _tis_corrected(
-        self, micro: DataProto, old: torch.Tensor, mask: torch.Tensor
+    def _off_policy_corrected(
+        self, micro: DataProto, old: torch.Tensor, current: torch.Tensor, mask: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Advantages ``(bs, L)`` weighted by truncated importance sampling (``actor.tis_imp_ratio_cap``)
-        when it is on and the rollout engine's log-probs came with the batch; else unchanged."""
-        cap, advantages = self.config.actor.tis_imp_ratio_cap, micro.batch["advantages"]
-        if cap <= 0 or "rollout_log_probs" not in micro.batch.keys():
+        """Advantages ``(bs, L)`` corrected for samples the rollout engine drew (when its log-probs came with
+        the batch): weighted by truncated importance sampling ``old / rollout`` (``actor.tis_imp_ratio_cap``),
+        and zeroed where the trainer's ``current`` log-probs left ``actor.off_policy_mask_bounds`` around the
+        rollout's (``actor.off_policy_mask``; in an asynchronous run ``old`` is the rollout's own, so only the
+        current policy tells how far the weights moved since the sample was drawn)."""
+        actor, advantages = self.config.actor, micro.batch["advantages"]
+        if "rollout_log_probs" not in micro.batch.keys():
             return advantages, {}
-        weights, tis_clipfrac = truncated_importance_weights(old, micro.batch["rollout_log_probs"], mask, cap)
-        return advantages * weights, {
-            "actor/tis_clipfrac": float(tis_clipfrac),
-            "actor/tis_weight_mean": float(masked_mean(weights, mask)),
-        }
+        rollout, metrics = micro.batch["rollout_log_probs"], {}
+        if actor.tis_imp_ratio_cap > 0:
+            weights, tis_clipfrac = truncated_importance_weights(old, rollout, mask, actor.tis_imp_ratio_cap)
+            advantages = advantages * weights
+            metrics["actor/tis_clipfrac"] = float(tis_clipfrac)
+            metrics["actor/tis_weight_mean"] = float(masked_mean(weights, mask))
+        if rollout.abs().sum() > 0:  # sampled (a greedy rollout has no log-probs): ratio stats, and the mask
+            low, high = actor.off_policy_mask_bounds
+            keep, mask_metrics = off_policy_mask(current, rollout, mask, actor.off_policy_mask, low, high)
+            advantages = advantages * keep
+            metrics.update(mask_metrics)
+        return advantages, metrics
 
     def _sft_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         """Supervised NLL on demonstration responses (prompt tokens masked out)."""

@@ -197,7 +197,10 @@ def test_custom_tool_is_called_in_rollouts_and_its_results_reach_the_reward(tmp_
         ):
             for turn, reply in zip(calls, [m for m in messages if m["role"] == "tool"]):
                 args = turn["calls"][0]["arguments"]
-                assert reply["content"] == str(args["a"] + args["b"])  # AddTool's own result, not the model's
+                if all(isinstance(args.get(k), int) for k in "ab"):  # AddTool's own result, not the model's
+                    assert reply["content"] == str(args["a"] + args["b"])
+                else:  # a sampled call can garble the arguments: the tool's error reaches the model
+                    assert reply["content"].startswith("Error"), (args, reply)
             assert score == module.used_the_tool("arithmetic", "", truth, {"messages": messages})["score"]
         tool_tokens = batch.batch["attention_mask"][:, -128:].bool() & ~batch.batch["response_mask"].bool()
         assert tool_tokens.any()  # the model attends to tool output ...

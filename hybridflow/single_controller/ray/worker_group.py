@@ -88,6 +88,8 @@ class RayWorkerGroup(WorkerGroup):
     long a call may wait for its answers (None: no limit; a dead actor is reported at once either way).
     ``start_timeout_s`` bounds the wait for the actors to start (importing torch in a new process can take
     a minute on a loaded 2-core machine; missing resources are reported by the pool before that).
+    ``max_concurrency`` calls run at once in each actor (threads): above 1, a call can reach a worker while
+    another runs (a weight update posted to a rollout that is generating).
     """
 
     def __init__(
@@ -98,12 +100,19 @@ class RayWorkerGroup(WorkerGroup):
         set_torch_threads: bool = True,
         call_timeout_s: float | None = None,
         start_timeout_s: float = 600.0,
+        max_concurrency: int = 1,
     ) -> None:
         name = name_prefix or cls_with_init.cls.__name__
         resource_pool.acquire(name)
         try:
             backend = _RayBackend.start(
-                resource_pool, cls_with_init, name, set_torch_threads, call_timeout_s, start_timeout_s
+                resource_pool,
+                cls_with_init,
+                name,
+                set_torch_threads,
+                call_timeout_s,
+                start_timeout_s,
+                max_concurrency,
             )
         except BaseException:
             resource_pool.release(name)
@@ -133,6 +142,7 @@ class _RayBackend:
         set_torch_threads: bool,
         call_timeout_s: float | None,
         start_timeout_s: float,
+        max_concurrency: int = 1,
     ) -> _RayBackend:
         placements = pool.placements()
         resources = pool.actor_resources()
@@ -142,6 +152,7 @@ class _RayBackend:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         p.group, placement_group_bundle_index=p.bundle_index
                     ),
+                    max_concurrency=max_concurrency,
                     **resources,
                 ).remote()
                 for p in placements

@@ -64,12 +64,13 @@ def build_rollout(
 ) -> Any:
     """The engine named by ``rollout.name`` (``rollout``: a ``RolloutConfig``). ``hf`` samples from ``module``
     itself (shared with the actor); ``vllm`` loads its own copy from ``model_path`` (in ``rollout.dtype``) and
-    must be sent the weights after each change (``update_weights``); ``seed``: vLLM's sampling seed
-    (``rollout.seed``, null = ``trainer.seed``, plus the rank). Wrapped in the agent loop when
-    ``rollout.multi_turn.enable``."""
+    must be sent the weights after each change (``update_weights``), with ``seed`` its engine's seed
+    (``rollout.seed``, null = ``trainer.seed``; the worker adds its rank). ``hf`` seeds each sample from
+    ``rollout.seed``, the step and the prompt, the same on every worker (``HFRollout``). Wrapped in the agent
+    loop when ``rollout.multi_turn.enable``."""
     name = rollout.name
     if name == "hf":
-        engine = HFRollout(module, tokenizer, rollout, response_length)
+        engine = HFRollout(module, tokenizer, rollout, response_length, rollout.seed)
     elif name == "vllm":
         from hybridflow.workers.rollout.vllm_rollout import VLLMRollout
 

@@ -82,6 +82,11 @@ class AgentLoop:
         self.template = TemplateDelta(tokenizer, [t.schema for t in tools.values()], tokenizer.eos_token_id)
 
     # ------------------------------------------------------------------ the loop
+    def reseed(self, step: int) -> None:
+        """The engine's ``reseed``, where it has one (``HFRollout``); the turns of a step draw on from it."""
+        if hasattr(self.engine, "reseed"):
+            self.engine.reseed(step)
+
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """In: as the engine's (``raw_prompt`` messages needed too); ``meta_info`` ``n`` and sampling keys.
         Out: ``bs * n`` rows, interleaved: ``prompts (bs*n, P)``, ``responses``, ``response_mask``,

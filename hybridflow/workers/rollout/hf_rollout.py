@@ -8,9 +8,11 @@ current weights and no second copy of the model exists.
 from __future__ import annotations
 
 import inspect
+import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -66,11 +68,17 @@ def check_finite(logits: torch.Tensor) -> None:
         raise DivergedError("the model's next-token scores are not finite (inf or NaN)")
 
 
-def sample_tokens(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+Generators = torch.Generator | list[torch.Generator] | None
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: Generators = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the next token of each row from ``logits`` ``(rows, V)``: argmax when greedy, else a draw at
     ``temperature`` from the ``top_k`` most likely tokens and the smallest set of them holding ``top_p`` of the
     probability. Returns ``tokens`` ``(rows,)`` and their log-probs ``(rows,)`` at ``temperature`` before the
-    top-k/top-p cut (what the trainer's forward computes; zero when greedy)."""
+    top-k/top-p cut (what the trainer's forward computes; zero when greedy). ``generator``: where the draws
+    come from: one for all rows, one per row (a list), or torch's global one (None)."""
     logits = logits.float()
     if not params.do_sample:
         return logits.argmax(dim=-1), torch.zeros(len(logits), device=logits.device)
@@ -85,20 +93,30 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.T
         probs = torch.softmax(ordered, dim=-1)
         covered_before = probs.cumsum(dim=-1) - probs  # a token goes once the ones above it hold top_p
         kept = kept.scatter(-1, order, ordered.masked_fill(covered_before >= params.top_p, float("-inf")))
-    tokens = draw(torch.softmax(kept, dim=-1))
+    tokens = draw(torch.softmax(kept, dim=-1), generator)
     return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def draw(probs: torch.Tensor) -> torch.Tensor:
+def draw(probs: torch.Tensor, generator: Generators = None) -> torch.Tensor:
     """One token per row of ``probs`` ``(rows, V)``, drawn as ``torch.multinomial`` would but by inverse CDF (a
     cumulative sum and a binary search), about 10x faster on a CPU over a 49k vocabulary. Where rounding lands
-    on a token without mass (past the last one), that row is drawn again by ``multinomial``."""
+    on a token without mass (past the last one), that row is drawn again by ``multinomial``. ``generator``: one
+    for all rows, one per row (a list: each row's draw depends on its own generator only), or None (torch's
+    global one)."""
     cdf = probs.cumsum(dim=-1)
-    point = torch.rand(len(probs), 1, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
+    if isinstance(generator, list):
+        uniform = torch.cat([torch.rand(1, dtype=cdf.dtype, generator=g) for g in generator])[:, None]
+        point = uniform.to(probs.device) * cdf[:, -1:]
+    else:
+        point = (
+            torch.rand(len(probs), 1, device=probs.device, dtype=cdf.dtype, generator=generator) * cdf[:, -1:]
+        )
     tokens = torch.searchsorted(cdf, point, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
     missed = probs.gather(-1, tokens[:, None]).squeeze(-1) == 0
-    if missed.any():
-        tokens[missed] = torch.multinomial(probs[missed], 1).squeeze(-1)
+    for row in missed.nonzero().flatten().tolist() if isinstance(generator, list) else []:
+        tokens[row] = torch.multinomial(probs[row], 1, generator=generator[row]).squeeze(-1)
+    if missed.any() and not isinstance(generator, list):
+        tokens[missed] = torch.multinomial(probs[missed], 1, generator=generator).squeeze(-1)
     return tokens
 
 
@@ -161,6 +179,16 @@ def attach_responses(
     return rows
 
 
+class WeightFeed(Protocol):
+    """Where a rollout's weights come from while it generates (an asynchronous run's rollout worker):
+    ``version`` is the weight version the module holds now; ``refresh()`` loads a newer one that arrived
+    since, if any, into the module and says whether it did."""
+
+    version: int
+
+    def refresh(self) -> bool: ...
+
+
 class HFRollout:
     """``generate_sequences`` over left-padded prompts with the model's own forward and KV cache.
 
@@ -169,7 +197,16 @@ class HFRollout:
     of ``generate``'s work is repeated or wasted: the prefix every prompt shares is run once, each prompt's
     remainder once for its ``n`` samples (their caches are copies), rows that ended leave the batch instead of
     decoding padding until the longest one ends, and no per-step logits processors run. Sampling is
-    temperature, top-k and top-p, as vLLM's; the result is the rollout contract (``assemble_rollout``)."""
+    temperature, top-k and top-p, as vLLM's; the result is the rollout contract (``assemble_rollout``).
+
+    ``seed`` (None: torch's global generator): each sample draws from a generator of its own, seeded by
+    ``(seed, step, its prompt's tokens, its number among the prompt's n)`` (``reseed(step)`` sets the training
+    step). A sample then depends on the seed, the step, its prompt and the weights only: not on what else in
+    the process draws random numbers, or when (a trainer in another thread), not on which other prompts share
+    its batch or its worker (another worker count, a resumed run). ``weights`` (a ``WeightFeed``, set by an asynchronous run's rollout worker) is asked between
+    decoding steps for newer weights: when they came, the unfinished rows' KV cache is recomputed under them
+    (never reused stale), and ``rollout_weight_versions`` ``(bs*n, L)`` records per token the version that
+    sampled it."""
 
     def __init__(
         self,
@@ -177,8 +214,11 @@ class HFRollout:
         tokenizer: PreTrainedTokenizerBase,
         config: RolloutConfig,
         response_length: int,
+        seed: int | None = None,
     ) -> None:
         self.model = model
+        self.seed, self.step = seed, 0
+        self.weights: WeightFeed | None = None
         self.tokenizer = tokenizer
         self.config = config
         self.response_length = response_length
@@ -189,6 +229,26 @@ class HFRollout:
         # transformers renamed `past_key_values` to `cache` (5.2x); use whichever this version takes
         forward_params = inspect.signature(type(model).forward).parameters
         self._cache_key = "cache" if "cache" in forward_params else "past_key_values"
+
+    def reseed(self, step: int) -> None:
+        """The next generations draw the samples of training step ``step`` (see the class docstring): a
+        resumed run, or a rollout that runs ahead of the trainer, draws what an uninterrupted lock-step run
+        does."""
+        self.step = step
+
+    def _row_generators(self, prompts: DataProto, n: int) -> list[torch.Generator] | None:
+        """One generator per sample (prompt-major, as the rows are expanded), or None without a seed."""
+        if self.seed is None:
+            return None
+        device, generators, seen = next(self.model.parameters()).device, [], {}
+        for ids, mask in zip(prompts.batch["input_ids"], prompts.batch["attention_mask"]):
+            key = zlib.crc32(ids[mask.bool()].cpu().numpy().tobytes())
+            seen[key] = seen.get(key, -1) + 1  # the same prompt twice in a batch: other samples
+            for j in range(n):
+                entropy = [self.seed, self.step, key, seen[key], j]
+                seed = int(np.random.SeedSequence(entropy).generate_state(1)[0])
+                generators.append(torch.Generator(device).manual_seed(seed))
+        return generators
 
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -256,21 +316,27 @@ class HFRollout:
         ids, mask, positions = (
             prompts.batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")
         )
+        prompt_mask = mask
         logits, cache, mask = self._prefill(ids, mask, positions)
         n, length = params.n, params.response_length
         if n > 1:
             cache.batch_repeat_interleave(n)
             logits, mask = logits.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
         rows = len(logits)
+        generators = self._row_generators(prompts, n)
         responses = torch.full((rows, length), self.pad_token_id, dtype=ids.dtype, device=device)
         log_probs = torch.zeros(rows, length, device=device)
+        versions = torch.full((rows, length), -1, dtype=torch.long, device=device)
         live = torch.arange(rows, device=device)  # the rows still decoding, in cache order
         next_position = positions[:, -1].repeat_interleave(n) + 1
         eos = torch.tensor(self.eos_token_ids, device=device)
         for step in range(length):
             check_finite(logits)
-            tokens, token_log_probs = sample_tokens(logits, params)
+            live_generators = [generators[row] for row in live.tolist()] if generators else None
+            tokens, token_log_probs = sample_tokens(logits, params, live_generators)
             responses[live, step], log_probs[live, step] = tokens, token_log_probs
+            if self.weights is not None:
+                versions[live, step] = self.weights.version
             going = ~torch.isin(tokens, eos)
             if step == length - 1 or not going.any():
                 break
@@ -278,10 +344,44 @@ class HFRollout:
                 keep = going.nonzero().flatten()
                 cache.batch_select_indices(keep)
                 live, tokens, mask, next_position = live[keep], tokens[keep], mask[keep], next_position[keep]
-            mask = torch.cat([mask, torch.ones(len(live), 1, dtype=mask.dtype, device=device)], dim=1)
-            logits, cache = self._forward(tokens[:, None], mask, next_position[:, None], cache)
+            if self.weights is not None and self.weights.refresh():
+                logits, cache, mask = self._recompute(ids, prompt_mask, positions, responses, live, n, step)
+            else:
+                mask = torch.cat([mask, torch.ones(len(live), 1, dtype=mask.dtype, device=device)], dim=1)
+                logits, cache = self._forward(tokens[:, None], mask, next_position[:, None], cache)
             next_position = next_position + 1
         expanded = prompts.repeat(n, interleave=True)
-        return assemble_rollout(
+        out = assemble_rollout(
             expanded, responses.cpu(), log_probs.cpu(), self.eos_token_ids, self.pad_token_id
         )
+        if self.weights is not None:
+            out.batch["rollout_weight_versions"] = versions.cpu().masked_fill(
+                out.batch["response_mask"] == 0, -1
+            )
+        return out
+
+    def _recompute(
+        self,
+        ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        positions: torch.Tensor,
+        responses: torch.Tensor,
+        live: torch.Tensor,
+        n: int,
+        step: int,
+    ) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """After a weight update in flight: run the ``live`` rows' prompts and their responses so far (tokens
+        ``0..step``) through the new weights in one pass. Returns the logits that sample token ``step + 1``,
+        a fresh cache and its attention mask; the cache computed under the old weights is dropped."""
+        prompt_rows = live // n  # the expanded rows are the prompts repeated n times, interleaved
+        prompt_ids, prompt_positions = ids[prompt_rows], positions[prompt_rows]
+        prompt_mask = prompt_mask[prompt_rows]
+        done = responses[live, : step + 1]
+        offsets = torch.arange(1, step + 2, device=ids.device)
+        full_ids = torch.cat([prompt_ids, done], dim=1)
+        full_positions = torch.cat([prompt_positions, prompt_positions[:, -1:] + offsets], dim=1)
+        full_mask = torch.cat(
+            [prompt_mask, torch.ones(done.shape, dtype=prompt_mask.dtype, device=ids.device)], dim=1
+        )
+        logits, cache = self._forward(full_ids, full_mask, full_positions)
+        return logits, cache, full_mask

@@ -1,0 +1,193 @@
+"""Synchronous, one-step-off and fully asynchronous GRPO side by side on a long-tail task.
+
+    .venv/bin/python bench/async.py [--steps 8] [--modes sync,one_step_off,fully_async] [--out ...]
+
+The task is the demo's one-shot two-digit addition, made long-tailed: one training prompt in eight asks the
+model to explain its steps first, so most answers are a few tokens and a few run to the response limit (48
+tokens). A lock-step step waits for its longest answer, then the rollout idles while the actor trains;
+asynchronous modes overlap the two. Each mode runs in its own process on the embedded SmolLM2-135M-Instruct
+(fp32, 8 prompts x 4 samples a step, T 0.7, top-k 50, lr 1e-5) for the same number of steps, so the same
+number of samples, then evaluates greedily on 64 held-out (short) problems. sync gets both cores as torch
+threads; the asynchronous modes give the trainer thread one and the rollout thread the other
+(OMP_NUM_THREADS=1 for the process). Prints steps per hour, samples per second (the first step, which
+also warms up, and the last, which also validates and saves, are not counted), the idle fractions and held-out
+accuracy; writes JSON.
+
+Run it alone: two benchmarks on the same 2 cores measure each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TRAIN, TEST, LONG_EVERY = 512, 64, 8
+LONG_ASK = "Explain your steps in a few sentences first, then end with {a}+{b}=<answer>."
+SETTINGS = [
+    "algorithm.adv_estimator=grpo",
+    "data.train_batch_size=8",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.rollout.temperature=0.7",
+    "actor_rollout_ref.rollout.top_k=50",
+    "data.max_prompt_length=160",
+    "data.max_response_length=48",
+    "actor_rollout_ref.actor.optim.lr=1e-5",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32",
+    "trainer.logger=[file]",
+    "trainer.resume_mode=disable",
+    "trainer.val_before_train=false",
+]
+MODES = {
+    "sync": ["async_training.mode=sync"],
+    "one_step_off": ["async_training.mode=one_step_off"],
+    "fully_async": [
+        "async_training.mode=fully_async",
+        "async_training.max_staleness=1",
+        "actor_rollout_ref.actor.off_policy_mask=token",
+    ],
+}
+ACC = "val/arithmetic/acc/mean@1"
+
+
+def long_tail_data(folder: Path) -> Path:
+    """The arithmetic task's files, with every ``LONG_EVERY``-th training prompt asking for an explanation."""
+    from hybridflow.data.dataset import read_rows
+    from hybridflow.data.prepare import main as prepare_data
+    from hybridflow.data.prepare import write_parquet
+
+    prepare_data(
+        ["arithmetic", str(folder), "--train-size", str(TRAIN), "--test-size", str(TEST), "--seed", "0"]
+    )
+    rows = read_rows(folder / "train.parquet")
+    for i, row in enumerate(rows):
+        if i % LONG_EVERY == 0:
+            a, b = row["extra_info"]["a"], row["extra_info"]["b"]
+            last = dict(row["prompt"][-1])
+            last["content"] = f"Compute {a}+{b}. " + LONG_ASK.format(a=a, b=b)
+            row["prompt"] = [*row["prompt"][:-1], last]
+    write_parquet(rows, folder / "train.parquet")
+    return folder
+
+
+def run_mode(mode: str, data: Path, run_dir: Path, steps: int, extra: list[str]) -> dict:
+    """One mode's run, in this process: per-step metrics and the held-out accuracy at the end."""
+    from hybridflow.models import default_model_path
+    from hybridflow.trainer import PPOTrainer, load_config
+
+    config = load_config(
+        [
+            f"data.train_files={data / 'train.parquet'}",
+            f"data.val_files={data / 'test.parquet'}",
+            f"actor_rollout_ref.model.path={default_model_path()}",
+            f"trainer.default_local_dir={run_dir}",
+            f"trainer.total_training_steps={steps}",
+            *SETTINGS,
+            *MODES[mode],
+            *extra,
+        ]
+    )
+    stamps: list[float] = []
+    start = time.perf_counter()
+    with PPOTrainer(config) as trainer:
+        trainer.register_hook("on_step_end", lambda *_: stamps.append(time.perf_counter()))
+        last = trainer.fit()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {
+        "mode": mode,
+        "wall_s": time.perf_counter() - start,
+        "stamps": stamps,
+        "rows": rows,
+        "acc": last[ACC],
+    }
+
+
+def summary(result: dict, samples_per_step: int) -> dict[str, float]:
+    stamps, rows = result["stamps"], [r for r in result["rows"] if "timing_s/step" in r]
+    # between the ends of steps 1 and N-1: not the first step (warm-up), nor the last (validation, checkpoint)
+    step_s = statistics.mean(b - a for a, b in zip(stamps[:-2], stamps[1:-1]))
+    if result["mode"] == "sync":  # the rollout idles while the actor trains, the actor while it generates
+        rollout_idle = statistics.mean(1 - r["timing_s/gen"] / r["timing_s/step"] for r in rows[1:])
+        trainer_idle = statistics.mean(r["timing_s/gen"] / r["timing_s/step"] for r in rows[1:])
+    else:
+        rollout_idle = statistics.mean(r["async/rollout_idle_frac"] for r in rows[1:])
+        trainer_idle = statistics.mean(r["async/trainer_idle_frac"] for r in rows[1:])
+    return {
+        "step_s": step_s,
+        "steps_per_hour": 3600 / step_s,
+        "samples_per_s": samples_per_step / step_s,
+        "rollout_idle": rollout_idle,
+        "trainer_idle": trainer_idle,
+        "staleness_mean": statistics.mean(r.get("async/staleness_mean", 0.0) for r in rows),
+        "response_length_max": max(r["response_length/max"] for r in rows),
+        "response_length_mean": statistics.mean(r["response_length/mean"] for r in rows),
+        "acc": result["acc"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--modes", default="sync,one_step_off,fully_async")
+    parser.add_argument("--out", default="bench/results/async.json")
+    parser.add_argument("--work", default="runs/bench_async")
+    parser.add_argument(
+        "--set", action="append", default=[], help="a config override for every mode (repeatable)"
+    )
+    parser.add_argument("--threads", default="2,1", help="torch threads of sync, and of the async modes")
+    parser.add_argument("--samples-per-step", type=int, default=32, help="train_batch_size x rollout.n")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process: run this mode, print JSON
+    args = parser.parse_args()
+    work = Path(args.work)
+    if args.one:
+        result = run_mode(args.one, work / "data", work / args.one, args.steps, args.set)
+        print("RESULT " + json.dumps(result))
+        return
+    long_tail_data(work / "data")
+    results = {}
+    for mode in args.modes.split(","):
+        threads = args.threads.split(",")[0 if mode == "sync" else 1]
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": str(Path(__file__).parents[1])}
+        out = subprocess.run(
+            [sys.executable, __file__, "--one", mode, "--steps", str(args.steps), "--work", str(work)]
+            + [f"--set={override}" for override in args.set],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        line = [row for row in out.stdout.splitlines() if row.startswith("RESULT ")]
+        if out.returncode or not line:
+            sys.exit(f"{mode} failed:\n{out.stderr[-3000:]}")
+        results[mode] = json.loads(line[0][len("RESULT ") :])
+        print(f"{mode}: done in {results[mode]['wall_s']:.0f} s", flush=True)
+    table = {mode: summary(result, args.samples_per_step) for mode, result in results.items()}
+    base = table.get("sync", next(iter(table.values())))["samples_per_s"]
+    print(
+        f"\n{args.steps} steps, {args.samples_per_step} samples each (1 prompt in {LONG_EVERY} asks for an "
+        f"explanation), SmolLM2-135M-Instruct, overrides {args.set}, load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        "| mode | steps/h | samples/s | vs sync | rollout idle | trainer idle | staleness | "
+        "held-out acc |\n|---|---|---|---|---|---|---|---|"
+    )
+    for mode, row in table.items():
+        print(
+            f"| {mode} | {row['steps_per_hour']:.0f} | {row['samples_per_s']:.2f} | "
+            f"{row['samples_per_s'] / base:.2f}x | {row['rollout_idle']:.0%} | {row['trainer_idle']:.0%} | "
+            f"{row['staleness_mean']:.2f} | {row['acc']:.0%} |"
+        )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(
+        json.dumps({"table": table, "runs": results, "load_average": os.getloadavg()}, indent=2)
+    )
+
+
+if __name__ == "__main__":
+    main()
