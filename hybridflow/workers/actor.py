@@ -9,6 +9,7 @@ sharded again after it). The reference policy is a second, frozen copy, loaded o
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -62,7 +63,9 @@ def _scalar(value: torch.Tensor | float) -> float:
 class ActorRolloutRefWorker(Worker):
     """``config``: the ``actor_rollout_ref`` config section; ``role``: roles joined by ``_``
     (``actor_rollout``, ``actor_rollout_ref``, ``ref``, ``rollout``...); ``device``: ``trainer.device``;
-    ``announce``: print one line per generation (``[rollout] generated ...``)."""
+    ``announce``: print one line per generation (``[rollout] generated ...``); ``rollout_mode``: wraps the
+    rollout engine, called as ``rollout_mode(engine, tokenizer, rollout_config, response_length,
+    weight_version)`` (a mode from a later layer, e.g. ``hybridflow.serving.ServedRollout``)."""
 
     def __init__(
         self,
@@ -72,6 +75,7 @@ class ActorRolloutRefWorker(Worker):
         seed: int = 0,
         device: str = "auto",
         announce: bool = False,
+        rollout_mode: Callable[..., Any] | None = None,
     ) -> None:
         super().__init__(device)
         unknown = [r for r in role.split("_") if r not in ROLES]
@@ -84,6 +88,13 @@ class ActorRolloutRefWorker(Worker):
             announce  # print what this worker did (a role in its own process, as the tutorial logs)
         )
         self.module = self.ref_module = self.engine = self.rollout = None
+        self.rollout_mode = rollout_mode
+        self.weights_received = 0  # weight updates a rollout-only worker was sent
+
+    def weight_version(self) -> int:
+        """How many times the weights the rollout samples from have changed: the actor's optimiser steps,
+        or the updates a separate rollout worker received."""
+        return self.engine.steps_done if self.engine is not None else self.weights_received
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -129,6 +140,10 @@ class ActorRolloutRefWorker(Worker):
                 model_location(model_cfg.path),
                 (rollout.seed or 0) + self.rank,
             )
+            if self.rollout_mode is not None:
+                self.rollout = self.rollout_mode(
+                    self.rollout, self.tokenizer, rollout, self.response_length, self.weight_version
+                )
         if self._is_ref and not (self.module is not None and is_lora(self.module)):
             strategy = resolve_strategy(ref.strategy, self.world_size, "actor_rollout_ref.ref.strategy")
             module = load_model(
@@ -180,6 +195,7 @@ class ActorRolloutRefWorker(Worker):
         self._require(self.rollout, "rollout", "update_weights")
         named = list(from_numpy(weights, next(self.module.parameters()).dtype))
         self.module.load_state_dict(dict(named))
+        self.weights_received += 1
         if hasattr(self.rollout, "update_weights"):
             self.rollout.update_weights(named)
 
