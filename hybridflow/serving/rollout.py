@@ -123,17 +123,21 @@ class ServedRollout:
                 f"{AGENT_KEY} hands each agent an openai.AsyncOpenAI client: pip install openai"
             ) from err
 
+        # one connection pool for every session: connections are reused instead of opened per session, and
+        # a busy machine's slow accepts get a long connect timeout rather than failing the step
+        http = openai.DefaultAsyncHttpxClient(timeout=openai.Timeout(600.0, connect=120.0))
+
         async def one(name: str, sample: dict) -> tuple[float, dict]:
             client = openai.AsyncOpenAI(
-                base_url=self.server.session_url(name), api_key="unused", max_retries=0
+                base_url=self.server.session_url(name), api_key="unused", max_retries=0, http_client=http
             )
-            try:
-                value = await self.run(client, sample)
-            finally:
-                await client.close()
+            value = await self.run(client, sample)
             return _reward(value, f"the agent {getattr(self.run, '__name__', self.run)!r} (session {name})")
 
-        return list(await asyncio.gather(*(one(n, s) for n, s in zip(names, samples))))
+        try:
+            return list(await asyncio.gather(*(one(n, s) for n, s in zip(names, samples))))
+        finally:
+            await http.aclose()
 
     def _to_batch(
         self, rows: DataProto, per_session: list[list[Sequence]], results: list[tuple[float, dict]]

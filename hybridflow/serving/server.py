@@ -185,6 +185,8 @@ class PolicyServer:
                 raise
             message = f"{request.method} {request.path}: {error.reason}"
             return self._json(error_body(message, "invalid_request_error"), error.status)
+        except ConnectionResetError:
+            raise  # the client went away: nobody to answer
         except Exception as error:  # noqa: BLE001 - an engine failure is the server's error, in JSON
             logger.exception("request %s failed", request.path)
             return self._json(error_body(f"{type(error).__name__}: {error}", "server_error"), 500)

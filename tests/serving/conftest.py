@@ -98,3 +98,13 @@ def post(url: str, body: bytes | dict, token: str | None = None) -> tuple[int, d
     except urllib.error.HTTPError as error:
         assert time.time() - start < 120
         return error.code, json.loads(error.read()), dict(error.headers)
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> Path:
+    """The arithmetic task: 64 training and 8 test prompts (parquet), seeded."""
+    from hybridflow.data.prepare import main as prepare_data
+
+    out = tmp_path_factory.mktemp("arith")
+    prepare_data(["arithmetic", str(out), "--train-size", "64", "--test-size", "8", "--seed", "0"])
+    return out
