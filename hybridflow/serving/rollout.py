@@ -61,18 +61,20 @@ class ServedRollout:
         response_length: int,
         weight_version: Callable[[], int] = lambda: 0,
     ) -> None:
-        agent = config.served_agent
-        self.run = load_custom_reward_function(agent.path, agent.name, key=AGENT_KEY)
+        served_agent = config.served_agent
+        self.run = load_custom_reward_function(served_agent.path, served_agent.name, key=AGENT_KEY)
         if not asyncio.iscoroutinefunction(self.run):
-            raise InputError(f"{AGENT_KEY}.name: {agent.name!r} in {agent.path} must be an async function")
+            raise InputError(
+                f"{AGENT_KEY}.name: {served_agent.name!r} in {served_agent.path} must be an async function"
+            )
         self.engine, self.tokenizer, self.response_length = engine, tokenizer, response_length
         self.eos_token_ids = list(getattr(engine, "eos_token_ids", None) or [tokenizer.eos_token_id])
         self.server = PolicyServer(
             engine,
             tokenizer,
-            agent.model_name,
+            served_agent.model_name,
             max_tokens_limit=response_length,
-            window_s=agent.batch_window_ms / 1000,
+            window_s=served_agent.batch_window_ms / 1000,
             weight_version=weight_version,
         )
         self.sampling = config  # the trainer's sampling, for calls that set none
