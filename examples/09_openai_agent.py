@@ -46,7 +46,7 @@ async def run(client, sample: dict) -> dict:
     messages, calls = list(sample["messages"]), []
     for _ in range(3):
         reply = await client.chat.completions.create(
-            model="policy", messages=messages, tools=[CALCULATOR], max_tokens=48
+            model="policy", messages=messages, tools=[CALCULATOR], max_tokens=96
         )
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
@@ -78,14 +78,14 @@ def main(out_dir: Path, model: str = "tiny", steps: int = 2) -> dict:
         f"actor_rollout_ref.rollout.served_agent.path={Path(__file__).resolve()}",
         "actor_rollout_ref.rollout.served_agent.name=run",
         "data.max_prompt_length=320",
-        "data.max_response_length=160",
+        "data.max_response_length=256",
         "data.shuffle=false",
-        "actor_rollout_ref.rollout.temperature=0.7",
         *(
-            []
+            ["actor_rollout_ref.rollout.temperature=0.3", "actor_rollout_ref.actor.optim.lr=1e-4"]
             if tiny
             else [
                 "actor_rollout_ref.model.path=default",
+                "actor_rollout_ref.rollout.temperature=0.7",
                 "data.train_batch_size=8",
                 "actor_rollout_ref.rollout.n=4",
                 "actor_rollout_ref.actor.ppo_mini_batch_size=8",
@@ -100,7 +100,7 @@ def main(out_dir: Path, model: str = "tiny", steps: int = 2) -> dict:
     if tiny:  # a random model never calls a tool: teach it the task's chats as the server renders them
         rows = RLHFDataset(config.data.train_files, _tokenizer(config)).rows[:8]
         chats = [with_tools_in_system(_solved(row), [CALCULATOR]) for row in rows]
-        teach_conversations(config.actor_rollout_ref.model.path, chats, steps=100)
+        teach_conversations(config.actor_rollout_ref.model.path, chats, steps=200)
         config.data.val_files = None
     batches = []
     with PPOTrainer(config) as trainer:

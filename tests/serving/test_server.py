@@ -3,6 +3,9 @@ trainer's, streaming, errors, auth, the token endpoint and batching across concu
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 
 import openai
 import pytest
@@ -11,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hybridflow.protocol import DataProto
 from hybridflow.workers.modeling import response_log_probs
-from tests.serving.conftest import CALCULATOR, QUESTION, post, start_server, stop
+from tests.serving.conftest import CALCULATOR, QUESTION, REPO, post, start_server, stop
 
 MODEL = "model"  # the served folder's name
 
@@ -120,6 +123,17 @@ def test_token_in_token_out(client, server):
 
 
 def test_a_non_loopback_bind_needs_the_token(taught_model):
+    refused = subprocess.run(
+        [sys.executable, "-m", "hybridflow.cli", "serve", "--model", taught_model, "--host", "0.0.0.0"],
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HYBRIDFLOW_SERVE_TOKEN": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        refused.returncode == 2
+        and "serving on 0.0.0.0 (not a loopback address) needs a token" in refused.stderr
+    )
     process, url = start_server(taught_model, "--host", "0.0.0.0", "--token", "s3cret")
     try:
         url = url.replace("0.0.0.0", "127.0.0.1")
