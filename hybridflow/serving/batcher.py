@@ -1,8 +1,8 @@
 """Generation requests from many connections, generated together: one engine call per batch.
 
 Why: 32 agents each waiting on their own call would cost 32 sequential generations; the rollout engine
-(``generate_sequences``) is built for a batch. Requests that arrive within ``window_s`` of the first one
-waiting (and all that arrive while the engine is busy) go to the engine in one call, each ``n`` times as
+(``generate_sequences``) is built for a batch. Requests that arrive less than ``window_s`` apart (a burst,
+held at most ``MAX_WAIT_S``), and all that arrive while the engine is busy, go to the engine in one call, each ``n`` times as
 rows; rows sampled with different settings (temperature, top-p) go in separate calls of the same round. A
 request with a ``seed`` is generated alone under that seed, so it is reproducible.
 
@@ -25,6 +25,8 @@ import torch
 
 from hybridflow.data.dataset import left_pad
 from hybridflow.protocol import DataProto
+
+MAX_WAIT_S = 0.05  # the longest a burst of arrivals holds the first of them back
 
 
 @dataclass
@@ -117,8 +119,11 @@ class Batcher:
         loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
-            if self.window_s > 0:
+            waited, seen = 0.0, -1
+            while self.window_s > 0 and len(self._queue) != seen and waited < MAX_WAIT_S:
+                seen = len(self._queue)  # a burst still arriving: wait until a window passes without news
                 await asyncio.sleep(self.window_s)
+                waited += self.window_s
             self._wake.clear()
             taken, self._queue = self._queue, []
             for group in _groups(taken):

@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,7 @@ from hybridflow.utils.errors import UserError
 logger = logging.getLogger(__name__)
 SESSION_HEADER = "X-Session-Id"
 VERSION_HEADER = "X-Weight-Version"
+MAX_REMEMBERED_CALLS = 100_000  # tool-call ids whose text is kept for when the agent sends them back
 
 
 def is_loopback(host: str) -> bool:
@@ -91,7 +93,7 @@ class PolicyServer:
             lambda rows, requests: logger.info("engine call: %d rows from %d requests", rows, requests),
         )
         self.sessions: dict[str, Session] = {}
-        self.raw_replies: dict[str, str] = {}  # tool-call id -> the text the model wrote
+        self.raw_replies: OrderedDict[str, str] = OrderedDict()  # tool-call id -> the text the model wrote
         self.requests = 0
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
@@ -272,6 +274,8 @@ class PolicyServer:
             message, called = fmt.assistant_message(s.text, bool(tools))
             for call in message.get("tool_calls", []):
                 self.raw_replies[call["id"]] = s.text
+                if len(self.raw_replies) > MAX_REMEMBERED_CALLS:
+                    self.raw_replies.popitem(last=False)
             if session is not None:
                 session.turns.append(
                     ChatTurn(
