@@ -44,6 +44,24 @@ def batch_of(rows: list[list[int]], pad: int, tokens: int) -> DataProto:
     )
 
 
+class InstantEngine:
+    """The rollout contract with no model: ``response_length`` copies of one token. Served through it, a
+    call costs only what the server, HTTP and the client add."""
+
+    def __init__(self, eos_token_id: int) -> None:
+        self.eos_token_ids = [eos_token_id]
+
+    def generate_sequences(self, batch: DataProto) -> DataProto:
+        rows, length = len(batch), batch.meta_info["response_length"]
+        return DataProto.from_dict(
+            {
+                "responses": torch.full((rows, length), 5),
+                "response_mask": torch.ones(rows, length, dtype=torch.long),
+                "rollout_log_probs": torch.zeros(rows, length),
+            }
+        )
+
+
 def p50_ms(times: list[float]) -> float:
     return statistics.median(times) * 1e3
 
@@ -170,8 +188,21 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(),
         "overhead": [
-            overhead(engine, tokenizer, prompts[0], args.overhead_tokens, args.calls, w)
-            for w in (0.0, 2.0, 10.0)
+            {
+                **overhead(
+                    InstantEngine(tokenizer.eos_token_id),
+                    tokenizer,
+                    prompts[0],
+                    args.overhead_tokens,
+                    args.calls,
+                    0.0,
+                ),
+                "engine": "none (InstantEngine)",
+            },
+            *[
+                overhead(engine, tokenizer, prompts[0], args.overhead_tokens, args.calls, w)
+                for w in (0.0, 2.0, 10.0)
+            ],
         ],
         "throughput": [
             throughput(engine, tokenizer, prompts, args.tokens, w, args.repeats) for w in (0.0, 2.0, 10.0)

@@ -260,7 +260,8 @@ class ServedAgentConfig:
     path: str | None = None  #: Python file with the agent's async function; null = no served agent
     name: str = "run"  #: the async function's name in that file
     model_name: str = "policy"  #: the model id the endpoint answers to (/v1/models)
-    batch_window_ms: float = 10.0  #: calls less than this apart (a burst, held at most 50 ms) are generated together
+    #: calls less than this apart (a burst, held at most 50 ms) are generated together
+    batch_window_ms: float = 10.0
 
 
 @dataclass
