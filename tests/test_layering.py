@@ -19,6 +19,7 @@ TIERS: list[tuple[str, ...]] = [
     ("single_controller", "rewards", "tools", "runs"),
     ("data",),  # the offline task data judges the model's own samples with the rule scorers
     ("workers",),
+    ("serving",),  # the OpenAI-compatible endpoint over a rollout engine, the served rollout
     ("trainer",),
     ("commands",),
 ]
@@ -143,7 +144,7 @@ def test_a_wrong_way_import_is_caught(tmp_path):
         (tmp_path / module).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / module).write_text(text)
     assert layering_violations(tmp_path) == [
-        "protocol.py:1 imports hybridflow.trainer (tier 7) from tier 0 (protocol)",
+        "protocol.py:1 imports hybridflow.trainer (tier 8) from tier 0 (protocol)",
         "rewards/y.py:1 imports hybridflow.tools (tier 4) from tier 4 (rewards)",
     ]
 

@@ -142,6 +142,7 @@ def path_fields(cfg: Any) -> list[tuple[Any, str]]:
         (cfg.trainer, "default_local_dir"),
         (cfg.trainer, "resume_from_path"),
         (cfg.actor_rollout_ref.rollout.multi_turn, "tool_config_path"),
+        (cfg.actor_rollout_ref.rollout.served_agent, "path"),
     ]
 
 
@@ -220,6 +221,7 @@ _RANGES: dict[str, tuple] = {
     },
     **_sampling_ranges(_ROLLOUT),
     **_sampling_ranges(f"{_ROLLOUT}.val_kwargs"),
+    f"{_ROLLOUT}.served_agent.batch_window_ms": _NON_NEGATIVE,
     **{
         f"{_ROLLOUT}.{k}": _POSITIVE
         for k in ("log_prob_micro_batch_size_per_gpu", "micro_batch_size", "tensor_model_parallel_size")
@@ -323,6 +325,12 @@ def check_cross_fields(cfg: Any) -> None:
         ),
         (trainer.val_only and not data.val_files, "trainer.val_only=true needs data.val_files"),
         (not cfg.actor_rollout_ref.model.path, "actor_rollout_ref.model.path is required"),
+        (
+            cfg.actor_rollout_ref.rollout.served_agent.path is not None
+            and cfg.actor_rollout_ref.rollout.multi_turn.enable,
+            f"{_ROLLOUT}.served_agent.path and {_ROLLOUT}.multi_turn.enable are two rollout modes: the served "
+            "agent runs its own tool loop; turn one of them off",
+        ),
         (
             cfg.algorithm.adv_estimator == "gae" and not cfg.critic.enable,
             "algorithm.adv_estimator 'gae' needs a value model, but critic.enable is false",

@@ -215,6 +215,20 @@ class MultiTurnConfig:
 
 
 @dataclass
+class ServedAgentConfig:
+    """An agent written with the ``openai`` SDK generates the rollouts (``hybridflow.serving.rollout``): the
+    trainer serves the policy over an OpenAI-compatible endpoint and calls ``async def run(client, sample)``
+    (``sample``: the data row, ``messages`` its prompt) for ``rollout.n`` sessions per prompt; it returns
+    the reward (a number or a dict with ``score``), and the batch holds exactly the tokens the server sampled."""
+
+    path: str | None = None  #: Python file with the agent's async function; null = no served agent
+    name: str = "run"  #: the async function's name in that file
+    model_name: str = "policy"  #: the model id the endpoint answers to (/v1/models)
+    #: calls less than this apart (a burst, held at most 50 ms) are generated together
+    batch_window_ms: float = 10.0
+
+
+@dataclass
 class RolloutConfig(SamplingConfig):
     """Generation: the engine, sampling for training, and ``val_kwargs`` for validation."""
 
@@ -246,6 +260,8 @@ class RolloutConfig(SamplingConfig):
     multi_turn: MultiTurnConfig = field(
         default_factory=MultiTurnConfig
     )  #: multi-turn tool-using rollouts (agent loop)
+    #: rollouts by an agent written with the openai SDK, over a served endpoint
+    served_agent: ServedAgentConfig = field(default_factory=ServedAgentConfig)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from hybridflow.data.sft import SFTDataset
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RewardManager, default_compute_score, load_custom_reward_function
 from hybridflow.runs.tracking import Tracking
+from hybridflow.serving import SessionRewards
 from hybridflow.tools import load_tools
 from hybridflow.trainer.async_rollout import PromptStream, build_rollouts, stale_tokens
 from hybridflow.trainer.loop import RunLoop, endless
@@ -77,7 +78,10 @@ class PPOTrainer(RunLoop):
             score_fn = load_custom_reward_function(
                 config.custom_reward_function.path, config.custom_reward_function.name
             )
-        self.reward_fn = reward_fn or RewardManager(self.tokenizer, score_fn)
+        default_reward = RewardManager(self.tokenizer, score_fn)
+        if config.actor_rollout_ref.rollout.served_agent.path:
+            default_reward = SessionRewards()  # the agent's own return value is the reward
+        self.reward_fn = reward_fn or default_reward
         self.val_reward_fn = val_reward_fn or self.reward_fn
         if (
             config.reward_model.two_stage.enable

@@ -22,6 +22,7 @@ from typing import Any
 from hybridflow.config import PPOConfig, TrainerConfig
 from hybridflow.config.checks import ConfigError
 from hybridflow.config.offline import OfflineConfig
+from hybridflow.serving import ServedRollout
 from hybridflow.single_controller import (
     ClassWithInitArgs,
     LocalWorkerGroup,
@@ -124,19 +125,23 @@ def role_inits(
     arr = config.actor_rollout_ref
     device = config.trainer.device
     kw = {"response_length": config.data.max_response_length, "seed": config.trainer.seed, "device": device}
+    # a served agent generates through the rollout engine of whichever worker holds the rollout role
+    mode = {"rollout_mode": ServedRollout} if arr.rollout.served_agent.path else {}
     # With LoRA the reference is the actor's module with the adapter off: the actor worker takes the role
     ref_in_actor = needs_ref(config) and arr.model.lora_rank > 0
     with_ref = "_ref" if ref_in_actor else ""
     if roles.get("actor") == roles.get("rollout"):
         inits = {
             str(Role.ACTOR_ROLLOUT): ClassWithInitArgs(
-                ActorRolloutRefWorker, arr, role=f"actor_rollout{with_ref}", **kw
+                ActorRolloutRefWorker, arr, role=f"actor_rollout{with_ref}", **kw, **mode
             )
         }
     else:
         inits = {
             "actor": ClassWithInitArgs(ActorRolloutRefWorker, arr, role=f"actor{with_ref}", **kw),
-            "rollout": ClassWithInitArgs(ActorRolloutRefWorker, arr, role="rollout", announce=True, **kw),
+            "rollout": ClassWithInitArgs(
+                ActorRolloutRefWorker, arr, role="rollout", announce=True, **kw, **mode
+            ),
         }
     if needs_ref(config) and not ref_in_actor:
         inits[str(Role.REF)] = ClassWithInitArgs(ActorRolloutRefWorker, arr, role="ref", **kw)

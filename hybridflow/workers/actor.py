@@ -9,6 +9,7 @@ sharded again after it). The reference policy is a second, frozen copy, loaded o
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -64,7 +65,9 @@ def _scalar(value: torch.Tensor | float) -> float:
 class ActorRolloutRefWorker(Worker):
     """``config``: the ``actor_rollout_ref`` config section; ``role``: roles joined by ``_``
     (``actor_rollout``, ``actor_rollout_ref``, ``ref``, ``rollout``...); ``device``: ``trainer.device``;
-    ``announce``: print one line per generation (``[rollout] generated ...``)."""
+    ``announce``: print one line per generation (``[rollout] generated ...``); ``rollout_mode``: wraps the
+    rollout engine, called as ``rollout_mode(engine, tokenizer, rollout_config, response_length,
+    weight_version)`` (a mode from a later layer, e.g. ``hybridflow.serving.ServedRollout``)."""
 
     def __init__(
         self,
@@ -74,6 +77,7 @@ class ActorRolloutRefWorker(Worker):
         seed: int = 42,
         device: str = "auto",
         announce: bool = False,
+        rollout_mode: Callable[..., Any] | None = None,
     ) -> None:
         super().__init__(device)
         unknown = [r for r in role.split("_") if r not in ROLES]
@@ -87,6 +91,19 @@ class ActorRolloutRefWorker(Worker):
         )
         self.module = self.ref_module = self.engine = self.rollout = None
         self.mailbox: WeightMailbox | None = None  # a rollout-only worker's weight versions (async runs)
+        self.rollout_mode = rollout_mode
+        self.weights_received = 0  # weight updates a rollout-only worker was sent
+
+    def weight_version(self) -> int:
+        """How many times the weights the rollout samples from have changed: the actor's optimiser steps, the
+        version an asynchronous rollout worker holds, or the updates a separate rollout worker received."""
+        if self.engine is not None:
+            return self.engine.steps_done
+        return (
+            self.mailbox.version
+            if self.mailbox is not None and self.mailbox.version
+            else self.weights_received
+        )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -135,6 +152,10 @@ class ActorRolloutRefWorker(Worker):
             )
             if not self._is_actor:
                 self.mailbox = WeightMailbox(self._load_weights)
+            if self.rollout_mode is not None:
+                self.rollout = self.rollout_mode(
+                    self.rollout, self.tokenizer, rollout, self.response_length, self.weight_version
+                )
         if self._is_ref and not (self.module is not None and is_lora(self.module)):
             strategy = resolve_strategy(ref.strategy, self.world_size, "actor_rollout_ref.ref.strategy")
             module = load_model(
@@ -225,6 +246,7 @@ class ActorRolloutRefWorker(Worker):
         """Load the actor's weights (``get_weights``) into this rollout worker's model and engine."""
         self._require(self.rollout, "rollout", "update_weights")
         self._load_weights(list(from_numpy(weights, next(self.module.parameters()).dtype)))
+        self.weights_received += 1
 
     # ---------------------------------------------------------------- log-probs
     def _log_probs(

@@ -45,7 +45,7 @@ def response_texts(batch, tokenizer) -> list[str]:
 
 def test_every_example_has_a_main_and_an_index_entry():
     scripts = sorted(p.stem for p in EXAMPLES.glob("[0-9][0-9]_*.py"))
-    assert len(scripts) == 8
+    assert len(scripts) == 9
     index = (EXAMPLES / "README.md").read_text()
     for name in scripts:
         assert callable(example(name).main)
@@ -205,3 +205,19 @@ def test_custom_tool_is_called_in_rollouts_and_its_results_reach_the_reward(tmp_
         tool_tokens = batch.batch["attention_mask"][:, -128:].bool() & ~batch.batch["response_mask"].bool()
         assert tool_tokens.any()  # the model attends to tool output ...
         assert (batch.batch["advantages"][tool_tokens] == 0).all()  # ... which the loss leaves out
+
+
+def test_an_openai_sdk_agent_trains_on_the_served_tokens(tmp_path):
+    module = example("09_openai_agent")
+    result = module.main(tmp_path)
+    rows = result["rows"]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert (
+        rows[0]["served/joined_calls"] > 0.3
+    )  # the taught model calls the tool, and the answer continues it
+    for batch in result["batches"]:
+        rewards = list(batch.non_tensor_batch["agent_reward"])
+        assert batch.batch["token_level_scores"].sum(-1).tolist() == pytest.approx(rewards)
+        tool_tokens = batch.batch["attention_mask"][:, -256:].bool() & ~batch.batch["response_mask"].bool()
+        assert tool_tokens.any()  # the tool results are in the rows, seen but not trained on
+    assert max(e["tool_call_ok"] for b in result["batches"] for e in b.non_tensor_batch["agent_extra"]) == 1.0
