@@ -439,6 +439,9 @@ class TrainerConfig:
     resource_pool_spec: dict[str, Any] = field(default_factory=dict)
     #: role (actor, rollout, ref, critic, reward_model, reward) -> pool name; overrides the preset's mapping
     role_pools: dict[str, Any] = field(default_factory=dict)
+    #: pool name -> Ray custom resources each of its processes asks for, pinning the pool to the nodes that
+    #: declare them (`ray start --resources='{"node_b": 1}'`), e.g. +trainer.pool_resources.rollout={node_b:0.01}
+    pool_resources: dict[str, Any] = field(default_factory=dict)
     cpus_per_worker: float = 1.0  #: CPUs each Ray worker process reserves (fractions let roles share cores)
     save_freq: int = -1  #: save a checkpoint every N steps; -1 = never
     test_freq: int = -1  #: validate every N steps; -1 = never

@@ -62,7 +62,9 @@ class OfflineTrainer:
         )
         config.optim.total_training_steps = self.total_steps
         self.checkpoints = CheckpointManager(
-            config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep
+            config.trainer.default_local_dir,
+            config.trainer.max_ckpt_to_keep,
+            check_root=lambda root: self.wg.check_shared_folder(root),
         )
         self.global_step = 0
         self.wg = worker_groups

@@ -98,7 +98,9 @@ class PPOTrainer:
         )
         self.hooks = HookRegistry()
         self.checkpoints = CheckpointManager(
-            config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep
+            config.trainer.default_local_dir,
+            config.trainer.max_ckpt_to_keep,
+            check_root=lambda root: self.wg.check_shared_folder(root),
         )
         self.global_step = 0
         self.wg = worker_groups
