@@ -64,7 +64,7 @@ class TwoNodeCluster:
              "--num-cpus=2", '--resources={"node_a": 1}', *common],
             "head",
         )  # fmt: skip
-        self._wait_for_nodes(1)
+        # started at once: a joining node retries until the head's GCS answers
         node_b = [
             RAY,
             "start",
@@ -78,7 +78,8 @@ class TwoNodeCluster:
             script = f'mount -t tmpfs tmpfs "{self.hidden}" && exec "$@"'
             node_b = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *node_b]
         self.node_b = self._start(node_b, "node_b")
-        self._wait_for_nodes(2)
+        for name in ("head", "node_b"):
+            self._wait_started(name)
 
     def _start(self, cmd: list[str], name: str) -> subprocess.Popen:
         log = open(self.root / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
@@ -86,18 +87,14 @@ class TwoNodeCluster:
             cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
-    def _wait_for_nodes(self, count: int, timeout_s: float = 120) -> None:
+    def _wait_started(self, name: str, timeout_s: float = 180) -> None:
+        """``ray start --block`` logs this once its node has joined the cluster (cheaper than `ray status`)."""
+        log = self.root / f"{name}.log"
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            status = subprocess.run(
-                [RAY, "status", f"--address={self.address}"], env=self.env, capture_output=True, text=True
-            )
-            active = status.stdout.split("Pending:")[0]
-            if status.returncode == 0 and active.count(" node_") >= count:
-                return
-            time.sleep(0.5)
-        logs = {p.name: p.read_text()[-2000:] for p in self.root.glob("*.log")}
-        raise RuntimeError(f"the Ray cluster did not reach {count} nodes: {logs}")
+        while "Ray runtime started" not in log.read_text():
+            if time.monotonic() > deadline or (self.head.poll() is not None):
+                raise RuntimeError(f"{name} did not start: {log.read_text()[-3000:]}")
+            time.sleep(0.2)
 
     def kill_node_b(self) -> None:
         os.killpg(self.node_b.pid, signal.SIGKILL)
@@ -159,25 +156,6 @@ def _complete_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.parent.name.split("_")[-1]) for p in run_dir.glob("global_step_*/COMPLETE"))
 
 
-def test_split_placement_trains_across_two_nodes(cluster, data_dir, tiny_model_path, tmp_path):
-    run = tmp_path / "run"
-    out, err, rc = _train(
-        cluster, data_dir, tiny_model_path, run,
-        "+trainer.pool_resources.rollout={node_b: 0.01}", "trainer.total_training_steps=3", "trainer.save_freq=3",
-    )  # fmt: skip
-    assert rc == 0, err[-3000:]
-    # each worker logs its node (Ray forwards the line to the driver): the actor and the rollout on two nodes
-    nodes = dict(re.findall(r"\[hybridflow/(\w+) rank 0\] on node (\w+) ", out))
-    assert set(nodes) == {"actor", "rollout", "reward"}, out[-3000:]
-    assert nodes["actor"] == nodes["reward"] != nodes["rollout"]
-    steps = _steps(run)
-    assert [row["step"] for row in steps] == [1, 2, 3]
-    # the rollout on node_b samples with the weights the actor on node_a just trained, every step
-    assert all(row["rollout/logprob_diff_max"] < SYNCED_TOL for row in steps)
-    assert all(row["timing_s/sync_weights"] > 0 for row in steps)
-    assert _complete_steps(run) == [3]
-
-
 def test_first_save_refuses_a_run_folder_a_node_cannot_see(cluster, data_dir, tiny_model_path, tmp_path):
     if not cluster.hides_folder:
         pytest.skip("no mount namespace here (unshare --mount needs root): cannot hide a folder from node_b")
@@ -193,29 +171,51 @@ def test_first_save_refuses_a_run_folder_a_node_cannot_see(cluster, data_dir, ti
     assert _complete_steps(run) == [] and not list(run.glob(".tmp-*"))
 
 
-def test_losing_the_rollout_node_stops_the_run_and_auto_resume_goes_on(
-    cluster, data_dir, tiny_model_path, tmp_path
-):
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def lost_node_run(cluster, data_dir, tiny_model_path, tmp_path_factory):
+    """A split run with the rollout on node_b, killed with node_b once it has saved 3 checkpoints (the
+    module's last use of node_b): ``(run folder, driver stdout, driver stderr, exit status)``."""
+    run = tmp_path_factory.mktemp("lost") / "run"
     proc = _train(
         cluster, data_dir, tiny_model_path, run,
         "+trainer.pool_resources.rollout={node_b: 0.01}", "trainer.total_training_steps=50", "trainer.save_freq=1",
         wait=False,
     )  # fmt: skip
     deadline = time.monotonic() + 240
-    while len(_complete_steps(run)) < 2 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
+    while len(_complete_steps(run)) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert proc.poll() is None, proc.communicate()[1][-3000:]
     cluster.kill_node_b()  # the machine holding the rollout is gone, mid-run
-    _, err = proc.communicate(timeout=180)
-    assert proc.returncode == 2, err[-3000:]
+    out, err = proc.communicate(timeout=180)
+    return run, out, err, proc.returncode
+
+
+def test_split_placement_trains_across_two_nodes(lost_node_run):
+    run, out, err, _ = lost_node_run
+    # each worker logs its node (Ray forwards the line to the driver): the actor and the rollout on two nodes
+    nodes = dict(re.findall(r"\[hybridflow/(\w+) rank 0\] on node (\w+) ", out))
+    assert set(nodes) == {"actor", "rollout", "reward"}, out[-3000:]
+    assert nodes["actor"] == nodes["reward"] != nodes["rollout"]
+    steps = _steps(run)[:3]
+    assert [row["step"] for row in steps] == [1, 2, 3]
+    # the rollout on node_b samples with the weights the actor on node_a just trained, every step
+    assert all(row["rollout/logprob_diff_max"] < SYNCED_TOL for row in steps)
+    assert all(row["timing_s/sync_weights"] > 0 for row in steps)
+    assert _complete_steps(run)[:3] == [1, 2, 3]
+
+
+def test_losing_the_rollout_node_stops_the_run_and_auto_resume_goes_on(
+    lost_node_run, cluster, data_dir, tiny_model_path
+):
+    run, _, err, rc = lost_node_run
+    assert rc == 2, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert re.fullmatch(
-        r"hybridflow train: error: node \w+ \([\d.]+\) left the Ray cluster during '\w+', taking role 'rollout' .*",
+        r"hybridflow train: error: node \w+ \([\d.]+\) left the Ray cluster during '\w+', taking role "
+        r"'rollout' \(worker group 'hybridflow/rollout/rollout', rank 0\) with it; .*resume_mode=auto.*",
         last,
     ), last
     newest = _complete_steps(run)[-1]
-    assert newest >= 2
 
     # the cluster that is left: node_a alone takes the rollout too; the run resumes from the newest checkpoint
     out, err, rc = _train(
