@@ -12,7 +12,8 @@ Strategies (``actor.strategy``, ``ref.strategy``, ``critic.strategy``):
 - ``ddp``: full replicas, gradients all-reduced by ``TrainingEngine`` (the default, ``auto``).
 - ``fsdp2``: ``fully_shard`` on every decoder layer, then the root, over a device mesh of the group's ranks
   (gloo on CPU, nccl on GPU); ``fsdp_config.fsdp_size`` < world size shards within groups of that size and
-  replicates across them (HSDP). On one rank nothing is sharded, but checkpoints keep the sharded format.
+  replicates across them (HSDP). One CPU rank is not wrapped; one GPU is (bf16 compute, `param_offload`).
+  Checkpoints keep the sharded format either way.
   Only rank 0 reads the checkpoint: the other ranks build the model on the meta device and receive their
   shards from it (``reads_weights``, ``shard_module``), so no rank but the first ever holds the full weights.
 - ``single``: one rank only.
@@ -146,13 +147,18 @@ def shard_module(module: nn.Module, fsdp_config: Any, device: torch.device) -> n
     in on the meta device (``reads_weights``) and receive only their shards, streamed from rank 0's copy one
     tensor at a time (``set_model_state_dict`` with ``broadcast_from_rank0``), so no rank but the first holds
     the full model, and that one only until its shards are set. A LoRA model (loaded by every rank) gets rank 0's
-    weights broadcast whole first, as its random adapters differ by rank. Without a process group of several
-    ranks it returns ``module.to(device)``. On CUDA, parameters compute
-    in bf16 and gradients reduce in fp32 (``module`` should be loaded in fp32: those are the master
-    weights), and ``fsdp_config.param_offload`` keeps the shards in CPU memory between uses. On CPU both
-    do nothing."""
+    weights broadcast whole first, as its random adapters differ by rank.
+
+    On CUDA, parameters compute in bf16 and gradients reduce in fp32 (``module`` should be loaded in fp32:
+    those are the master weights), and ``fsdp_config.param_offload`` keeps the shards in CPU memory between
+    uses. A single GPU gets the same wrapping over a process group of its one rank, so both policies apply
+    there too (verl's single-GPU recipe). On CPU neither does anything, and one rank returns
+    ``module.to(device)``: there is nothing to shard, offload or cast."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return module.to(device)
+        if device.type != "cuda":
+            return module.to(device)
+        if not dist.is_initialized():  # one GPU: a process group of one rank, in memory
+            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 

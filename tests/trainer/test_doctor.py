@@ -186,7 +186,7 @@ def test_memory_estimate_by_hand():
     assert est.static == {"actor weights": 40e6, "actor grads": 40e6, "AdamW state": 80e6}
     update = 2 * 9 * 1000 * 4 * 3 + 2 * 32 * 2 * (14 * 64 + 4 * 128) * 4  # logits x3 + activations
     assert est.passes["policy update"] == update
-    assert est.passes["generation KV cache"] == 2 * 2 * 32 * 4 * 8 * 32 + 8 * 1000 * 4  # all 8 sequences
+    assert est.passes["generation"] == 2 * 2 * 32 * 4 * 8 * 32 + 8 * 1000 * 4  # all 8 sequences
     assert est.device == 160e6 + update + RUNTIME_BYTES
     lora = estimate_memory(
         load_config(
@@ -222,6 +222,20 @@ def test_memory_estimate_by_hand():
         "AdamW state": 20e6,
         "reference weights": 10e6,
     }
+    # generation gathers the other 3 ranks' shards (30 MB); rank 0 reads the whole checkpoint (40 MB) before
+    # the gradients and moments (30 MB) exist
+    kv = 2 * 2 * 32 * 4 * 2 * 576 + 2 * 1000 * 4  # 8 prompts x 1 over 4 ranks, 512 + 64 tokens
+    assert fsdp.passes["generation"] == kv + 30e6
+    assert fsdp.passes["checkpoint read by rank 0"] == 40e6 - 30e6
+    fsdp_cfg = load_config(
+        [
+            "data.train_files=x.parquet",
+            "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.actor.strategy=fsdp2",
+            "actor_rollout_ref.rollout.sharded_generation=true",
+        ]
+    )
+    assert estimate_memory(fsdp_cfg, shape, world_size=4).passes["generation"] == kv
     assert est.device < GB
 
 
