@@ -130,6 +130,39 @@ def _rank(
     }
 
 
+def doctor_mib(model: str, setting: dict, world: int, args: argparse.Namespace) -> float:
+    """What ``hybridflow doctor`` estimates for the largest worker of this setting (MiB)."""
+    from transformers import AutoConfig
+
+    from hybridflow.models import resolve_model_path
+    from hybridflow.trainer.config import load_config
+    from hybridflow.trainer.memory_estimate import estimate_memory, model_shape
+
+    n = 4 if setting.get("grpo") else 1
+    cfg = load_config(
+        [
+            "data.train_files=unused.parquet",
+            "algorithm.adv_estimator=grpo",
+            "trainer.device=cpu",
+            f"actor_rollout_ref.model.path={model}",
+            f"actor_rollout_ref.model.lora_rank={setting.get('lora_rank', 0)}",
+            f"actor_rollout_ref.actor.strategy={setting['strategy']}",
+            f"actor_rollout_ref.actor.use_kl_loss={setting.get('kl', False)}",
+            f"data.max_prompt_length={args.prompt}",
+            f"data.max_response_length={args.response}",
+            f"data.train_batch_size={args.rows // n}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={args.rows // n}",
+            f"actor_rollout_ref.rollout.n={n}",
+            "actor_rollout_ref.rollout.sharded_generation=true",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+        ]
+    )
+    shape = model_shape(AutoConfig.from_pretrained(resolve_model_path(model)))
+    return estimate_memory(cfg, shape, world).device / 2**20
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -189,8 +222,11 @@ def main() -> None:
                     raise SystemExit(f"setting {name!r} failed (exit codes {[p.exitcode for p in procs]})")
                 results[f"{name}, {world} rank{'s' * (world > 1)}"] = [dict(out[r]) for r in range(world)]
             print(f"{name}, {world} ranks: done", flush=True)
-    header = "| setting | params + grads + optimizer per rank (MiB) | peak RSS per rank (MiB) | largest vs 1 rank | step s |"
-    print("\n" + header + "\n|---|---|---|---|---|")
+    header = (
+        "| setting | params + grads + optimizer per rank (MiB) | peak RSS per rank (MiB) | largest vs 1 rank "
+        "| doctor's estimate (MiB) | step s |"
+    )
+    print("\n" + header + "\n|---|---|---|---|---|---|")
     for name, row in results.items():
         state = (
             f"{row[0]['state_mib']:.0f} ({row[0]['params_mib']:.0f} + {row[0]['grads_mib']:.0f} + "
@@ -200,7 +236,11 @@ def main() -> None:
         single = results.get(name.rsplit(", ", 1)[0] + ", 1 rank")
         ratio = f"{peak / max(r['peak_rss_mib'] for r in single):.2f}x" if single else "-"
         peaks = " / ".join(f"{r['peak_rss_mib']:.0f}" for r in row)
-        print(f"| {name} | {state} | {peaks} | {ratio} | {max(r['step_s'] for r in row):.1f} |")
+        doctor = doctor_mib(model, SETTINGS[name.rsplit(", ", 1)[0]], len(row), args)
+        print(
+            f"| {name} | {state} | {peaks} | {ratio} | {doctor:.0f} ({doctor / peak - 1:+.0%}) | "
+            f"{max(r['step_s'] for r in row):.1f} |"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
     print(f"\nwrote {args.out}")
