@@ -13,7 +13,7 @@ from hybridflow.demo import DEMO_SETTINGS
 from hybridflow.trainer.config import load_config
 from hybridflow.trainer.config_loader import load_unvalidated
 from hybridflow.trainer.doctor import run_checks
-from hybridflow.trainer.memory_estimate import GB, RUNTIME_BYTES, ModelShape, estimate_memory
+from hybridflow.trainer.memory_estimate import GB, RUNTIME_BYTES, ModelShape, estimate_memory, knob
 
 NAMES = ["config", "paths", "model", "dataset", "batch", "reward", "memory", "environment"]
 
@@ -237,6 +237,34 @@ def test_memory_estimate_by_hand():
     )
     assert estimate_memory(fsdp_cfg, shape, world_size=4).passes["generation"] == kv
     assert est.device < GB
+
+
+def test_memory_knob_names_sharded_generation_when_the_gathered_model_does_not_fit():
+    shape = ModelShape(
+        params=1_000_000_000,
+        vocab_size=1000,
+        hidden_size=64,
+        num_layers=2,
+        intermediate_size=128,
+        kv_dim=32,
+        linear_in_out=100_000,
+    )
+    overrides = [
+        "data.train_files=x.parquet",
+        "algorithm.adv_estimator=grpo",
+        "trainer.device=cpu",
+        "actor_rollout_ref.actor.strategy=fsdp2",
+    ]
+    cfg = load_config(overrides)
+    est = estimate_memory(cfg, shape, world_size=8)  # generation gathers 7/8 of 4 GB: the largest part
+    assert est.largest_pass == "generation" and est.passes["generation"] > sum(est.static.values())
+    assert "actor_rollout_ref.rollout.sharded_generation=true" in knob(cfg, est, workers_per_machine=1)
+    sharded = load_config([*overrides, "actor_rollout_ref.rollout.sharded_generation=true"])
+    low = estimate_memory(sharded, shape, world_size=8)
+    # the KV cache alone is left; rank 0's read of the 4 GB checkpoint (before 2 GB of state) is now the peak
+    assert low.passes["generation"] == est.passes["generation"] - 3.5e9
+    assert low.largest_pass == "checkpoint read by rank 0"
+    assert low.device == est.device - est.passes["generation"] + 2.5e9
 
 
 def test_environment_fails_when_the_rollout_engine_does_not_import(tmp_path, monkeypatch):
