@@ -140,7 +140,7 @@ def _train(cluster, data_dir, model, run_dir, *overrides, wait=True):
         "trainer.seed=3", "trainer.backend=ray", "trainer.placement=split", "trainer.cpus_per_worker=0.5",
         f"+trainer.ray_kwargs.address={cluster.address}",
         "+trainer.pool_resources.actor={node_a: 0.01}",
-        "+trainer.pool_resources.reward={node_a: 0.01}",
+        "+trainer.role_pools.reward=actor",  # the reward function beside the actor: one process less
         *overrides,
     ]  # fmt: skip
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
@@ -194,8 +194,8 @@ def test_split_placement_trains_across_two_nodes(lost_node_run):
     run, out, err, _ = lost_node_run
     # each worker logs its node (Ray forwards the line to the driver): the actor and the rollout on two nodes
     nodes = dict(re.findall(r"\[hybridflow/(\w+) rank 0\] on node (\w+) ", out))
-    assert set(nodes) == {"actor", "rollout", "reward"}, out[-3000:]
-    assert nodes["actor"] == nodes["reward"] != nodes["rollout"]
+    assert set(nodes) == {"actor", "rollout"}, out[-3000:]
+    assert nodes["actor"] != nodes["rollout"]
     steps = _steps(run)[:3]
     assert [row["step"] for row in steps] == [1, 2, 3]
     # the rollout on node_b samples with the weights the actor on node_a just trained, every step
