@@ -354,8 +354,14 @@ def check_cross_fields(cfg: Any) -> None:
         ),
         (
             trainer.backend == "local"
-            and (trainer.placement != "colocated" or trainer.resource_pool_spec or trainer.role_pools),
-            "trainer.placement, resource_pool_spec and role_pools place roles in Ray worker processes: "
+            and (
+                trainer.placement != "colocated"
+                or trainer.resource_pool_spec
+                or trainer.role_pools
+                or trainer.pool_resources
+            ),
+            "trainer.placement, resource_pool_spec, role_pools and pool_resources place roles in Ray worker "
+            "processes: "
             "set trainer.backend=ray (or keep trainer.placement=colocated)",
         ),
         (

@@ -238,6 +238,10 @@ class RolloutConfig(SamplingConfig):
     log_prob_use_dynamic_bsz: bool = False  #: old-log-prob micro-batches filled to a token budget
     log_prob_max_token_len_per_gpu: int = 16384  #: real tokens per old-log-prob micro-batch
     micro_batch_size: int | None = None  #: prompts per generate call; null = all at once
+    #: hf rollout of an fsdp2 actor on several ranks: false = gather the whole model once per generation
+    #: (fast; every rank holds it meanwhile); true = every forward gathers one layer at a time and the ranks
+    #: step together, so no rank holds more than its shards and a layer (for models that do not fit one rank)
+    sharded_generation: bool = False
     gpu_memory_utilization: float = 0.5  #: vllm on GPU: share of GPU memory for weights and KV cache
     tensor_model_parallel_size: int = 1  #: vllm on GPU: tensor-parallel degree of the engine
     max_num_batched_tokens: int = 8192  #: vllm: tokens per engine step (prefill chunk budget)

@@ -121,6 +121,9 @@ class TrainerConfig:
     resource_pool_spec: dict[str, Any] = field(default_factory=dict)
     #: role (actor, rollout, ref, critic, reward_model, reward) -> pool name; overrides the preset's mapping
     role_pools: dict[str, Any] = field(default_factory=dict)
+    #: pool name -> Ray custom resources each of its processes asks for, pinning the pool to the nodes that
+    #: declare them (`ray start --resources='{"node_b": 1}'`), e.g. +trainer.pool_resources.rollout={node_b:0.01}
+    pool_resources: dict[str, Any] = field(default_factory=dict)
     #: CPUs each Ray worker process reserves (fractions let roles share cores); when Ray has fewer than the
     #: processes ask for together, they share its CPUs equally
     cpus_per_worker: float = 1.0

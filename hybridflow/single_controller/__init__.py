@@ -19,7 +19,13 @@ from hybridflow.single_controller.decorator import (
 from hybridflow.single_controller.local import LocalWorkerGroup
 from hybridflow.single_controller.roles import Role
 from hybridflow.single_controller.worker import ClassWithInitArgs, Worker
-from hybridflow.single_controller.worker_group import WorkerDiedError, WorkerError, WorkerFuture, WorkerGroup
+from hybridflow.single_controller.worker_group import (
+    NodeLostError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerFuture,
+    WorkerGroup,
+)
 
 __all__ = [
     "ClassWithInitArgs",
@@ -27,6 +33,7 @@ __all__ = [
     "Execute",
     "LocalWorkerGroup",
     "MethodSpec",
+    "NodeLostError",
     "Role",
     "Shards",
     "Worker",

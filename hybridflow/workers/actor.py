@@ -38,6 +38,8 @@ from hybridflow.workers.sharding import (
     gathered,
     is_lora,
     load_placement,
+    lockstep,
+    reads_weights,
     resolve_strategy,
     wrap_model,
 )
@@ -114,14 +116,15 @@ class ActorRolloutRefWorker(Worker):
         if self._is_actor or self._is_rollout:
             # a rollout-only worker (trainer.placement=split) holds a plain copy the actor's full weights load into
             strategy = resolve_strategy(actor.strategy, self.world_size) if self._is_actor else "ddp"
+            lora = model_cfg.lora_rank if self._is_actor else 0
             module = load_model(
                 model_cfg.path,
                 *load_placement(strategy, model_cfg.dtype, self.device),
                 trust_remote_code=model_cfg.trust_remote_code,
                 disable_dropout=model_cfg.disable_dropout,
                 gradient_checkpointing=self._is_actor and model_cfg.enable_gradient_checkpointing,
+                on_meta=not reads_weights(strategy, lora),
             )
-            lora = model_cfg.lora_rank if self._is_actor else 0
             self.module = wrap_model(
                 module,
                 strategy,
@@ -163,6 +166,7 @@ class ActorRolloutRefWorker(Worker):
                 *load_placement(strategy, model_cfg.dtype, self.device),
                 trust_remote_code=model_cfg.trust_remote_code,
                 disable_dropout=model_cfg.disable_dropout,
+                on_meta=not reads_weights(strategy),
             ).eval()
             module.requires_grad_(False)
             self.ref_module = wrap_model(module, strategy, ref.fsdp_config, self.device)
@@ -178,7 +182,9 @@ class ActorRolloutRefWorker(Worker):
         if versioned:
             self._use_weights(prompts.meta_info)
         try:
-            with gathered(self.module, self.config.actor.fsdp_config.reshard_after_forward):
+            reshard = self.config.actor.fsdp_config.reshard_after_forward
+            sharded = self.config.rollout.sharded_generation
+            with (lockstep if sharded else gathered)(self.module, reshard):
                 out = self.rollout.generate_sequences(prompts)
         except DivergedError as e:
             if self.engine is None or self.engine.steps_done == 0:

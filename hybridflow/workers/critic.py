@@ -17,7 +17,13 @@ from hybridflow.workers.checkpointing import load_worker_state, save_worker_stat
 from hybridflow.workers.engine import TrainingEngine
 from hybridflow.workers.modeling import load_model, load_tokenizer, response_values
 from hybridflow.workers.packing import MicroBatching, batched
-from hybridflow.workers.sharding import agreed_count, load_placement, resolve_strategy, wrap_model
+from hybridflow.workers.sharding import (
+    agreed_count,
+    load_placement,
+    reads_weights,
+    resolve_strategy,
+    wrap_model,
+)
 
 
 class CriticWorker(Worker):
@@ -48,6 +54,7 @@ class CriticWorker(Worker):
             new_head="the critic's value head",
             disable_dropout=model_cfg.disable_dropout,
             gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
+            on_meta=not reads_weights(strategy),
         )
         module.config.pad_token_id = self.tokenizer.pad_token_id
         for part in module.modules():  # transformers puts a 0.1 dropout before the head: the update would fit

@@ -16,7 +16,13 @@ import os
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.utils import logging as hf_logging
 
 from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
@@ -78,6 +84,7 @@ def load_model(
     gradient_checkpointing: bool = False,
     new_head: str | None = None,
     disable_dropout: bool = True,
+    on_meta: bool = False,
     **kwargs: Any,
 ) -> PreTrainedModel:
     """A Hugging Face model on ``device``; ``path`` may be ``default`` (the embedded SmolLM2), with its
@@ -85,8 +92,19 @@ def load_model(
 
     ``new_head`` (e.g. ``"the critic's value head"``): a head the checkpoint is expected to lack. Its
     fresh weights are reported in one line instead of transformers' table of MISSING keys, which reads
-    like an error; any *other* missing weight is still reported as a warning."""
-    if new_head is None:
+    like an error; any *other* missing weight is still reported as a warning.
+
+    ``on_meta``: build the model from its config on the meta device, reading no weights (a sharded rank
+    that receives its shards from rank 0, ``sharding.shard_module``); it stays there, ``device`` unused."""
+    if on_meta:
+        config = AutoConfig.from_pretrained(
+            model_location(path), trust_remote_code=trust_remote_code, **kwargs
+        )
+        with torch.device("meta"):
+            model = auto_cls.from_config(
+                config, dtype=resolve_dtype(dtype, device), trust_remote_code=trust_remote_code
+            )
+    elif new_head is None:
         model = auto_cls.from_pretrained(
             model_location(path),
             dtype=resolve_dtype(dtype, device),
@@ -107,7 +125,8 @@ def load_model(
         finally:
             hf_logging.set_verbosity(verbosity)
         _report_new_head(model, sorted(info.get("missing_keys", [])), new_head, path)
-    model = model.to(device)
+    if not on_meta:
+        model = model.to(device)
     if disable_dropout:
         without_dropout(model)
     if gradient_checkpointing:

@@ -3,9 +3,11 @@
 A ``RayResourcePool`` reserves, per node, one placement-group bundle per process (STRICT_PACK keeps a
 node's bundles on one machine). Rank ``r`` of every group built on the pool runs in bundle ``r``; up to
 ``max_colocate_count`` groups may share the bundles (each actor asks for that fraction of a bundle), which
-is how separate groups of different roles share devices. ``ResourcePoolManager`` maps roles to named pools
-and checks that the cluster can hold them before reserving anything; ``shared_cpus`` says how many CPUs each
-process can have when a machine has fewer than the processes ask for.
+is how separate groups of different roles share devices. A pool's ``resources`` (Ray custom resources, as
+``ray start --resources='{"node_b": 1}'`` declares them on a node) go into every bundle, so the pool is placed
+only on nodes that have them: Ray's way to pin work to machines. ``ResourcePoolManager`` maps roles to named
+pools and checks that the cluster can hold them before reserving anything; ``shared_cpus`` says how many CPUs
+each process can have when a machine has fewer than the processes ask for.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ class Placement:
 
 class RayResourcePool:
     """``process_on_nodes[i]`` processes on node ``i``; each process gets a bundle of ``cpus_per_process``
-    CPUs (and one GPU when ``use_gpu``). Placement groups are reserved on first use."""
+    CPUs (and one GPU when ``use_gpu``, and ``resources``, e.g. ``{"node_b": 0.01}``, to pin it to the nodes
+    that declare them). Placement groups are reserved on first use."""
 
     def __init__(
         self,
@@ -72,6 +75,7 @@ class RayResourcePool:
         cpus_per_process: float = 1.0,
         name: str = "pool",
         ready_timeout_s: float = 60.0,
+        resources: Mapping[str, float] | None = None,
     ) -> None:
         if not process_on_nodes or any(n < 1 for n in process_on_nodes):
             raise ValueError(
@@ -83,6 +87,10 @@ class RayResourcePool:
                 f"max_colocate_count must be >= 1 and cpus_per_process > 0; got {max_colocate_count}"
                 f" and {cpus_per_process}"
             )
+        resources = dict(resources or {})
+        if any(not isinstance(v, (int, float)) or v <= 0 for v in resources.values()):
+            raise ValueError(f"resources of pool {name!r} must be positive amounts, got {resources}")
+        self.resources = resources
         self.process_on_nodes = list(process_on_nodes)
         self.use_gpu = use_gpu
         self.max_colocate_count = max_colocate_count
@@ -101,6 +109,8 @@ class RayResourcePool:
         needed = {"CPU": self.world_size * self.cpus_per_process}
         if self.use_gpu:
             needed["GPU"] = float(self.world_size)
+        for key, amount in self.resources.items():
+            needed[key] = needed.get(key, 0.0) + amount * self.world_size
         return needed
 
     def actor_resources(self) -> dict[str, float]:
@@ -138,7 +148,11 @@ class RayResourcePool:
 
     def _placement_groups(self) -> list[PlacementGroup]:
         if not self._groups:
-            bundle = {"CPU": self.cpus_per_process, **({"GPU": 1.0} if self.use_gpu else {})}
+            bundle = {
+                "CPU": self.cpus_per_process,
+                **({"GPU": 1.0} if self.use_gpu else {}),
+                **self.resources,
+            }
             for node, count in enumerate(self.process_on_nodes):
                 group = placement_group(
                     [dict(bundle) for _ in range(count)],
@@ -161,7 +175,8 @@ class ResourcePoolManager:
 
     ``resource_pool_spec``: pool name -> processes per node, e.g. ``{"global": [2]}``; ``mapping``: role (a
     string or ``Role``) -> pool name. Each pool admits as many colocated groups as roles map to it, unless
-    ``max_colocate_count`` says otherwise.
+    ``max_colocate_count`` says otherwise. ``pool_resources``: pool name -> custom resources of each of its
+    processes (pins the pool to the nodes that declare them).
     """
 
     def __init__(
@@ -171,6 +186,7 @@ class ResourcePoolManager:
         use_gpu: bool = False,
         cpus_per_process: float = 1.0,
         max_colocate_count: int | None = None,
+        pool_resources: Mapping[str, Mapping[str, float]] | None = None,
     ) -> None:
         unknown = {str(role): pool for role, pool in mapping.items() if pool not in resource_pool_spec}
         if unknown:
@@ -182,6 +198,7 @@ class ResourcePoolManager:
         self.use_gpu = use_gpu
         self.cpus_per_process = cpus_per_process
         self.max_colocate_count = max_colocate_count
+        self.pool_resources = {name: dict(res) for name, res in (pool_resources or {}).items()}
         self.pools: dict[str, RayResourcePool] = {}
 
     def create_resource_pool(self) -> dict[str, RayResourcePool]:
@@ -195,6 +212,7 @@ class ResourcePoolManager:
                 cpus_per_process=self.cpus_per_process,
                 max_colocate_count=self.max_colocate_count or max(1, roles),
                 name=name,
+                resources=self.pool_resources.get(name),
             )
         self.check_resources(pools)
         for pool in pools.values():
