@@ -2,7 +2,9 @@
 
 1. Per-call overhead: the same greedy call (one prompt, ``--overhead-tokens`` new tokens) as a direct
    ``HFRollout.generate_sequences`` and through the server with the ``openai`` client (one connection kept
-   alive); overhead = p50 served - p50 direct. Measured with the batching window at 0 and at its default.
+   alive), alternating; overhead = p50 served - p50 direct, and p50 of (served - the engine time the server
+   measured for that call). Measured with the batching window at 0, 2 and 10 ms, and with no engine at all
+   (what the server, HTTP and the client cost).
 2. Throughput: 32 sessions, each one chat call on its own prompt, sent at once by ``openai.AsyncOpenAI``
    clients, against one batched ``generate_sequences`` of the same 32 prompts. Greedy, so both generate
    exactly the same tokens; the ratio is the direct call's time over the sessions' time.
@@ -210,12 +212,12 @@ def main() -> None:
     }
     print(f"model {args.model}, {results['torch_threads']} torch threads")
     print(
-        "| batching window | direct p50 ms | served p50 ms | difference | served - its own engine time, p50 ms |"
+        "| engine | window | direct p50 ms | served p50 ms | difference | served - its own engine time, p50 ms |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for r in results["overhead"]:
         print(
-            f"| {r['window_ms']:g} ms | {r['direct_p50_ms']:.2f} | {r['served_p50_ms']:.2f} | "
+            f"| {r.get('engine', args.model)} | {r['window_ms']:g} ms | {r['direct_p50_ms']:.2f} | {r['served_p50_ms']:.2f} | "
             f"{r['overhead_p50_ms']:.2f} | {r['overhead_vs_own_engine_time_p50_ms']:.2f} |"
         )
     print("\n| batching window | 32 sessions s | one batched call s | ratio | engine calls per round |")
