@@ -82,7 +82,7 @@ def main(out_dir: Path) -> dict:
         ]
         for row in rows
     ]
-    teach_conversations(model, chats, steps=100)
+    teach_conversations(model, chats)
     batches = []
     with PPOTrainer(config) as trainer:
         trainer.register_hook("after_advantage", lambda trainer, step, metrics, batch: batches.append(batch))

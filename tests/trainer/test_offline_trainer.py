@@ -99,6 +99,7 @@ def test_config_uses_verl_sft_names_and_names_bad_keys(tmp_path):
         load_offline_config(DPOConfig, ["data.train_files=a", "model.lora_rank=-1"])
 
 
+@pytest.mark.learning
 @pytest.mark.parametrize("backend", ["local", "ray"])
 def test_dpo_starts_at_ln2_and_learns_the_preferences(data, tiny_model_path, tmp_path, backend, request):
     extra = ["trainer.backend=ray", "trainer.n_workers=2"] if backend == "ray" else []
@@ -122,6 +123,7 @@ def test_dpo_starts_at_ln2_and_learns_the_preferences(data, tiny_model_path, tmp
     assert find_latest_checkpoint(tmp_path).name == "global_step_4" and model.config.model_type == "llama"
 
 
+@pytest.mark.learning
 def test_kto_cli_run_starts_at_one_half_and_separates_good_from_bad(data, tiny_model_path, tmp_path):
     assert cli(["kto", *overrides(data, "kto", tiny_model_path, tmp_path, "kto.undesirable_weight=2")]) == 0
     rows = logged(tmp_path)
@@ -131,6 +133,7 @@ def test_kto_cli_run_starts_at_one_half_and_separates_good_from_bad(data, tiny_m
     assert rows[-1]["val/loss"] < rows[0]["val/loss"]
 
 
+@pytest.mark.learning
 def test_sft_lowers_the_validation_loss_and_cli_names_config_errors(data, tiny_model_path, tmp_path, capsys):
     assert cli(["sft", *overrides(data, "sft", tiny_model_path, tmp_path, val="test.parquet")]) == 0
     rows = logged(tmp_path)
@@ -155,6 +158,7 @@ def test_sft_resumes_from_its_last_checkpoint(data, tiny_model_path, tmp_path):
     resumed.close()
 
 
+@pytest.mark.learning
 def test_dpo_with_lora_takes_the_reference_from_the_adapter_off(data, tiny_model_path, tmp_path, monkeypatch):
     loaded = []  # every model the workers build (the real loader, counted)
     load_model = actor_worker.load_model
