@@ -181,7 +181,8 @@ def test_custom_tool_is_called_in_rollouts_and_its_results_reach_the_reward(tmp_
     assert [r["step"] for r in rows] == [1, 2]
     assert (
         rows[0]["agent/tool_calls/mean"] > 0.5 and rows[0]["agent/tool_errors"] == 0
-    )  # the taught model calls add
+    )  # the taught model calls add ...
+    assert rows[0]["critic/score/mean"] > 1.5  # ... with the prompt's numbers, and repeats the sum (2 points)
     for batch in result["batches"]:
         scores = batch.batch["token_level_scores"].sum(-1).tolist()
         for messages, calls, score, truth in zip(

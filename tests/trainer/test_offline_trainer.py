@@ -125,12 +125,16 @@ def test_dpo_starts_at_ln2_and_learns_the_preferences(data, tiny_model_path, tmp
 
 @pytest.mark.learning
 def test_kto_cli_run_starts_at_one_half_and_separates_good_from_bad(data, tiny_model_path, tmp_path):
-    assert cli(["kto", *overrides(data, "kto", tiny_model_path, tmp_path, "kto.undesirable_weight=2")]) == 0
+    # 8 steps: 4 lowered the loss by only 0.003; 8 by 0.02-0.03 with each of 4 model and data seeds
+    args = overrides(
+        data, "kto", tiny_model_path, tmp_path, "kto.undesirable_weight=2", "trainer.total_training_steps=8"
+    )
+    assert cli(["kto", *args]) == 0
     rows = logged(tmp_path)
     # policy = reference: z0 = 0 and every row costs its weight x (1 - sigmoid(0)); half the rows weigh 2
     assert rows[0]["val/loss"] == pytest.approx(0.5 * (1 + 2) / 2, abs=1e-5)
-    assert rows[-1]["val/rewards/chosen"] > rows[-1]["val/rewards/rejected"]
-    assert rows[-1]["val/loss"] < rows[0]["val/loss"]
+    assert rows[-1]["val/rewards/chosen"] > rows[-1]["val/rewards/rejected"] + 0.01
+    assert rows[-1]["val/loss"] < rows[0]["val/loss"] - 0.01
 
 
 @pytest.mark.learning
