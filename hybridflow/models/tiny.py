@@ -21,8 +21,6 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from hybridflow.utils.errors import InputError
-
 IM_START, IM_END, END_OF_TEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 SPECIAL_TOKENS = [END_OF_TEXT, IM_START, IM_END]
 
@@ -195,10 +193,10 @@ def reply_mask(
             continue
         before, through = render(conversation[:i], prompt=True), render(conversation[: i + 1])
         if ids[: len(before)] != before or ids[: len(through)] != through:
-            raise InputError(f"the chat template rewrites earlier turns of {conversation!r}: no reply span")
+            raise ValueError(f"the chat template rewrites earlier turns of {conversation!r}: no reply span")
         mask[len(before) : len(through)] = [True] * (len(through) - len(before))
     if not any(mask):
-        raise InputError(f"no assistant reply after the last user message to teach in {conversation!r}")
+        raise ValueError(f"no assistant reply after the last user message to teach in {conversation!r}")
     return ids, mask
 
 
@@ -219,7 +217,7 @@ def teach_conversations(
     CPU's float kernels and thread count, and a model taught to the margin writes the replies greedily and,
     at temperature 0.5, samples each token with probability above 0.9999. The check uses the very forward
     pass whose gradient makes the next step (dropout off), so the saved model is the one checked. Raises
-    ``InputError`` naming the least likely reply token if ``max_steps`` updates do not reach the margin."""
+    ``ValueError`` naming the least likely reply token if ``max_steps`` updates do not reach the margin."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
@@ -244,7 +242,7 @@ def teach_conversations(
             return str(model_dir)
         if step == max_steps:
             row, pos = divmod(int(least), targets.shape[1])
-            raise InputError(
+            raise ValueError(
                 f"after {max_steps} steps at lr {lr} the tiny model writes {tokenizer.decode(targets[row, pos])!r}"
                 f" after {tokenizer.decode(input_ids[row, max(0, pos - 7) : pos + 1])!r} (conversation {row})"
                 f" with probability {log_probs.flatten()[least].exp():.3f} < min_prob {min_prob}: raise"

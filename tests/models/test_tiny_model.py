@@ -8,7 +8,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hybridflow.models import make_tiny_model
 from hybridflow.models.tiny import main, reply_mask, teach_conversations
-from hybridflow.utils.errors import InputError
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +97,7 @@ def test_reply_mask_marks_the_turns_after_the_last_user_message(tiny_dir):
     assert tok.decode(ids) == tok.apply_chat_template(ONE_SHOT, tokenize=False)
     marked = tok.decode([i for i, m in zip(ids, mask) if m])
     assert marked == "call add<|im_end|>\n3+4=7<|im_end|>\n"
-    with pytest.raises(InputError, match="no assistant reply after the last user message"):
+    with pytest.raises(ValueError, match="no assistant reply after the last user message"):
         reply_mask(tok, ONE_SHOT[:3])
 
 
@@ -125,5 +124,5 @@ def test_teaching_what_cannot_be_learned_names_the_token(tmp_path):
     chats = [
         question + [{"role": "assistant", "content": a}] for a in ("hi", "ho")
     ]  # one prompt, two replies
-    with pytest.raises(InputError, match=r"after 30 steps .* probability 0\.[0-9]+ < min_prob 0\.99"):
+    with pytest.raises(ValueError, match=r"after 30 steps .* probability 0\.[0-9]+ < min_prob 0\.99"):
         teach_conversations(make_tiny_model(tmp_path / "m"), chats, max_steps=30)
