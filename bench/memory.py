@@ -17,9 +17,11 @@ hidden; 1024,16 is about 200M parameters): no download. Prints a table and write
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import resource
+import shutil
 import socket
 import tempfile
 import time
@@ -192,8 +194,10 @@ def main() -> None:
         from hybridflow.models import make_tiny_model
 
         hidden, layers = (int(v) for v in args.random_model.split(","))
+        scratch = tempfile.mkdtemp(prefix="hfmem-")  # about 4 bytes per parameter: removed at exit
+        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
         model = make_tiny_model(
-            Path(tempfile.mkdtemp(prefix="hfmem-")) / "model",
+            Path(scratch) / "model",
             vocab_size=8192,
             hidden_size=hidden,
             num_layers=layers,
