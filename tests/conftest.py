@@ -14,7 +14,10 @@ from hybridflow import DataProto
 from hybridflow.data.prepare import main as prepare_data
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-torch.set_num_threads(1)  # tiny models: thread overhead exceeds the work (20x slower on a busy CPU)
+# Tiny models: thread overhead exceeds the work (20x slower on a busy CPU), so one thread unless OMP_NUM_THREADS
+# asks for more (scripts/test_portable.sh runs the learning tests at 1 and 2: threads change reduction orders).
+TORCH_THREADS = int(os.environ.get("OMP_NUM_THREADS") or 1)
+torch.set_num_threads(TORCH_THREADS)
 
 
 @pytest.fixture(scope="session")

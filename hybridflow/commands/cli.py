@@ -1,5 +1,5 @@
 """The ``hybridflow`` command: ``train``, ``sft``, ``dpo``, ``kto``, ``config``, ``prepare-data``,
-``make-tiny-model``, ``generate``, ``report``, ``doctor``.
+``make-tiny-model``, ``generate``, ``serve``, ``report``, ``doctor``.
 
 Every command prints an input error (``UserError``) as one ``hybridflow <cmd>: error: ...`` line with exit
 status 2; ``--debug`` (any command) or ``HYBRIDFLOW_DEBUG=1`` shows its traceback."""
@@ -30,6 +30,14 @@ def _generate(argv: list[str]) -> int:
     for prompt in args.prompt:
         print(f">>> {prompt}\n{chat(model, tokenizer, prompt, args.max_new_tokens, args.temperature)}")
     return 0
+
+
+def _serve(argv: list[str]) -> int:
+    from hybridflow.config.schema import RolloutConfig
+    from hybridflow.runs.trained_model import load_trained_actor
+    from hybridflow.serving.command import main
+
+    return main(argv, load_trained_actor, RolloutConfig())
 
 
 def _report(argv: list[str]) -> int:
@@ -102,6 +110,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
         _generate,
         "answer prompts with a checkpoint: hybridflow generate --model PATH --prompt ...",
     ),
+    "serve": (_serve, "an OpenAI-compatible endpoint over a checkpoint: hybridflow serve --model PATH"),
     "report": (
         _report,
         "curves, stage timeline and samples of run(s) as HTML: hybridflow report RUN_DIR [RUN_B]",

@@ -13,7 +13,6 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
-import math
 import os
 import platform
 import subprocess
@@ -33,6 +32,7 @@ from hybridflow.config.checks import (
     check_ranges,
 )
 from hybridflow.config.schema import ConfigError, PPOConfig, load_unvalidated
+from hybridflow.utils.errors import InputError
 
 Verdict = Literal["ok", "warn", "fail", "skip"]
 DATASET_ROWS = 1000  # rows read per data file: enough for length percentiles, quick on any file
@@ -230,7 +230,7 @@ def _not_append_only(tokenizer: Any) -> str:
 def check_dataset(ctx: Context) -> Check:
     import numpy as np
 
-    from hybridflow.data.dataset import parse_row, read_rows
+    from hybridflow.data.dataset import parse_row, read_rows, tokenize_prompts
 
     data = ctx.cfg.data
     lengths, first_text, partial = [], "", False
@@ -238,10 +238,7 @@ def check_dataset(ctx: Context) -> Check:
         try:
             raw = read_rows(path)
             rows = [parse_row(r, path, i, i, data.prompt_key) for i, r in enumerate(raw[:DATASET_ROWS])]
-            texts = [
-                ctx.tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=False)
-                for r in rows
-            ]
+            texts, ids = tokenize_prompts(ctx.tokenizer, [r.messages for r in rows], data.apply_chat_template)
         except Exception as err:  # noqa: BLE001 - a bad row or a template error is the verdict
             return Check(
                 "dataset",
@@ -252,7 +249,7 @@ def check_dataset(ctx: Context) -> Check:
         partial |= len(raw) > DATASET_ROWS
         ctx.rows += rows
         first_text = first_text or texts[0] if texts else first_text
-        lengths += [len(ids) for ids in ctx.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        lengths += [len(prompt) for prompt in ids]
     if not lengths:
         return Check(
             "dataset", "fail", "no rows in data.train_files", "point data.train_files at prompt files"
@@ -339,6 +336,7 @@ def check_batches(ctx: Context) -> Check:
 
 def check_reward(ctx: Context) -> Check:
     from hybridflow.rewards import default_compute_score, load_custom_reward_function
+    from hybridflow.rewards.manager import checked_score
 
     cfg = ctx.cfg
     custom = cfg.custom_reward_function
@@ -361,17 +359,24 @@ def check_reward(ctx: Context) -> Check:
     for source, row in sorted(by_source.items(), key=lambda kv: str(kv[0])):
         scores = {}
         for label, candidates in _synthetic_responses(row.ground_truth).items():
+            on = f"on a {label} response for data_source {source!r} ({row.file} row {row.row})"
             try:
-                values = [
-                    _as_score(score_fn(source, text, row.ground_truth, row.extra_info)) for text in candidates
-                ]
+                results = [score_fn(source, text, row.ground_truth, row.extra_info) for text in candidates]
             except Exception as err:  # noqa: BLE001 - the point of the check
                 return Check(
                     "reward",
                     "fail",
-                    f"{where} raised on a {label} response for data_source "
-                    f"{source!r} ({row.file} row {row.row}): {type(err).__name__}: {err}",
+                    f"{where} raised {on}: {type(err).__name__}: {err}",
                     "make the reward function return a number for any text (0 for unparsable)",
+                )
+            try:  # the rule training applies to what a scorer returns
+                values = [checked_score(result, "it")["score"] for result in results]
+            except InputError as err:
+                return Check(
+                    "reward",
+                    "fail",
+                    f"{where} {on}: {err}",
+                    "return a number, or a dict with a numeric 'score'",
                 )
             scores[label] = max(values)
         all_zero &= all(v == 0 for v in scores.values())
@@ -402,13 +407,6 @@ def _synthetic_responses(ground_truth: Any) -> dict[str, list[str]]:
         ],
         "wrong": ["I do not know."],
     }
-
-
-def _as_score(result: Any) -> float:
-    value = result["score"] if isinstance(result, dict) else result
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise TypeError(f"returned {result!r}; expected a finite number or a dict with a 'score'")
-    return float(value)
 
 
 def machine_memory(cfg: PPOConfig, memory_gb: float | None) -> tuple[float, str]:

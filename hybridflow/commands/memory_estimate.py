@@ -9,7 +9,9 @@ scoring), and a trial run costs as much. The arithmetic below follows what the w
   needs it, the critic's weights, gradients and moments when there is one;
 - plus the largest of the passes that come and go: the policy update's activations for one micro-batch
   (``ppo_micro_batch_size_per_gpu`` sequences, or ``ppo_max_token_len_per_gpu`` tokens with
-  ``use_dynamic_bsz``), a log-prob pass, and generation's KV cache.
+  ``use_dynamic_bsz``), a log-prob pass, generation (its KV cache, and under ``fsdp2`` the whole model
+  gathered on every rank unless ``rollout.sharded_generation``), and under ``fsdp2`` rank 0 reading the
+  checkpoint (the full weights, before the gradients and moments exist).
 
 Activations per token and layer are taken as ``(14 * hidden + 4 * intermediate)`` values (attention and
 MLP intermediates kept for backward; ``2 * hidden`` with gradient checkpointing), and the output layer's
@@ -170,7 +172,12 @@ def estimate_memory(cfg: Any, shape: ModelShape, world_size: int) -> MemoryEstim
         min(per_worker, rollout.micro_batch_size * rollout.n) if rollout.micro_batch_size else per_worker
     )
     kv_cache = 2 * shape.num_layers * shape.kv_dim * width * generating * sequence
-    est.passes["generation KV cache"] = kv_cache + generating * shape.vocab_size * 4
+    # a sharded actor generates from its gathered weights, unless it gathers one layer at a time
+    sharded = actor.strategy == "fsdp2" and shards > 1
+    gathered = weights * (shards - 1) if sharded and not rollout.sharded_generation else 0.0
+    est.passes["generation"] = kv_cache + generating * shape.vocab_size * 4 + gathered
+    if sharded:  # rank 0 holds the checkpoint it reads while gradients and moments do not exist yet
+        est.passes["checkpoint read by rank 0"] = max(0.0, shape.params * width - grads - optimizer)
     return est
 
 
@@ -202,6 +209,17 @@ def knob(cfg: Any, est: MemoryEstimate, workers_per_machine: int) -> str:
             hints.append(
                 "lower actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu and "
                 "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"
+            )
+        elif largest == "generation" and arr.actor.strategy == "fsdp2" and not arr.rollout.sharded_generation:
+            hints.append(
+                "actor_rollout_ref.rollout.sharded_generation=true (generate gathering one layer at a time, "
+                "not the whole model)"
+            )
+        elif largest == "checkpoint read by rank 0":
+            hints.append(
+                f"{actor}.fsdp_config.param_offload=true"
+                if cfg.trainer.device == "cuda"
+                else "more memory for rank 0"
             )
         else:
             hints.append("set actor_rollout_ref.rollout.micro_batch_size (prompts generated at once)")

@@ -11,6 +11,7 @@ import fnmatch
 import warnings
 from typing import Any, NamedTuple
 
+from hybridflow.dataflow.replay_buffer import ScheduledSampler
 from hybridflow.utils.errors import UserError
 
 
@@ -141,6 +142,7 @@ def path_fields(cfg: Any) -> list[tuple[Any, str]]:
         (cfg.trainer, "default_local_dir"),
         (cfg.trainer, "resume_from_path"),
         (cfg.actor_rollout_ref.rollout.multi_turn, "tool_config_path"),
+        (cfg.actor_rollout_ref.rollout.served_agent, "path"),
     ]
 
 
@@ -219,6 +221,7 @@ _RANGES: dict[str, tuple] = {
     },
     **_sampling_ranges(_ROLLOUT),
     **_sampling_ranges(f"{_ROLLOUT}.val_kwargs"),
+    f"{_ROLLOUT}.served_agent.batch_window_ms": _NON_NEGATIVE,
     **{
         f"{_ROLLOUT}.{k}": _POSITIVE
         for k in ("log_prob_micro_batch_size_per_gpu", "micro_batch_size", "tensor_model_parallel_size")
@@ -323,6 +326,12 @@ def check_cross_fields(cfg: Any) -> None:
         (trainer.val_only and not data.val_files, "trainer.val_only=true needs data.val_files"),
         (not cfg.actor_rollout_ref.model.path, "actor_rollout_ref.model.path is required"),
         (
+            cfg.actor_rollout_ref.rollout.served_agent.path is not None
+            and cfg.actor_rollout_ref.rollout.multi_turn.enable,
+            f"{_ROLLOUT}.served_agent.path and {_ROLLOUT}.multi_turn.enable are two rollout modes: the served "
+            "agent runs its own tool loop; turn one of them off",
+        ),
+        (
             cfg.algorithm.adv_estimator == "gae" and not cfg.critic.enable,
             "algorithm.adv_estimator 'gae' needs a value model, but critic.enable is false",
         ),
@@ -345,8 +354,14 @@ def check_cross_fields(cfg: Any) -> None:
         ),
         (
             trainer.backend == "local"
-            and (trainer.placement != "colocated" or trainer.resource_pool_spec or trainer.role_pools),
-            "trainer.placement, resource_pool_spec and role_pools place roles in Ray worker processes: "
+            and (
+                trainer.placement != "colocated"
+                or trainer.resource_pool_spec
+                or trainer.role_pools
+                or trainer.pool_resources
+            ),
+            "trainer.placement, resource_pool_spec, role_pools and pool_resources place roles in Ray worker "
+            "processes: "
             "set trainer.backend=ray (or keep trainer.placement=colocated)",
         ),
         (
@@ -378,6 +393,11 @@ def check_cross_fields(cfg: Any) -> None:
     steps = [entry.until_step for entry in cfg.replay_buffer.schedule or []]
     if steps != sorted(set(steps)):
         raise ConfigError(f"replay_buffer.schedule until_step values must strictly increase, got {steps}")
+    if cfg.replay_buffer.enable:  # the sampler checks its own settings: its refusal is a config mistake
+        try:
+            ScheduledSampler.from_config(cfg.replay_buffer)
+        except ValueError as err:
+            raise ConfigError(f"replay_buffer: {err}") from err
 
 
 def _async_problems(cfg: Any) -> list[tuple[bool, str]]:

@@ -208,6 +208,24 @@ class MultiTurnConfig:
     tool_config_path: str | None = None
     #: tool-call syntax: hermes = <tool_call>{"name", "arguments"}</tool_call>
     format: Literal["hermes"] = "hermes"
+    #: run the python tool with limits only where this machine can create no sandbox (no root, no
+    #: unprivileged user namespaces, no bubblewrap): the code then runs as your own user and can read your
+    #: files and kill your processes; false = refuse to start with a line saying how to enable a sandbox
+    unsafe_python_tool_without_isolation: bool = False
+
+
+@dataclass
+class ServedAgentConfig:
+    """An agent written with the ``openai`` SDK generates the rollouts (``hybridflow.serving.rollout``): the
+    trainer serves the policy over an OpenAI-compatible endpoint and calls ``async def run(client, sample)``
+    (``sample``: the data row, ``messages`` its prompt) for ``rollout.n`` sessions per prompt; it returns
+    the reward (a number or a dict with ``score``), and the batch holds exactly the tokens the server sampled."""
+
+    path: str | None = None  #: Python file with the agent's async function; null = no served agent
+    name: str = "run"  #: the async function's name in that file
+    model_name: str = "policy"  #: the model id the endpoint answers to (/v1/models)
+    #: calls less than this apart (a burst, held at most 50 ms) are generated together
+    batch_window_ms: float = 10.0
 
 
 @dataclass
@@ -220,6 +238,10 @@ class RolloutConfig(SamplingConfig):
     log_prob_use_dynamic_bsz: bool = False  #: old-log-prob micro-batches filled to a token budget
     log_prob_max_token_len_per_gpu: int = 16384  #: real tokens per old-log-prob micro-batch
     micro_batch_size: int | None = None  #: prompts per generate call; null = all at once
+    #: hf rollout of an fsdp2 actor on several ranks: false = gather the whole model once per generation
+    #: (fast; every rank holds it meanwhile); true = every forward gathers one layer at a time and the ranks
+    #: step together, so no rank holds more than its shards and a layer (for models that do not fit one rank)
+    sharded_generation: bool = False
     gpu_memory_utilization: float = 0.5  #: vllm on GPU: share of GPU memory for weights and KV cache
     tensor_model_parallel_size: int = 1  #: vllm on GPU: tensor-parallel degree of the engine
     max_num_batched_tokens: int = 8192  #: vllm: tokens per engine step (prefill chunk budget)
@@ -242,6 +264,8 @@ class RolloutConfig(SamplingConfig):
     multi_turn: MultiTurnConfig = field(
         default_factory=MultiTurnConfig
     )  #: multi-turn tool-using rollouts (agent loop)
+    #: rollouts by an agent written with the openai SDK, over a served endpoint
+    served_agent: ServedAgentConfig = field(default_factory=ServedAgentConfig)
 
 
 @dataclass

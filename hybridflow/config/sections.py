@@ -25,6 +25,11 @@ class DataFilesConfig:
     train_files: list[str] | None = None
     val_files: list[str] | None = None  #: held-out file(s) for validation; null = no validation
     prompt_key: str = "prompt"  #: column holding the prompt (a chat message list or a plain string)
+    #: render prompts (and offline completions) with the tokenizer's chat template (a string prompt is one user
+    #: turn); false = strings fed as they are (pre-rendered text, base models without a template): prompt ids
+    #: are the tokenizer's plain output (RL chat messages: their contents joined by newlines; offline
+    #: completions get EOS appended)
+    apply_chat_template: bool = True
     #: rows per training step (PPO: prompts, each gets rollout.n responses; DPO: pairs; KTO: completions)
     train_batch_size: int = 8
     #: a sample over the length limit: error | left (cut the prompt's start) | right (cut the end)
@@ -42,6 +47,9 @@ class ModelLoadingConfig:
     enable_gradient_checkpointing: bool = False
     #: auto (fp32 on cpu, bf16 on cuda) | fp32 | bf16 | fp16 (or float32 | bfloat16 | float16)
     dtype: Dtype = "auto"
+    #: set the model's dropout rates to 0 when it is loaded for training (TRL's default): updates then see the
+    #: policy the log-probs were computed with, and DPO starts at ln 2; false = keep the checkpoint's dropout
+    disable_dropout: bool = True
 
 
 @dataclass
@@ -113,7 +121,12 @@ class TrainerConfig:
     resource_pool_spec: dict[str, Any] = field(default_factory=dict)
     #: role (actor, rollout, ref, critic, reward_model, reward) -> pool name; overrides the preset's mapping
     role_pools: dict[str, Any] = field(default_factory=dict)
-    cpus_per_worker: float = 1.0  #: CPUs each Ray worker process reserves (fractions let roles share cores)
+    #: pool name -> Ray custom resources each of its processes asks for, pinning the pool to the nodes that
+    #: declare them (`ray start --resources='{"node_b": 1}'`), e.g. +trainer.pool_resources.rollout={node_b:0.01}
+    pool_resources: dict[str, Any] = field(default_factory=dict)
+    #: CPUs each Ray worker process reserves (fractions let roles share cores); when Ray has fewer than the
+    #: processes ask for together, they share its CPUs equally
+    cpus_per_worker: float = 1.0
     save_freq: int = -1  #: save a checkpoint every N steps; -1 = never
     test_freq: int = -1  #: validate every N steps; -1 = never
     val_before_train: bool = True  #: validate once before the first step

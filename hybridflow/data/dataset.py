@@ -130,6 +130,20 @@ def render_prompt(
     return "\n".join(m["content"] for m in messages)
 
 
+def tokenize_prompts(
+    tokenizer,
+    all_messages: Sequence[list[dict[str, str]]],
+    apply_chat_template: bool,
+    chat_template_kwargs: dict | None = None,
+) -> tuple[list[str], list[list[int]]]:
+    """``(texts, token ids)`` of prompts as the model sees them (``render_prompt``): the dataset and
+    ``hybridflow doctor`` both count prompt tokens with it. A templated prompt holds its special tokens
+    already; raw text gets what the tokenizer adds (a base model's BOS), as its plain output would."""
+    texts = [render_prompt(tokenizer, m, apply_chat_template, chat_template_kwargs) for m in all_messages]
+    ids = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"] if texts else []
+    return texts, ids
+
+
 def left_pad(ids: Sequence[int], length: int, pad_id: int) -> dict[str, torch.Tensor]:
     """Left-pad one prompt to `length`: input_ids, attention_mask and position_ids, each `(length,)`.
 
@@ -151,8 +165,8 @@ class RLHFDataset(Dataset):
     """Chat prompts from one or more parquet/JSONL files, tokenized and left-padded to `max_prompt_length`.
 
     `apply_chat_template=True` renders the messages with the tokenizer's chat template and the
-    assistant generation prompt; `False` joins the message contents with newlines (for base models
-    without a template). Prompts longer than `max_prompt_length` tokens are dropped when
+    assistant generation prompt; `False` feeds a string prompt as it is and joins chat messages' contents
+    with newlines (pre-rendered text, base models without a template). Prompts longer than `max_prompt_length` tokens are dropped when
     `filter_overlong_prompts` (their number is `num_filtered`), otherwise handled by `truncation`:
     "error" raises naming the file and row, "left" keeps the last tokens, "right" the first.
     `chat_template_kwargs` go to `apply_chat_template` (e.g. a model's `enable_thinking`).
@@ -200,13 +214,10 @@ class RLHFDataset(Dataset):
                 "raise data.max_prompt_length or set data.filter_overlong_prompts=false with a truncation"
             )
 
-    def render(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text the model sees for these messages."""
-        return render_prompt(self.tokenizer, messages, self.apply_chat_template, self.chat_template_kwargs)
-
     def _tokenize(self, all_messages: list[list[dict[str, str]]]) -> list[list[int]]:
-        texts = [self.render(m) for m in all_messages]
-        return self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        return tokenize_prompts(
+            self.tokenizer, all_messages, self.apply_chat_template, self.chat_template_kwargs
+        )[1]
 
     def _fit(
         self, rows: list[PromptRow], token_ids: list[list[int]], filter_overlong: bool

@@ -38,7 +38,7 @@ def generation_batch(
     if tokenizer.pad_token_id is None:
         raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos token)")
     if apply_chat_template is None:
-        apply_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        apply_chat_template = bool(tokenizer.chat_template)
     messages = [as_messages(prompt, f"prompt {i}") for i, prompt in enumerate(prompts)]
     texts = [render_prompt(tokenizer, m, apply_chat_template, chat_template_kwargs) for m in messages]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]

@@ -71,7 +71,7 @@ class PromptLoader:
         dataset: Dataset,
         batch_size: int,
         shuffle: bool = True,
-        seed: int = 0,
+        seed: int = 42,
         drop_last: bool = True,
         collate: Callable[[Sequence[Any]], DataProto] = collate_fn,
     ) -> None:

@@ -102,6 +102,13 @@ class Conversations:
             mask += [trained] * len(ids)
         return self._fit(Sample(prompt, response, mask), where)
 
+    def encode_text(self, prompt: str, completion: str, where: str) -> Sample:
+        """Strings fed as they are (``data.apply_chat_template=false``: pre-rendered text, base models): the
+        prompt's ids are the tokenizer's plain output, the response's the completion's plus EOS (so the model
+        learns to stop), every response token trained."""
+        response = self._ids(completion) + [self.tokenizer.eos_token_id]
+        return self._fit(Sample(self.tokenizer(prompt)["input_ids"], response, [1] * len(response)), where)
+
     @staticmethod
     def _after(text: str, prefix: str, where: str) -> str:
         if not text.startswith(prefix):
@@ -164,10 +171,15 @@ def collate_samples(samples: Sequence[Sample], pad_id: int) -> DataProto:
     )
 
 
+# a prompt or completion: chat messages, or with apply_chat_template=False a string fed as it is
+Text = list[dict[str, str]] | str
+
+
 class OfflineDataset(Dataset):
     """Rows of parquet/JSONL files, each validated and tokenized into samples when the dataset is built, so
     a malformed row fails at once with its file, row and field named. Subclasses say how a row becomes
-    samples (``encode_row``) and how items become a batch (``collate``)."""
+    samples (``encode_row``) and how items become a batch (``collate``). ``apply_chat_template=False``
+    feeds string prompts and completions as they are instead of chat-templating them."""
 
     def __init__(
         self,
@@ -176,10 +188,11 @@ class OfflineDataset(Dataset):
         max_length: int = 1024,
         truncation: str = "error",
         prompt_key: str = "prompt",
+        apply_chat_template: bool = True,
     ) -> None:
         self.conversations = Conversations(tokenizer, max_length, truncation)
         self.pad_id = tokenizer.pad_token_id
-        self.prompt_key = prompt_key
+        self.prompt_key, self.apply_chat_template = prompt_key, apply_chat_template
         files = [data_files] if isinstance(data_files, str | Path) else list(data_files)
         if not files:
             raise ValueError(f"{type(self).__name__} needs at least one data file")
@@ -198,15 +211,35 @@ class OfflineDataset(Dataset):
             raise ValueError(f"{where}: field {key!r} is missing (present: {sorted(row)})")
         return row[key]
 
-    def _prompt(self, row: dict, where: str) -> list[dict[str, str]]:
-        return as_messages(self._field(row, self.prompt_key, where), f"{where}: field {self.prompt_key!r}")
+    def _prompt(self, row: dict, where: str) -> Text:
+        value = self._field(row, self.prompt_key, where)
+        if not self.apply_chat_template:
+            return self._raw(value, self.prompt_key, where)
+        return as_messages(value, f"{where}: field {self.prompt_key!r}")
 
-    def _completion(self, row: dict, key: str, where: str) -> list[dict[str, str]]:
+    def _completion(self, row: dict, key: str, where: str) -> Text:
         """A completion: a string (one assistant turn) or chat messages."""
         value = self._field(row, key, where)
+        if not self.apply_chat_template:
+            return self._raw(value, key, where)
         if isinstance(value, str):
             return [{"role": "assistant", "content": value}]
         return as_messages(value, f"{where}: field {key!r}")
+
+    @staticmethod
+    def _raw(value: Any, key: str, where: str) -> str:
+        if not isinstance(value, str):
+            raise ValueError(
+                f"{where}: field {key!r} must be a string with data.apply_chat_template=false (strings are fed "
+                f"as they are), got {type(value).__name__}; set data.apply_chat_template=true for chat messages"
+            )
+        return value
+
+    def _encode(self, prompt: Text, completion: Text, where: str) -> Sample:
+        """One prompt and completion: chat-templated turn by turn, or strings as they are."""
+        if isinstance(prompt, str):
+            return self.conversations.encode_text(prompt, completion, where)
+        return self.conversations.encode(prompt + completion, where, len(prompt))
 
     def encode_row(self, row: dict, where: str) -> list[Sample]:
         raise NotImplementedError
@@ -234,19 +267,19 @@ class SFTConversationDataset(OfflineDataset):
         prompt_key: str = "prompt",
         response_key: str = "response",
         messages_key: str = "messages",
+        apply_chat_template: bool = True,
     ) -> None:
         self.response_key, self.messages_key = response_key, messages_key
-        super().__init__(data_files, tokenizer, max_length, truncation, prompt_key)
+        super().__init__(data_files, tokenizer, max_length, truncation, prompt_key, apply_chat_template)
 
     def encode_row(self, row: dict, where: str) -> list[Sample]:
         if row.get(self.messages_key) is not None:
+            if not self.apply_chat_template:
+                self._raw(row[self.messages_key], self.messages_key, where)  # a conversation is not a string
             messages = as_messages(row[self.messages_key], f"{where}: field {self.messages_key!r}")
             return [self.conversations.encode(messages, where)]
-        prompt = self._prompt(row, where)
         return [
-            self.conversations.encode(
-                prompt + self._completion(row, self.response_key, where), where, len(prompt)
-            )
+            self._encode(self._prompt(row, where), self._completion(row, self.response_key, where), where)
         ]
 
 
@@ -262,16 +295,15 @@ class PreferenceDataset(OfflineDataset):
         prompt_key: str = "prompt",
         chosen_key: str = "chosen",
         rejected_key: str = "rejected",
+        apply_chat_template: bool = True,
     ) -> None:
         self.chosen_key, self.rejected_key = chosen_key, rejected_key
-        super().__init__(data_files, tokenizer, max_length, truncation, prompt_key)
+        super().__init__(data_files, tokenizer, max_length, truncation, prompt_key, apply_chat_template)
 
     def encode_row(self, row: dict, where: str) -> list[Sample]:
         prompt = self._prompt(row, where)
         return [
-            self.conversations.encode(
-                prompt + self._completion(row, key, where), f"{where} ({key})", len(prompt)
-            )
+            self._encode(prompt, self._completion(row, key, where), f"{where} ({key})")
             for key in (self.chosen_key, self.rejected_key)
         ]
 
@@ -288,11 +320,12 @@ class KTODataset(OfflineDataset):
         prompt_key: str = "prompt",
         completion_key: str = "completion",
         label_key: str = "label",
+        apply_chat_template: bool = True,
     ) -> None:
         self.completion_key, self.label_key = completion_key, label_key
-        self.prompts: list[list[dict[str, str]]] = []
-        self.completions: list[list[dict[str, str]]] = []
-        super().__init__(data_files, tokenizer, max_length, truncation, prompt_key)
+        self.prompts: list[Text] = []
+        self.completions: list[Text] = []
+        super().__init__(data_files, tokenizer, max_length, truncation, prompt_key, apply_chat_template)
 
     def encode_row(self, row: dict, where: str) -> list[Sample]:
         label = self._field(row, self.label_key, where)
@@ -300,9 +333,7 @@ class KTODataset(OfflineDataset):
             raise ValueError(f"{where}: field {self.label_key!r} must be true or false, got {label!r}")
         self.prompts.append(self._prompt(row, where))
         self.completions.append(self._completion(row, self.completion_key, where))
-        sample = self.conversations.encode(
-            self.prompts[-1] + self.completions[-1], where, len(self.prompts[-1])
-        )
+        sample = self._encode(self.prompts[-1], self.completions[-1], where)
         sample.label = int(label)
         return [sample]
 
@@ -319,10 +350,8 @@ class KTODataset(OfflineDataset):
                 "KTO needs at least 2 rows per batch to pair prompts with other rows' completions"
             )
         mismatched = [
-            self.conversations.encode(
-                self.prompts[i] + self.completions[indices[(k + 1) % len(rows)]],
-                "a mismatched KTO pair",
-                len(self.prompts[i]),
+            self._encode(
+                self.prompts[i], self.completions[indices[(k + 1) % len(rows)]], "a mismatched KTO pair"
             )
             for k, i in enumerate(indices)
         ]

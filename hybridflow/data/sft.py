@@ -30,6 +30,7 @@ class SFTDataset(Dataset):
         max_response_length: int = 64,
         prompt_key: str = "prompt",
         response_key: str = "response",
+        apply_chat_template: bool = True,
     ) -> None:
         self.prompts = RLHFDataset(
             data_files,
@@ -38,6 +39,7 @@ class SFTDataset(Dataset):
             prompt_key=prompt_key,
             truncation="left",
             filter_overlong_prompts=False,
+            apply_chat_template=apply_chat_template,
         )
         self.max_response_length = max_response_length
         self.pad_id = tokenizer.pad_token_id

@@ -6,7 +6,8 @@
 
 It works in any driver, trainer or not.
 
-May import: ``utils``, ``protocol``, ``models``, ``algorithms``, ``config`` (the replay buffer reads its typed section).
+May import: ``utils``, ``protocol``, ``models``, ``algorithms``. It sits below ``config``, whose checks ask the
+replay sampler whether its settings are valid.
 """
 
 from hybridflow.algorithms import sequence_to_token_scores  # re-exported: scorers here return (bs,) scores

@@ -23,7 +23,6 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from hybridflow.config import ReplayBufferConfig
 from hybridflow.protocol import DataProto
 
 __all__ = ["ReplayBuffer", "ScheduledSampler", "importance_weights", "priority_probabilities"]
@@ -307,7 +306,7 @@ class ScheduledSampler:
             raise ValueError(f"ScheduledSampler: until_step values must increase, got {bounds}")
 
     @classmethod
-    def from_config(cls, replay_buffer: ReplayBufferConfig) -> ScheduledSampler:
+    def from_config(cls, replay_buffer: Any) -> ScheduledSampler:
         """From the ``replay_buffer`` config section (``ReplayBufferConfig``, or anything with its attributes
         ``strategy``, ``alpha``, ``beta``, ``schedule``); a null ``schedule`` gives one constant phase.
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import random
 import time
 from pathlib import Path
@@ -133,6 +134,7 @@ def make_tiny_model(
     num_kv_heads: int = 2,
     intermediate_size: int | None = None,
     max_position_embeddings: int = 2048,
+    attention_dropout: float = 0.0,
 ) -> str:
     """Write a randomly initialised small LlamaForCausalLM and its tokenizer to `out_dir`.
 
@@ -154,6 +156,7 @@ def make_tiny_model(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
+        attention_dropout=attention_dropout,
         tie_word_embeddings=True,
         bos_token_id=bos_id,
         eos_token_id=eos_id,
@@ -169,34 +172,89 @@ def make_tiny_model(
     return str(out)
 
 
+def reply_mask(
+    tokenizer: PreTrainedTokenizerFast, conversation: list[dict[str, str]]
+) -> tuple[list[int], list[bool]]:
+    """A conversation's token ids and which of them the model writes: the assistant turns after the last user
+    message, each from its first token through the template's end of turn.
+
+    Why: assistant turns before the last user message belong to the prompt (a one-shot example), and a rollout
+    never writes them. Each turn's span is found by rendering the chat up to the turn's generation prompt and
+    through the turn; a template that rewrites earlier turns breaks that and is refused."""
+
+    def render(messages: list[dict[str, str]], prompt: bool = False) -> list[int]:
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=prompt, tokenize=True, return_dict=False
+        )
+
+    ids = render(conversation)
+    mask = [False] * len(ids)
+    last_user = max((i for i, m in enumerate(conversation) if m["role"] == "user"), default=-1)
+    for i in range(last_user + 1, len(conversation)):
+        if conversation[i]["role"] != "assistant":
+            continue
+        before, through = render(conversation[:i], prompt=True), render(conversation[: i + 1])
+        if ids[: len(before)] != before or ids[: len(through)] != through:
+            raise ValueError(f"the chat template rewrites earlier turns of {conversation!r}: no reply span")
+        mask[len(before) : len(through)] = [True] * (len(through) - len(before))
+    if not any(mask):
+        raise ValueError(f"no assistant reply after the last user message to teach in {conversation!r}")
+    return ids, mask
+
+
 def teach_conversations(
     model_dir: str | Path,
     conversations: list[list[dict[str, str]]],
-    steps: int = 120,
-    lr: float = 1e-2,
+    min_prob: float = 0.99,
+    max_steps: int = 1000,
+    lr: float = 5e-3,
     seed: int = 0,
 ) -> str:
-    """Train the tiny model in ``model_dir`` (in place) until it reproduces ``conversations`` greedily.
+    """Train the tiny model in ``model_dir`` (in place) until it writes the replies of ``conversations``
+    with every reply token at probability ``min_prob`` or more; returns the folder.
 
-    Why: a random model never writes a tool call, so multi-turn tests and examples would only ever see
-    one turn. A few seconds of supervised steps on whole chats (tool calls and answers) give a real model
-    whose real generations exercise tools. Returns the folder."""
+    Why: a random model never writes a tool call, so multi-turn tests and examples would only ever see one
+    turn. Supervised steps on the replies (``reply_mask``) give a real model whose real generations exercise
+    tools. Teaching stops on that margin, not after a step count: how many steps it takes depends on the
+    CPU's float kernels and thread count, and a model taught to the margin writes the replies greedily and,
+    at temperature 0.5, samples each token with probability above 0.9999. The check uses the very forward
+    pass whose gradient makes the next step (dropout off), so the saved model is the one checked. Raises
+    ``ValueError`` naming the least likely reply token if ``max_steps`` updates do not reach the margin."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in conversations]
-    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    rows = [reply_mask(tokenizer, c) for c in conversations]
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    replies = torch.zeros((len(rows), width), dtype=torch.bool)
+    for r, (ids, mask) in enumerate(rows):
+        input_ids[r, : len(ids)], attention_mask[r, : len(ids)] = torch.tensor(ids), 1
+        replies[r, : len(ids)] = torch.tensor(mask)
+    targets, replies = input_ids[:, 1:], replies[:, 1:]  # position t predicts token t + 1
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
-    for _ in range(steps):
-        model(**batch, labels=labels).loss.backward()
+    for step in itertools.count():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+        log_probs = logits.float().log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+        least = log_probs.masked_fill(~replies, 0.0).flatten().argmin()
+        if log_probs.flatten()[least].exp() >= min_prob:
+            model.save_pretrained(model_dir, safe_serialization=True)
+            return str(model_dir)
+        if step == max_steps:
+            row, pos = divmod(int(least), targets.shape[1])
+            raise ValueError(
+                f"after {max_steps} steps at lr {lr} the tiny model writes {tokenizer.decode(targets[row, pos])!r}"
+                f" after {tokenizer.decode(input_ids[row, max(0, pos - 7) : pos + 1])!r} (conversation {row})"
+                f" with probability {log_probs.flatten()[least].exp():.3f} < min_prob {min_prob}: raise"
+                " max_steps, or check that no two conversations answer the same prompt differently"
+            )
+        (-log_probs[replies].mean()).backward()
+        # clipped: without it, the old lr 1e-2 spiked the loss every ~150 steps and never learned to copy numbers
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
-    model.save_pretrained(model_dir, safe_serialization=True)
-    return str(model_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """Rewards: rule scorers chosen by data_source, user reward files, and the manager that applies them.
 
-May import: ``utils``, ``protocol``, ``models``, ``algorithms``, ``config``.
+May import: ``utils``, ``protocol``, ``models``, ``algorithms``, ``dataflow``, ``config``.
 """
 
 from hybridflow.rewards.manager import RewardManager

@@ -38,6 +38,17 @@ def _as_score(value: Any, where: str) -> float:
     return score
 
 
+def checked_score(result: Any, where: str) -> dict[str, Any]:
+    """What a reward function returned, as a dict whose ``"score"`` is a finite float: the one rule for what
+    a scorer may return (``SCORE_RULE``), applied by training and by ``hybridflow doctor`` alike, so doctor
+    passes exactly the scorers training accepts. Raises ``InputError`` naming ``where``."""
+    result = dict(result) if isinstance(result, dict) else {"score": result}
+    if "score" not in result:
+        raise InputError(f"{where} returned a dict without 'score' (keys {sorted(result)}): {SCORE_RULE}")
+    result["score"] = _as_score(result["score"], where)
+    return result
+
+
 class RewardManager:
     """Scores a batch of responses: decode, call `compute_score`, put each score on its last token.
 
@@ -87,11 +98,7 @@ class RewardManager:
                 f"{type(e).__name__}: {e}"
             ) from e
         where = f"reward function {name} on sample {i} (data_source {data_source!r}, response {text!r:.60})"
-        result = dict(result) if isinstance(result, dict) else {"score": result}
-        if "score" not in result:
-            raise InputError(f"{where} returned a dict without 'score' (keys {sorted(result)}): {SCORE_RULE}")
-        result["score"] = _as_score(result["score"], where)
-        return result
+        return checked_score(result, where)
 
     def __call__(self, data: DataProto, return_dict: bool = False) -> torch.Tensor | dict[str, Any]:
         """`token_level_scores` `(bs, response_length)` float32 on the CPU, zero except each row's last

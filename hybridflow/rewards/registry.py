@@ -36,28 +36,28 @@ def default_compute_score(
     return scorer(solution_str, ground_truth, extra_info)
 
 
-def load_custom_reward_function(path: str | Path, name: str = "compute_score") -> Callable[..., Score]:
-    """The function `name` from the Python file `path`, called like `default_compute_score`.
+def load_custom_reward_function(
+    path: str | Path, name: str = "compute_score", key: str = "custom_reward_function"
+) -> Callable[..., Score]:
+    """The function `name` from the Python file `path`, called like `default_compute_score`; `key` is the
+    config section that names it (errors name its `.path` and `.name`; the served agent loads its function
+    the same way).
 
     The module is not added to `sys.modules`: cloudpickle then ships the function by value, so
     Ray workers that cannot import the user's file still get it.
     """
-    path = Path(path)
+    path, what = Path(path), "reward file" if key == "custom_reward_function" else "file"
     if not path.is_file():
-        raise MissingInputError(f"custom_reward_function.path: reward file not found: {path}")
+        raise MissingInputError(f"{key}.path: {what} not found: {path}")
     spec = importlib.util.spec_from_file_location(f"hybridflow_custom_reward_{path.stem}", path)
     if spec is None or spec.loader is None:
-        raise UserError(
-            f"custom_reward_function.path: cannot load {path} as a Python module (is it a .py file?)"
-        )
+        raise UserError(f"{key}.path: cannot load {path} as a Python module (is it a .py file?)")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     fn = getattr(module, name, None)
     if fn is None:
         defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise UserError(f"custom_reward_function.name: {path} has no function {name!r}; it defines {defined}")
+        raise UserError(f"{key}.name: {path} has no function {name!r}; it defines {defined}")
     if not callable(fn):
-        raise UserError(
-            f"custom_reward_function.name: {name!r} in {path} is a {type(fn).__name__}, not a function"
-        )
+        raise UserError(f"{key}.name: {name!r} in {path} is a {type(fn).__name__}, not a function")
     return fn

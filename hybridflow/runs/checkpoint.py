@@ -29,7 +29,7 @@ import re
 import shutil
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -266,9 +266,16 @@ def write_latest_step(root: str | os.PathLike, step: int) -> None:
 class CheckpointManager:
     """The checkpoints of one run folder: ``with manager.saving(step) as folder: <write files>``."""
 
-    def __init__(self, root: str | os.PathLike, max_to_keep: int | None = None) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        max_to_keep: int | None = None,
+        check_root: Callable[[Path], None] | None = None,
+    ) -> None:
+        """``check_root(root)`` runs once, before the first save: e.g. that every writer sees the folder."""
         self.root = Path(root)
         self.max_to_keep = max_to_keep
+        self._check_root = check_root
 
     def path(self, step: int) -> Path:
         """Where the checkpoint of ``step`` lives once saved."""
@@ -278,6 +285,9 @@ class CheckpointManager:
     def saving(self, step: int) -> Iterator[Path]:
         """Yield a temporary folder to write ``step``'s files into; on success it is committed, the latest
         step recorded and old checkpoints pruned; on an exception nothing changes."""
+        if self._check_root is not None:
+            self._check_root(self.root)
+            self._check_root = None
         with atomic_directory(self.path(step)) as folder:
             yield folder
         write_latest_step(self.root, step)

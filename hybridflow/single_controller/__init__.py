@@ -4,7 +4,7 @@ worker of the group and one result (usually a ``DataProto``) comes back.
 This package never imports Ray: ``LocalWorkerGroup`` runs workers in the driver's process. The Ray backend
 (``RayWorkerGroup``, resource pools, ``init_ray``) lives in ``hybridflow.single_controller.ray``.
 
-May import: ``utils``, ``protocol``, ``models``, ``algorithms``, ``config``.
+May import: ``utils``, ``protocol``, ``models``, ``algorithms``, ``dataflow``, ``config``.
 """
 
 from hybridflow.single_controller.colocate import create_colocated_worker_cls
@@ -19,7 +19,13 @@ from hybridflow.single_controller.decorator import (
 from hybridflow.single_controller.local import LocalWorkerGroup
 from hybridflow.single_controller.roles import Role
 from hybridflow.single_controller.worker import ClassWithInitArgs, Worker
-from hybridflow.single_controller.worker_group import WorkerDiedError, WorkerError, WorkerFuture, WorkerGroup
+from hybridflow.single_controller.worker_group import (
+    NodeLostError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerFuture,
+    WorkerGroup,
+)
 
 __all__ = [
     "ClassWithInitArgs",
@@ -27,6 +33,7 @@ __all__ = [
     "Execute",
     "LocalWorkerGroup",
     "MethodSpec",
+    "NodeLostError",
     "Role",
     "Shards",
     "Worker",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
@@ -19,6 +20,8 @@ import torch.distributed as dist
 # Set by LocalWorkerGroup when it simulates several ranks inside one process: no process group can be
 # formed there (every rank would wait for the others, which run after it), so init_process_group skips.
 SIMULATED_RANKS_ENV = "HYBRIDFLOW_SIMULATED_RANKS"
+# Set by a worker group whose workers may run on other machines: how logs and errors name the worker's node.
+NODE_ENV = "HYBRIDFLOW_NODE"
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -72,6 +75,19 @@ class Worker:
     def pid(self) -> int:
         """This worker's process id: where a role runs (``group.execute_all("pid")``)."""
         return os.getpid()
+
+    def node(self) -> str:
+        """The machine this worker runs on, as logs and errors name it (a Ray node id and IP, else the host)."""
+        return os.environ.get(NODE_ENV) or f"host {socket.gethostname()}"
+
+    def peek_file(self, path: str) -> str | None:
+        """The text of a small file as this worker's machine sees it, or None where it does not exist: how
+        the driver checks that a folder it writes is the same folder for every worker."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            return None
 
     def init_process_group(self, timeout_s: float = 600.0) -> bool:
         """Form the ``torch.distributed`` group of this worker group: nccl on GPU, gloo on CPU.

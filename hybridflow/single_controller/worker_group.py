@@ -47,6 +47,25 @@ class WorkerDiedError(WorkerError):
     """The process of a worker is gone (killed, crashed, out of memory): later calls cannot succeed."""
 
 
+class NodeLostError(UserError):
+    """A machine of the cluster left it (crashed, shut down, off the network) and took a rank with it: one
+    line naming the node and the role, since the run cannot go on without them; the ``WorkerDiedError``
+    with Ray's own words is its ``__cause__``."""
+
+    def __init__(self, node: str, group: str, rank: int, method: str) -> None:
+        self.node, self.group, self.rank, self.method = node, group, rank, method
+        role = group.rsplit("/", 1)[-1]
+        super().__init__(
+            f"{node} left the Ray cluster during {method!r}, taking role {role!r} (worker group {group!r}, "
+            f"rank {rank}) with it; restart the run with trainer.resume_mode=auto on the nodes that are left "
+            "(it resumes from the newest complete checkpoint), after moving the role's pool "
+            "(trainer.pool_resources) to a node that has room"
+        )
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.node, self.group, self.rank, self.method)
+
+
 def worker_failure(
     error: WorkerError, cause: BaseException | None
 ) -> tuple[BaseException, BaseException | None]:

@@ -9,7 +9,7 @@ from hybridflow.tools.calculator import CalculatorTool, calculate
 from hybridflow.tools.parsing import ToolCall, parse_tool_calls
 from hybridflow.tools.python_tool import PythonTool
 from hybridflow.tools.registry import builtin_tools, load_tools, tools_from_entries
-from hybridflow.tools.sandbox import SandboxLimits, SandboxResult, isolation, run_python
+from hybridflow.tools.sandbox import SandboxLimits, SandboxResult, SandboxUnavailable, isolation, run_python
 
 __all__ = [
     "BaseTool",
@@ -17,6 +17,7 @@ __all__ = [
     "PythonTool",
     "SandboxLimits",
     "SandboxResult",
+    "SandboxUnavailable",
     "ToolCall",
     "ToolError",
     "ToolOutput",

@@ -6,13 +6,17 @@ import dataclasses
 from typing import Any, ClassVar
 
 from hybridflow.tools.base import BaseTool, ToolError, ToolOutput
-from hybridflow.tools.sandbox import SandboxLimits, run_python
+from hybridflow.tools.sandbox import SandboxLimits, run_python, sandbox_mode
 from hybridflow.utils.errors import UserError
 
 
 class PythonTool(BaseTool):
     """``{"code": "print(2**10)"}`` -> ``"1024"``. ``config`` takes any ``SandboxLimits`` field
-    (``timeout_s``, ``cpu_s``, ``memory_mb``, ``file_size_mb``, ``max_processes``, ``max_output_bytes``...)."""
+    (``timeout_s``, ``cpu_s``, ``memory_mb``, ``file_size_mb``, ``max_processes``, ``max_output_bytes``...).
+
+    It refuses to be built where this machine can create no sandbox (``SandboxUnavailable``, before the run
+    starts rather than at the first call), unless ``allow_unsafe``
+    (``multi_turn.unsafe_python_tool_without_isolation``)."""
 
     name: ClassVar[str] = "python"
     description: ClassVar[str] = (
@@ -25,7 +29,10 @@ class PythonTool(BaseTool):
     }
 
     def __init__(
-        self, config: dict[str, Any] | None = None, tool_schema: dict[str, Any] | None = None
+        self,
+        config: dict[str, Any] | None = None,
+        tool_schema: dict[str, Any] | None = None,
+        allow_unsafe: bool = False,
     ) -> None:
         super().__init__(config, tool_schema)
         known = {f.name for f in dataclasses.fields(SandboxLimits)}
@@ -33,12 +40,14 @@ class PythonTool(BaseTool):
         if unknown:
             raise UserError(f"python tool config: unknown keys {sorted(unknown)}; known: {sorted(known)}")
         self.limits = SandboxLimits(**self.config)
+        self.allow_unsafe = allow_unsafe
+        sandbox_mode(allow_unsafe)
 
     def execute(self, args: dict[str, Any], instance_id: str) -> ToolOutput:
         code = args.get("code")
         if not isinstance(code, str):
             raise ToolError('python needs {"code": "<a Python script>"}')
-        result = run_python(code, self.limits)
+        result = run_python(code, self.limits, self.allow_unsafe)
         metrics = {"sandbox/duration_s": result.duration_s}
         if result.error is not None:  # what it printed first and the end of its traceback, both short
             printed = f"\nstdout began: {result.stdout[:200]}" if result.stdout else ""

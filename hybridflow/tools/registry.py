@@ -57,8 +57,10 @@ def _tool_class(spec: str, where: str) -> type[BaseTool]:
     return cls
 
 
-def load_tools(path: str | Path) -> dict[str, BaseTool]:
-    """The tools listed in the YAML file ``path``, by the name the model calls them."""
+def load_tools(path: str | Path, unsafe_python: bool = False) -> dict[str, BaseTool]:
+    """The tools listed in the YAML file ``path``, by the name the model calls them. ``unsafe_python``
+    (``multi_turn.unsafe_python_tool_without_isolation``) lets the python tool run unisolated where this
+    machine can create no sandbox."""
     file = Path(path)
     if not file.is_file():
         raise UserError(
@@ -67,11 +69,14 @@ def load_tools(path: str | Path) -> dict[str, BaseTool]:
     entries = (yaml.safe_load(file.read_text()) or {}).get("tools")
     if not isinstance(entries, list) or not entries:
         raise UserError(f"{path}: expected a non-empty list under 'tools:', each with a 'class_name'")
-    return tools_from_entries(entries, str(path))
+    return tools_from_entries(entries, str(path), unsafe_python)
 
 
-def tools_from_entries(entries: list[dict[str, Any]], source: str = "tools") -> dict[str, BaseTool]:
-    """Instantiate ``[{"class_name", "config"?, "tool_schema"?}, ...]``; the names must be distinct."""
+def tools_from_entries(
+    entries: list[dict[str, Any]], source: str = "tools", unsafe_python: bool = False
+) -> dict[str, BaseTool]:
+    """Instantiate ``[{"class_name", "config"?, "tool_schema"?}, ...]``; the names must be distinct.
+    ``unsafe_python``: see ``load_tools``."""
     tools: dict[str, BaseTool] = {}
     for i, entry in enumerate(entries):
         where = f"{source}: tools[{i}]"
@@ -82,7 +87,9 @@ def tools_from_entries(entries: list[dict[str, Any]], source: str = "tools") -> 
             raise UserError(
                 f"{where}: unknown keys {sorted(unknown)}; allowed: class_name, config, tool_schema"
             )
-        tool = _tool_class(entry["class_name"], where)(entry.get("config"), entry.get("tool_schema"))
+        cls = _tool_class(entry["class_name"], where)
+        extra = {"allow_unsafe": unsafe_python} if issubclass(cls, PythonTool) else {}
+        tool = cls(entry.get("config"), entry.get("tool_schema"), **extra)
         if tool.tool_name in tools:
             raise UserError(f"{where}: a second tool named {tool.tool_name!r}")
         tools[tool.tool_name] = tool

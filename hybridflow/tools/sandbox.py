@@ -1,22 +1,27 @@
-"""Running model-written Python in a separate, limited process: one fresh process per call.
+"""Running model-written Python in a separate, limited process: one fresh sandbox per call.
 
-What holds (each is checked by tests/tools/test_sandbox.py with hostile snippets):
-- wall-clock timeout, then the whole process group is killed (SIGKILL);
-- CPU time (RLIMIT_CPU), address space (RLIMIT_AS), size of any written file (RLIMIT_FSIZE), number of
-  processes (RLIMIT_NPROC; as root the code runs under a user id of its own, since root ignores it),
-  open files, no core dumps;
-- an empty environment (no secrets from the trainer's), a fresh temporary working folder deleted
-  afterwards, no inherited file descriptors, Python started with ``-I -S`` (no site-packages, no
-  user paths);
-- output capped at ``max_output_bytes`` (the program is stopped when it writes more);
-- with root and util-linux ``unshare``: its own network namespace (no network, not even the host's
-  loopback), its own PID namespace (it sees and can signal only its own processes, all killed when it
-  ends) and /proc. Without root, the network is cut with an unprivileged user namespace where the
-  kernel allows it; ``isolation()`` says what this machine gives.
+What holds, in the modes ``namespaces`` (as root, or with unprivileged user namespaces) and ``bwrap``
+(bubblewrap), each checked by tests/tools/test_sandbox*.py with the attacks a policy could learn:
+- the call's own mount, PID, network, IPC and UTS namespaces: a root file system of its own with only the
+  system folders and the interpreter, read-only; private size-limited tmpfs at ``/tmp`` (the work dir),
+  ``/var/tmp``, ``/dev/shm`` and ``/run/lock``, the only writable places, gone with the call; nothing
+  else of the host (its /tmp, Ray's session, your home and run folder) is visible; SysV IPC and POSIX
+  queues die with the call; no network, not even the host's loopback; the code sees and can signal only
+  its own processes, and all of them die when the call ends;
+- an unprivileged user: as root, a user id of the call's own, held machine-wide (``sandbox_uids``);
+  without root, user 1000 of a nested user namespace, with no capabilities;
+- wall-clock timeout, CPU time, address space, file size, number of processes, open files, no core
+  dumps; an empty environment; no inherited file descriptors; ``python -I -S``;
+- one output cap for stdout and stderr together; a kill is reported as what it was (CPU limit, wall
+  clock, memory, output, or killed from outside).
 
-What does not: the code can read every world-readable file (source, model weights) and write in
-world-writable folders such as /tmp (each file capped, not their number). It is not a security boundary
-against kernel exploits: use a VM or gVisor for untrusted users; this is for a policy's mistakes.
+What does not: without root the code's processes belong to the trainer's user id on the host (invisible
+to them, but its files in the read-only system and interpreter folders are its own); the sandbox is not
+a boundary against kernel exploits: run untrusted users' code in a VM or gVisor.
+
+When neither mode works the tool refuses to run (``SandboxUnavailable``, one line saying why and how to
+enable one), unless the user set ``unsafe_python_tool_without_isolation``: then only the limits above
+hold, and the code runs as the trainer's own user (reads its files, signals its processes).
 """
 
 from __future__ import annotations
@@ -29,14 +34,30 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
 
+from hybridflow.tools.sandbox_uids import allocated_uid
+from hybridflow.utils.errors import UserError
+
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
-UID_BASE = 1_500_000  # user ids no account uses: one per concurrent sandbox, so limits are per call
+PYTHON = os.path.realpath(sys.executable)  # the interpreter itself, not a virtualenv's link to it
+MODES = ("namespaces", "bwrap")  # tried in this order; "unsafe" only when the user opts out
+SYSTEM_FOLDERS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+ISOLATION = {  # what each mode isolates (the keys of SandboxResult.isolation)
+    "namespaces": ("network", "pid_namespace", "ipc_namespace", "private_tmp", "host_files_hidden"),
+    "bwrap": ("network", "pid_namespace", "ipc_namespace", "private_tmp", "host_files_hidden"),
+    "unsafe": (),
+}
+ISOLATION_KEYS = (*ISOLATION["namespaces"], "own_user")
+UNSAFE_KEY = "actor_rollout_ref.rollout.multi_turn.unsafe_python_tool_without_isolation"
+
+
+class SandboxUnavailable(UserError):
+    """This machine can create no isolated sandbox and the user did not opt out."""
 
 
 @dataclass
@@ -49,7 +70,8 @@ class SandboxLimits:
     file_size_mb: int = 16
     max_processes: int = 16
     open_files: int = 64
-    max_output_bytes: int = 10_000
+    max_output_bytes: int = 10_000  # stdout and stderr together
+    tmp_size_mb: int = 16  # each private tmpfs (/tmp, /var/tmp, /dev/shm, /run/lock)
 
 
 @dataclass
@@ -63,57 +85,38 @@ class SandboxResult:
     duration_s: float
     truncated: bool = False
     isolation: dict[str, bool] = field(default_factory=dict)
+    mode: str = ""
 
     @property
     def ok(self) -> bool:
         return self.error is None
 
 
-class _UidPool:
-    """Distinct unprivileged user ids for concurrent runs (RLIMIT_NPROC counts per user id)."""
-
-    def __init__(self, base: int, size: int = 256) -> None:
-        self._free = list(range(base + size - 1, base - 1, -1))
-        self._lock = threading.Lock()
-
-    def take(self) -> int:
-        with self._lock:
-            if not self._free:
-                raise RuntimeError("more than 256 sandboxes at once; run fewer tool calls in parallel")
-            return self._free.pop()
-
-    def give(self, uid: int) -> None:
-        with self._lock:
-            self._free.append(uid)
-
-
-_UIDS = _UidPool(UID_BASE + (os.getpid() % 1000) * 256)
+def _bwrap_command(limits: SandboxLimits, binds: list[str]) -> list[str]:
+    binary = shutil.which("bwrap")
+    if binary is None:
+        raise SandboxUnavailable("bubblewrap (bwrap) is not installed")
+    command = [binary, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent"]
+    command += ["--as-pid-1"]  # the runner is process 1: the code can neither kill it nor outlive it
+    command += ["--new-session", "--uid", "1000", "--gid", "1000", "--clearenv"]
+    for path in binds:
+        if os.path.exists(path):
+            command += ["--ro-bind", path, path]
+    command += ["--dev", "/dev", "--proc", "/proc"]
+    for path in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock"):
+        command += ["--perms", "1777", "--size", str(limits.tmp_size_mb * 2**20), "--tmpfs", path]
+    command += ["--ro-bind", str(RUNNER), "/run/sandbox_runner.py", "--remount-ro", "/", "--chdir", "/tmp"]
+    return [*command, PYTHON, "-I", "-S", "/run/sandbox_runner.py"]
 
 
-@cache
-def _unshare_works() -> bool:
-    """Root and util-linux ``unshare`` that can create network, PID and mount namespaces here."""
-    binary = shutil.which("unshare")
-    if os.geteuid() != 0 or binary is None:
-        return False
-    probe = subprocess.run(
-        [binary, "--net", "--pid", "--fork", "--kill-child", "--mount-proc", "true"],
-        capture_output=True,
-        timeout=30,
-    )
-    return probe.returncode == 0
-
-
-def isolation() -> dict[str, bool]:
-    """What the sandbox isolates on this machine (run a trivial program and read what it reported)."""
-    return run_python("pass").isolation
-
-
-def _command(spec: dict) -> list[str]:
-    runner = [sys.executable, "-I", "-S", str(RUNNER), json.dumps(spec)]
-    if spec["net"] == "unshared":
-        return [shutil.which("unshare"), "--net", "--pid", "--fork", "--kill-child", "--mount-proc", *runner]
-    return runner
+def _binds() -> list[str]:
+    """Folders the code's file system shows read-only: the system's and the interpreter's (its binary and
+    its standard library; a virtualenv's packages are not needed under ``-S``)."""
+    folders = list(SYSTEM_FOLDERS)
+    for path in map(os.path.realpath, (sys.base_prefix, sys.base_exec_prefix, os.path.dirname(PYTHON))):
+        if not any(path == f or path.startswith(f + "/") for f in folders):
+            folders.append(path)
+    return folders
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -138,9 +141,9 @@ def processes_of(uids: range) -> list[int]:
 
 
 def _kill_user(uid: int) -> None:
-    """SIGKILL every process of the sandbox's own user id: those that left its process group, and those
-    of a PID namespace the kernel is still tearing down."""
-    for _ in range(200):  # a fork bomb may fork between the scan and the kill: scan until none is left
+    """SIGKILL every process of ``uid`` (which only this call holds), until none is left: a fork bomb may
+    fork between the scan and the kill."""
+    for _ in range(200):
         pids = processes_of(range(uid, uid + 1))
         if not pids:
             return
@@ -150,6 +153,35 @@ def _kill_user(uid: int) -> None:
             except ProcessLookupError:
                 pass
         time.sleep(0.01)
+
+
+def _call_namespace(runner: int) -> str | None:
+    """The PID namespace of the call the process ``runner`` started (ours: the one it unshared; with
+    bubblewrap: its child's), or None when it is gone or not made yet."""
+    own = os.readlink("/proc/self/ns/pid")
+    try:
+        found = [os.readlink(f"/proc/{runner}/ns/pid_for_children")]
+        with open(f"/proc/{runner}/task/{runner}/children") as f:
+            found += [os.readlink(f"/proc/{child}/ns/pid") for child in f.read().split()]
+    except OSError:
+        return None
+    return next((namespace for namespace in found if namespace != own), None)
+
+
+def _wait_until_gone(namespace: str, seconds: float = 5.0) -> None:
+    """Until no process of the call's PID namespace is left: the kernel tears a killed namespace down
+    asynchronously, and a call's user id goes back to the pool (or the caller goes on) only after."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.readlink(f"/proc/{pid}/ns/pid") == namespace:
+                    break
+            except OSError:
+                continue
+        else:
+            return
+        time.sleep(0.005)
 
 
 @dataclass
@@ -162,8 +194,9 @@ class _Output:
 
 
 def _read_capped(proc: subprocess.Popen, status_fd: int, deadline: float, cap: int) -> _Output:
-    """The code's stdout and stderr and the runner's status, until the runner has reported (the code
-    ended) and the output read so far is drained, the deadline passes, or the output exceeds ``cap``."""
+    """The code's stdout and stderr (at most ``cap`` bytes together) and the runner's status, until the
+    runner has reported (the code ended) and the output read so far is drained, the deadline passes, or
+    the output exceeds ``cap``."""
     names = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr", status_fd: "status"}
     got = {name: bytearray() for name in names.values()}
     out = _Output()
@@ -186,27 +219,29 @@ def _read_capped(proc: subprocess.Popen, status_fd: int, deadline: float, cap: i
             if len(got["stdout"]) + len(got["stderr"]) > cap:
                 out.over_cap = True
                 break
-    out.stdout, out.stderr, out.status = (
-        bytes(got["stdout"][:cap]),
-        bytes(got["stderr"][:cap]),
-        bytes(got["status"]),
-    )
+    out.stdout = bytes(got["stdout"][:cap])
+    out.stderr = bytes(got["stderr"][: cap - len(out.stdout)])
+    out.status = bytes(got["status"])
     return out
 
 
 def _describe(status: dict, stderr: str, limits: SandboxLimits) -> str | None:
     if "signal" in status:
         sig = status["signal"]
-        if sig in (signal.SIGXCPU, signal.SIGKILL):
+        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and status.get("cpu_s", 0.0) >= limits.cpu_s):
             return f"CPU time limit exceeded ({limits.cpu_s} s)"
         if sig == signal.SIGXFSZ:
             return f"file size limit exceeded ({limits.file_size_mb} MB per file)"
+        if sig == signal.SIGKILL:
+            return "killed (SIGKILL from outside the sandbox, before any of its limits was reached)"
         return f"killed by signal {signal.Signals(sig).name}"
     code = status.get("exit")
     if code == 0:
         return None
     if "File too large" in stderr:  # Python ignores SIGXFSZ: the write fails with EFBIG instead
         return f"file size limit exceeded ({limits.file_size_mb} MB per file)"
+    if "No space left on device" in stderr:
+        return f"disk limit exceeded ({limits.tmp_size_mb} MB in /tmp)"
     if "MemoryError" in stderr:
         return f"memory limit exceeded ({limits.memory_mb} MB)"
     if "sandbox: could not start" in stderr:
@@ -214,76 +249,138 @@ def _describe(status: dict, stderr: str, limits: SandboxLimits) -> str | None:
     return f"exited with code {code}"
 
 
-def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
-    """Run ``code`` as a script in a fresh sandbox; never raises for anything the code does."""
-    limits = limits or SandboxLimits()
+def _run(code: str, limits: SandboxLimits, mode: str) -> SandboxResult:
+    """One call in ``mode`` (see ``MODES``); never raises for anything the code does."""
     start = time.monotonic()
-    workdir = tempfile.mkdtemp(prefix="hybridflow-sandbox-")
-    uid = _UIDS.take() if os.geteuid() == 0 else None
     status_r, status_w = os.pipe()
-    try:
-        Path(workdir, "main.py").write_text(code)
-        if uid is not None:
-            for path in (workdir, os.path.join(workdir, "main.py")):
-                os.chown(path, uid, uid)
+    with ExitStack() as stack:
+        stack.callback(os.close, status_r)
+        root = os.geteuid() == 0
+        uid = stack.enter_context(allocated_uid()) if root and mode != "bwrap" else None
+        if uid is not None and shutil.which("setpriv") is None:
+            raise SandboxUnavailable("util-linux setpriv is not installed (the code's user id needs it)")
         spec = {
-            "argv": [sys.executable, "-I", "-S", "main.py"],
-            "cwd": workdir,
+            "mode": mode,
+            "code": code,
+            "python": PYTHON,
             "uid": uid,
-            "status_fd": status_w,
             "setpriv": shutil.which("setpriv"),
-            "net": "unshared" if _unshare_works() else "try",
+            "cwd": "/tmp",
+            "binds": _binds(),
+            "status_fd": status_w,
             "limits": {k: v for k, v in asdict(limits).items() if k not in ("timeout_s", "max_output_bytes")},
         }
-        proc = subprocess.Popen(
-            _command(spec),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            close_fds=True,
-            pass_fds=(status_w,),
-            env={},
-            start_new_session=True,
-        )
-        os.close(status_w)
-        status_w = -1
-        with proc:
-            out = _read_capped(proc, status_r, start + limits.timeout_s, limits.max_output_bytes)
-            _kill_group(proc)  # the code's leftovers outside a PID namespace; a timed-out or flooding run
-            proc.wait()
+        command = [sys.executable, "-I", "-S", str(RUNNER)]
+        if mode == "bwrap":
+            command = _bwrap_command(limits, spec["binds"])
+        elif mode == "unsafe":  # a fresh folder of the host's, deleted afterwards
+            spec["cwd"] = stack.enter_context(tempfile.TemporaryDirectory(prefix="hybridflow-sandbox-"))
             if uid is not None:
-                _kill_user(uid)
-        text = out.status.decode()
-        status = json.loads(text) if text else {}
-        stdout = out.stdout.decode(errors="replace")
-        stderr = out.stderr.decode(errors="replace").replace(f"{workdir}/", "")  # tracebacks say "main.py"
-        if out.timed_out:
-            error = f"timed out after {limits.timeout_s:g} s (wall clock)"
-        elif out.over_cap:
-            error = f"output limit exceeded: stopped after {limits.max_output_bytes} bytes"
-        elif not status:
-            error = f"the sandbox failed to start (exit code {proc.returncode}): {stderr.strip()[-300:]}"
-        else:
-            error = _describe(status, stderr, limits)
-        in_namespaces = spec["net"] == "unshared"
-        isolated = {
-            "network": in_namespaces or bool(status.get("network_isolated")),
-            "pid_namespace": in_namespaces,
-            "own_user": uid is not None,
-        }
-        return SandboxResult(
-            stdout,
-            stderr,
-            status.get("exit"),
-            error,
-            time.monotonic() - start,
-            truncated=out.over_cap,
-            isolation=isolated,
+                os.chown(spec["cwd"], uid, uid)
+        try:
+            proc = subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                close_fds=True,
+                pass_fds=(status_w,),
+                env={},
+                start_new_session=True,
+            )
+        finally:
+            os.close(status_w)
+        with proc:
+            try:
+                proc.stdin.write(json.dumps(spec).encode())
+                proc.stdin.close()
+            except BrokenPipeError:  # the runner died at once: its stderr says why
+                pass
+            out = _read_capped(proc, status_r, start + limits.timeout_s, limits.max_output_bytes)
+            namespace = _call_namespace(proc.pid) if mode != "unsafe" else None
+            if not (out.timed_out or out.over_cap):  # the runner ends once the namespace is torn down
+                try:
+                    proc.wait(timeout=2.0)
+                except subprocess.TimeoutExpired:
+                    pass
+            _kill_group(proc)  # a timed-out or flooding run; the PID namespace dies with the runner
+            proc.wait()
+        if namespace is not None:
+            _wait_until_gone(namespace)
+        if uid is not None and mode == "unsafe":  # no namespace: the leftovers, by the id only it holds
+            _kill_user(uid)
+    text = out.status.decode()
+    status = json.loads(text) if text else {}
+    stdout = out.stdout.decode(errors="replace")
+    stderr = out.stderr.decode(errors="replace")
+    if mode == "unsafe":
+        stderr = stderr.replace(f"{spec['cwd']}/", "")  # tracebacks say "main.py" in every mode
+    else:
+        stderr = stderr.replace("/tmp/main.py", "main.py")
+    if out.timed_out:
+        error = f"timed out after {limits.timeout_s:g} s (wall clock)"
+    elif out.over_cap:
+        error = f"output limit exceeded: stopped after {limits.max_output_bytes} bytes"
+    elif not status:
+        last = (stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1][-300:]
+        error = (
+            last if last.startswith("sandbox: could not start") else f"the sandbox failed to start: {last}"
         )
-    finally:
-        for fd in (status_r, status_w):
-            if fd >= 0:
-                os.close(fd)
-        shutil.rmtree(workdir, ignore_errors=True)
-        if uid is not None:
-            _UIDS.give(uid)
+    else:
+        error = _describe(status, stderr, limits)
+    isolated = {key: key in ISOLATION[mode] for key in ISOLATION_KEYS}
+    isolated["own_user"] = uid is not None
+    return SandboxResult(
+        stdout,
+        stderr,
+        status.get("exit"),
+        error,
+        time.monotonic() - start,
+        truncated=out.over_cap,
+        isolation=isolated,
+        mode=mode,
+    )
+
+
+@cache
+def _why_not(mode: str) -> str | None:
+    """None when ``mode`` runs a trivial program here, else why not (one short phrase)."""
+    if mode == "bwrap" and os.geteuid() == 0:
+        return "bubblewrap is not used as root"
+    try:
+        probe = _run("print('ok')", SandboxLimits(timeout_s=30.0), mode)
+    except SandboxUnavailable as err:
+        return str(err)
+    if probe.ok and probe.stdout == "ok\n":
+        return None
+    return f"{mode}: {probe.error}"
+
+
+def sandbox_mode(allow_unsafe: bool = False) -> str:
+    """The first of ``MODES`` that works on this machine; ``unsafe`` if none does and ``allow_unsafe``.
+    Raises ``SandboxUnavailable`` (one line: why, and how to enable a sandbox) otherwise."""
+    reasons = []
+    for mode in MODES:
+        why = _why_not(mode)
+        if why is None:
+            return mode
+        reasons.append(why)
+    if allow_unsafe:
+        return "unsafe"
+    raise SandboxUnavailable(
+        f"the python tool cannot isolate code on this machine ({'; '.join(reasons)}): allow unprivileged "
+        "user namespaces (sysctl user.max_user_namespaces=15000 kernel.unprivileged_userns_clone=1 "
+        "kernel.apparmor_restrict_unprivileged_userns=0), install bubblewrap, or run as root; or set "
+        f"{UNSAFE_KEY}=true to run it as your own user, able to read your files and kill your processes"
+    )
+
+
+def isolation(allow_unsafe: bool = False) -> dict[str, bool]:
+    """What the sandbox isolates on this machine (run a trivial program and read what it reported)."""
+    return run_python("pass", allow_unsafe=allow_unsafe).isolation
+
+
+def run_python(code: str, limits: SandboxLimits | None = None, allow_unsafe: bool = False) -> SandboxResult:
+    """Run ``code`` as a script in a fresh sandbox; never raises for anything the code does. Raises
+    ``SandboxUnavailable`` when this machine cannot isolate it and ``allow_unsafe`` is false."""
+    return _run(code, limits or SandboxLimits(), sandbox_mode(allow_unsafe))

@@ -60,7 +60,12 @@ class RunLoop:
         self.run = trainer
         self._config_dict = config_dict  # what the tracker records (TensorBoard, W&B, MLflow)
         self.hooks = HookRegistry()
-        self.checkpoints = CheckpointManager(trainer.default_local_dir, trainer.max_ckpt_to_keep)
+        # the first save checks that every worker sees the run folder (on a cluster it must be shared)
+        self.checkpoints = CheckpointManager(
+            trainer.default_local_dir,
+            trainer.max_ckpt_to_keep,
+            check_root=lambda root: self.wg.check_shared_folder(root),
+        )
         self.global_step = 0
         self.wg = worker_groups
 

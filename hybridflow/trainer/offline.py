@@ -76,7 +76,12 @@ class OfflineTrainer(RunLoop):
 
     def _dataset(self, files: list[str]) -> OfflineDataset:
         d, tok = self.config.data, self.tokenizer
-        common = {"max_length": d.max_length, "truncation": d.truncation, "prompt_key": d.prompt_key}
+        common = {
+            "max_length": d.max_length,
+            "truncation": d.truncation,
+            "prompt_key": d.prompt_key,
+            "apply_chat_template": d.apply_chat_template,
+        }
         if isinstance(self.config, DPOConfig):
             return PreferenceDataset(
                 files, tok, chosen_key=d.chosen_key, rejected_key=d.rejected_key, **common
@@ -116,6 +121,7 @@ class OfflineTrainer(RunLoop):
                 trust_remote_code=m.trust_remote_code,
                 enable_gradient_checkpointing=m.enable_gradient_checkpointing,
                 dtype=m.dtype,
+                disable_dropout=m.disable_dropout,
                 lora_rank=m.lora_rank,
                 lora_alpha=m.lora_alpha,
                 target_modules=list(m.target_modules),

@@ -23,6 +23,7 @@ from hybridflow.data.sft import SFTDataset
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RewardManager, default_compute_score, load_custom_reward_function
 from hybridflow.runs.tracking import Tracking
+from hybridflow.serving import SessionRewards
 from hybridflow.tools import load_tools
 from hybridflow.trainer.async_rollout import PromptStream, build_rollouts, stale_tokens
 from hybridflow.trainer.loop import RunLoop, endless
@@ -77,7 +78,10 @@ class PPOTrainer(RunLoop):
             score_fn = load_custom_reward_function(
                 config.custom_reward_function.path, config.custom_reward_function.name
             )
-        self.reward_fn = reward_fn or RewardManager(self.tokenizer, score_fn)
+        default_reward = RewardManager(self.tokenizer, score_fn)
+        if config.actor_rollout_ref.rollout.served_agent.path:
+            default_reward = SessionRewards()  # the agent's own return value is the reward
+        self.reward_fn = reward_fn or default_reward
         self.val_reward_fn = val_reward_fn or self.reward_fn
         if (
             config.reward_model.two_stage.enable
@@ -104,7 +108,8 @@ class PPOTrainer(RunLoop):
         # templates that know tools (Qwen2.5's) describe them in the prompt; others ignore the argument
         kwargs = {}
         if multi_turn.enable and multi_turn.tool_config_path:
-            kwargs["tools"] = [tool.schema for tool in load_tools(multi_turn.tool_config_path).values()]
+            tools = load_tools(multi_turn.tool_config_path, multi_turn.unsafe_python_tool_without_isolation)
+            kwargs["tools"] = [tool.schema for tool in tools.values()]
         return RLHFDataset(
             files,
             self.tokenizer,
@@ -112,6 +117,7 @@ class PPOTrainer(RunLoop):
             prompt_key=d.prompt_key,
             truncation=d.truncation,
             filter_overlong_prompts=d.filter_overlong_prompts,
+            apply_chat_template=d.apply_chat_template,
             chat_template_kwargs=kwargs,
         )
 
@@ -123,6 +129,7 @@ class PPOTrainer(RunLoop):
             max_response_length=data.max_response_length,
             prompt_key=data.sft.prompt_key,
             response_key=data.sft.response_key,
+            apply_chat_template=data.apply_chat_template,
         )
         return PromptLoader(sft, data.sft.batch_size, shuffle=True, seed=data.seed)
 

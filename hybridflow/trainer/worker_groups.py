@@ -14,13 +14,18 @@ process (colocated only), or ``RayWorkerGroup`` s with the pools' processes. Eve
 
 from __future__ import annotations
 
+import logging
+import os
+import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from hybridflow.config import PPOConfig, TrainerConfig
 from hybridflow.config.checks import ConfigError
 from hybridflow.config.offline import OfflineConfig
+from hybridflow.serving import ServedRollout
 from hybridflow.single_controller import (
     ClassWithInitArgs,
     LocalWorkerGroup,
@@ -30,6 +35,11 @@ from hybridflow.single_controller import (
 )
 from hybridflow.utils.errors import UserError
 from hybridflow.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker, RewardWorker
+
+logger = logging.getLogger(__name__)
+
+# Written by the driver into the run folder before the first checkpoint, read back by every worker.
+SHARED_MARKER = ".hybridflow-shared-check"
 
 # The roles a placement maps to pools. "actor" and "rollout" in one pool form the hybrid engine's
 # actor_rollout worker; "reward" is the reward function's worker (without it, the driver scores).
@@ -54,6 +64,37 @@ class WorkerGroups:
     def generator(self) -> WorkerGroup:
         """The group that generates: the separate rollout, or the hybrid engine's actor_rollout."""
         return self.rollout or self.actor_rollout
+
+    def check_shared_folder(self, folder: str | os.PathLike) -> None:
+        """Raise ``UserError`` when a worker does not see ``folder`` as the driver does.
+
+        Workers write their checkpoint files (model shards, optimizer state, the Hugging Face folder) into
+        the run folder themselves; on a node that mounts another filesystem there, they would land on that
+        node's disk, and the checkpoint the driver then seals would be incomplete. So the driver writes a
+        marker with a fresh token and every worker process reads it back before the first save."""
+        marker = Path(folder) / SHARED_MARKER
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        token = f"{os.getpid()}-{uuid.uuid4().hex}"
+        marker.write_text(token)
+        try:
+            seen: set[tuple[int, ...]] = set()
+            for f in fields(self):
+                group = getattr(self, f.name)
+                if not isinstance(group, WorkerGroup) or tuple(map(id, group.workers)) in seen:
+                    continue
+                seen.add(tuple(map(id, group.workers)))
+                for rank, text in enumerate(group.execute_all("peek_file", str(marker))):
+                    if text != token:
+                        node = group.execute_all("node")[rank]
+                        raise UserError(
+                            f"the run folder {folder} is not shared with {node}: rank {rank} of worker group "
+                            f"{group.name!r} cannot read the marker the driver just wrote there. Workers "
+                            "write checkpoints into the run folder, so trainer.default_local_dir must be on "
+                            "a filesystem every node mounts at the same path (NFS, a cluster filesystem); "
+                            "nothing was saved"
+                        )
+        finally:
+            marker.unlink(missing_ok=True)
 
     def shutdown(self) -> None:
         """Stop the workers and give their resources back; the groups are unusable afterwards."""
@@ -111,6 +152,29 @@ def placement(tr: TrainerConfig) -> tuple[dict[str, list[int]], dict[str, str]]:
     return pools, roles
 
 
+def pool_resources(trainer: TrainerConfig, pools: dict[str, list[int]]) -> dict[str, dict[str, float]]:
+    """``trainer.pool_resources`` checked against the pools: pool name -> {custom resource: amount per
+    process}. Ray places a pool only on nodes that declare its resources, which pins it to machines."""
+    given = trainer.pool_resources
+    undefined = sorted(set(given) - set(pools))
+    if undefined:
+        raise ConfigError(
+            f"trainer.pool_resources names undefined pool(s) {undefined}; the placement defines {sorted(pools)}"
+        )
+    bad = {
+        name: res
+        for name, res in given.items()
+        if not isinstance(res, dict)
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in res.values())
+    }
+    if bad:
+        raise ConfigError(
+            "trainer.pool_resources: each pool maps custom resource names to positive amounts per process "
+            f"(e.g. {{rollout: {{node_b: 0.01}}}}), got {bad}"
+        )
+    return {name: {key: float(v) for key, v in res.items()} for name, res in given.items()}
+
+
 def role_inits(
     config: PPOConfig, roles: dict[str, str] | None = None, reward_fn: Callable[..., dict] | None = None
 ) -> dict[str, ClassWithInitArgs]:
@@ -121,19 +185,23 @@ def role_inits(
     arr = config.actor_rollout_ref
     device = config.trainer.device
     kw = {"response_length": config.data.max_response_length, "seed": config.trainer.seed, "device": device}
+    # a served agent generates through the rollout engine of whichever worker holds the rollout role
+    mode = {"rollout_mode": ServedRollout} if arr.rollout.served_agent.path else {}
     # With LoRA the reference is the actor's module with the adapter off: the actor worker takes the role
     ref_in_actor = needs_ref(config) and arr.model.lora_rank > 0
     with_ref = "_ref" if ref_in_actor else ""
     if roles.get("actor") == roles.get("rollout"):
         inits = {
             str(Role.ACTOR_ROLLOUT): ClassWithInitArgs(
-                ActorRolloutRefWorker, arr, role=f"actor_rollout{with_ref}", **kw
+                ActorRolloutRefWorker, arr, role=f"actor_rollout{with_ref}", **kw, **mode
             )
         }
     else:
         inits = {
             "actor": ClassWithInitArgs(ActorRolloutRefWorker, arr, role=f"actor{with_ref}", **kw),
-            "rollout": ClassWithInitArgs(ActorRolloutRefWorker, arr, role="rollout", announce=True, **kw),
+            "rollout": ClassWithInitArgs(
+                ActorRolloutRefWorker, arr, role="rollout", announce=True, **kw, **mode
+            ),
         }
     if needs_ref(config) and not ref_in_actor:
         inits[str(Role.REF)] = ClassWithInitArgs(ActorRolloutRefWorker, arr, role="ref", **kw)
@@ -150,19 +218,64 @@ def role_inits(
     return inits
 
 
-def check_ray_resources(needed: dict[str, float], n_workers: int) -> None:
-    """Refuse up front a run that Ray cannot place (else the placement waits, then fails with Ray's
-    resource message): each worker process takes ``trainer.cpus_per_worker`` CPUs (and one GPU on cuda)."""
+# Ray returns the resources of stopped workers a moment after they stop: how long to wait for them
+RELEASE_WAIT_S = 15.0
+
+
+def ray_cpus_per_worker(trainer: TrainerConfig, processes: int) -> float:
+    """CPUs each of ``processes`` Ray worker processes reserves: ``trainer.cpus_per_worker``, or, on a Ray
+    with fewer CPUs than they ask for together, an equal share of its CPUs (a laptop user who asks for split
+    placement gets it on shared cores; one log line says so). On cuda each process also takes a GPU of its
+    own. Refused up front (else the placement would wait a minute, then fail with Ray's resource message):
+    what can never be placed, a Ray with fewer GPUs than processes or without CPUs, and what other Ray work
+    holds the resources for."""
+    from hybridflow.single_controller.ray import free_and_total, shared_cpus
+
+    who = f"trainer.n_workers={trainer.n_workers} with trainer.placement={trainer.placement}"
+    if trainer.device == "cuda":
+        free_gpus, total_gpus = free_and_total("GPU", at_least=processes, wait_s=RELEASE_WAIT_S)
+        if processes > free_gpus + 1e-9:
+            raise UserError(
+                f"{who} starts {processes} worker processes, each needing a GPU of its own, but Ray sees "
+                f"{free_gpus:g} GPUs available (of {total_gpus:g}): lower trainer.n_workers, use "
+                "trainer.placement=colocated, or give Ray more GPUs"
+            )
+    wanted = trainer.cpus_per_worker
+    share = shared_cpus(processes, wanted, free_and_total("CPU")[1])
+    free, total = free_and_total("CPU", at_least=processes * share, wait_s=RELEASE_WAIT_S)
+    if share <= 0 or processes * share > free + 1e-9:
+        held = "" if share <= 0 else f"; other Ray work holds {total - free:g}"
+        raise UserError(
+            f"{who} starts {processes} worker processes, but Ray sees {free:g} CPUs available (of "
+            f"{total:g}){held}: stop that work, or give Ray CPUs (trainer.ray_kwargs.num_cpus=...)"
+        )
+    if share < wanted:
+        logger.warning(
+            "%d worker processes x trainer.cpus_per_worker=%g ask %g CPUs, Ray has %g: they share them, "
+            "%g CPUs each",
+            processes,
+            wanted,
+            processes * wanted,
+            total,
+            share,
+        )
+    return share
+
+
+def check_pool_resources(extra: dict[str, dict[str, float]], pools: dict[str, list[int]]) -> None:
+    """Refuse up front a pool pinned to custom resources that no live node of the cluster has enough of."""
     import ray
 
     available, total = ray.available_resources(), ray.cluster_resources()
-    for kind, amount in needed.items():
-        if amount > available.get(kind, 0.0) + 1e-9:
-            raise UserError(
-                f"trainer.n_workers={n_workers} needs {amount:g} {kind}s on Ray, but Ray sees "
-                f"{available.get(kind, 0.0):g} available (of {total.get(kind, 0.0):g}): lower trainer.n_workers "
-                f"or give Ray more (trainer.ray_kwargs.num_{kind.lower()}s=..., or a larger Ray cluster)"
-            )
+    for pool, resources in extra.items():
+        for key, amount in resources.items():
+            needed = amount * sum(pools[pool])
+            if needed > available.get(key, 0.0) + 1e-9:
+                raise UserError(
+                    f"trainer.pool_resources.{pool} asks for {needed:g} of resource {key!r}, but Ray sees "
+                    f"{available.get(key, 0.0):g} available (of {total.get(key, 0.0):g}): start a node with "
+                    f"`ray start --resources='{{\"{key}\": 1}}'`, or pin the pool elsewhere"
+                )
 
 
 def build_worker_groups(
@@ -192,22 +305,21 @@ def build_worker_groups(
     from hybridflow.single_controller.ray import RayWorkerGroup, ResourcePoolManager, init_ray
 
     pools, roles = placement(trainer)
+    extra = pool_resources(trainer, pools)
     inits = given or role_inits(config, roles, reward_fn)
     init_ray(**dict(trainer.ray_kwargs))
     # a worker's pool is its role's (actor_rollout runs where the actor does)
     pool_of = {name: roles["actor" if name == str(Role.ACTOR_ROLLOUT) else name] for name in inits}
     used = {pool: nodes for pool, nodes in pools.items() if pool in pool_of.values()}
     processes = sum(sum(nodes) for nodes in used.values())
-    needed = {"CPU": processes * trainer.cpus_per_worker}
-    if trainer.device == "cuda":
-        needed["GPU"] = float(processes)
-    check_ray_resources(needed, trainer.n_workers)
+    check_pool_resources({pool: res for pool, res in extra.items() if pool in used}, used)
     manager = ResourcePoolManager(
         used,
         {name: pool_of[name] for name in inits},
         use_gpu=trainer.device == "cuda",
-        cpus_per_process=trainer.cpus_per_worker,
+        cpus_per_process=ray_cpus_per_worker(trainer, processes),
         max_colocate_count=1,
+        pool_resources=extra,
     )
     resource_pools = manager.create_resource_pool()
     groups, views = [], {}

@@ -9,6 +9,7 @@ sharded again after it). The reference policy is a second, frozen copy, loaded o
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,8 @@ from hybridflow.workers.sharding import (
     gathered,
     is_lora,
     load_placement,
+    lockstep,
+    reads_weights,
     resolve_strategy,
     wrap_model,
 )
@@ -64,16 +67,19 @@ def _scalar(value: torch.Tensor | float) -> float:
 class ActorRolloutRefWorker(Worker):
     """``config``: the ``actor_rollout_ref`` config section; ``role``: roles joined by ``_``
     (``actor_rollout``, ``actor_rollout_ref``, ``ref``, ``rollout``...); ``device``: ``trainer.device``;
-    ``announce``: print one line per generation (``[rollout] generated ...``)."""
+    ``announce``: print one line per generation (``[rollout] generated ...``); ``rollout_mode``: wraps the
+    rollout engine, called as ``rollout_mode(engine, tokenizer, rollout_config, response_length,
+    weight_version)`` (a mode from a later layer, e.g. ``hybridflow.serving.ServedRollout``)."""
 
     def __init__(
         self,
         config: ActorRolloutRefConfig,
         role: str = "actor_rollout",
         response_length: int = 64,
-        seed: int = 0,
+        seed: int = 42,
         device: str = "auto",
         announce: bool = False,
+        rollout_mode: Callable[..., Any] | None = None,
     ) -> None:
         super().__init__(device)
         unknown = [r for r in role.split("_") if r not in ROLES]
@@ -87,6 +93,19 @@ class ActorRolloutRefWorker(Worker):
         )
         self.module = self.ref_module = self.engine = self.rollout = None
         self.mailbox: WeightMailbox | None = None  # a rollout-only worker's weight versions (async runs)
+        self.rollout_mode = rollout_mode
+        self.weights_received = 0  # weight updates a rollout-only worker was sent
+
+    def weight_version(self) -> int:
+        """How many times the weights the rollout samples from have changed: the actor's optimiser steps, the
+        version an asynchronous rollout worker holds, or the updates a separate rollout worker received."""
+        if self.engine is not None:
+            return self.engine.steps_done
+        return (
+            self.mailbox.version
+            if self.mailbox is not None and self.mailbox.version
+            else self.weights_received
+        )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -97,13 +116,15 @@ class ActorRolloutRefWorker(Worker):
         if self._is_actor or self._is_rollout:
             # a rollout-only worker (trainer.placement=split) holds a plain copy the actor's full weights load into
             strategy = resolve_strategy(actor.strategy, self.world_size) if self._is_actor else "ddp"
+            lora = model_cfg.lora_rank if self._is_actor else 0
             module = load_model(
                 model_cfg.path,
                 *load_placement(strategy, model_cfg.dtype, self.device),
                 trust_remote_code=model_cfg.trust_remote_code,
+                disable_dropout=model_cfg.disable_dropout,
                 gradient_checkpointing=self._is_actor and model_cfg.enable_gradient_checkpointing,
+                on_meta=not reads_weights(strategy, lora),
             )
-            lora = model_cfg.lora_rank if self._is_actor else 0
             self.module = wrap_model(
                 module,
                 strategy,
@@ -130,16 +151,22 @@ class ActorRolloutRefWorker(Worker):
                 self.tokenizer,
                 self.response_length,
                 model_location(model_cfg.path),
-                (rollout.seed or 0) + self.rank,
+                (self.seed if rollout.seed is None else rollout.seed) + self.rank,
             )
             if not self._is_actor:
                 self.mailbox = WeightMailbox(self._load_weights)
+            if self.rollout_mode is not None:
+                self.rollout = self.rollout_mode(
+                    self.rollout, self.tokenizer, rollout, self.response_length, self.weight_version
+                )
         if self._is_ref and not (self.module is not None and is_lora(self.module)):
             strategy = resolve_strategy(ref.strategy, self.world_size, "actor_rollout_ref.ref.strategy")
             module = load_model(
                 model_cfg.path,
                 *load_placement(strategy, model_cfg.dtype, self.device),
                 trust_remote_code=model_cfg.trust_remote_code,
+                disable_dropout=model_cfg.disable_dropout,
+                on_meta=not reads_weights(strategy),
             ).eval()
             module.requires_grad_(False)
             self.ref_module = wrap_model(module, strategy, ref.fsdp_config, self.device)
@@ -155,7 +182,9 @@ class ActorRolloutRefWorker(Worker):
         if versioned:
             self._use_weights(prompts.meta_info)
         try:
-            with gathered(self.module, self.config.actor.fsdp_config.reshard_after_forward):
+            reshard = self.config.actor.fsdp_config.reshard_after_forward
+            sharded = self.config.rollout.sharded_generation
+            with (lockstep if sharded else gathered)(self.module, reshard):
                 out = self.rollout.generate_sequences(prompts)
         except DivergedError as e:
             if self.engine is None or self.engine.steps_done == 0:
@@ -223,6 +252,7 @@ class ActorRolloutRefWorker(Worker):
         """Load the actor's weights (``get_weights``) into this rollout worker's model and engine."""
         self._require(self.rollout, "rollout", "update_weights")
         self._load_weights(list(from_numpy(weights, next(self.module.parameters()).dtype)))
+        self.weights_received += 1
 
     # ---------------------------------------------------------------- log-probs
     def _log_probs(
@@ -401,7 +431,7 @@ class ActorRolloutRefWorker(Worker):
         self.module.train()
         extra = []
         if sft_data is not None and len(sft_data):
-            extra = [(sft_data, self._sft_loss, float(sft_data.meta_info.get("loss_coef", 1.0)))]
+            extra = [(sft_data, self._sft_loss, float(sft_data.meta_info["loss_coef"]))]
         metrics = self.engine.update(
             data,
             mini_batch,

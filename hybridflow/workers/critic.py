@@ -17,14 +17,22 @@ from hybridflow.workers.checkpointing import load_worker_state, save_worker_stat
 from hybridflow.workers.engine import TrainingEngine
 from hybridflow.workers.modeling import load_model, load_tokenizer, response_values
 from hybridflow.workers.packing import MicroBatching, batched
-from hybridflow.workers.sharding import agreed_count, load_placement, resolve_strategy, wrap_model
+from hybridflow.workers.sharding import (
+    agreed_count,
+    load_placement,
+    reads_weights,
+    resolve_strategy,
+    wrap_model,
+)
 
 
 class CriticWorker(Worker):
     """``config``: the ``critic`` config section (its ``model.path`` already resolved by the trainer);
     ``rollout_n``: samples per prompt, since ``ppo_mini_batch_size`` counts prompts; ``device``: ``trainer.device``."""
 
-    def __init__(self, config: CriticConfig, rollout_n: int = 1, seed: int = 0, device: str = "auto") -> None:
+    def __init__(
+        self, config: CriticConfig, rollout_n: int = 1, seed: int = 42, device: str = "auto"
+    ) -> None:
         super().__init__(device)
         self.config, self.rollout_n, self.seed = config, rollout_n, seed
         self.module = self.engine = self.tokenizer = None
@@ -44,7 +52,9 @@ class CriticWorker(Worker):
             num_labels=1,
             trust_remote_code=model_cfg.trust_remote_code,
             new_head="the critic's value head",
+            disable_dropout=model_cfg.disable_dropout,
             gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
+            on_meta=not reads_weights(strategy),
         )
         module.config.pad_token_id = self.tokenizer.pad_token_id
         for part in module.modules():  # transformers puts a 0.1 dropout before the head: the update would fit

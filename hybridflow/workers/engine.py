@@ -135,7 +135,7 @@ class TrainingEngine:
         loss_agg_mode: str = "token-mean",
         epochs: int = 1,
         shuffle: bool = False,
-        seed: int = 0,
+        seed: int = 42,
         extra_terms: list[tuple[DataProto, LossFn, float]] = (),
     ) -> dict[str, list[float]]:
         """One training step's update: ``epochs`` passes over ``data`` (this rank's shard) in mini-batches,

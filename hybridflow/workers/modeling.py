@@ -16,7 +16,13 @@ import os
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.utils import logging as hf_logging
 
 from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
@@ -77,14 +83,28 @@ def load_model(
     trust_remote_code: bool = False,
     gradient_checkpointing: bool = False,
     new_head: str | None = None,
+    disable_dropout: bool = True,
+    on_meta: bool = False,
     **kwargs: Any,
 ) -> PreTrainedModel:
-    """A Hugging Face model on ``device``; ``path`` may be ``default`` (the embedded SmolLM2).
+    """A Hugging Face model on ``device``; ``path`` may be ``default`` (the embedded SmolLM2), with its
+    dropout off unless ``disable_dropout`` is false (``without_dropout``).
 
     ``new_head`` (e.g. ``"the critic's value head"``): a head the checkpoint is expected to lack. Its
     fresh weights are reported in one line instead of transformers' table of MISSING keys, which reads
-    like an error; any *other* missing weight is still reported as a warning."""
-    if new_head is None:
+    like an error; any *other* missing weight is still reported as a warning.
+
+    ``on_meta``: build the model from its config on the meta device, reading no weights (a sharded rank
+    that receives its shards from rank 0, ``sharding.shard_module``); it stays there, ``device`` unused."""
+    if on_meta:
+        config = AutoConfig.from_pretrained(
+            model_location(path), trust_remote_code=trust_remote_code, **kwargs
+        )
+        with torch.device("meta"):
+            model = auto_cls.from_config(
+                config, dtype=resolve_dtype(dtype, device), trust_remote_code=trust_remote_code
+            )
+    elif new_head is None:
         model = auto_cls.from_pretrained(
             model_location(path),
             dtype=resolve_dtype(dtype, device),
@@ -105,9 +125,31 @@ def load_model(
         finally:
             hf_logging.set_verbosity(verbosity)
         _report_new_head(model, sorted(info.get("missing_keys", [])), new_head, path)
-    model = model.to(device)
+    if not on_meta:
+        model = model.to(device)
+    if disable_dropout:
+        without_dropout(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Set every dropout probability in ``model`` to 0: ``nn.Dropout`` layers and the rates attention layers
+    keep as plain floats (Llama's ``attention_dropout``, read in the forward only in training mode).
+
+    Why (TRL's ``disable_dropout``): log-probs are computed in eval mode and updates in training mode, so with
+    dropout the update's forward is not the policy that was scored: PPO's first ratio is not 1 and DPO's
+    first loss is not ln 2 although the policy equals the reference. The model's config (saved with each
+    checkpoint) keeps its rates."""
+    for module in model.modules():
+        rates = [
+            name for name, value in vars(module).items() if name.endswith("dropout") and type(value) is float
+        ]
+        if isinstance(module, torch.nn.Dropout):
+            rates.append("p")
+        for name in rates:
+            setattr(module, name, 0.0)
     return model
 
 

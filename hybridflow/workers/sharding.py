@@ -12,14 +12,17 @@ Strategies (``actor.strategy``, ``ref.strategy``, ``critic.strategy``):
 - ``ddp``: full replicas, gradients all-reduced by ``TrainingEngine`` (the default, ``auto``).
 - ``fsdp2``: ``fully_shard`` on every decoder layer, then the root, over a device mesh of the group's ranks
   (gloo on CPU, nccl on GPU); ``fsdp_config.fsdp_size`` < world size shards within groups of that size and
-  replicates across them (HSDP). On one rank nothing is sharded, but checkpoints keep the sharded format.
+  replicates across them (HSDP). One CPU rank is not wrapped; one GPU is (bf16 compute, `param_offload`).
+  Checkpoints keep the sharded format either way.
+  Only rank 0 reads the checkpoint: the other ranks build the model on the meta device and receive their
+  shards from it (``reads_weights``, ``shard_module``), so no rank but the first ever holds the full weights.
 - ``single``: one rank only.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -44,6 +47,14 @@ def resolve_strategy(strategy: str, world_size: int, key: str = "actor_rollout_r
             "use ddp or fsdp2, or trainer.n_workers=1"
         )
     return "ddp" if strategy == "auto" else strategy
+
+
+def reads_weights(strategy: str, lora_rank: int = 0) -> bool:
+    """Whether this rank reads the model's weights from disk: all do, except the ranks > 0 of a sharded
+    (``fsdp2``) model over several ranks, which build it on the meta device and receive their shards from
+    rank 0 in ``shard_module``. LoRA models load on every rank (peft builds its adapters on real tensors)."""
+    multi = dist.is_initialized() and dist.get_world_size() > 1
+    return strategy != "fsdp2" or lora_rank > 0 or not multi or dist.get_rank() == 0
 
 
 def load_placement(strategy: str, dtype: str | None, device: torch.device) -> tuple[torch.device, str | None]:
@@ -102,10 +113,14 @@ def broadcast_module(module: nn.Module) -> None:
 
     nccl only moves GPU memory: a model still on the CPU (FSDP2 shards it from there) goes one tensor at a
     time through the current GPU."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        _broadcast(module.state_dict().values())
+
+
+def _broadcast(tensors: Iterable[torch.Tensor]) -> None:
+    """Rank 0's values of ``tensors`` (the same list on every rank) copied into them on every rank."""
     staged = collective_device().type == "cuda"
-    for tensor in module.state_dict().values():
+    for tensor in tensors:
         if staged and tensor.device.type == "cpu":
             on_gpu = tensor.cuda()
             dist.broadcast(on_gpu, src=0)
@@ -129,17 +144,30 @@ def _decoder_layers(module: nn.Module) -> list[nn.Module]:
 def shard_module(module: nn.Module, fsdp_config: FSDPConfig, device: torch.device) -> nn.Module:
     """``fully_shard`` each decoder layer, then the root, over all ranks of the default process group.
 
-    Returns ``module`` itself (now an ``FSDPModule`` on ``device``) after broadcasting rank 0's weights;
-    without a process group of several ranks it returns ``module.to(device)``. On CUDA, parameters compute
-    in bf16 and gradients reduce in fp32 (``module`` should be loaded in fp32: those are the master
-    weights), and ``fsdp_config.param_offload`` keeps the shards in CPU memory between uses. On CPU both
-    do nothing."""
+    Returns ``module`` itself (now an ``FSDPModule`` on ``device``) holding rank 0's weights: ranks > 0 come
+    in on the meta device (``reads_weights``) and receive only their shards, streamed from rank 0's copy one
+    tensor at a time (``set_model_state_dict`` with ``broadcast_from_rank0``), so no rank but the first holds
+    the full model, and that one only until its shards are set. A LoRA model (loaded by every rank) gets rank 0's
+    weights broadcast whole first, as its random adapters differ by rank.
+
+    On CUDA, parameters compute in bf16 and gradients reduce in fp32 (``module`` should be loaded in fp32:
+    those are the master weights), and ``fsdp_config.param_offload`` keeps the shards in CPU memory between
+    uses. A single GPU gets the same wrapping over a process group of its one rank, so both policies apply
+    there too (verl's single-GPU recipe). On CPU neither does anything, and one rank returns
+    ``module.to(device)``: there is nothing to shard, offload or cast."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return module.to(device)
+        if device.type != "cuda":
+            return module.to(device)
+        if not dist.is_initialized():  # one GPU: a process group of one rank, in memory
+            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    broadcast_module(module)
+    lora = is_lora(module)
+    if lora:
+        broadcast_module(module)
+    # rank 0's loaded weights, held by reference while fully_shard swaps the parameters for shards
+    full = module.state_dict() if not lora and dist.get_rank() == 0 else None
     world = dist.get_world_size()
     shard = world if fsdp_config.fsdp_size in (-1, None) else fsdp_config.fsdp_size
     if shard < 1 or world % shard:
@@ -159,7 +187,23 @@ def shard_module(module: nn.Module, fsdp_config: FSDPConfig, device: torch.devic
     for layer in _decoder_layers(module):
         fully_shard(layer, **kwargs)
     fully_shard(module, **kwargs)
+    if not lora:
+        _receive_shards(module, full, torch.device("cpu") if "offload_policy" in kwargs else device)
     return module
+
+
+def _receive_shards(module: nn.Module, full: dict[str, torch.Tensor] | None, device: torch.device) -> None:
+    """Fill the shards of a freshly sharded ``module`` (on the meta device on ranks > 0) from rank 0's full
+    state dict ``full`` (None on the other ranks), and copy rank 0's buffers, which include those no state
+    dict holds (rotary frequencies)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if full is None:  # rank 0's own shards already hold its weights (and its buffers must stay)
+        module.to_empty(device=device)
+    set_model_state_dict(
+        module, full or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
+    _broadcast(module.buffers())
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -211,6 +255,52 @@ def gathered(module: nn.Module, reshard_after_forward: bool = True) -> Iterator[
         for part in parts:
             part.reshard()
             part.set_reshard_after_forward(reshard_after_forward)
+
+
+@contextlib.contextmanager
+def lockstep(module: nn.Module, reshard_after_forward: bool = True) -> Iterator[nn.Module]:
+    """Forwards of a sharded module inside the block that need no full copy on any rank: each forward
+    gathers one layer at a time (FSDP2's own gathering, layers freed after use) while the ranks step together.
+
+    Why: each forward's gathers are collectives, so every rank must run as many forwards as the rank that runs
+    the most (a rank decodes until *its* sequences end). Every forward first tells the others it wants to run
+    (an all-reduce before FSDP's own pre-forward hook); at the end of the block a rank that is done runs a
+    one-token idle forward for each forward another rank still announces, until none does. No effect on an
+    unsharded module. An exception inside the block on one rank leaves the others waiting: it is meant for
+    code that fails on every rank alike, or not at all. Afterwards forwards reshard as
+    ``reshard_after_forward`` (the module's ``fsdp_config``) says."""
+    if not (is_sharded(module) and dist.is_initialized() and dist.get_world_size() > 1):
+        yield module
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    parts = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for part in parts:
+        part.set_reshard_after_forward(True)
+    idle = [False]
+
+    def announce(*_: Any) -> None:
+        if not idle[0]:
+            _ranks_wanting(1)
+
+    handle = module.register_forward_pre_hook(announce, prepend=True)
+    try:
+        yield module
+        idle[0] = True
+        dummy = torch.zeros(1, 1, dtype=torch.long, device=next(module.parameters()).device)
+        with torch.no_grad():
+            while _ranks_wanting(0):
+                module(input_ids=dummy, use_cache=False)
+    finally:
+        handle.remove()
+        for part in parts:
+            part.set_reshard_after_forward(reshard_after_forward)
+
+
+def _ranks_wanting(mine: int) -> int:
+    value = torch.tensor([mine], device=collective_device())
+    dist.all_reduce(value)
+    return int(value.item())
 
 
 def _full(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:

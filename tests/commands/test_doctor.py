@@ -7,12 +7,15 @@ import shutil
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from hybridflow.commands.cli import main as cli
 from hybridflow.commands.demo import DEMO_SETTINGS
 from hybridflow.commands.doctor import run_checks
-from hybridflow.commands.memory_estimate import GB, RUNTIME_BYTES, ModelShape, estimate_memory
+from hybridflow.commands.memory_estimate import GB, RUNTIME_BYTES, ModelShape, estimate_memory, knob
 from hybridflow.config.schema import load_config, load_unvalidated
+from hybridflow.rewards import RewardManager, load_custom_reward_function
+from hybridflow.utils.errors import UserError
 
 NAMES = ["config", "paths", "model", "dataset", "batch", "reward", "memory", "environment"]
 
@@ -183,7 +186,7 @@ def test_memory_estimate_by_hand():
     assert est.static == {"actor weights": 40e6, "actor grads": 40e6, "AdamW state": 80e6}
     update = 2 * 9 * 1000 * 4 * 3 + 2 * 32 * 2 * (14 * 64 + 4 * 128) * 4  # logits x3 + activations
     assert est.passes["policy update"] == update
-    assert est.passes["generation KV cache"] == 2 * 2 * 32 * 4 * 8 * 32 + 8 * 1000 * 4  # all 8 sequences
+    assert est.passes["generation"] == 2 * 2 * 32 * 4 * 8 * 32 + 8 * 1000 * 4  # all 8 sequences
     assert est.device == 160e6 + update + RUNTIME_BYTES
     lora = estimate_memory(
         load_config(
@@ -219,7 +222,49 @@ def test_memory_estimate_by_hand():
         "AdamW state": 20e6,
         "reference weights": 10e6,
     }
+    # generation gathers the other 3 ranks' shards (30 MB); rank 0 reads the whole checkpoint (40 MB) before
+    # the gradients and moments (30 MB) exist
+    kv = 2 * 2 * 32 * 4 * 2 * 576 + 2 * 1000 * 4  # 8 prompts x 1 over 4 ranks, 512 + 64 tokens
+    assert fsdp.passes["generation"] == kv + 30e6
+    assert fsdp.passes["checkpoint read by rank 0"] == 40e6 - 30e6
+    fsdp_cfg = load_config(
+        [
+            "data.train_files=x.parquet",
+            "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.actor.strategy=fsdp2",
+            "actor_rollout_ref.rollout.sharded_generation=true",
+        ]
+    )
+    assert estimate_memory(fsdp_cfg, shape, world_size=4).passes["generation"] == kv
     assert est.device < GB
+
+
+def test_memory_knob_names_sharded_generation_when_the_gathered_model_does_not_fit():
+    shape = ModelShape(
+        params=1_000_000_000,
+        vocab_size=1000,
+        hidden_size=64,
+        num_layers=2,
+        intermediate_size=128,
+        kv_dim=32,
+        linear_in_out=100_000,
+    )
+    overrides = [
+        "data.train_files=x.parquet",
+        "algorithm.adv_estimator=grpo",
+        "trainer.device=cpu",
+        "actor_rollout_ref.actor.strategy=fsdp2",
+    ]
+    cfg = load_config(overrides)
+    est = estimate_memory(cfg, shape, world_size=8)  # generation gathers 7/8 of 4 GB: the largest part
+    assert est.largest_pass == "generation" and est.passes["generation"] > sum(est.static.values())
+    assert "actor_rollout_ref.rollout.sharded_generation=true" in knob(cfg, est, workers_per_machine=1)
+    sharded = load_config([*overrides, "actor_rollout_ref.rollout.sharded_generation=true"])
+    low = estimate_memory(sharded, shape, world_size=8)
+    # the KV cache alone is left; rank 0's read of the 4 GB checkpoint (before 2 GB of state) is now the peak
+    assert low.passes["generation"] == est.passes["generation"] - 3.5e9
+    assert low.largest_pass == "checkpoint read by rank 0"
+    assert low.device == est.device - est.passes["generation"] + 2.5e9
 
 
 def test_environment_fails_when_the_rollout_engine_does_not_import(tmp_path, monkeypatch):
@@ -234,3 +279,71 @@ def test_environment_fails_when_the_rollout_engine_does_not_import(tmp_path, mon
     monkeypatch.setattr("hybridflow.commands.doctor._import_error", lambda module: f"{module}: not installed")
     check = check_environment(cfg)
     assert check.verdict == "fail" and "rollout.name is vllm but it does not import: vllm" in check.detail
+
+
+SCORERS = {
+    "tensor.py": "import torch\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    return torch.tensor(float(str(ground_truth) in solution_str))\n",
+    "numpy.py": "import numpy as np\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    return {'score': np.float32(str(ground_truth) in solution_str)}\n",
+    "text.py": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return '1.0'\n",
+}
+
+
+@pytest.mark.parametrize("scorer", sorted(SCORERS))
+def test_doctor_accepts_exactly_the_scores_training_accepts(base, tmp_path, tiny_model_path, scorer):
+    """Before: doctor failed a 0-d tensor and a numpy float that training takes, with its own rule. Now both
+    call ``checked_score``: what RewardManager accepts passes doctor, what it refuses fails doctor."""
+    path = tmp_path / scorer
+    path.write_text(SCORERS[scorer])
+    checks = verdicts([*base, f"custom_reward_function.path={path}"])
+    manager = RewardManager(AutoTokenizer.from_pretrained(tiny_model_path), load_custom_reward_function(path))
+    try:
+        manager._score_one(0, "arithmetic", "=5", 5, {})
+        trains = True
+    except UserError:
+        trains = False
+    assert trains == (scorer != "text.py")
+    if trains:
+        assert checks["reward"].verdict == "ok", checks["reward"].detail
+        assert "ground-truth 1, wrong 0" in checks["reward"].detail
+    else:
+        assert failed(checks) == ["reward"]
+        assert "on a ground-truth response for data_source 'arithmetic'" in checks["reward"].detail
+        assert "it returned str '1.0': a score is a number" in checks["reward"].detail
+
+
+def test_replay_buffer_mistakes_are_config_problems(base, capsys):
+    """Before: doctor said nothing (the replay buffer checks its settings when the trainer builds it), and
+    ``hybridflow train`` stopped there with a ValueError traceback."""
+    bad = [*base, "replay_buffer.enable=true", "replay_buffer.strategy=prioritized"]
+    checks = verdicts(bad)
+    assert failed(checks) == ["config"]
+    assert checks["config"].detail == (
+        "replay_buffer: schedule phase 0: unknown strategy 'prioritized'; known: ['uniform', 'priority']"
+    )
+    assert cli(["train", *bad]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "hybridflow train: error: replay_buffer: schedule phase 0: unknown strategy 'prioritized'; known: "
+        "['uniform', 'priority']"
+    )
+
+
+def test_dataset_check_counts_prompt_tokens_as_the_dataset_feeds_them(base, data_dir, tiny_model_path):
+    """Before: doctor always chat-templated the prompts it measured, also under data.apply_chat_template=false."""
+    from hybridflow.data.dataset import read_rows
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    rows = read_rows(data_dir / "train.parquet")
+    raw = max(len(tok("\n".join(m["content"] for m in row["prompt"]))["input_ids"]) for row in rows)
+    texts = [
+        tok.apply_chat_template(list(row["prompt"]), add_generation_prompt=True, tokenize=False)
+        for row in rows
+    ]
+    templated = max(len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"])
+    assert raw < templated
+    assert (
+        f", max {raw} vs data.max_prompt_length"
+        in verdicts([*base, "data.apply_chat_template=false"])["dataset"].detail
+    )
+    assert f", max {templated} vs data.max_prompt_length" in verdicts(base)["dataset"].detail

@@ -16,15 +16,6 @@ from hybridflow.trainer.hooks import HookError
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The examples' tiny model gains nothing from threads; on a shared CPU two threads ran 20x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def example(name: str):
     """Import ``examples/<name>.py`` (its folder on sys.path, as when it runs as a script)."""
     if str(EXAMPLES) not in sys.path:
@@ -45,13 +36,14 @@ def response_texts(batch, tokenizer) -> list[str]:
 
 def test_every_example_has_a_main_and_an_index_entry():
     scripts = sorted(p.stem for p in EXAMPLES.glob("[0-9][0-9]_*.py"))
-    assert len(scripts) == 8
+    assert len(scripts) == 9
     index = (EXAMPLES / "README.md").read_text()
     for name in scripts:
         assert callable(example(name).main)
         assert f"{name}.py" in index
 
 
+@pytest.mark.learning
 def test_callbacks_halve_the_learning_rate_from_the_next_update(tmp_path):
     result = example("01_callbacks").main(tmp_path)
     lr = result["lr_by_step"]
@@ -95,6 +87,7 @@ def test_replay_buffer_replays_rows_on_a_schedule_and_rescores_them(tmp_path):
     assert result["rescored"] > 0 and result["buffer_size"] == 32
 
 
+@pytest.mark.learning
 def test_sft_loss_only_on_every_second_step_and_falling(tmp_path):
     result = example("03_sft_mixing").main(tmp_path)
     assert result["steps"] == [1, 2, 3, 4, 5, 6]
@@ -163,6 +156,7 @@ def test_custom_driver_runs_two_finite_steps(tmp_path):
     assert result["history"][1]["actor/kl_loss"] > 0  # the policy moved away from the reference after step 1
 
 
+@pytest.mark.learning
 def test_sft_then_dpo_then_grpo_each_from_the_previous_checkpoint(tmp_path):
     result = example("07_sft_dpo_grpo").main(tmp_path)
     sft, dpo = result["sft"], result["dpo"]
@@ -179,6 +173,7 @@ def test_sft_then_dpo_then_grpo_each_from_the_previous_checkpoint(tmp_path):
     assert [row["step"] for row in result["grpo"]] == [1, 2]
 
 
+@pytest.mark.learning
 def test_custom_tool_is_called_in_rollouts_and_its_results_reach_the_reward(tmp_path):
     module = example("08_custom_tool")
     result = module.main(tmp_path)
@@ -186,7 +181,8 @@ def test_custom_tool_is_called_in_rollouts_and_its_results_reach_the_reward(tmp_
     assert [r["step"] for r in rows] == [1, 2]
     assert (
         rows[0]["agent/tool_calls/mean"] > 0.5 and rows[0]["agent/tool_errors"] == 0
-    )  # the taught model calls add
+    )  # the taught model calls add ...
+    assert rows[0]["critic/score/mean"] > 1.5  # ... with the prompt's numbers, and repeats the sum (2 points)
     for batch in result["batches"]:
         scores = batch.batch["token_level_scores"].sum(-1).tolist()
         for messages, calls, score, truth in zip(
@@ -205,3 +201,19 @@ def test_custom_tool_is_called_in_rollouts_and_its_results_reach_the_reward(tmp_
         tool_tokens = batch.batch["attention_mask"][:, -128:].bool() & ~batch.batch["response_mask"].bool()
         assert tool_tokens.any()  # the model attends to tool output ...
         assert (batch.batch["advantages"][tool_tokens] == 0).all()  # ... which the loss leaves out
+
+
+def test_an_openai_sdk_agent_trains_on_the_served_tokens(tmp_path):
+    module = example("09_openai_agent")
+    result = module.main(tmp_path)
+    rows = result["rows"]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert (
+        rows[0]["served/joined_calls"] > 0.3
+    )  # the taught model calls the tool, and the answer continues it
+    for batch in result["batches"]:
+        rewards = list(batch.non_tensor_batch["agent_reward"])
+        assert batch.batch["token_level_scores"].sum(-1).tolist() == pytest.approx(rewards)
+        tool_tokens = batch.batch["attention_mask"][:, -256:].bool() & ~batch.batch["response_mask"].bool()
+        assert tool_tokens.any()  # the tool results are in the rows, seen but not trained on
+    assert max(e["tool_call_ok"] for b in result["batches"] for e in b.non_tensor_batch["agent_extra"]) == 1.0

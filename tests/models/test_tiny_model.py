@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hybridflow.models import make_tiny_model
-from hybridflow.models.tiny import main
+from hybridflow.models.tiny import main, reply_mask, teach_conversations
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +79,50 @@ def test_cli_main(tmp_path, capsys):
     assert str(tmp_path / "m") in capsys.readouterr().out
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     assert (model.config.vocab_size, model.config.hidden_size) == (512, 32)
+
+
+ONE_SHOT = [
+    {"role": "user", "content": "Compute 1+2."},
+    {"role": "assistant", "content": "1+2=3"},  # part of the prompt: the rollout never writes it
+    {"role": "user", "content": "Compute 3+4."},
+    {"role": "assistant", "content": "call add"},
+    {"role": "tool", "content": "7"},
+    {"role": "assistant", "content": "3+4=7"},
+]
+
+
+def test_reply_mask_marks_the_turns_after_the_last_user_message(tiny_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    ids, mask = reply_mask(tok, ONE_SHOT)
+    assert tok.decode(ids) == tok.apply_chat_template(ONE_SHOT, tokenize=False)
+    marked = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert marked == "call add<|im_end|>\n3+4=7<|im_end|>\n"
+    with pytest.raises(ValueError, match="no assistant reply after the last user message"):
+        reply_mask(tok, ONE_SHOT[:3])
+
+
+@pytest.mark.learning
+def test_teaching_stops_at_the_margin_and_greedy_decoding_writes_the_replies(tmp_path):
+    chats = [ONE_SHOT, [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]]
+    folder = teach_conversations(make_tiny_model(tmp_path / "m"), chats)
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    for chat in chats:
+        ids, mask = reply_mask(tok, chat)
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, :-1]
+        probs = logits.softmax(-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+        assert probs[torch.tensor(mask[1:])].min() >= 0.99  # every reply token, at the margin asked for
+        prompt = tok.apply_chat_template(chat[:-1], add_generation_prompt=True, return_tensors="pt")
+        prompt = prompt if torch.is_tensor(prompt) else prompt["input_ids"]
+        out = model.generate(prompt, max_new_tokens=16, do_sample=False)
+        assert tok.decode(out[0, prompt.shape[1] :], skip_special_tokens=True) == chat[-1]["content"]
+
+
+def test_teaching_what_cannot_be_learned_names_the_token(tmp_path):
+    question = [{"role": "user", "content": "Say hi."}]
+    chats = [
+        question + [{"role": "assistant", "content": a}] for a in ("hi", "ho")
+    ]  # one prompt, two replies
+    with pytest.raises(ValueError, match=r"after 30 steps .* probability 0\.[0-9]+ < min_prob 0\.99"):
+        teach_conversations(make_tiny_model(tmp_path / "m"), chats, max_steps=30)

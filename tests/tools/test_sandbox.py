@@ -1,12 +1,14 @@
 """Hostile snippets against the sandbox, with small limits: each ends with a clear error within its limits,
-and the host process, its environment and the machine are left as they were.
+and the host process, its environment and the machine are left as they were; and the refusal to run
+without isolation unless the user opts out.
 
-The snippets whose containment depends on the mode run in both modes this machine offers as root: in
-namespaces (util-linux ``unshare``: own network, PID namespace and /proc) and without them
-(``_unshare_works`` patched to False: the runner cuts the network itself and the sandbox's own user id is
-swept afterwards); the resource limits are the same in both."""
+The snippets whose containment depends on the mode run in both modes a root trainer can get: the
+sandbox's namespaces, and the unsafe opt-out (no mode available, ``allow_unsafe``: only the limits and the
+call's own user id). The attacks that isolation must stop are in test_sandbox_attacks.py."""
 
 import dataclasses
+import fcntl
+import json
 import os
 import socket
 import tempfile
@@ -14,29 +16,30 @@ import time
 
 import pytest
 
-from hybridflow.tools import sandbox
-from hybridflow.tools.sandbox import SandboxLimits, run_python
+from hybridflow.tools import PythonTool, load_tools, sandbox
+from hybridflow.tools.sandbox import SandboxLimits, SandboxUnavailable, run_python
+from hybridflow.tools.sandbox_uids import LOCK_DIR, UID_BASE, UID_COUNT, allocated_uid
 
 # A generous wall clock, so that on a loaded machine every other limit is reached first; the tests of the
-# wall clock itself use 2 s.
+# wall clock itself use 1-2 s.
 LIMITS = SandboxLimits(
     timeout_s=30.0, cpu_s=1, memory_mb=256, file_size_mb=4, max_processes=8, max_output_bytes=10_000
 )
 SECRET = "hybridflow-test-secret-3141"
 
 
-@pytest.fixture(params=["namespaces", "plain"])
+@pytest.fixture(params=["namespaces", "unsafe"])
 def mode(request, monkeypatch) -> str:
-    if request.param == "plain":
-        monkeypatch.setattr(sandbox, "_unshare_works", lambda: False)
-    elif not sandbox._unshare_works():
-        pytest.fail("this machine runs tests as root with util-linux unshare; namespaces should work here")
+    if request.param == "unsafe":
+        monkeypatch.setattr(sandbox, "MODES", ())
+    elif sandbox.sandbox_mode() != "namespaces":
+        pytest.fail("this machine runs tests as root with user namespaces; the namespaces mode should work")
     return request.param
 
 
 def sandbox_users() -> list[int]:
     """Processes still running under a sandbox user id."""
-    return sandbox.processes_of(range(sandbox.UID_BASE, sandbox.UID_BASE + 1000 * 256))
+    return sandbox.processes_of(range(UID_BASE, UID_BASE + UID_COUNT))
 
 
 def leftover_folders() -> set[str]:
@@ -54,19 +57,18 @@ def host_unharmed():
 
 def run(code: str, timeout_s: float = LIMITS.timeout_s) -> tuple[sandbox.SandboxResult, float]:
     start = time.monotonic()
-    result = run_python(code, dataclasses.replace(LIMITS, timeout_s=timeout_s))
+    result = run_python(code, dataclasses.replace(LIMITS, timeout_s=timeout_s), allow_unsafe=True)
     return result, time.monotonic() - start
 
 
 def test_a_clean_run_prints_and_reports_its_isolation(mode):
     result, _ = run("import os; print(6 * 7, os.getuid() != 0, sorted(os.environ) <= ['LC_CTYPE'])")
     assert result.ok and result.stdout == "42 True True\n" and result.exit_code == 0
-    assert result.isolation == {"network": True, "pid_namespace": mode == "namespaces", "own_user": True}
-
-
-def test_infinite_loop_hits_the_cpu_limit():
-    result, _ = run("while True:\n    pass")
-    assert result.error == "CPU time limit exceeded (1 s)"
+    isolated = mode == "namespaces"
+    assert result.mode == mode and result.isolation == {
+        **{key: isolated for key in sandbox.ISOLATION["namespaces"]},
+        "own_user": True,
+    }
 
 
 def test_sleeping_forever_hits_the_wall_clock():
@@ -86,11 +88,8 @@ def test_fork_bomb_is_capped_and_killed(mode):
     assert bomb.error in ("timed out after 2 s (wall clock)", "CPU time limit exceeded (1 s)") and seconds < 5
 
 
-@pytest.mark.parametrize(
-    "code", ["x = bytearray(10 ** 10)", "x = []\nwhile True:\n    x.append(' ' * 10 ** 6)"]
-)
-def test_memory_bomb_hits_the_memory_limit(code):
-    result, _ = run(code)
+def test_a_ten_gigabyte_allocation_hits_the_memory_limit():
+    result, _ = run("x = bytearray(10 ** 10)")
     assert result.error == "memory limit exceeded (256 MB)"
 
 
@@ -123,13 +122,8 @@ def test_exit_and_segfault_are_reported(code, error):
     assert result.error == error
 
 
-def test_hundred_megabytes_of_output_are_truncated():
-    result, _ = run("import sys\nsys.stdout.write('x' * 100_000_000)")
-    assert result.error == "output limit exceeded: stopped after 10000 bytes" and result.truncated
-    assert len(result.stdout) <= LIMITS.max_output_bytes
-
-
 def test_the_network_is_cut(mode):
+    """Cut in a namespace; the unsafe opt-out has the host's network (the README's table says so)."""
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
@@ -137,4 +131,40 @@ def test_the_network_is_cut(mode):
         result, _ = run(
             f"import socket\ns = socket.socket()\ns.settimeout(1)\nprint(s.connect_ex(('127.0.0.1', {port})))"
         )
-    assert result.ok and result.stdout.strip() != "0"
+    assert result.ok and (result.stdout.strip() != "0") == (mode == "namespaces")
+
+
+def test_without_isolation_the_tool_refuses_in_one_line_unless_the_user_opts_out(monkeypatch, tmp_path):
+    monkeypatch.setattr(sandbox, "MODES", ("bwrap",))  # as root the sandbox does not use bubblewrap
+    with pytest.raises(SandboxUnavailable) as refused:
+        run_python("print(1)")
+    message = str(refused.value)
+    assert "\n" not in message and "bubblewrap is not used as root" in message
+    assert "unprivileged user namespaces" in message and f"{sandbox.UNSAFE_KEY}=true" in message
+    with pytest.raises(SandboxUnavailable):  # when the run starts, not at the first call
+        PythonTool()
+    (tmp_path / "tools.yaml").write_text("tools:\n  - class_name: python\n")
+    with pytest.raises(SandboxUnavailable):
+        load_tools(tmp_path / "tools.yaml")
+    tool = load_tools(tmp_path / "tools.yaml", unsafe_python=True)["python"]
+    assert tool.execute({"code": "print(6 * 7)"}, "id")[0] == "42\n"
+    assert run_python("pass", allow_unsafe=True).mode == "unsafe"
+
+
+def test_user_ids_are_held_machine_wide_by_a_lock_per_id():
+    """Nested holders get distinct ids, and a forked process cannot take an id its parent holds."""
+    with allocated_uid() as first, allocated_uid() as second:
+        assert first != second
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            with allocated_uid() as child:
+                os.write(write, json.dumps(child).encode())
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as f:
+            child = json.loads(f.read())
+        os.waitpid(pid, 0)
+        assert child not in (first, second)
+        with open(LOCK_DIR / str(first)) as f, pytest.raises(BlockingIOError):
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

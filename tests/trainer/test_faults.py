@@ -271,24 +271,29 @@ def test_a_huge_learning_rate_stops_at_the_update_that_broke_the_weights(
     )
 
 
-def test_more_ray_workers_than_cpus_is_refused_up_front(
+def test_ray_workers_with_no_cpu_free_are_refused_up_front(
     data_dir, tiny_model_path, tmp_path, capsys, ray_session
 ):
-    """Before: Ray's resource message after the placement timed out (about 70 s)."""
+    """Before: Ray's resource message after the placement timed out (about 70 s). More workers than CPUs
+    now share the CPUs (tests/trainer/test_placement.py); only a Ray whose CPUs are all held is refused."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    held = placement_group([{"CPU": ray.cluster_resources()["CPU"]}])
+    assert held.wait(30)
     start = time.monotonic()
-    line = error_line(
-        capsys,
-        overrides(
-            data_dir,
-            tiny_model_path,
-            tmp_path,
-            "trainer.backend=ray",
-            "trainer.n_workers=8",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-        ),
-    )
+    try:
+        line = error_line(
+            capsys,
+            overrides(data_dir, tiny_model_path, tmp_path, "trainer.backend=ray", "trainer.n_workers=2"),
+        )
+    finally:
+        remove_placement_group(held)
     assert time.monotonic() - start < 30
-    assert "trainer.n_workers=8 needs 8 CPUs on Ray, but Ray sees" in line and "(of 2)" in line
+    assert (
+        "trainer.n_workers=2 with trainer.placement=colocated starts 2 worker processes, but Ray sees 0 CPUs "
+        "available (of 2); other Ray work holds 2" in line
+    )
 
 
 # ------------------------------------------------------------------------------------ the run folder

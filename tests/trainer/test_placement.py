@@ -2,15 +2,21 @@
 reward in their own Ray worker processes and must train exactly as ``colocated`` does."""
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
 
-from hybridflow.config.schema import ConfigError
+from hybridflow.config.schema import ConfigError, TrainerConfig
+from hybridflow.single_controller.ray import shared_cpus
 from hybridflow.trainer import PPOTrainer, load_config
-from hybridflow.trainer.worker_groups import placement
+from hybridflow.trainer.worker_groups import build_worker_groups, placement, ray_cpus_per_worker
+from hybridflow.utils.errors import UserError
 
 # rollout/logprob_diff: the actor's log-probs of what the rollout worker sampled, same fp32 weights and
 # code, but another process; any stale weight would show as a difference of order 0.1 at lr 1e-2
@@ -110,3 +116,75 @@ def test_placement_presets_and_overrides(data_dir, tiny_model_path, tmp_path):
         placement(cfg.trainer)
     with pytest.raises(ConfigError, match="set trainer.backend=ray"):
         _config(data_dir, tiny_model_path, tmp_path, "trainer.placement=split", "trainer.backend=local")
+
+
+def test_split_with_default_cpus_shares_a_small_machine(
+    data_dir, tiny_model_path, tmp_path, ray_session, caplog
+):
+    """Before: "trainer.n_workers=1 needs 3 CPUs on Ray, but Ray sees 2 available (of 2)". The 3 processes
+    of split placement now share Ray's 2 CPUs and train."""
+    assert TrainerConfig().cpus_per_worker == 1.0  # the default is what this test runs with
+    cfg = _config(
+        data_dir,
+        tiny_model_path,
+        tmp_path / "run",
+        "trainer.placement=split",
+        "trainer.total_training_steps=2",
+        f"trainer.cpus_per_worker={TrainerConfig().cpus_per_worker}",
+    )
+    with caplog.at_level(logging.WARNING, logger="hybridflow"), PPOTrainer(cfg) as trainer:
+        trainer.fit()
+    assert [row["step"] for row in _steps(tmp_path / "run")] == [1, 2]
+    shared = [r.getMessage() for r in caplog.records if "share them" in r.getMessage()]
+    assert shared == [
+        "3 worker processes x trainer.cpus_per_worker=1 ask 3 CPUs, Ray has 2: they share them, 0.6666 CPUs each"
+    ]
+
+
+def test_a_resource_pool_spec_that_over_asks_is_shared_and_an_impossible_one_refused(
+    data_dir, tiny_model_path, tmp_path, ray_session, caplog
+):
+    """A spelled-out layout of 4 processes (the rollout on 2) at 1 CPU each on Ray's 2 CPUs: half a CPU
+    each, every CPU reserved while the workers live. A Ray with no CPU free can never place them: refused at
+    once, naming what is missing, as is a cuda run with fewer GPUs than processes."""
+    cfg = _config(
+        data_dir,
+        tiny_model_path,
+        tmp_path,
+        "trainer.placement=split",
+        "trainer.cpus_per_worker=1",
+        "+trainer.resource_pool_spec.rollout=[2]",
+    )
+    with caplog.at_level(logging.WARNING, logger="hybridflow"):
+        groups = build_worker_groups(cfg, reward_fn=lambda **kw: {})
+    try:
+        assert groups.rollout.world_size == 2 and groups.reward is not None
+        assert ray.available_resources().get("CPU", 0.0) == pytest.approx(0.0, abs=1e-6)
+    finally:
+        groups.shutdown()
+    assert any("they share them, 0.5 CPUs each" in r.getMessage() for r in caplog.records)
+
+    # a GPU each is never shared: with no GPU on Ray a cuda run can never be placed
+    cuda = SimpleNamespace(device="cuda", n_workers=2, placement="colocated", cpus_per_worker=1.0)
+    with pytest.raises(
+        UserError, match=r"starts 2 worker processes, each needing a GPU of its own, but Ray sees 0 GPUs"
+    ):
+        ray_cpus_per_worker(cuda, 2)
+    held = placement_group([{"CPU": ray.cluster_resources()["CPU"]}])  # other work holds every CPU
+    assert held.wait(30)
+    try:
+        with pytest.raises(
+            UserError,
+            match=r"trainer.n_workers=1 with trainer.placement=split starts 4 worker processes, but Ray sees 0 "
+            r"CPUs available \(of 2\); other Ray work holds 2",
+        ):
+            build_worker_groups(cfg, reward_fn=lambda **kw: {})
+    finally:
+        remove_placement_group(held)
+
+
+def test_shared_cpus_gives_each_process_an_equal_share_ray_accepts():
+    assert shared_cpus(3, 1.0, 4.0) == 1.0  # they fit: as asked
+    assert shared_cpus(3, 1.0, 2.0) == pytest.approx(0.6666)  # ten-thousandths, floored: 3 x 0.6666 <= 2
+    assert shared_cpus(3, 4.0, 8.0) == 2.0  # above one CPU Ray takes whole numbers only (8/3 -> 2)
+    assert shared_cpus(2, 1.0, 0.0) == 0.0  # no CPU: nothing to share

@@ -124,6 +124,7 @@ LORA = [
 ]
 
 
+@pytest.mark.learning
 @pytest.mark.parametrize("extra", [[], LORA], ids=["full", "lora"])
 def test_grpo_learns_a_simple_preference(extra, data_dir, tiny_model_path, tmp_path):
     """Reward 1 when the response starts with a digit (about 1 in 8 samples of the random tiny model)."""

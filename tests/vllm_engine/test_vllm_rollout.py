@@ -179,7 +179,7 @@ def test_greedy_vllm_equals_greedy_generate_on_the_embedded_model(chat_prompts):
     tokenizer = load_tokenizer(path)
     module = load_model(path, DEVICE, "fp32").eval()
     config = _config(path).rollout
-    engine = build_rollout(config, module, tokenizer, 16, path)
+    engine = build_rollout(config, module, tokenizer, 16, path, seed=0)
     prompts = _greedy(
         chat_prompts(
             tokenizer, ["What is 12+7?", "Compute 14+27. Reply in the form 14+27=<answer>.", "Name a colour."]

@@ -84,6 +84,7 @@ def test_greedy_generation_matches_transformers(actor_group, chat_prompts, tiny_
     )
 
 
+@pytest.mark.learning
 def test_update_actor_raises_log_prob_of_rewarded_response(actor_group, chat_prompts):
     worker = actor_group.workers[0]
     torch.manual_seed(0)

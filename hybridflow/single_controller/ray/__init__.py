@@ -4,8 +4,20 @@ Only this subpackage imports Ray; driver code switches from ``LocalWorkerGroup``
 and nothing else changes.
 """
 
-from hybridflow.single_controller.ray.resource_pool import RayResourcePool, ResourcePoolManager
+from hybridflow.single_controller.ray.resource_pool import (
+    RayResourcePool,
+    ResourcePoolManager,
+    free_and_total,
+    shared_cpus,
+)
 from hybridflow.single_controller.ray.runtime import init_ray
 from hybridflow.single_controller.ray.worker_group import RayWorkerGroup
 
-__all__ = ["RayResourcePool", "RayWorkerGroup", "ResourcePoolManager", "init_ray"]
+__all__ = [
+    "RayResourcePool",
+    "RayWorkerGroup",
+    "ResourcePoolManager",
+    "free_and_total",
+    "init_ray",
+    "shared_cpus",
+]

@@ -3,18 +3,51 @@
 A ``RayResourcePool`` reserves, per node, one placement-group bundle per process (STRICT_PACK keeps a
 node's bundles on one machine). Rank ``r`` of every group built on the pool runs in bundle ``r``; up to
 ``max_colocate_count`` groups may share the bundles (each actor asks for that fraction of a bundle), which
-is how separate groups of different roles share devices. ``ResourcePoolManager`` maps roles to named pools
-and checks that the cluster can hold them before reserving anything.
+is how separate groups of different roles share devices. A pool's ``resources`` (Ray custom resources, as
+``ray start --resources='{"node_b": 1}'`` declares them on a node) go into every bundle, so the pool is placed
+only on nodes that have them: Ray's way to pin work to machines. ``ResourcePoolManager`` maps roles to named
+pools and checks that the cluster can hold them before reserving anything; ``shared_cpus`` says how many CPUs
+each process can have when a machine has fewer than the processes ask for.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+# Ray counts fractional resources in ten-thousandths, and accepts a fraction only below one
+RAY_RESOURCE_UNIT = 1e-4
+
+
+def shared_cpus(processes: int, wanted: float, available: float) -> float:
+    """CPUs per process for ``processes`` processes that each want ``wanted`` CPUs on a Ray with
+    ``available`` CPUs: ``wanted`` when they all fit, else an equal share that Ray accepts (a whole number
+    above one CPU, ten-thousandths below), so that a small machine runs them on shared cores instead of
+    waiting for cores it does not have. 0.0 when not even one unit per process is there."""
+    if processes * wanted <= available + 1e-9:
+        return wanted
+    share = available / processes
+    if share >= 1:
+        return float(math.floor(share))
+    return math.floor(share / RAY_RESOURCE_UNIT + 1e-9) * RAY_RESOURCE_UNIT
+
+
+def free_and_total(kind: str, at_least: float = 0.0, wait_s: float = 0.0) -> tuple[float, float]:
+    """How much of resource ``kind`` (``"CPU"``, ``"GPU"``) the running Ray cluster has free, and in all;
+    waits up to ``wait_s`` seconds for ``at_least`` to be free (Ray takes back a stopped worker's resources
+    a moment after it stops)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        free, total = ray.available_resources().get(kind, 0.0), ray.cluster_resources().get(kind, 0.0)
+        if free + 1e-9 >= min(at_least, total) or time.monotonic() >= deadline:
+            return free, total
+        time.sleep(0.1)
 
 
 @dataclass(frozen=True)
@@ -31,7 +64,8 @@ class Placement:
 
 class RayResourcePool:
     """``process_on_nodes[i]`` processes on node ``i``; each process gets a bundle of ``cpus_per_process``
-    CPUs (and one GPU when ``use_gpu``). Placement groups are reserved on first use."""
+    CPUs (and one GPU when ``use_gpu``, and ``resources``, e.g. ``{"node_b": 0.01}``, to pin it to the nodes
+    that declare them). Placement groups are reserved on first use."""
 
     def __init__(
         self,
@@ -41,6 +75,7 @@ class RayResourcePool:
         cpus_per_process: float = 1.0,
         name: str = "pool",
         ready_timeout_s: float = 60.0,
+        resources: Mapping[str, float] | None = None,
     ) -> None:
         if not process_on_nodes or any(n < 1 for n in process_on_nodes):
             raise ValueError(
@@ -52,6 +87,10 @@ class RayResourcePool:
                 f"max_colocate_count must be >= 1 and cpus_per_process > 0; got {max_colocate_count}"
                 f" and {cpus_per_process}"
             )
+        resources = dict(resources or {})
+        if any(not isinstance(v, (int, float)) or v <= 0 for v in resources.values()):
+            raise ValueError(f"resources of pool {name!r} must be positive amounts, got {resources}")
+        self.resources = resources
         self.process_on_nodes = list(process_on_nodes)
         self.use_gpu = use_gpu
         self.max_colocate_count = max_colocate_count
@@ -70,6 +109,8 @@ class RayResourcePool:
         needed = {"CPU": self.world_size * self.cpus_per_process}
         if self.use_gpu:
             needed["GPU"] = float(self.world_size)
+        for key, amount in self.resources.items():
+            needed[key] = needed.get(key, 0.0) + amount * self.world_size
         return needed
 
     def actor_resources(self) -> dict[str, float]:
@@ -107,7 +148,11 @@ class RayResourcePool:
 
     def _placement_groups(self) -> list[PlacementGroup]:
         if not self._groups:
-            bundle = {"CPU": self.cpus_per_process, **({"GPU": 1.0} if self.use_gpu else {})}
+            bundle = {
+                "CPU": self.cpus_per_process,
+                **({"GPU": 1.0} if self.use_gpu else {}),
+                **self.resources,
+            }
             for node, count in enumerate(self.process_on_nodes):
                 group = placement_group(
                     [dict(bundle) for _ in range(count)],
@@ -130,7 +175,8 @@ class ResourcePoolManager:
 
     ``resource_pool_spec``: pool name -> processes per node, e.g. ``{"global": [2]}``; ``mapping``: role (a
     string or ``Role``) -> pool name. Each pool admits as many colocated groups as roles map to it, unless
-    ``max_colocate_count`` says otherwise.
+    ``max_colocate_count`` says otherwise. ``pool_resources``: pool name -> custom resources of each of its
+    processes (pins the pool to the nodes that declare them).
     """
 
     def __init__(
@@ -140,6 +186,7 @@ class ResourcePoolManager:
         use_gpu: bool = False,
         cpus_per_process: float = 1.0,
         max_colocate_count: int | None = None,
+        pool_resources: Mapping[str, Mapping[str, float]] | None = None,
     ) -> None:
         unknown = {str(role): pool for role, pool in mapping.items() if pool not in resource_pool_spec}
         if unknown:
@@ -151,6 +198,7 @@ class ResourcePoolManager:
         self.use_gpu = use_gpu
         self.cpus_per_process = cpus_per_process
         self.max_colocate_count = max_colocate_count
+        self.pool_resources = {name: dict(res) for name, res in (pool_resources or {}).items()}
         self.pools: dict[str, RayResourcePool] = {}
 
     def create_resource_pool(self) -> dict[str, RayResourcePool]:
@@ -164,6 +212,7 @@ class ResourcePoolManager:
                 cpus_per_process=self.cpus_per_process,
                 max_colocate_count=self.max_colocate_count or max(1, roles),
                 name=name,
+                resources=self.pool_resources.get(name),
             )
         self.check_resources(pools)
         for pool in pools.values():

@@ -5,6 +5,10 @@ then runs ``execute(method, *args)`` for every call. Starting a group takes two 
 finds its node IP and a free port (the rendezvous of ``torch.distributed``), then every host gets its
 environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and builds its worker, all at once,
 since a worker may form its process group in ``__init__`` and that blocks until every rank has joined.
+
+On a cluster of several nodes, each host logs the node it runs on, and a rank lost with its node (the
+machine crashed, its raylet was killed, it left the network) is reported as ``NodeLostError``, naming the
+node and the role, instead of a worker traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import os
 import re
 import socket
 import sys
+import time
 from collections import Counter
 from typing import Any
 
@@ -20,14 +25,15 @@ import numpy as np
 import ray
 import torch
 from ray import cloudpickle
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller.decorator import Shards
 from hybridflow.single_controller.ray.resource_pool import Placement, RayResourcePool
-from hybridflow.single_controller.worker import SIMULATED_RANKS_ENV, ClassWithInitArgs
+from hybridflow.single_controller.worker import NODE_ENV, SIMULATED_RANKS_ENV, ClassWithInitArgs
 from hybridflow.single_controller.worker_group import (
+    NodeLostError,
     WorkerDiedError,
     WorkerError,
     WorkerGroup,
@@ -38,6 +44,10 @@ from hybridflow.utils.errors import UserError
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # Arguments worth storing once in the object store when several ranks get the very same object.
 _SHAREABLE = (DataProto, np.ndarray, torch.Tensor)
+# How long a rank that lost its connection may take to be declared lost with its node: Ray marks a node
+# dead after missed health checks (about 15-30 s with its defaults); an actor merely killed is reported
+# as such by Ray at once and waits for nothing.
+NODE_DEATH_WAIT_S = 60.0
 
 
 class _WorkerHost:
@@ -53,8 +63,17 @@ class _WorkerHost:
             port = sock.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
+    def node(self) -> tuple[str, str]:
+        """``(Ray node id, node IP)`` of this actor."""
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
     def build(
-        self, env: dict[str, str], sys_path: list[str], cls_with_init: bytes, set_torch_threads: bool
+        self,
+        env: dict[str, str],
+        sys_path: list[str],
+        cls_with_init: bytes,
+        set_torch_threads: bool,
+        group: str,
     ) -> None:
         """Set the rank's environment, share the node's CPUs among its processes, construct the worker.
 
@@ -64,6 +83,8 @@ class _WorkerHost:
         here."""
         sys.path.extend(path for path in sys_path if path not in sys.path)
         os.environ.update(env)
+        # which machine each rank landed on, in the driver's log (Ray forwards workers' output)
+        print(f"[{group} rank {env['RANK']}] on {env[NODE_ENV]}, pid {os.getpid()}", flush=True)
         if set_torch_threads:  # Ray sets OMP_NUM_THREADS=1 for fractional-CPU actors; give each its share
             torch.set_num_threads(max(1, usable_cpus() // int(env["LOCAL_WORLD_SIZE"])))
         self._worker = cloudpickle.loads(cls_with_init)()
@@ -132,6 +153,7 @@ class _RayBackend:
     def __init__(self, actors: list, call_timeout_s: float | None) -> None:
         self._actors = actors
         self._call_timeout_s = call_timeout_s
+        self._nodes: list[tuple[str, str]] = []  # (node id, IP) by rank, once started
 
     @classmethod
     def start(
@@ -160,16 +182,21 @@ class _RayBackend:
             call_timeout_s,
         )
         try:
-            [(addr, port)] = backend.wait(
-                [backend._actors[0].master_address.remote()],
+            [(addr, port), *nodes] = backend.wait(
+                [backend._actors[0].master_address.remote(), *(a.node.remote() for a in backend._actors)],
                 group,
                 "start (placing the actors)",
                 start_timeout_s,
             )
+            backend._nodes = nodes
             payload = cloudpickle.dumps(cls_with_init)
             builds = [
                 actor.build.remote(
-                    _rank_env(rank, p, len(placements), addr, port), sys.path, payload, set_torch_threads
+                    _rank_env(rank, p, len(placements), addr, port, describe_node(*nodes[rank])),
+                    sys.path,
+                    payload,
+                    set_torch_threads,
+                    group,
                 )
                 for rank, (actor, p) in enumerate(zip(backend._actors, placements))
             ]
@@ -209,7 +236,13 @@ class _RayBackend:
             ) from None
         except RayError as error:
             rank, error = _first_failure(refs, error)
-            kind = WorkerDiedError if isinstance(error, RayActorError) else WorkerError
+            died = isinstance(error, RayActorError)
+            if died and rank >= 0 and self._node_lost(rank, wait=isinstance(error, ActorUnavailableError)):
+                detail = _ANSI.sub("", str(error))
+                raise NodeLostError(
+                    describe_node(*self._nodes[rank]), group, rank, label
+                ) from WorkerDiedError(group, rank, label, detail)
+            kind = WorkerDiedError if died else WorkerError
             # the worker's own exception, when it is an input error (the message already holds the rest)
             cause = (
                 error.cause
@@ -223,9 +256,29 @@ class _RayBackend:
         for actor in self._actors:
             ray.kill(actor, no_restart=True)
 
+    def _node_lost(self, rank: int, wait: bool) -> bool:
+        """Whether ``rank``'s node has left the cluster. With ``wait`` (the rank's connection broke without
+        Ray knowing why), give Ray up to ``NODE_DEATH_WAIT_S`` to notice a dead node."""
+        if rank >= len(self._nodes):
+            return False
+        node_id = self._nodes[rank][0]
+        deadline = time.monotonic() + (NODE_DEATH_WAIT_S if wait else 0.0)
+        while True:
+            alive = {node["NodeID"]: node["Alive"] for node in ray.nodes()}
+            if not alive.get(node_id, False):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.5)
+
+
+def describe_node(node_id: str, ip: str) -> str:
+    """How logs and errors name a Ray node: a short id (as `ray status` lists it, ``node_<id>``) and its IP."""
+    return f"node {node_id[:12]} ({ip})"
+
 
 def _rank_env(
-    rank: int, placement: Placement, world_size: int, master_addr: str, master_port: int
+    rank: int, placement: Placement, world_size: int, master_addr: str, master_port: int, node: str
 ) -> dict[str, str]:
     return {
         "RANK": str(rank),
@@ -235,6 +288,7 @@ def _rank_env(
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
         SIMULATED_RANKS_ENV: "0",
+        NODE_ENV: node,
     }
 
 

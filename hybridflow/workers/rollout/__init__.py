@@ -59,14 +59,15 @@ def build_rollout(
     module: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     response_length: int,
-    model_path: str | None = None,
-    seed: int = 0,
+    model_path: str | None,
+    seed: int,
 ) -> Any:
     """The engine named by ``rollout.name`` (``rollout``: a ``RolloutConfig``). ``hf`` samples from ``module``
     itself (shared with the actor); ``vllm`` loads its own copy from ``model_path`` (in ``rollout.dtype``) and
-    must be sent the weights after each change (``update_weights``), with ``seed`` its engine's seed (the
-    worker adds its rank). ``hf`` seeds each sample from ``rollout.seed``, the step and the prompt, the same on
-    every worker (``HFRollout``). Wrapped in the agent loop when ``rollout.multi_turn.enable``."""
+    must be sent the weights after each change (``update_weights``), with ``seed`` its engine's seed
+    (``rollout.seed``, null = ``trainer.seed``; the worker adds its rank). ``hf`` seeds each sample from
+    ``rollout.seed``, the step and the prompt, the same on every worker (``HFRollout``). Wrapped in the agent
+    loop when ``rollout.multi_turn.enable``."""
     name = rollout.name
     if name == "hf":
         engine = HFRollout(module, tokenizer, rollout, response_length, rollout.seed)
@@ -91,5 +92,6 @@ def build_rollout(
     multi_turn = rollout.multi_turn
     if not multi_turn.enable:
         return engine
-    tools = load_tools(multi_turn.tool_config_path) if multi_turn.tool_config_path else {}
+    unsafe = multi_turn.unsafe_python_tool_without_isolation
+    tools = load_tools(multi_turn.tool_config_path, unsafe) if multi_turn.tool_config_path else {}
     return AgentLoop(engine, tokenizer, multi_turn, response_length, tools)

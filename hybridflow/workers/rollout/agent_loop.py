@@ -78,7 +78,7 @@ class AgentLoop:
     ) -> None:
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.response_length, self.tools = response_length, tools
-        self.eos_token_ids = set(getattr(engine, "eos_token_ids", None) or [tokenizer.eos_token_id])
+        self.eos_token_ids = set(engine.eos_token_ids)  # both engines say which ids end a turn
         self.template = TemplateDelta(tokenizer, [t.schema for t in tools.values()], tokenizer.eos_token_id)
 
     # ------------------------------------------------------------------ the loop

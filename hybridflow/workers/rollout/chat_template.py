@@ -55,7 +55,7 @@ class TemplateDelta:
 
     def _check_append_only(self) -> str:
         """Render the probe turn by turn; returns what the template writes after an assistant turn's EOS."""
-        name = getattr(self.tokenizer, "name_or_path", "") or type(self.tokenizer).__name__
+        name = self.tokenizer.name_or_path or type(self.tokenizer).__name__
         for k in range(1, len(_PROBE)):
             before = self.render(_PROBE[:k], generation_prompt=_PROBE[k]["role"] == "assistant")
             after = self.render(_PROBE[: k + 1], generation_prompt=False)

@@ -73,7 +73,7 @@ class VLLMRollout:
         max_model_len: int,
         dtype: torch.dtype,
         device: torch.device,
-        seed: int = 0,
+        seed: int,
     ) -> None:
         vllm = _import_vllm()
         self.config, self.response_length, self.dtype = config, response_length, dtype

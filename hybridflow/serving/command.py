@@ -1,0 +1,77 @@
+"""``hybridflow serve --model RUN_OR_FOLDER``: any checkpoint behind an OpenAI-compatible endpoint, for an
+evaluation harness, an agent or a chat. The command layer hands in how to load a checkpoint (this layer
+does not know run folders) and the rollout's sampling defaults."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+from hybridflow.serving.server import PolicyServer
+from hybridflow.workers.rollout import HFRollout
+
+TOKEN_ENV = "HYBRIDFLOW_SERVE_TOKEN"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hybridflow serve", description="Serve a checkpoint over an OpenAI-compatible HTTP endpoint."
+    )
+    parser.add_argument(
+        "--model", required=True, help="run folder, global_step_N folder, model folder or 'default'"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind; not loopback needs --token")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
+    parser.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"bearer token (or ${TOKEN_ENV})")
+    parser.add_argument("--name", default=None, help="model id in /v1/models (default: the folder's name)")
+    parser.add_argument("--max-tokens", type=int, default=512, help="most tokens a call may generate")
+    parser.add_argument("--batch-window-ms", type=float, default=2.0, help="how long a call waits for others")
+    return parser
+
+
+def weight_version_of(folder: str) -> int:
+    """The training step a checkpoint folder was saved at (``global_step_N``), else 0."""
+    found = re.findall(r"global_step_(\d+)", folder)
+    return int(found[-1]) if found else 0
+
+
+def main(argv: list[str], load: Callable[[str], tuple[Any, Any]], rollout_config: Any) -> int:
+    """Load ``--model`` with ``load`` (path -> model, tokenizer) and serve it until interrupted;
+    ``rollout_config``: a ``RolloutConfig`` (top-k and micro-batching of the engine)."""
+    args = _parser().parse_args(argv)
+    model, tokenizer = load(args.model)
+    folder = str(getattr(model, "name_or_path", "") or args.model)
+    engine = HFRollout(model, tokenizer, rollout_config, args.max_tokens)
+    version = weight_version_of(folder)
+    text = model.config.get_text_config()  # a Hugging Face config: which fields it has depends on the model
+    limit = getattr(text, "max_position_embeddings", None)
+    server = PolicyServer(
+        engine,
+        tokenizer,
+        args.name or os.path.basename(folder.rstrip("/")) or "policy",
+        host=args.host,
+        port=args.port,
+        token=args.token,
+        max_tokens_limit=args.max_tokens,
+        max_model_len=limit,
+        window_s=args.batch_window_ms / 1000,
+        weight_version=lambda: version,
+    )
+
+    async def serve() -> None:
+        url = await server.start()
+        print(f"serving {folder} (weight version {version}) at {url}", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await server.stop()
+
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        pass
+    return 0
