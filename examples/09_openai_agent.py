@@ -100,7 +100,7 @@ def main(out_dir: Path, model: str = "tiny", steps: int = 2) -> dict:
     if tiny:  # a random model never calls a tool: teach it the task's chats as the server renders them
         rows = RLHFDataset(config.data.train_files, _tokenizer(config)).rows[:8]
         chats = [with_tools_in_system(_solved(row), [CALCULATOR]) for row in rows]
-        teach_conversations(config.actor_rollout_ref.model.path, chats, steps=200)
+        teach_conversations(config.actor_rollout_ref.model.path, chats)
         config.data.val_files = None
     batches = []
     with PPOTrainer(config) as trainer:

@@ -41,7 +41,7 @@ def taught_model(tmp_path_factory) -> str:
     folder = make_tiny_model(tmp_path_factory.mktemp("served-model") / "model")
     chat = with_tools_in_system(TOOL_CHAT, [CALCULATOR])
     plain = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]
-    return teach_conversations(folder, [chat, plain], steps=150)
+    return teach_conversations(folder, [chat, plain])
 
 
 def start_server(model: str, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
