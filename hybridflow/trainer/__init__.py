@@ -1,6 +1,6 @@
 """The trainers: the one run loop (``loop.py``), ``PPOTrainer`` (``ppo.py``: the driver, one screen per step),
 ``OfflineTrainer`` (``offline.py``: SFT, DPO, KTO), worker-group assembly and placement (``worker_groups.py``),
-hooks, metrics and validation, replay and the two-stage reward in the driver, and the ``main_*`` entry points.
+metrics and validation, replay and the two-stage reward in the driver, and the ``main_*`` entry points.
 
 May import every room before it (``workers``, ``data``, ``runs``, ``config``...); only ``commands`` imports it.
 

@@ -12,12 +12,14 @@ move the progress bar. A trainer subclasses ``RunLoop`` and fills in what differ
 - ``save_state(folder)`` / ``load_state(folder, state)``: the workers' checkpoints and the trainer's own state
   beyond the step and the data position, which the loop saves and restores itself;
 - ``step_metrics()``: scalars logged every step beside ``training/global_step`` (e.g. the KL coefficient).
+
+The hooks (``register_hook``, ``EVENTS``) are the loop's too: user code called between stages.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +32,61 @@ from hybridflow.protocol import DataProto
 from hybridflow.runs.checkpoint import CheckpointManager
 from hybridflow.runs.lock import RunLock
 from hybridflow.runs.tracking import CONSOLE_FIELDS, ConsoleFields, Tracking
-from hybridflow.trainer.hooks import Hook, HookRegistry
 from hybridflow.trainer.metrics import StepTimings, timer
 from hybridflow.trainer.worker_groups import WorkerGroups
 from hybridflow.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------------------------- hooks
+# Callbacks on training events: user code that reads the step's metrics and batch and may act.
+#
+# A hook is ``fn(trainer, step, metrics, batch)``; it may call trainer methods such as ``adapt_lr``. A hook
+# that raises stops the run with a ``HookError`` naming the hook and the event; hooks run where the
+# trainer's state is consistent (between stages), so the last complete checkpoint stays valid.
+
+EVENTS = (
+    "on_fit_start",
+    "on_step_start",
+    "after_generate",
+    "after_reward",
+    "after_advantage",
+    "on_step_end",
+    "on_validation_end",
+    "on_checkpoint",
+    "on_fit_end",
+)
+EVENT_ALIASES = {"on_batch_end": "on_step_end"}  # the tutorials' name
+
+Hook = Callable[[Any, int, dict, Any], None]
+
+
+class HookError(RuntimeError):
+    """A user hook raised; the message names the hook, the event and the step."""
+
+
+class HookRegistry:
+    def __init__(self) -> None:
+        self._hooks: dict[str, list[Hook]] = {event: [] for event in EVENTS}
+
+    def register(self, event: str, fn: Hook) -> None:
+        event = EVENT_ALIASES.get(event, event)
+        if event not in self._hooks:
+            raise ValueError(
+                f"unknown hook event {event!r}; known: {', '.join(EVENTS + tuple(EVENT_ALIASES))}"
+            )
+        if not callable(fn):
+            raise TypeError(f"hook for {event!r} must be callable, got {fn!r}")
+        self._hooks[event].append(fn)
+
+    def emit(self, event: str, trainer: Any, step: int, metrics: dict, batch: Any = None) -> None:
+        for fn in self._hooks[event]:
+            try:
+                fn(trainer, step, metrics, batch)
+            except Exception as e:
+                name = getattr(fn, "__qualname__", repr(fn))
+                raise HookError(f"hook {name!r} on {event!r} raised at step {step}: {e!r}") from e
+
 
 #: A checkpoint's data position means something only for the same rows, batch size and order.
 _DATA_SETTINGS = {
@@ -103,7 +154,7 @@ class RunLoop:
 
     # ------------------------------------------------------------------ user API
     def register_hook(self, event: str, fn: Hook) -> None:
-        """Call ``fn(trainer, step, metrics, batch)`` on ``event`` (see ``hooks.EVENTS``)."""
+        """Call ``fn(trainer, step, metrics, batch)`` on ``event`` (see ``EVENTS``)."""
         self.hooks.register(event, fn)
 
     def adapt_lr(self, scale: float) -> float:

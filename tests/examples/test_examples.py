@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hybridflow.trainer import PPOTrainer
-from hybridflow.trainer.hooks import HookError
+from hybridflow.trainer.loop import HookError
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -25,7 +25,7 @@ from hybridflow.data.dataset import read_rows
 from hybridflow.runs.checkpoint import LATEST_FILE
 from hybridflow.runs.lock import RunLock
 from hybridflow.trainer import PPOTrainer, load_config
-from hybridflow.trainer.hooks import EVENTS
+from hybridflow.trainer.loop import EVENTS
 
 NOT_DETERMINISTIC = ("timing_s/", "perf/time_per_step", "perf/throughput")  # wall-clock measurements
 STEPS = 3

@@ -22,7 +22,7 @@ from hybridflow.commands.cli import main as cli
 from hybridflow.runs.checkpoint import COMPLETE_MARKER, LATEST_FILE, resolve_checkpoint
 from hybridflow.runs.trained_model import chat
 from hybridflow.trainer import PPOTrainer, load_config
-from hybridflow.trainer.hooks import HookError
+from hybridflow.trainer.loop import HookError
 
 SUBPROCESS_ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
 BIN = Path(sys.executable).parent  # the venv's bin folder, holding the `hybridflow` console script
