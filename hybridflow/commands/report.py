@@ -285,6 +285,32 @@ def draw_stage_times(runs: list[Run], path: Path) -> bytes:
     return _png(fig, path)
 
 
+def staleness_histogram(run: Run) -> dict[int, float]:
+    """``{k: samples trained k weight versions after they were sampled}`` over the whole run (an asynchronous
+    run's ``async/staleness_count/<k>``)."""
+    keys = run.keys(r"async/staleness_count/\d+")
+    return {int(key.rpartition("/")[2]): sum(v for _, v in run.series(key)) for key in keys}
+
+
+def draw_staleness(hists: dict[str, dict[int, float]], path: Path) -> bytes:
+    """Side-by-side bars per run: how many trained samples were how many weight versions old."""
+    fig = Figure(figsize=(7, 3.2), layout="constrained")
+    ax = fig.subplots()
+    width = 0.8 / len(hists)
+    for i, (name, hist) in enumerate(hists.items()):
+        ks = sorted(hist)
+        ax.bar([k + i * width for k in ks], [hist[k] for k in ks], width=width, label=name)
+    ax.set(
+        title="Staleness of the trained samples (all steps)",
+        xlabel="weight versions behind",
+        ylabel="samples",
+    )
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if len(hists) > 1:
+        ax.legend(fontsize=8)
+    return _png(fig, path)
+
+
 def timeline_spans(run: Run, last: int = TIMELINE_STEPS) -> list[dict[str, Any]]:
     """The stage spans of the ``last`` steps logged, times in seconds from the first one's start."""
     steps = sorted({span["step"] for span in run.timeline})[-last:]
@@ -465,6 +491,16 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
         data["figures"]["stage_times"] = times
         png = draw_stage_times(runs, figures_dir / "stage_times.png")
         sections.append(_section("Time per stage per step (seconds)", png, _series_table(times)))
+    hists = {run.name: staleness_histogram(run) for run in runs}
+    if any(hists.values()):
+        data["figures"]["staleness_histogram"] = hists
+        png = draw_staleness({name: h for name, h in hists.items() if h}, figures_dir / "staleness.png")
+        rows = [[name, k, count] for name, hist in hists.items() for k, count in sorted(hist.items())]
+        sections.append(
+            _section(
+                "Staleness of the trained samples", png, _table(["run", "versions behind", "samples"], rows)
+            )
+        )
     spans = {run.name: timeline_spans(run) for run in runs}
     if any(spans.values()):
         data["figures"]["timeline"] = spans

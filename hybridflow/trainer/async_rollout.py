@@ -248,8 +248,9 @@ class AsyncRollouts:
 
 def version_metrics(batch: DataProto, version: int) -> dict[str, float]:
     """Staleness of a batch trained by weights ``version``: per sample, ``version`` minus the oldest version
-    that sampled one of its tokens (``async/staleness_mean``, ``_max``), and the versions that sampled the
-    batch (``async/weight_version_min``, ``_max``)."""
+    that sampled one of its tokens (``async/staleness_mean``, ``_max``, and ``async/staleness_count/<k>``, the
+    samples k versions behind: the report's histogram), and the versions that sampled the batch
+    (``async/weight_version_min``, ``_max``)."""
     versions = batch.batch["rollout_weight_versions"]
     real = versions >= 0
     big = torch.iinfo(versions.dtype).max
@@ -259,7 +260,9 @@ def version_metrics(batch: DataProto, version: int) -> dict[str, float]:
     if not has.any():
         return {}
     staleness = (version - oldest[has]).float()
+    counts = torch.bincount(staleness.long())
     return {
+        **{f"async/staleness_count/{k}": float(c) for k, c in enumerate(counts.tolist()) if c},
         "async/staleness_mean": float(staleness.mean()),
         "async/staleness_max": float(staleness.max()),
         "async/weight_version_min": float(oldest[has].min()),

@@ -138,6 +138,20 @@ def test_report_overlays_two_runs_and_reads_a_run_in_progress(run_dir, tmp_path)
     assert (tmp_path / "both" / "report" / "timeline.png").exists()
 
 
+def test_report_shows_the_staleness_histogram_of_an_async_run(tmp_path):
+    rows = [
+        {"step": 1, "async/staleness_count/0": 6.0, "async/staleness_count/1": 2.0},
+        {"step": 2, "async/staleness_count/1": 7.0, "async/staleness_count/2": 1.0},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    html_path = write_report([tmp_path])
+    assert _embedded(html_path)["figures"]["staleness_histogram"] == {
+        tmp_path.name: {"0": 6.0, "1": 9.0, "2": 1.0}
+    }
+    assert matplotlib.image.imread(tmp_path / "report" / "staleness.png").shape[0] > 100
+    assert "Staleness of the trained samples" in html_path.read_text()
+
+
 def test_report_on_a_folder_without_metrics_names_it(tmp_path, capsys):
     assert cli(["report", str(tmp_path)]) == 1
     assert f"no metrics.jsonl in folder {tmp_path}" in capsys.readouterr().err

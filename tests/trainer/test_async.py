@@ -108,6 +108,16 @@ def test_one_step_off_is_reproducible_and_one_step_stale(data_dir, tiny_model_pa
     # batch 0 and 1 come from the initial weights, batch b >= 1 from the weights of step b - 1
     assert [row["async/weight_version_max"] for row in rows_a] == [0.0, 0.0, 1.0, 2.0]
     assert [row["async/staleness_max"] for row in rows_a] == [0.0, 1.0, 1.0, 1.0]
+    # the report's histogram: every sample of a one-step-off batch is as stale as the batch
+    samples = rows_a[0]["async/staleness_count/0"]
+    assert (
+        samples > 0
+        and [
+            (row.get("async/staleness_count/0", 0.0), row.get("async/staleness_count/1", 0.0))
+            for row in rows_a
+        ]
+        == [(samples, 0.0)] + [(0.0, samples)] * 3
+    )
     # stale batches are trained against the behaviour policy's log-probs: the ratio no longer starts at 1
     assert rows_a[0]["actor/ppo_kl"] == 0.0 and rows_a[2]["actor/ppo_kl"] != 0.0
     for row in rows_a:
