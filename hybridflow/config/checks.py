@@ -412,8 +412,9 @@ def _async_problems(cfg: Any) -> list[tuple[bool, str]]:
             "set trainer.placement=split on the Ray backend",
         ),
         (
-            partial and (rollout.name != "hf" or rollout.multi_turn.enable),
+            partial
+            and (rollout.name != "hf" or rollout.multi_turn.enable or rollout.served_agent.path is not None),
             "async_training.partial_rollout=true swaps weights between decoding steps, which only the hf "
-            "rollout without the agent loop does: set async_training.partial_rollout=false",
+            "rollout without the agent loop or a served agent does: set async_training.partial_rollout=false",
         ),
     ]
