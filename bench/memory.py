@@ -11,7 +11,9 @@ optimiser step on the same synthetic batch, split over the ranks. Per rank it re
 parameters + gradients + optimiser state that the rank holds (its shards under FSDP2) and the peak resident
 memory of the process (which also counts the checkpoint as rank 0 reads it, gathered layers, activations, and
 torch itself). ``--random-model HIDDEN,LAYERS`` builds a random Llama from a config (vocabulary 8k, MLP 3x
-hidden; 1024,16 is about 200M parameters): no download. Prints a table and writes JSON.
+hidden; 1024,16 is about 200M parameters): no download. Each rank hands freed blocks of 4 MiB and more back to
+the OS, as every worker does with ``trainer.return_freed_memory`` (the default); ``--keep-freed-memory`` leaves
+glibc's allocator as it is, for comparison. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch.multiprocessing as mp
 
 from hybridflow.config.schema import PPOConfig
 from hybridflow.protocol import DataProto
+from hybridflow.utils.memory import return_freed_memory
 
 SETTINGS = {
     "ddp": {"strategy": "ddp"},
@@ -76,6 +79,8 @@ def _rank(
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
+    if not args.keep_freed_memory:  # what trainer.return_freed_memory does in every worker process
+        return_freed_memory()
     from hybridflow.workers import ActorRolloutRefWorker
 
     cfg = PPOConfig()
@@ -186,6 +191,11 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--response", type=int, default=32)
     parser.add_argument("--only", action="append", help="run only these settings (repeatable)")
+    parser.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="leave glibc's allocator as it is (trainer.return_freed_memory=false) instead of returning freed blocks",
+    )
     parser.add_argument("--out", default="bench/results/memory.json")
     args = parser.parse_args()
 

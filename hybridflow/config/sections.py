@@ -127,6 +127,9 @@ class TrainerConfig:
     #: CPUs each Ray worker process reserves (fractions let roles share cores); when Ray has fewer than the
     #: processes ask for together, they share its CPUs equally
     cpus_per_worker: float = 1.0
+    #: worker processes hand freed blocks of 4 MiB and more back to the OS at once (glibc; no effect on other
+    #: C libraries), so a rank's peak memory shrinks with its shards instead of keeping what it freed
+    return_freed_memory: bool = True
     save_freq: int = -1  #: save a checkpoint every N steps; -1 = never
     test_freq: int = -1  #: validate every N steps; -1 = never
     val_before_train: bool = True  #: validate once before the first step

@@ -34,6 +34,7 @@ from hybridflow.single_controller import (
     create_colocated_worker_cls,
 )
 from hybridflow.utils.errors import UserError
+from hybridflow.utils.memory import return_freed_memory
 from hybridflow.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker, RewardWorker
 
 logger = logging.getLogger(__name__)
@@ -291,6 +292,8 @@ def build_worker_groups(
     its own on the local backend too, and on Ray takes a second call (posted weights) while it generates."""
     trainer = config.trainer
     given = None if inits is None else {str(name): init for name, init in inits.items()}
+    if trainer.return_freed_memory:  # the local backend's workers live in this process
+        return_freed_memory()
     if trainer.backend != "ray":
         # an asynchronous run generates while the actor trains: the rollout is a worker of its own
         inits = given or role_inits(config, {"actor": "main", "rollout": "rollout"} if overlapping else None)
@@ -302,7 +305,13 @@ def build_worker_groups(
                 views.update(group.spawn(prefix_set=names))
         return _init_views(views, None, inits)
 
-    from hybridflow.single_controller.ray import RayWorkerGroup, ResourcePoolManager, init_ray
+    from hybridflow.single_controller.ray import (
+        ProcessSetup,
+        RayWorkerGroup,
+        ResourcePoolManager,
+        init_ray,
+        processes_per_node,
+    )
 
     pools, roles = placement(trainer)
     extra = pool_resources(trainer, pools)
@@ -322,6 +331,10 @@ def build_worker_groups(
         pool_resources=extra,
     )
     resource_pools = manager.create_resource_pool()
+    setup = ProcessSetup(
+        node_processes=processes_per_node(resource_pools.values()),
+        return_freed_memory=trainer.return_freed_memory,
+    )
     groups, views = [], {}
     try:
         for pool_name, pool in resource_pools.items():
@@ -330,6 +343,7 @@ def build_worker_groups(
                 pool,
                 create_colocated_worker_cls(members),
                 name_prefix=f"hybridflow/{pool_name}",
+                setup=setup,
                 # an asynchronous run posts weights to the rollout while it generates
                 max_concurrency=2 if overlapping and "rollout" in members else 1,
             )

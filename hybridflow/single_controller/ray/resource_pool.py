@@ -14,12 +14,18 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 
 # Ray counts fractional resources in ten-thousandths, and accepts a fraction only below one
 RAY_RESOURCE_UNIT = 1e-4
@@ -48,6 +54,16 @@ def free_and_total(kind: str, at_least: float = 0.0, wait_s: float = 0.0) -> tup
         if free + 1e-9 >= min(at_least, total) or time.monotonic() >= deadline:
             return free, total
         time.sleep(0.1)
+
+
+def processes_per_node(pools: Iterable[RayResourcePool]) -> dict[str, int]:
+    """Ray node id -> how many worker processes ``pools`` place there (each bundle holds up to
+    ``max_colocate_count`` of them): the processes that share that node's CPUs."""
+    counts: Counter[str] = Counter()
+    for pool in pools:
+        for node in pool.bundle_nodes():
+            counts[node] += pool.max_colocate_count
+    return dict(counts)
 
 
 @dataclass(frozen=True)
@@ -125,6 +141,14 @@ class RayResourcePool:
             for node, (group, count) in enumerate(zip(self._placement_groups(), self.process_on_nodes))
             for local_rank in range(count)
         ]
+
+    def bundle_nodes(self) -> list[str]:
+        """The Ray node id of each rank's bundle (ranks numbered as in ``placements``)."""
+        tables = {
+            id(group): placement_group_table(group)["bundles_to_node_id"]
+            for group in self._placement_groups()
+        }
+        return [tables[id(p.group)][p.bundle_index] for p in self.placements()]
 
     def acquire(self, user: str) -> None:
         """Count one more worker group on the pool; refuse beyond ``max_colocate_count`` (its actors would
