@@ -56,11 +56,13 @@ class TwoNodeCluster:
         self.env = {**os.environ, **NODE_ENV}
         port = _free_port()
         self.address = f"127.0.0.1:{port}"
+        self.dashboard = f"http://127.0.0.1:{_free_port()}"  # the job server `ray job submit` talks to
         # every port a second Ray on this machine (another developer's tests) could also want is picked free
         common = ["--block", "--disable-usage-stats", f"--dashboard-agent-listen-port={_free_port()}"]
         self.head = self._start(
-            [RAY, "start", "--head", f"--port={port}", f"--temp-dir={root / 'ray'}", "--include-dashboard=false",
-             f"--ray-client-server-port={_free_port()}", f"--dashboard-port={_free_port()}",
+            [RAY, "start", "--head", f"--port={port}", f"--temp-dir={root / 'ray'}", "--include-dashboard=true",
+             "--dashboard-host=127.0.0.1", f"--ray-client-server-port={_free_port()}",
+             f"--dashboard-port={self.dashboard.rsplit(':', 1)[1]}",
              "--num-cpus=2", '--resources={"node_a": 1}', *common],
             "head",
         )  # fmt: skip
@@ -124,11 +126,11 @@ def cluster():
     shutil.rmtree(root, ignore_errors=True)
 
 
-def _train(cluster, data_dir, model, run_dir, *overrides, wait=True):
+def _train_args(data_dir, model, run_dir, *overrides) -> list[str]:
+    """``hybridflow train``'s arguments for a 4-prompt GRPO run of the tiny model, split placement on Ray."""
     reward = run_dir.parent / "length_reward.py"
     reward.write_text(LENGTH_REWARD)
-    cmd = [
-        sys.executable, "-m", "hybridflow.commands.cli", "train",
+    return [
         f"custom_reward_function.path={reward}",
         f"data.train_files={data_dir / 'train.parquet'}",
         f"actor_rollout_ref.model.path={model}",
@@ -138,10 +140,17 @@ def _train(cluster, data_dir, model, run_dir, *overrides, wait=True):
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "actor_rollout_ref.actor.optim.lr=1e-2",
         "algorithm.adv_estimator=grpo", "trainer.logger=[file]", "trainer.val_before_train=false",
         "trainer.seed=3", "trainer.backend=ray", "trainer.placement=split", "trainer.cpus_per_worker=0.5",
-        f"+trainer.ray_kwargs.address={cluster.address}",
         "+trainer.pool_resources.actor={node_a: 0.01}",
         "+trainer.role_pools.reward=actor",  # the reward function beside the actor: one process less
         *overrides,
+    ]  # fmt: skip
+
+
+def _train(cluster, data_dir, model, run_dir, *overrides, wait=True):
+    """The driver started on this machine, pointed at the cluster (``+trainer.ray_kwargs.address``)."""
+    cmd = [
+        sys.executable, "-m", "hybridflow.commands.cli", "train",
+        *_train_args(data_dir, model, run_dir, f"+trainer.ray_kwargs.address={cluster.address}", *overrides),
     ]  # fmt: skip
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -169,6 +178,24 @@ def test_first_save_refuses_a_run_folder_a_node_cannot_see(cluster, data_dir, ti
     assert last.startswith(f"hybridflow train: error: the run folder {run} is not shared with node "), last
     assert "worker group 'hybridflow/rollout/rollout'" in last
     assert _complete_steps(run) == [] and not list(run.glob(".tmp-*"))
+
+
+def test_ray_job_submit_runs_the_driver_on_the_cluster(cluster, data_dir, tiny_model_path, tmp_path):
+    """Ray's standard way: `ray job submit -- hybridflow train ...` with no address in the run's config (the
+    job's driver finds its cluster through RAY_ADDRESS, which Ray sets), the driver on the head node."""
+    run = tmp_path / "run"
+    submit = [
+        RAY, "job", "submit", f"--address={cluster.dashboard}", "--",
+        str(Path(sys.executable).with_name("hybridflow")), "train",
+        *_train_args(
+            data_dir, tiny_model_path, run, "+trainer.pool_resources.rollout={node_a: 0.01}",
+            "trainer.total_training_steps=2",
+        ),
+    ]  # fmt: skip
+    out = subprocess.run(submit, env=cluster.env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "succeeded" in out.stdout, (out.stdout + out.stderr)[-3000:]
+    assert re.search(r"\[hybridflow/actor rank 0\] on node \w+ ", out.stdout), out.stdout[-3000:]
+    assert [row["step"] for row in _steps(run)] == [1, 2]
 
 
 @pytest.fixture(scope="module")
