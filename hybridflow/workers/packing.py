@@ -66,10 +66,12 @@ class PackedBatch:
     rows: torch.Tensor
     cols: torch.Tensor
 
-    def gather(self, outputs: torch.Tensor) -> torch.Tensor:
-        """``outputs`` ``(G, K, ...)`` (the model's outputs at columns ``keep``) -> ``(bs, L, ...)``: the
-        output that predicts each response token (or its value)."""
-        return outputs[self.rows[:, None].to(outputs.device), self.cols.to(outputs.device)]
+    def gather(self, outputs: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """``outputs`` ``(G, K, ...)`` (the model's outputs at columns ``keep``) -> ``(M, ...)``: the output
+        that predicts each response token at ``real`` ``(bs, L)`` (row-major; a shared output repeated for
+        each row it predicts a token of)."""
+        rows = self.rows[:, None].expand_as(self.cols)[real]
+        return outputs[rows.to(outputs.device), self.cols[real].to(outputs.device)]
 
 
 class _Tree:

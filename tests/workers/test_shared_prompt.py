@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 from hybridflow import DataProto
 from hybridflow.config.schema import OptimConfig
 from hybridflow.workers.engine import TrainingEngine
-from hybridflow.workers.modeling import response_log_probs, response_values
+from hybridflow.workers.modeling import response_log_probs, response_outputs, response_values, trimmed
 from hybridflow.workers.packing import MicroBatching, batched, pack_prefix_tree, prompt_groups
 
 
@@ -119,6 +119,25 @@ def test_log_probs_and_gradients_match_the_unshared_path(tiny_lm, micro, head):
     for name, grad in g_plain.items():
         assert grad.abs().max() > 0, name
         assert (g_shared[name] - grad).norm() <= 1e-4 * grad.norm(), name
+
+
+@pytest.mark.parametrize("share_prompt", [True, False])
+def test_padding_after_the_responses_is_not_computed(tiny_lm, share_prompt):
+    """The same rows laid out for 7 and for 40 response tokens: the same log-probs and entropies, zero at
+    every padding position; only the real response positions reach the output layer's softmax."""
+    narrow = grouped_batch(*GROUPS, head=2)
+    ids, mask = narrow.batch["input_ids"], narrow.batch["attention_mask"].bool()
+    rows = [(i[:12][m[:12]], i[12:][m[12:]]) for i, m in zip(ids, mask)]
+    wide = layout(rows, 12, 40)
+    assert trimmed(wide).batch["input_ids"].shape == narrow.batch["input_ids"].shape
+    logits, real = response_outputs(tiny_lm, wide, share_prompt)
+    assert logits.shape[0] == int(narrow.batch["attention_mask"][:, 12:].sum()) == int(real.sum())
+    with torch.no_grad():
+        ours = response_log_probs(tiny_lm, wide, 0.7, True, share_prompt=share_prompt)
+        ref = response_log_probs(tiny_lm, narrow, 0.7, True, share_prompt=share_prompt)
+    for got, want in zip(ours, ref):
+        assert got.shape == (len(wide), 40) and not got[:, 7:].any() and not got[:, :7][~real[:, :7]].any()
+        torch.testing.assert_close(got[:, :7], want, atol=1e-5, rtol=1e-5)
 
 
 def test_values_match_the_unshared_path(tiny_model_path):
