@@ -7,9 +7,11 @@ model to explain its steps first, so most answers are a few tokens and a few run
 tokens). A lock-step step waits for its longest answer, then the rollout idles while the actor trains;
 asynchronous modes overlap the two. Each mode runs in its own process on the embedded SmolLM2-135M-Instruct
 (fp32, 8 prompts x 4 samples a step, T 0.7, top-k 50, lr 1e-5) for the same number of steps, so the same
-number of samples, then evaluates greedily on 64 held-out (short) problems. sync gets both cores as torch
-threads; the asynchronous modes give the trainer thread one and the rollout thread the other
-(OMP_NUM_THREADS=1 for the process). Prints steps per hour, samples per second (the first step, which
+number of samples, then evaluates greedily on 64 held-out (short) problems. sync runs in one process
+(the local backend) with both cores as torch threads; the asynchronous modes run on Ray with split
+placement (``--async-backend ray``, the default): the actor in one process and the rollout in another, one
+core each. ``--async-backend local`` runs them as threads of one process instead (one torch thread each),
+where the Python-bound decoding loop and the trainer share one interpreter lock. Prints steps per hour, samples per second (the first step, which
 also warms up, and the last, which also validates and saves, are not counted), the idle fractions and held-out
 accuracy; writes JSON.
 
@@ -54,6 +56,8 @@ MODES = {
         "actor_rollout_ref.actor.off_policy_mask=token",
     ],
 }
+# where the asynchronous modes run; Ray gives each of its 2 processes half the cores as torch threads
+BACKENDS = {"ray": ["trainer.backend=ray", "trainer.placement=split"], "local": []}
 ACC = "val/arithmetic/acc/mean@1"
 
 
@@ -141,7 +145,15 @@ def main() -> None:
     parser.add_argument(
         "--set", action="append", default=[], help="a config override for every mode (repeatable)"
     )
-    parser.add_argument("--threads", default="2,1", help="torch threads of sync, and of the async modes")
+    parser.add_argument(
+        "--async-backend",
+        choices=["ray", "local"],
+        default="ray",
+        help="the asynchronous modes' processes: ray (split placement, a process each) or local (threads)",
+    )
+    parser.add_argument(
+        "--threads", default="2,1", help="torch threads of sync, and of the async modes on the local backend"
+    )
     parser.add_argument("--samples-per-step", type=int, default=32, help="train_batch_size x rollout.n")
     parser.add_argument("--test-size", type=int, default=TEST, help="held-out problems")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process: run this mode, print JSON
@@ -156,9 +168,10 @@ def main() -> None:
     for mode in args.modes.split(","):
         threads = args.threads.split(",")[0 if mode == "sync" else 1]
         env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": str(Path(__file__).parents[1])}
+        backend = [] if mode == "sync" else BACKENDS[args.async_backend]
         out = subprocess.run(
             [sys.executable, __file__, "--one", mode, "--steps", str(args.steps), "--work", str(work)]
-            + [f"--set={override}" for override in args.set],
+            + [f"--set={override}" for override in [*backend, *args.set]],
             env=env,
             capture_output=True,
             text=True,
@@ -172,7 +185,7 @@ def main() -> None:
     base = table.get("sync", next(iter(table.values())))["samples_per_s"]
     print(
         f"\n{args.steps} steps, {args.samples_per_step} samples each (1 prompt in {LONG_EVERY} asks for an "
-        f"explanation), SmolLM2-135M-Instruct, overrides {args.set}, load average {os.getloadavg()[0]:.1f}"
+        f"explanation), SmolLM2-135M-Instruct, async modes on {args.async_backend}, overrides {args.set}, load average {os.getloadavg()[0]:.1f}"
     )
     print(
         "| mode | steps/h | samples/s | vs sync | rollout idle | trainer idle | staleness | "

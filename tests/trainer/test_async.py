@@ -252,8 +252,9 @@ def test_a_killed_async_run_resumes_without_losing_or_repeating_a_prompt(
 def test_on_ray_the_split_rollout_runs_ahead_within_its_bound(
     data_dir, tiny_model_path, reward_file, tmp_path, ray_session
 ):
-    """Split placement: the rollout worker is its own Ray process, which takes the weights posted while it
-    generates (a second concurrent call); the batches it makes stay within the staleness bound."""
+    """Split placement with two rollout workers: each is its own Ray process, which generates its share of
+    every batch and takes the weights posted while it generates (a second concurrent call); the batches they
+    make stay within the staleness bound."""
     rows, _ = run(
         config(
             data_dir,
@@ -263,6 +264,7 @@ def test_on_ray_the_split_rollout_runs_ahead_within_its_bound(
             "trainer.backend=ray",
             "trainer.placement=split",
             "trainer.cpus_per_worker=0.5",
+            "+trainer.resource_pool_spec.rollout=[2]",
             "async_training.mode=fully_async",
             "async_training.max_staleness=2",
         )
