@@ -292,9 +292,9 @@ def build_worker_groups(
     its own on the local backend too, and on Ray takes a second call (posted weights) while it generates."""
     trainer = config.trainer
     given = None if inits is None else {str(name): init for name, init in inits.items()}
-    if trainer.return_freed_memory:  # the local backend's workers live in this process
-        return_freed_memory()
     if trainer.backend != "ray":
+        if trainer.return_freed_memory:  # the local backend's workers live in this process
+            return_freed_memory()
         # an asynchronous run generates while the actor trains: the rollout is a worker of its own
         inits = given or role_inits(config, {"actor": "main", "rollout": "rollout"} if overlapping else None)
         views = {}

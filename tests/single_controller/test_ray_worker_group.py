@@ -90,8 +90,7 @@ def test_processes_of_two_pools_on_one_node_split_its_cpus(ray_session):
 
 def test_resource_pool_manager_says_which_resources_are_missing(ray_session):
     manager = ResourcePoolManager({"big": [64]}, {Role.ACTOR_ROLLOUT: "big"})
-    available = ray.available_resources().get("CPU", 0.0)
-    with pytest.raises(RuntimeError, match=re.escape(f"CPU: need 64, available {available:g}")):
+    with pytest.raises(RuntimeError, match=r"CPU: need 64, available [0-9.]+"):
         manager.create_resource_pool()
 
 

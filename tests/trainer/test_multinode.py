@@ -25,6 +25,19 @@ from pathlib import Path
 import pytest
 
 RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def _has_dashboard() -> bool:
+    """Whether Ray's dashboard can start (ray[default]: `make test-cluster`), as Ray itself decides it."""
+    try:
+        import ray.dashboard.optional_deps  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# `ray job submit` needs the dashboard on the head node
+HAS_DASHBOARD = _has_dashboard()
 # Ray declares a node dead after missed health checks: 4 x 0.5 s here, instead of about 15-30 s by default
 NODE_ENV = {
     "RAY_AUTH_MODE": "disabled",
@@ -60,7 +73,7 @@ class TwoNodeCluster:
         # every port a second Ray on this machine (another developer's tests) could also want is picked free
         common = ["--block", "--disable-usage-stats", f"--dashboard-agent-listen-port={_free_port()}"]
         self.head = self._start(
-            [RAY, "start", "--head", f"--port={port}", f"--temp-dir={root / 'ray'}", "--include-dashboard=true",
+            [RAY, "start", "--head", f"--port={port}", f"--temp-dir={root / 'ray'}", f"--include-dashboard={HAS_DASHBOARD}",
              "--dashboard-host=127.0.0.1", f"--ray-client-server-port={_free_port()}",
              f"--dashboard-port={self.dashboard.rsplit(':', 1)[1]}",
              "--num-cpus=2", '--resources={"node_a": 1}', *common],
@@ -180,6 +193,9 @@ def test_first_save_refuses_a_run_folder_a_node_cannot_see(cluster, data_dir, ti
     assert _complete_steps(run) == [] and not list(run.glob(".tmp-*"))
 
 
+@pytest.mark.skipif(
+    not HAS_DASHBOARD, reason="needs ray[default] (Ray's dashboard): make test-cluster runs it"
+)
 def test_ray_job_submit_runs_the_driver_on_the_cluster(cluster, data_dir, tiny_model_path, tmp_path):
     """Ray's standard way: `ray job submit -- hybridflow train ...` with no address in the run's config (the
     job's driver finds its cluster through RAY_ADDRESS, which Ray sets), the driver on the head node."""
