@@ -3,17 +3,17 @@
     .venv/bin/python bench/async.py [--steps 8] [--modes sync,one_step_off,fully_async] [--out ...]
 
 The task is the demo's one-shot two-digit addition, made long-tailed: one training prompt in eight asks the
-model to explain its steps first, so most answers are a few tokens and a few run to the response limit (48
-tokens). A lock-step step waits for its longest answer, then the rollout idles while the actor trains;
+model to explain its steps first, so most answers take about 10 tokens and a few run past 100 (the response
+limit is 192). A lock-step step waits for its longest answer, then the rollout idles while the actor trains;
 asynchronous modes overlap the two. Each mode runs in its own process on the embedded SmolLM2-135M-Instruct
 (fp32, 8 prompts x 4 samples a step, T 0.7, top-k 50, lr 1e-5) for the same number of steps, so the same
 number of samples, then evaluates greedily on 64 held-out (short) problems. sync runs in one process
 (the local backend) with both cores as torch threads; the asynchronous modes run on Ray with split
 placement (``--async-backend ray``, the default): the actor in one process and the rollout in another, one
 core each. ``--async-backend local`` runs them as threads of one process instead (one torch thread each),
-where the Python-bound decoding loop and the trainer share one interpreter lock. Prints steps per hour, samples per second (the first step, which
-also warms up, and the last, which also validates and saves, are not counted), the idle fractions and held-out
-accuracy; writes JSON.
+where the Python-bound decoding loop and the trainer share one interpreter lock. Prints steps per hour,
+samples per second (the first step, which also warms up, and the last, which also validates and saves, are
+not counted), the idle fractions and held-out accuracy; writes JSON.
 
 Run it alone: two benchmarks on the same 2 cores measure each other.
 """
@@ -38,7 +38,7 @@ SETTINGS = [
     "actor_rollout_ref.rollout.temperature=0.7",
     "actor_rollout_ref.rollout.top_k=50",
     "data.max_prompt_length=160",
-    "data.max_response_length=48",
+    "data.max_response_length=192",
     "actor_rollout_ref.actor.optim.lr=1e-5",
     "actor_rollout_ref.actor.ppo_mini_batch_size=8",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
