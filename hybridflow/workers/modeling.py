@@ -8,7 +8,7 @@ the model's arithmetic, and the prompt positions' logits are never needed. Nor a
 after each response (``response_outputs`` keeps only the positions that predict a real response token): a
 batch laid out for 192 response tokens whose answers took 10 would otherwise compute ``(bs, 192, vocab)``
 logits, their softmax and its backward, mostly over padding (measured: a SmolLM2 update of 32 such rows took
-8.6 s instead of 4.8 s), and a long-tail batch as long as its longest answer everywhere. Rows that begin alike
+8.6 s instead of 4.4 s), and a long-tail batch as long as its longest answer everywhere. Rows that begin alike
 (GRPO's ``n`` samples of a prompt, prompts with one system prompt) are packed as a prefix tree so what they
 share is computed once (``hybridflow.workers.packing``).
 """

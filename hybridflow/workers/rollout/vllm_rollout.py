@@ -204,9 +204,11 @@ class VLLMRollout:
         versions: list[list[int]] = [[] for _ in prompts]
         live = list(range(len(prompts)))
         while live:
-            left = [params.response_length - len(tokens[i]) for i in live]
             requests = [self._tokens_prompt(prompt_token_ids=prompts[i] + tokens[i]) for i in live]
-            sampling = [self._sampling_params(params, 1, min(chunk, n)) for n in left]
+            sampling = [
+                self._sampling_params(params, 1, min(chunk, params.response_length - len(tokens[i])))
+                for i in live
+            ]
             outputs = llm.generate(requests, sampling, use_tqdm=False)
             version, going = self.weights.version, []
             for i, out in zip(live, outputs):
