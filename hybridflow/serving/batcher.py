@@ -19,12 +19,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from hybridflow.data.dataset import left_pad
 from hybridflow.protocol import DataProto
+from hybridflow.rollout import Rollout
 
 MAX_WAIT_S = 0.05  # the longest a burst of arrivals holds the first of them back
 
@@ -83,7 +83,7 @@ class Batcher:
 
     def __init__(
         self,
-        engine: Any,
+        engine: Rollout,
         decode: Callable[[list[int]], str],
         eos_token_ids: list[int],
         pad_token_id: int,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import math
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -26,10 +26,10 @@ from transformers import PreTrainedTokenizerBase
 from hybridflow.data.dataset import left_pad
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import load_custom_reward_function
+from hybridflow.rollout import Capabilities, Rollout, attach_responses
 from hybridflow.serving.server import PolicyServer
 from hybridflow.serving.sessions import Sequence, sequences
 from hybridflow.utils.errors import InputError
-from hybridflow.workers.rollout.hf_rollout import attach_responses
 
 AGENT_KEY = "actor_rollout_ref.rollout.served_agent"
 
@@ -47,15 +47,17 @@ def _reward(value: Any, where: str) -> tuple[float, dict[str, Any]]:
     return float(score), extra
 
 
-class ServedRollout:
+class ServedRollout(Rollout):
     """``generate_sequences`` by the user's agent over an OpenAI-compatible server on ``engine``.
 
     ``config``: the ``RolloutConfig`` (its ``served_agent`` section names the agent); ``weight_version``:
-    the version of the weights the engine samples from (the actor's update count)."""
+    the version of the weights the engine samples from (the actor's update count). A rollout mode: reseeding
+    and the weights go to the engine; it does not follow weights while it generates (the engine behind the
+    server generates whole samples)."""
 
     def __init__(
         self,
-        engine: Any,
+        engine: Rollout,
         tokenizer: PreTrainedTokenizerBase,
         config: Any,
         response_length: int,
@@ -68,7 +70,8 @@ class ServedRollout:
                 f"{AGENT_KEY}.name: {served_agent.name!r} in {served_agent.path} must be an async function"
             )
         self.engine, self.tokenizer, self.response_length = engine, tokenizer, response_length
-        self.eos_token_ids = list(getattr(engine, "eos_token_ids", None) or [tokenizer.eos_token_id])
+        self.eos_token_ids = list(engine.eos_token_ids)
+        self.capabilities = Capabilities(own_weights=engine.capabilities.own_weights)
         self.server = PolicyServer(
             engine,
             tokenizer,
@@ -79,6 +82,12 @@ class ServedRollout:
         )
         self.sampling = config  # the trainer's sampling, for calls that set none
         self._started = False
+
+    def reseed(self, step: int) -> None:
+        self.engine.reseed(step)
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        return self.engine.update_weights(weights)
 
     def close(self) -> None:
         if self._started:

@@ -29,6 +29,7 @@ from typing import Any
 from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
+from hybridflow.rollout import Rollout
 from hybridflow.serving import openai_format as fmt
 from hybridflow.serving.batcher import Batcher, Generation, GenerationRequest
 from hybridflow.serving.openai_format import RequestError, error_body
@@ -59,7 +60,7 @@ class PolicyServer:
 
     def __init__(
         self,
-        engine: Any,
+        engine: Rollout,
         tokenizer: PreTrainedTokenizerBase,
         model_name: str,
         *,
@@ -81,7 +82,7 @@ class PolicyServer:
         self.max_tokens_limit, self.max_model_len = max_tokens_limit, max_model_len
         self.weight_version = weight_version
         self.default_sampling = {"temperature": 1.0, "top_p": 1.0}  # for requests that set none
-        eos = list(getattr(engine, "eos_token_ids", None) or [tokenizer.eos_token_id])
+        eos = list(engine.eos_token_ids)
         self.prompter = ChatPrompter(tokenizer, eos[0])
         self.batcher = Batcher(
             engine,

@@ -20,8 +20,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from hybridflow.rollout.chat_template import Messages, TemplateDelta
 from hybridflow.utils.errors import UserError
-from hybridflow.workers.rollout.chat_template import Messages, TemplateDelta
 
 
 @dataclass
