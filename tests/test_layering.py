@@ -24,8 +24,8 @@ TIERS: list[tuple[str, ...]] = [
         "rollout",
     ),  # rollout: the engine contract, its registry
     ("data",),  # the offline task data judges the model's own samples with the rule scorers
-    ("workers",),
-    ("serving",),  # the OpenAI-compatible endpoint over a rollout engine, the served rollout
+    ("serving",),  # the OpenAI-compatible endpoint over any rollout, the served rollout (a rollout mode)
+    ("workers",),  # build the served rollout over their engine, as the agent loop
     ("trainer",),
     ("commands",),
 ]

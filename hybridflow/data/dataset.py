@@ -31,7 +31,8 @@ TRUNCATION_MODES = ("error", "left", "right")
 @dataclass
 class PromptRow:
     """One validated row. `row` is its 0-based position in `file` (blank JSONL lines not counted);
-    `position` its position over all the dataset's files, before filtering."""
+    `position` its position over all the dataset's files, before filtering; `raw` the row as the file holds
+    it (every column, nested as written)."""
 
     file: str
     row: int
@@ -40,6 +41,7 @@ class PromptRow:
     data_source: str | None
     ground_truth: Any
     extra_info: dict
+    raw: dict
 
 
 def read_rows(path: str | Path) -> list[dict]:
@@ -112,7 +114,8 @@ def parse_row(raw: Any, file: str, row: int, position: int, prompt_key: str = "p
     extra_info = raw.get("extra_info") or {}
     if not isinstance(extra_info, dict):
         raise InputError(f"{where}: field 'extra_info' must be an object, got {extra_info!r:.200}")
-    return PromptRow(file, row, position, messages, data_source, reward_model.get("ground_truth"), extra_info)
+    ground_truth = reward_model.get("ground_truth")
+    return PromptRow(file, row, position, messages, data_source, ground_truth, extra_info, raw)
 
 
 def render_prompt(
@@ -255,8 +258,9 @@ class RLHFDataset(Dataset):
 
     def __getitem__(self, idx: int) -> dict[str, Any]:
         """One prompt: `input_ids`, `attention_mask`, `position_ids` (each `(max_prompt_length,)`, left
-        padded) plus `raw_prompt` (the messages), `data_source`, `ground_truth`, `extra_info` and `index`
-        (extra_info["index"] when the row has one, else the row's position over all files)."""
+        padded) plus `raw_prompt` (the messages), `data_source`, `ground_truth`, `extra_info`, `index`
+        (extra_info["index"] when the row has one, else the row's position over all files) and `data_row`
+        (the row as the file holds it: what a served agent gets as its sample)."""
         row = self.rows[idx]
         item: dict[str, Any] = left_pad(
             self.prompt_ids[idx], self.max_prompt_length, self.tokenizer.pad_token_id
@@ -267,5 +271,6 @@ class RLHFDataset(Dataset):
             ground_truth=row.ground_truth,
             extra_info=row.extra_info,
             index=row.extra_info.get("index", row.position),
+            data_row=row.raw,
         )
         return item

@@ -11,23 +11,31 @@ its capabilities on.
 
 Weight versions: an asynchronous run records per token the version of the weights that sampled it
 (``rollout_weight_versions``); ``tag_weight_versions`` is the one place that writes that column.
+
+Scores: a rollout that scores its own samples (a served agent returns each session's reward) attaches them
+(``attach_scores``: ``rm_scores`` on each row's last response token, verl's name for scores that come with
+the batch, and ``reward_extra/<key>`` columns); the trainer then takes them (``rollout_scores``) instead of
+calling a reward function.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from hybridflow.algorithms import sequence_to_token_scores
 from hybridflow.config import RolloutConfig, SamplingConfig
 from hybridflow.protocol import DataProto
 
 #: the sampling settings a batch's ``meta_info`` may override for one generation
 SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "n", "response_length")
 VERSIONS = "rollout_weight_versions"
+SCORES, EXTRA = "rm_scores", "reward_extra/"
 
 
 @dataclass
@@ -235,3 +243,26 @@ def tag_weight_versions(batch: DataProto, versions: int | torch.Tensor) -> DataP
 def is_tagged(batch: DataProto) -> bool:
     """Whether the rollout recorded per token which weight version sampled it."""
     return batch.batch is not None and VERSIONS in batch.batch.keys()
+
+
+def attach_scores(batch: DataProto, scores: Sequence[float], extras: Sequence[dict[str, Any]]) -> DataProto:
+    """A rollout's own scores of its rows: ``scores`` ``(bs,)`` on each row's last response token as
+    ``rm_scores`` ``(bs, L)`` (the placement every reward uses: ``sequence_to_token_scores``), and each key
+    of ``extras`` (one dict per row) as a ``reward_extra/<key>`` column, None where a row has no value."""
+    mask = batch.batch["response_mask"]
+    batch.batch[SCORES] = sequence_to_token_scores(torch.tensor(list(scores), dtype=torch.float32), mask)
+    for key in sorted({key for extra in extras for key in extra}):
+        column = np.empty(len(extras), dtype=object)
+        for i, extra in enumerate(extras):
+            column[i] = extra.get(key)
+        batch.non_tensor_batch[f"{EXTRA}{key}"] = column
+    return batch
+
+
+def rollout_scores(batch: DataProto) -> dict[str, Any] | None:
+    """The scores a rollout attached to its rows, as a reward function returns them (``reward_tensor``,
+    ``reward_extra_info``); None when it attached none."""
+    if batch.batch is None or SCORES not in batch.batch.keys():
+        return None
+    extra = {k[len(EXTRA) :]: list(v) for k, v in batch.non_tensor_batch.items() if k.startswith(EXTRA)}
+    return {"reward_tensor": batch.batch[SCORES], "reward_extra_info": extra}

@@ -6,7 +6,7 @@ held at most ``MAX_WAIT_S``), and all that arrive while the engine is busy, go t
 rows; rows sampled with different settings (temperature, top-p) go in separate calls of the same round. A
 request with a ``seed`` is generated alone under that seed, so it is reproducible.
 
-The engine is any object with the rollout contract (``hybridflow.workers.rollout``): left-padded prompts
+The engine is any ``Rollout`` (the rollout contract, ``hybridflow.rollout``): left-padded prompts
 in, ``responses``, ``response_mask`` (through the first EOS) and ``rollout_log_probs`` out, ``meta_info``
 overriding ``n``, ``response_length`` and the sampling keys. It runs in one worker thread, never on the
 event loop, so requests keep arriving while it generates.
@@ -87,8 +87,8 @@ class Batcher:
         decode: Callable[[list[int]], str],
         eos_token_ids: list[int],
         pad_token_id: int,
-        weight_version: Callable[[], int] = lambda: 0,
-        window_s: float = 0.002,
+        weight_version: Callable[[], int],
+        window_s: float,
         on_batch: Callable[[int, int], None] | None = None,
     ) -> None:
         self.engine, self.decode = engine, decode

@@ -67,9 +67,9 @@ class PolicyServer:
         host: str = "127.0.0.1",
         port: int = 0,
         token: str | None = None,
-        max_tokens_limit: int = 512,
+        max_tokens_limit: int,
         max_model_len: int | None = None,
-        window_s: float = 0.002,
+        window_s: float,
         weight_version: Callable[[], int] = lambda: 0,
     ) -> None:
         if not is_loopback(host) and not token:

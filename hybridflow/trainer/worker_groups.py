@@ -26,7 +26,6 @@ from hybridflow.config import PPOConfig, TrainerConfig
 from hybridflow.config.checks import ConfigError
 from hybridflow.config.offline import OfflineConfig
 from hybridflow.rollout import RolloutEngine, rollout_class
-from hybridflow.serving import ServedRollout
 from hybridflow.single_controller import (
     ClassWithInitArgs,
     LocalWorkerGroup,
@@ -201,23 +200,22 @@ def role_inits(
     arr = config.actor_rollout_ref
     device = config.trainer.device
     kw = {"response_length": config.data.max_response_length, "seed": config.trainer.seed, "device": device}
-    # a served agent generates through the rollout engine of whichever worker holds the rollout role
-    mode = {"rollout_mode": ServedRollout} if arr.rollout.served_agent.path else {}
-    mode["rollout_engine"] = rollout_engine(config)
+    # the engine class, checked here on the driver, goes to whichever worker holds the rollout role
+    rollout_kw = {"rollout_engine": rollout_engine(config)}
     # With LoRA the reference is the actor's module with the adapter off: the actor worker takes the role
     ref_in_actor = needs_ref(config) and arr.model.lora_rank > 0
     with_ref = "_ref" if ref_in_actor else ""
     if roles.get("actor") == roles.get("rollout"):
         inits = {
             str(Role.ACTOR_ROLLOUT): ClassWithInitArgs(
-                ActorRolloutRefWorker, arr, role=f"actor_rollout{with_ref}", **kw, **mode
+                ActorRolloutRefWorker, arr, role=f"actor_rollout{with_ref}", **kw, **rollout_kw
             )
         }
     else:
         inits = {
             "actor": ClassWithInitArgs(ActorRolloutRefWorker, arr, role=f"actor{with_ref}", **kw),
             "rollout": ClassWithInitArgs(
-                ActorRolloutRefWorker, arr, role="rollout", announce=True, **kw, **mode
+                ActorRolloutRefWorker, arr, role="rollout", announce=True, **kw, **rollout_kw
             ),
         }
     if needs_ref(config) and not ref_in_actor:

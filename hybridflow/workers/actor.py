@@ -9,7 +9,6 @@ sharded again after it). The reference policy is a second, frozen copy, loaded o
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -77,9 +76,8 @@ class ActorRolloutRefWorker(Worker):
     (``actor_rollout``, ``actor_rollout_ref``, ``ref``, ``rollout``...); ``device``: ``trainer.device``;
     ``announce``: print one line per generation (``[rollout] generated ...``); ``rollout_engine``: the
     rollout engine's class (default: the one registered as ``rollout.name`` in this process; the trainer
-    hands it over, so an engine registered in the driver is built in Ray's workers too); ``rollout_mode``:
-    wraps the rollout engine, called as ``rollout_mode(engine, tokenizer, rollout_config, response_length,
-    weight_version)`` (a mode from a later layer, e.g. ``hybridflow.serving.ServedRollout``)."""
+    hands it over, so an engine registered in the driver is built in Ray's workers too). The rollout mode
+    (the agent loop, a served agent) follows from the rollout config (``build_rollout``)."""
 
     def __init__(
         self,
@@ -89,7 +87,6 @@ class ActorRolloutRefWorker(Worker):
         seed: int = 42,
         device: str = "auto",
         announce: bool = False,
-        rollout_mode: Callable[..., Any] | None = None,
         rollout_engine: type[RolloutEngine] | None = None,
     ) -> None:
         super().__init__(device)
@@ -106,7 +103,6 @@ class ActorRolloutRefWorker(Worker):
         self.rollout: Rollout | None = None
         self.rollout_engine = rollout_engine
         self.mailbox: WeightMailbox | None = None  # a rollout-only worker's weight versions (async runs)
-        self.rollout_mode = rollout_mode
         self.weights_received = 0  # weight updates a rollout-only worker was sent
 
     def weight_version(self) -> int:
@@ -166,13 +162,9 @@ class ActorRolloutRefWorker(Worker):
                 model_location(model_cfg.path),
                 (self.seed if rollout.seed is None else rollout.seed) + self.rank,
             )
-            self.rollout = build_rollout(spec, self.rollout_engine)
+            self.rollout = build_rollout(spec, self.rollout_engine, self.weight_version)
             if not self._is_actor:
                 self.mailbox = WeightMailbox(self._load_weights)
-            if self.rollout_mode is not None:
-                self.rollout = self.rollout_mode(
-                    self.rollout, self.tokenizer, rollout, self.response_length, self.weight_version
-                )
         if self._is_ref and not (self.module is not None and is_lora(self.module)):
             strategy = resolve_strategy(ref.strategy, self.world_size, "actor_rollout_ref.ref.strategy")
             module = load_model(

@@ -1,16 +1,20 @@
-"""Rollout engines and the rollout mode of the workers: ``hf`` (a decoding loop over the Hugging Face model,
+"""Rollout engines and the rollout modes of the workers: ``hf`` (a decoding loop over the Hugging Face model,
 runs anywhere torch does) and ``vllm`` (vLLM in the actor's process, CUDA or CPU build; ``vllm`` itself is
 imported only when that engine is built), both registered by name in the rollout registry
-(``hybridflow.rollout``), and the multi-turn agent loop over any engine (``rollout.multi_turn.enable``).
+(``hybridflow.rollout``); the multi-turn agent loop over any engine (``rollout.multi_turn.enable``); the
+served rollout (``rollout.served_agent.path``: an ``openai``-SDK agent over ``hybridflow.serving``'s server).
 
 ``build_rollout`` is the one place that turns a worker's rollout config into what it generates with: the
 registered engine, wrapped by the mode the config asks for."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import hybridflow.workers.rollout.vllm_rollout  # noqa: F401 - registers "vllm" (vllm is imported when built)
 from hybridflow import rollout as contract
 from hybridflow.rollout import EngineSpec, Rollout, RolloutEngine, rollout_class
+from hybridflow.serving import ServedRollout
 from hybridflow.tools import load_tools
 from hybridflow.utils.deprecation import moved_names
 from hybridflow.workers.rollout.agent_loop import AgentLoop, agent_metrics
@@ -26,11 +30,18 @@ __getattr__ = moved_names(
 )
 
 
-def build_rollout(spec: EngineSpec, engine: type[RolloutEngine] | None = None) -> Rollout:
-    """The engine ``engine`` (default: the one registered as ``spec.config.name``) built from ``spec``, in the
-    agent loop when ``rollout.multi_turn.enable``."""
+def build_rollout(
+    spec: EngineSpec,
+    engine: type[RolloutEngine] | None = None,
+    weight_version: Callable[[], int] = lambda: 0,
+) -> Rollout:
+    """The engine ``engine`` (default: the one registered as ``spec.config.name``) built from ``spec``; in the
+    agent loop when ``rollout.multi_turn.enable``, behind the served agent's endpoint when
+    ``rollout.served_agent.path`` (``weight_version``: the version its answers report)."""
     built = (engine or rollout_class(spec.config.name)).from_spec(spec)
     multi_turn = spec.config.multi_turn
+    if spec.config.served_agent.path is not None:
+        return ServedRollout(built, spec.tokenizer, spec.config, spec.response_length, weight_version)
     if not multi_turn.enable:
         return built
     unsafe = multi_turn.unsafe_python_tool_without_isolation
