@@ -32,7 +32,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind; not loopback needs --token")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
     parser.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"bearer token (or ${TOKEN_ENV})")
-    parser.add_argument("--name", default=None, help="model id in /v1/models (default: the folder's name)")
+    parser.add_argument(
+        "--served-model-name",
+        "--name",
+        nargs="+",
+        default=None,
+        help="the model name(s) requests may give, listed by /v1/models (default: the folder's name); a "
+        "request naming another model gets 404 model_not_found (vLLM's flag)",
+    )
     parser.add_argument("--max-tokens", type=int, default=512, help="most tokens a call may generate")
     window = ServedAgentConfig().batch_window_ms
     parser.add_argument(
@@ -59,7 +66,7 @@ def main(argv: list[str]) -> int:
     server = PolicyServer(
         engine,
         tokenizer,
-        args.name or os.path.basename(folder.rstrip("/")) or "policy",
+        args.served_model_name or [os.path.basename(folder.rstrip("/")) or "policy"],
         host=args.host,
         port=args.port,
         token=args.token,

@@ -25,6 +25,7 @@ import torch
 from hybridflow.data.dataset import left_pad
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import Rollout
+from hybridflow.serving.token_text import TokenText
 
 MAX_WAIT_S = 0.05  # the longest a burst of arrivals holds the first of them back
 
@@ -77,21 +78,21 @@ class _Pending:
 class Batcher:
     """``await batcher.generate(request)`` from any coroutine on one event loop.
 
-    ``engine``: the rollout engine; ``decode``: token ids -> text; ``eos_token_ids``; ``pad_token_id``;
+    ``engine``: the rollout engine; ``text``: the tokenizer's text of token ids; ``eos_token_ids``; ``pad_token_id``;
     ``weight_version``: read at each engine call; ``window_s``: how long the first waiting request waits
     for others; ``on_batch(rows, requests)``: told the size of every engine call (metrics, logs)."""
 
     def __init__(
         self,
         engine: Rollout,
-        decode: Callable[[list[int]], str],
+        text: TokenText,
         eos_token_ids: list[int],
         pad_token_id: int,
         weight_version: Callable[[], int],
         window_s: float,
         on_batch: Callable[[int, int], None] | None = None,
     ) -> None:
-        self.engine, self.decode = engine, decode
+        self.engine, self.text = engine, text
         self.eos_token_ids, self.pad_token_id = set(eos_token_ids), pad_token_id
         self.weight_version, self.window_s, self.on_batch = weight_version, window_s, on_batch
         self._queue: list[_Pending] = []
@@ -179,11 +180,11 @@ class Batcher:
 
     def _sample(self, ids: list[int], log_probs: list[float], stop: list[str]) -> Sample:
         ended = bool(ids) and ids[-1] in self.eos_token_ids
-        text = self.decode(ids[:-1] if ended else ids)
+        text = self.text.decode(ids[:-1] if ended else ids)
         if stop:
             cut = _stop_cut(text, stop)
-            if cut is not None:
-                keep = _tokens_for(ids, cut[1], self.decode)
+            if cut is not None:  # keep the tokens up to the stop string's end (as vLLM does); cut the text
+                keep = self.text.tokens_for(ids, cut[1])
                 return Sample(ids[:keep], log_probs[:keep], text[: cut[0]], "stop", False)
         return Sample(ids, log_probs, text, "stop" if ended else "length", ended)
 
@@ -204,12 +205,3 @@ def _stop_cut(text: str, stop: list[str]) -> tuple[int, int] | None:
     """Where the earliest stop string starts and ends in ``text``, or None."""
     found = [(i, i + len(s)) for s in stop if s and (i := text.find(s)) >= 0]
     return min(found) if found else None
-
-
-def _tokens_for(ids: list[int], chars: int, decode: Callable[[list[int]], str]) -> int:
-    """The fewest leading tokens of ``ids`` whose text reaches ``chars`` characters: the sample keeps the
-    tokens it sampled up to the end of the stop string (as vLLM does), and its text stops before it."""
-    for k in range(1, len(ids) + 1):
-        if len(decode(ids[:k])) >= chars:
-            return k
-    return len(ids)
