@@ -49,6 +49,7 @@ class TemplateDelta:
         self.turn_end = self._check_append_only()
 
     def render(self, messages: Messages, generation_prompt: bool) -> str:
+        """The template's text of ``messages`` (with the tools it was given)."""
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=generation_prompt, **self.kwargs
         )

@@ -92,7 +92,9 @@ class WeightFeed(Protocol):
 
     version: int
 
-    def refresh(self) -> bool: ...
+    def refresh(self) -> bool:
+        """Load a newer version into the module if one arrived; whether one did."""
+        ...
 
 
 class Rollout(Protocol):

@@ -40,6 +40,7 @@ def register_rollout(name: str) -> Callable[[Engine], Engine]:
     under a taken name is refused (the same class defined again, as a reloaded module does, replaces it)."""
 
     def register(cls: Engine) -> Engine:
+        """Put ``cls`` in the table under ``name``."""
         known = _ENGINES.get(name)
         if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
             raise ValueError(

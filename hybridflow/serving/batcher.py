@@ -102,6 +102,7 @@ class Batcher:
         self.batch_sizes: list[int] = []  # rows of every engine call, in order
 
     async def generate(self, request: GenerationRequest) -> Generation:
+        """The request's samples, generated in the next engine call that has room for it."""
         if self._worker is None:
             self._wake = asyncio.Event()
             self._worker = asyncio.get_running_loop().create_task(self._run())
@@ -111,6 +112,7 @@ class Batcher:
         return await future
 
     async def close(self) -> None:
+        """Stop taking requests and let the engine's thread go."""
         if self._worker is not None:
             self._worker.cancel()
             self._worker = None

@@ -74,6 +74,7 @@ def errors_as_json(version: Callable[[], int]) -> Middleware:
 
     @web.middleware
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        """The handler's answer, or its failure as OpenAI's error JSON."""
         try:
             return await handler(request)
         except RequestError as error:
@@ -102,6 +103,7 @@ def guard(token: str | None) -> Middleware:
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        """The handler's answer for a caller that may call; a ``RequestError`` (401, 403, 415) otherwise."""
         if token:
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
@@ -143,6 +145,7 @@ class LoopThread:
         started, failure = threading.Event(), []
 
         def serve() -> None:
+            """The thread: start, tell the caller, then serve until stopped."""
             self._loop = asyncio.new_event_loop()
             try:
                 self._loop.run_until_complete(self._start())

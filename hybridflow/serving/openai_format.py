@@ -290,6 +290,7 @@ def chat_chunks(out: dict[str, Any], pieces: list[list[str]], include_usage: boo
     }
 
     def chunk(index: int, delta: dict, finish: str | None = None) -> dict[str, Any]:
+        """One event: choice ``index``'s ``delta``."""
         return {**head, "choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
 
     events = []

@@ -100,9 +100,11 @@ class ServedRollout(Rollout):
         self._started = False
 
     def reseed(self, step: int) -> None:
+        """The engine's: the sessions of a step draw on from it."""
         self.engine.reseed(step)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """The engine's (an engine with weights of its own still gets every update)."""
         return self.engine.update_weights(weights)
 
     def close(self) -> None:
@@ -153,6 +155,7 @@ class ServedRollout(Rollout):
         http = openai.DefaultAsyncHttpxClient(timeout=openai.Timeout(600.0, connect=120.0))
 
         async def one(name: str, sample: dict) -> Outcome:
+            """One session: the agent on its own client, its return value checked by the rule for scores."""
             client = openai.AsyncOpenAI(
                 base_url=self.server.session_url(name), api_key="unused", max_retries=0, http_client=http
             )

@@ -48,6 +48,8 @@ class ChatTurn:
 
 @dataclass
 class Session:
+    """One session's calls: what each sampled (``records``) and the chat turns it may continue."""
+
     records: list[CallRecord] = field(default_factory=list)
     turns: list[ChatTurn] = field(default_factory=list)
 
@@ -64,16 +66,20 @@ class ChatPrompter:
             self.turn_end = None
 
     def render(self, messages: Messages, tools: list[dict[str, Any]], generation_prompt: bool) -> str:
+        """The chat template's text of ``messages`` (with ``tools``)."""
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=generation_prompt, tools=tools or None
         )
 
     def encode(self, text: str) -> list[int]:
+        """``text``'s token ids, no special tokens added (the template wrote them)."""
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def prompt_ids(
         self, messages: Messages, tools: list[dict[str, Any]], session: Session | None
     ) -> list[int]:
+        """The call's prompt ids: an earlier turn of ``session`` continued token for token when the call
+        extends it (see the module's docstring), else the rendering of ``messages`` encoded afresh."""
         for turn in reversed(session.turns if session and self.turn_end is not None else []):
             ids = self._continued(turn, messages, tools)
             if ids is not None:
@@ -106,6 +112,7 @@ class Sequence:
 
     @property
     def all_ids(self) -> list[int]:
+        """The prompt and every token after it."""
         return self.prompt_ids + self.ids
 
     def add(self, record: CallRecord) -> None:

@@ -57,11 +57,13 @@ class Conversation:
     truncated: bool = False
 
     def append(self, ids: list[int], from_model: bool, log_probs: list[float] | None = None) -> None:
+        """Tokens after the ones so far: the model's (trained on) or a tool's and the template's."""
         self.ids += ids
         self.mask += [int(from_model)] * len(ids)
         self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
 
     def finish(self, truncated: bool = False) -> None:
+        """End the conversation (``truncated``: a limit ended it, not the model)."""
         self.done, self.truncated = True, truncated
 
 
@@ -92,6 +94,7 @@ class AgentLoop(Rollout):
         self.engine.reseed(step)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """The engine's (an engine with weights of its own still gets every update)."""
         return self.engine.update_weights(weights)
 
     # ------------------------------------------------------------------ the loop

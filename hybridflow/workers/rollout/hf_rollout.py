@@ -167,6 +167,7 @@ class HFRollout(Rollout):
         return cls(spec.module, spec.tokenizer, spec.config, spec.response_length, spec.config.seed)
 
     def follow_weights(self, feed: contract.WeightFeed | None) -> None:
+        """Ask ``feed`` for newer weights after every decoding step (None: stop)."""
         self.weights = feed
 
     def reseed(self, step: int) -> None:

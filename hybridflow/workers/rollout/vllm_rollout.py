@@ -150,6 +150,7 @@ class VLLMRollout(Rollout):
         )
 
     def follow_weights(self, feed: WeightFeed | None) -> None:
+        """Decode in chunks and take ``feed``'s newer weights between them (None: whole samples again)."""
         self.weights = feed
 
     # ------------------------------------------------------------------ weights
