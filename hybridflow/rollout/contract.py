@@ -165,7 +165,7 @@ _HOW = "build it with hybridflow.generation_batch(prompts, tokenizer) (strings o
 def check_generation_batch(prompts: DataProto) -> None:
     """A ValueError saying what to do when ``prompts`` is not a generation batch: ``input_ids``,
     ``attention_mask``, ``position_ids`` ``(bs, P)``, left-padded (every prompt ends at the last column)."""
-    keys = prompts.batch.keys() if prompts.batch is not None else []
+    keys: list[str] = list(prompts.batch.keys()) if prompts.batch is not None else []
     missing = [k for k in ("input_ids", "attention_mask", "position_ids") if k not in keys]
     if missing:
         raise ValueError(

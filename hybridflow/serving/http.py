@@ -17,17 +17,18 @@ import ipaddress
 import json
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 from urllib.parse import urlsplit
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from hybridflow.serving.openai_format import RequestError, error_body
 
 logger = logging.getLogger(__name__)
 VERSION_HEADER = "X-Weight-Version"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 
 
 def is_loopback(host: str | None) -> bool:
@@ -135,7 +136,9 @@ class LoopThread:
     """An asyncio loop in a daemon thread that runs ``start()`` and then serves until ``stop()`` (both
     coroutines of the served object), so the caller's thread stays free."""
 
-    def __init__(self, start: Callable[[], Awaitable[object]], stop: Callable[[], Awaitable[None]]) -> None:
+    def __init__(
+        self, start: Callable[[], Coroutine[Any, Any, object]], stop: Callable[[], Coroutine[Any, Any, None]]
+    ) -> None:
         self._start, self._stop = start, stop
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -3,6 +3,7 @@
 the worker does with it; the per-token weight-version tag; the old import paths still work, with a warning."""
 
 import json
+import sys
 import warnings
 from pathlib import Path
 
@@ -116,6 +117,25 @@ def test_a_registered_engine_runs_a_grpo_step(scripted, data_dir, tiny_model_pat
     assert all(torch.equal(sent[name], trained[name]) for name in trained)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["critic/score/mean"] == 0.5
+
+
+def test_the_driver_hands_the_engine_to_rays_workers(
+    scripted, data_dir, tiny_model_path, tmp_path, ray_session
+):
+    """Registered in the driver only: Ray's worker process has no "scripted" in its registry, and builds the
+    class the trainer hands it (shipped by value, as cloudpickle ships a class of the driver's __main__)."""
+    import cloudpickle
+
+    module = sys.modules[__name__]
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        with PPOTrainer(_config(data_dir, tiny_model_path, tmp_path, "trainer.backend=ray")) as trainer:
+            trainer.fit()
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+    assert scripted.built == []  # built in the worker process, not here
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["critic/score/mean"] == 0.5  # its scripted replies, scored
 
 
 def test_an_unknown_engine_is_refused_before_any_worker_starts(data_dir, tiny_model_path, tmp_path):
