@@ -4,6 +4,8 @@ dispatch does), and folding groups of rows into one row and back (verl's ``fold_
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from tensordict import TensorDict
@@ -36,15 +38,7 @@ def fold_batch_dim(data: DataProto, new_batch_size: int) -> DataProto:
     if new_batch_size <= 0 or len(data) % new_batch_size:
         raise ValueError(f"fold_batch_dim: {len(data)} rows do not fold into {new_batch_size} equal groups")
 
-    def fold(value):
-        return value.reshape(new_batch_size, -1, *value.shape[1:])
-
-    batch = None
-    if data.batch is not None:
-        tensors = {k: fold(v) for k, v in data.batch.items()}
-        batch = TensorDict(tensors, batch_size=[new_batch_size], device=data.batch.device)
-    columns = {k: fold(v) for k, v in data.non_tensor_batch.items()}
-    return type(data)(batch=batch, non_tensor_batch=columns, meta_info=data.meta_info)
+    return _reshaped(data, new_batch_size, lambda v: v.reshape(new_batch_size, -1, *v.shape[1:]))
 
 
 def unfold_batch_dim(data: DataProto, batch_dims: int = 2) -> DataProto:
@@ -58,12 +52,14 @@ def unfold_batch_dim(data: DataProto, batch_dims: int = 2) -> DataProto:
         )
     rows = math.prod(next(iter(leading.values()))) if leading else 0
 
-    def unfold(value):
-        return value.reshape(rows, *value.shape[batch_dims:])
+    return _reshaped(data, rows, lambda v: v.reshape(rows, *v.shape[batch_dims:]))
 
+
+def _reshaped(data: DataProto, rows: int, reshape: Callable[[Any], Any]) -> DataProto:
+    """A DataProto of ``rows`` rows holding ``reshape`` of every tensor and array of ``data``."""
     batch = None
     if data.batch is not None:
-        tensors = {k: unfold(v) for k, v in data.batch.items()}
+        tensors = {k: reshape(v) for k, v in data.batch.items()}
         batch = TensorDict(tensors, batch_size=[rows], device=data.batch.device)
-    columns = {k: unfold(v) for k, v in data.non_tensor_batch.items()}
+    columns = {k: reshape(v) for k, v in data.non_tensor_batch.items()}
     return type(data)(batch=batch, non_tensor_batch=columns, meta_info=data.meta_info)
