@@ -4,7 +4,7 @@
 ``dataproto`` holds the class, ``columns`` what it does to columns (the union conflict rule, metrics
 merging, tensors as bytes), ``reshape`` padding and folding rows.
 
-May import: nothing of hybridflow (numpy, torch and tensordict only).
+May import: ``utils`` (today it needs nothing of hybridflow: numpy, torch and tensordict only).
 """
 
 from hybridflow.protocol.columns import (
