@@ -263,3 +263,19 @@ def test_entropy_loss_and_config_view():
         _ = view.gama
     with pytest.raises(AttributeError, match="read-only"):
         view.gamma = 1.0
+
+
+def test_every_policy_loss_reads_our_actor_section_under_verls_names():
+    from hybridflow.config.schema import ActorConfig
+
+    actor = ConfigView(ActorConfig(clip_ratio=0.2, clip_ratio_high=0.28), global_batch_info={})
+    assert actor.policy_loss.loss_mode == "vanilla" and actor.clip_ratio_c == 3.0  # what verl's losses read
+    args = (torch.zeros(1, 2), torch.tensor([[0.1, -0.1]]), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2))
+    for name in ("vanilla", "gspo", "gpg", "geo_mean", "cispo"):
+        loss, metrics = get_policy_loss_fn(name)(*args, loss_agg_mode="token-mean", config=actor)
+        assert (
+            loss.dim() == 0 and math.isfinite(loss.item()) and all(math.isfinite(v) for v in metrics.values())
+        )
+    # ratios e^0.1 (A = 1) and e^-0.1 (A = -1) are inside [0.8, 1.28]: vanilla is -mean(A * r)
+    vanilla, _ = get_policy_loss_fn("vanilla")(*args, loss_agg_mode="token-mean", config=actor)
+    assert vanilla.item() == pytest.approx(-(math.exp(0.1) - math.exp(-0.1)) / 2)
