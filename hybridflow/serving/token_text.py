@@ -41,7 +41,7 @@ def _decoder_types(tokenizer: PreTrainedTokenizerBase) -> set[str]:
         return set()
     state = json.loads(tokenizer.backend_tokenizer.decoder.__getstate__())
     parts = state.get("decoders", [state])
-    return {part.get("type", "") for part in parts}
+    return {part["type"] for part in parts}
 
 
 class TokenText:
