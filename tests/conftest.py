@@ -105,3 +105,19 @@ def arithmetic_data(tmp_path_factory) -> Callable[[int, int], Path]:
 def data_dir(arithmetic_data) -> Path:
     """The arithmetic task: 64 training and 8 test prompts (parquet), seeded."""
     return arithmetic_data(64, 8)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory) -> Callable[[str], str]:
+    """``tiny_vlm(family)``: the folder of a tiny random vision-language model of ``family`` (qwen2_vl,
+    qwen2_5_vl, qwen3_vl, llava), built once per session."""
+    from hybridflow.models.tiny import make_tiny_vlm
+
+    built: dict[str, str] = {}
+
+    def make(family: str = "qwen2_vl") -> str:
+        if family not in built:
+            built[family] = make_tiny_vlm(tmp_path_factory.mktemp(family) / "model", family)
+        return built[family]
+
+    return make

@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hybridflow.data.dataset import TRUNCATION_MODES, as_messages, read_rows
+from hybridflow.models.vision import IMAGES, ImageInput
 from hybridflow.protocol import DataProto
 
 
@@ -38,6 +39,7 @@ class Sample:
     response: list[int]
     loss_mask: list[int]
     label: int = 0
+    images: tuple[ImageInput, ...] = ()  # the prompt's images, in the order of their tokens
 
 
 class Conversations:
@@ -141,7 +143,8 @@ class Conversations:
 def collate_samples(samples: Sequence[Sample], pad_id: int) -> DataProto:
     """Samples -> a DataProto as the rollout produces it: prompts left-padded to the batch's longest,
     responses right-padded to the longest: ``input_ids``/``attention_mask``/``position_ids`` ``(bs, P + R)``,
-    ``responses``/``response_mask`` ``(bs, R)``, ``label`` ``(bs,)``."""
+    ``responses``/``response_mask`` ``(bs, R)``, ``label`` ``(bs,)``, and ``image_inputs`` (each row's
+    images) when a sample has images."""
     width_p = max(len(s.prompt) for s in samples)
     width_r = max(max(len(s.response) for s in samples), 1)
     size = len(samples)
@@ -159,6 +162,7 @@ def collate_samples(samples: Sequence[Sample], pad_id: int) -> DataProto:
             response_attention[i, : len(s.response)] = 1
             response_mask[i, : len(s.response)] = torch.tensor(s.loss_mask)
     attention = torch.cat([prompt_mask, response_attention], dim=1)
+    images = {IMAGES: [s.images for s in samples]} if any(s.images for s in samples) else {}
     return DataProto.from_dict(
         {
             "input_ids": torch.cat([prompts, responses], dim=1),
@@ -167,7 +171,8 @@ def collate_samples(samples: Sequence[Sample], pad_id: int) -> DataProto:
             "responses": responses,
             "response_mask": response_mask,
             "label": torch.tensor([s.label for s in samples], dtype=torch.long),
-        }
+        },
+        images,
     )
 
 

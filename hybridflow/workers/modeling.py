@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,9 +32,16 @@ from transformers.utils import logging as hf_logging
 
 from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
 from hybridflow.models import resolve_model_path
+from hybridflow.models.vision import (
+    IMAGES,
+    ImageInput,
+    image_token_keys,
+    model_image_inputs,
+    vision_positions,
+)
 from hybridflow.protocol import DataProto
 from hybridflow.utils.errors import MissingInputError
-from hybridflow.workers.packing import pack_prefix_tree
+from hybridflow.workers.packing import TokenInputs, pack_prefix_tree
 
 logger = logging.getLogger(__name__)
 
@@ -174,15 +182,49 @@ def _report_new_head(model: PreTrainedModel, missing: list[str], new_head: str, 
 
 
 def trimmed(data: DataProto) -> DataProto:
-    """``data``'s ``input_ids``, ``attention_mask``, ``position_ids`` and ``responses`` without the response
-    columns that no row attends to (the right padding past its longest response)."""
+    """``data``'s ``input_ids``, ``attention_mask``, ``position_ids`` and ``responses`` (and its images)
+    without the response columns that no row attends to (the right padding past its longest response)."""
     length = data.batch["responses"].shape[1]
     attended = data.batch["attention_mask"][:, -length:].any(dim=0).nonzero()
     cut = length - (int(attended.max()) + 1 if len(attended) else 1)
+    images = {IMAGES: data.non_tensor_batch[IMAGES]} if IMAGES in data.non_tensor_batch else {}
     if cut == 0:
         return data
     tensors = {k: data.batch[k][..., :-cut] for k in ("input_ids", "attention_mask", "position_ids")}
-    return DataProto.from_dict({**tensors, "responses": data.batch["responses"][:, :-cut]})
+    return DataProto.from_dict({**tensors, "responses": data.batch["responses"][:, :-cut]}, images)
+
+
+def row_images(data: DataProto) -> list[Sequence[ImageInput]] | None:
+    """Each row's images (``non_tensor_batch["image_inputs"]``), or None when no row has one."""
+    column = data.non_tensor_batch.get(IMAGES)
+    return list(column) if column is not None and any(len(images) for images in column) else None
+
+
+def image_inputs(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, images: list
+) -> TokenInputs:
+    """Rows' images as the packing sees them: 3-D positions (Qwen) and each token's image key."""
+    flat = [im for row in images for im in row]
+    config = model.config
+    return TokenInputs(
+        vision_positions(model, input_ids, attention_mask, flat),
+        image_token_keys(input_ids, images, config.image_token_id),
+        images,
+    )
+
+
+def _forward(
+    model: PreTrainedModel, inputs: dict[str, torch.Tensor], images: list, keep: Any, keeps_logits: bool
+):
+    """The model's outputs over ``inputs`` (ids, mask, positions) with ``images`` (in token order) fed to
+    its vision tower; ``keep``: ``logits_to_keep`` for models that take it."""
+    device = inputs["input_ids"].device
+    return model(
+        **inputs,
+        **model_image_inputs(images, device),
+        use_cache=False,
+        **({"logits_to_keep": keep} if keeps_logits else {}),
+    ).logits
 
 
 def response_outputs(
@@ -193,33 +235,41 @@ def response_outputs(
     per-token results back in place).
 
     ``data.batch``: ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, T)`` and ``responses``
-    ``(bs, L)``. With ``share_prompt`` and rows that begin alike (a group's prompt, a system prompt), each
-    shared run of tokens is computed once (``hybridflow.workers.packing``; eager and SDPA attention, which
-    take a 4-D mask); otherwise every row is run as it is, without the columns past its longest response
+    ``(bs, L)``; ``data.non_tensor_batch["image_inputs"]``: each row's images, if any (fed to the vision
+    tower, with Qwen's 3-D positions computed from them). With ``share_prompt`` and rows that begin alike
+    (a group's prompt, a system prompt, the same image), each shared run of tokens is computed once, an
+    image's encoder pass included (``hybridflow.workers.packing``; eager and SDPA attention, which take a
+    4-D mask); otherwise every row is run as it is, without the columns past its longest response
     (``trimmed``). ``keeps_logits``: the model takes ``logits_to_keep`` (causal LMs do; token-classification
     models do not)."""
     device = next(model.parameters()).device
     length = data.batch["responses"].shape[1]
     real = data.batch["attention_mask"][:, -length:].bool()
+    images = row_images(data)
     # flash-attention kernels take no 4-D mask: those models score row by row
     share_prompt = share_prompt and model.config._attn_implementation in ("eager", "sdpa")
-    packed = pack_prefix_tree(data, next(model.parameters()).dtype) if share_prompt else None
-    if packed is not None:
-        keep = packed.keep.to(device)
-        outputs = model(
-            input_ids=packed.input_ids.to(device),
-            attention_mask=packed.attention_mask.to(device),
-            position_ids=packed.position_ids.to(device),
-            use_cache=False,
-            **({"logits_to_keep": keep} if keeps_logits else {}),
-        ).logits
-        return packed.gather(outputs if keeps_logits else outputs[:, keep], real), real
+    if share_prompt:
+        extra = None
+        if images is not None:
+            extra = image_inputs(model, data.batch["input_ids"], data.batch["attention_mask"], images)
+        packed = pack_prefix_tree(data, next(model.parameters()).dtype, extra=extra)
+        if packed is not None:
+            keep = packed.keep.to(device)
+            inputs = {
+                "input_ids": packed.input_ids.to(device),
+                "attention_mask": packed.attention_mask.to(device),
+                "position_ids": packed.position_ids.to(device),
+            }
+            outputs = _forward(model, inputs, packed.images, keep, keeps_logits)
+            return packed.gather(outputs if keeps_logits else outputs[:, keep], real), real
     data = trimmed(data)
     width = data.batch["responses"].shape[1]
     inputs = {k: data.batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")}
-    outputs = model(
-        **inputs, use_cache=False, **({"logits_to_keep": width + 1} if keeps_logits else {})
-    ).logits
+    flat = [im for row in images or [] for im in row]
+    positions = vision_positions(model, inputs["input_ids"], inputs["attention_mask"], flat) if flat else None
+    if positions is not None:
+        inputs["position_ids"] = positions
+    outputs = _forward(model, inputs, flat, width + 1, keeps_logits)
     return outputs[:, -width - 1 : -1][real[:, :width].to(device)], real
 
 

@@ -1,0 +1,176 @@
+"""Images in data rows: reading them, and turning chat messages with ``<image>`` markers into the ids a
+vision-language model sees.
+
+A prompt holds its images as ``<image>`` markers in the message text (verl's format; OpenAI content parts
+become markers when a row is read), and its images travel beside it as ``ImageInput``s
+(``hybridflow.models.vision``). ``ImagePrompts`` renders the messages with the chat template (each marker an
+``{"type": "image"}`` part, which the template writes as the family's placeholder), expands each
+placeholder to the image's token count, and tokenizes: the ids are what the model sees, so
+``data.max_prompt_length`` counts image tokens as the model does.
+
+Why not ``AutoProcessor``: for the Qwen families it also builds a video processor, which needs
+torchvision, and torchvision does not load beside the local torch build. The image processor alone
+(``AutoImageProcessor``) loads, on its PIL backend (transformers falls back to it without torchvision, with
+a warning), and the placeholder expansion is the processor's own rule (``VisionFamily.tokens``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hybridflow.models.vision import ImageInput, vision_family
+from hybridflow.utils.errors import InputError
+
+IMAGE_MARKER = "<image>"
+
+
+def decode_image(value: Any, where: str, base_dir: str | Path | None = None) -> tuple[Any, bytes]:
+    """An image from a data row: ``{"bytes": ...}`` / ``{"path": ...}`` (the Hugging Face datasets layout
+    verl uses), raw bytes, a file path (relative paths from ``base_dir``, the data file's folder, else the
+    working folder) or a PIL image. Returns ``(RGB PIL image, encoded bytes)``; an image that cannot be
+    read or decoded is an ``InputError`` naming ``where`` and why."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(value, Image.Image):
+        buffer = io.BytesIO()
+        value.convert("RGB").save(buffer, format="PNG")
+        return value.convert("RGB"), buffer.getvalue()
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, str):
+        path = Path(value).expanduser()
+        if not path.is_absolute() and base_dir is not None and (Path(base_dir) / path).exists():
+            path = Path(base_dir) / path
+        if not path.is_file():
+            raise InputError(f"{where}: image file not found: {value}")
+        value = path.read_bytes()
+    if not isinstance(value, bytes | bytearray):
+        raise InputError(
+            f"{where}: an image must be bytes, a file path, or {{'bytes': ...}} / {{'path': ...}}; got "
+            f"{type(value).__name__}"
+        )
+    try:
+        image = Image.open(io.BytesIO(value))
+        image.load()
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise InputError(f"{where}: the image cannot be decoded ({e})") from e
+    return image.convert("RGB"), bytes(value)
+
+
+def marker_count(messages: Sequence[dict[str, str]]) -> int:
+    return sum(m["content"].count(IMAGE_MARKER) for m in messages)
+
+
+def as_parts(messages: Sequence[dict[str, str]]) -> list[dict[str, Any]]:
+    """Messages with ``<image>`` markers -> messages whose content is a list of ``text`` and ``image``
+    parts (what vision chat templates render); a message without a marker keeps its string content."""
+    out = []
+    for message in messages:
+        content = message["content"]
+        if IMAGE_MARKER not in content:
+            out.append(dict(message))
+            continue
+        parts: list[dict[str, Any]] = []
+        for i, piece in enumerate(content.split(IMAGE_MARKER)):
+            if i:
+                parts.append({"type": "image"})
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        out.append({**message, "content": parts})
+    return out
+
+
+class ImagePrompts:
+    """Turns chat messages with ``<image>`` markers and their images into the ids the model sees.
+
+    ``tokenizer``: the model's (its chat template renders image parts); ``image_processor``: the model's
+    (``AutoImageProcessor``); ``config``: the model config (its ``model_type`` picks the family)."""
+
+    def __init__(self, tokenizer: Any, image_processor: Any, config: Any) -> None:
+        family = vision_family(config)
+        if family is None:
+            raise InputError(f"model type {config.model_type!r} is not a registered vision-language family")
+        self.tokenizer, self.image_processor, self.config, self.family = (
+            tokenizer,
+            image_processor,
+            config,
+            family,
+        )
+        self.image_token_id = int(config.image_token_id)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str, tokenizer: Any, trust_remote_code: bool = False
+    ) -> ImagePrompts | None:
+        """The folder's image processing, or None when the model is a text model."""
+        from transformers import AutoConfig, AutoImageProcessor
+
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        if vision_family(config) is None:
+            return None
+        processor = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return cls(tokenizer, processor, config)
+
+    def image_input(self, image: Any, data: bytes) -> ImageInput:
+        """One decoded RGB image (``decode_image``) as the model takes it."""
+        out = self.image_processor(images=[image], return_tensors="np")
+        arrays = {k: np.ascontiguousarray(out[k]) for k in self.family.keys}
+        digest = hashlib.sha1()
+        for key in self.family.keys:
+            digest.update(arrays[key].tobytes())
+        return ImageInput(arrays, self.family.tokens(arrays, self.config), data, digest.hexdigest())
+
+    def render(
+        self,
+        messages: Sequence[dict[str, str]],
+        images: Sequence[ImageInput],
+        where: str,
+        chat_template_kwargs: dict | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """The prompt text with each image's placeholder expanded to its token count."""
+        if marker_count(messages) != len(images):
+            raise InputError(
+                f"{where}: the prompt has {marker_count(messages)} {IMAGE_MARKER} placeholder(s) but the row has "
+                f"{len(images)} image(s); put one {IMAGE_MARKER} where each image goes"
+            )
+        text = self.tokenizer.apply_chat_template(
+            as_parts(messages),
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **(chat_template_kwargs or {}),
+        )
+        return self.expand(text, images, where)
+
+    def expand(self, text: str, images: Sequence[ImageInput], where: str) -> str:
+        """Each of ``text``'s image tokens (one per image, as the template wrote them) repeated
+        ``num_tokens`` times."""
+        token = self.family.image_token
+        pieces = re.split(re.escape(token), text)
+        if len(pieces) - 1 != len(images):
+            raise InputError(
+                f"{where}: the chat template wrote {len(pieces) - 1} image placeholder(s) {token!r} for "
+                f"{len(images)} image(s); does the tokenizer's chat template render image parts?"
+            )
+        out = pieces[0]
+        for image, piece in zip(images, pieces[1:]):
+            out += token * image.num_tokens + piece
+        return out
+
+    def encode(
+        self,
+        messages: Sequence[dict[str, str]],
+        images: Sequence[ImageInput],
+        where: str,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[int]:
+        """The prompt's token ids with the generation prompt, image tokens expanded."""
+        text = self.render(messages, images, where, chat_template_kwargs)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
