@@ -174,3 +174,84 @@ class ImagePrompts:
         """The prompt's token ids with the generation prompt, image tokens expanded."""
         text = self.render(messages, images, where, chat_template_kwargs)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def data_url_bytes(url: str, where: str, allowed_local_media_path: str | Path | None = None) -> bytes:
+    """The image an ``image_url`` names: a ``data:`` URL (base64), or a local file (a path or ``file://``
+    URL) only inside ``allowed_local_media_path`` (vLLM's rule); never a network fetch."""
+    import base64
+    import binascii
+    from urllib.parse import unquote, urlparse
+
+    if url.startswith("data:"):
+        header, _, payload = url.partition(",")
+        if not header.endswith(";base64"):
+            raise InputError(f"{where}: a data: URL image must be base64 (data:image/png;base64,...)")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise InputError(f"{where}: the data: URL is not valid base64 ({e})") from e
+    parsed = urlparse(url)
+    if parsed.scheme in ("http", "https", "ftp", "s3", "gs"):
+        raise InputError(
+            f"{where}: image URLs are not fetched ({parsed.scheme}://...); send the image as a data: URL"
+        )
+    if allowed_local_media_path is None:
+        raise InputError(
+            f"{where}: local image paths are refused unless the server runs with --allowed-local-media-path; "
+            "send the image as a data: URL"
+        )
+    path = Path(unquote(parsed.path) if parsed.scheme == "file" else url).expanduser().resolve()
+    allowed = Path(allowed_local_media_path).expanduser().resolve()
+    if not path.is_relative_to(allowed):
+        raise InputError(f"{where}: {path} is outside --allowed-local-media-path {allowed}")
+    if not path.is_file():
+        raise InputError(f"{where}: image file not found: {path}")
+    return path.read_bytes()
+
+
+def content_text(content: list, where: str, images: list[Any]) -> str:
+    """OpenAI / TRL content parts -> text with an ``<image>`` marker per image part. For each marker,
+    ``images`` gets the image the part carries (``image_url`` with a ``data:`` URL, or TRL's
+    ``{"type": "image", "image": bytes or path}``) or None (``{"type": "image"}``: the row's next image)."""
+    text = ""
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            text += part["text"]
+        elif kind == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str):
+                raise InputError(f"{where}[{i}]: an image_url part needs image_url.url, got {part!r:.200}")
+            text += IMAGE_MARKER
+            images.append(data_url_bytes(url, f"{where}[{i}]"))
+        elif kind == "image":
+            text += IMAGE_MARKER
+            images.append(part.get("image"))
+        else:
+            raise InputError(
+                f"{where}[{i}]: a content part must be {{'type': 'text', 'text': ...}}, {{'type': 'image'}} or "
+                f"{{'type': 'image_url', 'image_url': {{'url': 'data:...'}}}}; got {part!r:.200}"
+            )
+    return text
+
+
+def row_images(inline: list[Any], column: Any, where: str, image_key: str) -> list[Any]:
+    """A prompt's images in marker order: each marker's own image, or else the next of the row's
+    ``image_key`` column; the counts must agree."""
+    if column is None:
+        column = []
+    if not isinstance(column, list | tuple | np.ndarray):
+        raise InputError(
+            f"{where}: field {image_key!r} must be a list of images, got {type(column).__name__}"
+        )
+    column = list(column)
+    wanted = sum(image is None for image in inline)
+    if wanted != len(column):
+        raise InputError(
+            f"{where}: the prompt has {wanted} {IMAGE_MARKER} placeholder(s) for the {image_key!r} column but the row "
+            f"has {len(column)} image(s) there; put one {IMAGE_MARKER} where each image goes"
+        )
+    taken = iter(column)
+    return [next(taken) if image is None else image for image in inline]

@@ -162,3 +162,28 @@ def image_token_keys(
             )
         keys[r, columns] = torch.tensor(numbers, dtype=torch.long)
     return keys
+
+
+# the score given to tokens a policy never writes: finite, so softmax gives them 0 and entropy stays finite
+UNWRITTEN = -1e9
+
+
+def placeholder_token_ids(config: Any) -> list[int]:
+    """The image (and video) placeholder tokens of a vision-language model, [] for a text model: a policy
+    never writes them (a sampled placeholder would be taken for an image without one in every later pass)."""
+    if vision_family(config) is None:
+        return []
+    return [
+        int(i)
+        for i in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None))
+        if i is not None
+    ]
+
+
+def without_placeholders(logits: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
+    """``logits`` ``(..., V)`` with the placeholder tokens' scores set to ``UNWRITTEN`` (out of place, so
+    gradients flow): the rollout samples from this distribution and the trainer scores with it."""
+    if not token_ids:
+        return logits
+    index = torch.tensor(list(token_ids), device=logits.device)
+    return logits.index_fill(-1, index, UNWRITTEN)

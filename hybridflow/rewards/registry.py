@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hybridflow.rewards import arithmetic, calculator, countdown, gsm8k, math_answer
+from hybridflow.rewards import arithmetic, calculator, countdown, gsm8k, math_answer, shapes
 from hybridflow.utils.errors import MissingInputError, UserError
 
 Score = float | dict[str, Any]
@@ -20,6 +20,7 @@ RULE_SCORERS: dict[str, Callable[..., Score]] = {
     "arithmetic": arithmetic.compute_score,
     "countdown": countdown.compute_score,
     "calculator": calculator.compute_score,
+    "shapes": shapes.compute_score,
 }
 
 

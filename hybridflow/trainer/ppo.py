@@ -38,7 +38,7 @@ from hybridflow.trainer.metrics import (
 from hybridflow.trainer.replay import ActorReplay
 from hybridflow.trainer.two_stage_reward import TwoStageRewardFn
 from hybridflow.trainer.worker_groups import WorkerGroups, build_worker_groups
-from hybridflow.workers.modeling import load_tokenizer
+from hybridflow.workers.modeling import load_image_prompts, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +60,10 @@ class PPOTrainer(RunLoop):
     ) -> None:
         self.config = config = config.validate()  # resolved and checked
         super().__init__(config.trainer, config.to_dict(), worker_groups)
-        self.tokenizer = load_tokenizer(
-            config.actor_rollout_ref.model.path, config.actor_rollout_ref.model.trust_remote_code
-        )
+        model = config.actor_rollout_ref.model
+        self.tokenizer = load_tokenizer(model.path, model.trust_remote_code)
+        # a vision-language model's image processing (None for a text model): the datasets read images with it
+        self.processor = load_image_prompts(model.path, self.tokenizer, model.trust_remote_code)
         data = config.data
         self.train_loader = PromptLoader(
             self._dataset(data.train_files), data.train_batch_size, shuffle=data.shuffle, seed=data.seed
@@ -119,6 +120,8 @@ class PPOTrainer(RunLoop):
             filter_overlong_prompts=d.filter_overlong_prompts,
             apply_chat_template=d.apply_chat_template,
             chat_template_kwargs=kwargs,
+            processor=self.processor,
+            image_key=d.image_key,
         )
 
     def _sft_loader(self, data: Any) -> PromptLoader:

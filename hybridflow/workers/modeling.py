@@ -24,6 +24,7 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -31,13 +32,17 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
+from hybridflow.data.images import ImagePrompts
 from hybridflow.models import resolve_model_path
 from hybridflow.models.vision import (
     IMAGES,
     ImageInput,
     image_token_keys,
     model_image_inputs,
+    placeholder_token_ids,
+    vision_family,
     vision_positions,
+    without_placeholders,
 )
 from hybridflow.protocol import DataProto
 from hybridflow.utils.errors import MissingInputError
@@ -87,6 +92,19 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
     return tokenizer
 
 
+def load_image_prompts(
+    path: str, tokenizer: PreTrainedTokenizerBase, trust_remote_code: bool = False
+) -> ImagePrompts | None:
+    """A vision-language model's image processing (``ImagePrompts``), or None for a text model."""
+    return ImagePrompts.from_pretrained(model_location(path), tokenizer, trust_remote_code)
+
+
+def is_vision_language(path: str, trust_remote_code: bool = False) -> bool:
+    """Whether the model at ``path`` is of a registered vision-language family."""
+    config = AutoConfig.from_pretrained(model_location(path), trust_remote_code=trust_remote_code)
+    return vision_family(config) is not None
+
+
 def load_model(
     path: str,
     device: torch.device,
@@ -107,7 +125,12 @@ def load_model(
     like an error; any *other* missing weight is still reported as a warning.
 
     ``on_meta``: build the model from its config on the meta device, reading no weights (a sharded rank
-    that receives its shards from rank 0, ``sharding.shard_module``); it stays there, ``device`` unused."""
+    that receives its shards from rank 0, ``sharding.shard_module``); it stays there, ``device`` unused.
+
+    A vision-language checkpoint (a registered family, ``hybridflow.models.vision``) asked for as a causal LM
+    loads as ``AutoModelForImageTextToText``: the same next-token logits, with its vision tower."""
+    if auto_cls is AutoModelForCausalLM and is_vision_language(path, trust_remote_code):
+        auto_cls = AutoModelForImageTextToText
     if on_meta:
         config = AutoConfig.from_pretrained(
             model_location(path), trust_remote_code=trust_remote_code, **kwargs
@@ -295,7 +318,7 @@ def response_log_probs(
     enabled, and through the entropy only with ``entropy_grad`` (an entropy bonus): a metric-only entropy
     keeps no graph. ``share_prompt``: shared runs of tokens computed once (see ``response_outputs``)."""
     logits, real = response_outputs(model, data, share_prompt)
-    logits = logits.float()
+    logits = without_placeholders(logits.float(), placeholder_token_ids(model.config))
     if temperature != 1.0:
         logits = logits / temperature
     labels = data.batch["responses"][real].to(logits.device)

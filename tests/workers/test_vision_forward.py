@@ -9,7 +9,6 @@ from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from hybridflow.data.images import ImagePrompts, decode_image
 from hybridflow.data.offline import Sample, collate_samples
-from hybridflow.models.vision import model_image_inputs
 from hybridflow.workers.modeling import image_inputs, response_log_probs
 from hybridflow.workers.packing import MicroBatching, batched, pack_prefix_tree
 
@@ -50,21 +49,6 @@ def image_batch(folder):
     return samples, collate_samples(samples, tokenizer.pad_token_id)
 
 
-def row_by_row(model, samples):
-    """Each row alone through the model's own forward (its positions computed by the model), summed
-    log-probs of its response: (bs, L) and the rows' log-probs."""
-    out = []
-    for s in samples:
-        ids = torch.tensor([s.prompt + s.response])
-        kwargs = model_image_inputs(list(s.images), "cpu")
-        if s.images and "image_grid_thw" in kwargs:
-            kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
-        logits = model(input_ids=ids, **kwargs).logits[0].float().log_softmax(-1)
-        positions = torch.arange(len(s.prompt) - 1, len(s.prompt) - 1 + len(s.response))
-        out.append(logits[positions, torch.tensor(s.response)])
-    return out
-
-
 def as_rows(log_probs, samples):
     return [log_probs[i, : len(s.response)] for i, s in enumerate(samples)]
 
@@ -76,11 +60,11 @@ def family_model(request, tiny_vlm):
     return request.param, folder, model
 
 
-def test_log_probs_of_image_rows_match_a_plain_forward_row_by_row(family_model):
+def test_log_probs_of_image_rows_match_a_plain_forward_row_by_row(family_model, plain_log_probs):
     family, folder, model = family_model
     samples, data = image_batch(folder)
+    expected = plain_log_probs(model, data)
     with torch.no_grad():
-        expected = row_by_row(model, samples)
         runs = {
             "packed": response_log_probs(model, data, share_prompt=True)[0],
             "unpacked": response_log_probs(model, data, share_prompt=False)[0],
@@ -98,9 +82,8 @@ def test_log_probs_of_image_rows_match_a_plain_forward_row_by_row(family_model):
     green = ImagePrompts.from_pretrained(folder, AutoTokenizer.from_pretrained(folder)).image_input(
         *picture((0, 255, 0))
     )
-    with torch.no_grad():
-        other = row_by_row(model, [Sample(samples[0].prompt, samples[0].response, [], images=(green,))])
-    assert not torch.allclose(other[0], expected[0], atol=1e-4)
+    other = collate_samples([Sample(samples[0].prompt, samples[0].response, [1], images=(green,))], 0)
+    assert not torch.allclose(plain_log_probs(model, other)[0], expected[0], atol=1e-4)
 
 
 def test_packing_encodes_a_shared_image_once(family_model):
@@ -120,7 +103,7 @@ def test_packing_encodes_a_shared_image_once(family_model):
     assert int(data.batch["attention_mask"].sum()) > packed.input_ids.shape[1]
 
 
-def test_gradients_of_image_rows_match_row_by_row(family_model):
+def test_gradients_of_image_rows_match_row_by_row(family_model, plain_log_probs):
     family, folder, model = family_model
     samples, data = image_batch(folder)
     weights = torch.linspace(0.5, 1.5, data.batch["responses"].shape[1])
@@ -130,7 +113,7 @@ def test_gradients_of_image_rows_match_row_by_row(family_model):
         loss.backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    expected = grads(sum((lp * weights[: len(lp)]).sum() for lp in row_by_row(model, samples)))
+    expected = grads(sum((lp * weights[: len(lp)]).sum() for lp in plain_log_probs(model, data, grad=True)))
     for share in (True, False):
         log_probs, _ = response_log_probs(model, data, share_prompt=share)
         got = grads((log_probs * weights * data.batch["response_mask"]).sum())
