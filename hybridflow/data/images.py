@@ -29,11 +29,19 @@ from hybridflow.models.vision import ImageInput, vision_family
 from hybridflow.utils.errors import InputError
 
 IMAGE_MARKER = "<image>"
+# what a saved processor consists of besides the tokenizer (which saves itself)
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.json",
+    "chat_template.jinja",
+)
 
 
 def decode_image(value: Any, where: str, base_dir: str | Path | None = None) -> tuple[Any, bytes]:
-    """An image from a data row: ``{"bytes": ...}`` / ``{"path": ...}`` (the Hugging Face datasets layout
-    verl uses), raw bytes, a file path (relative paths from ``base_dir``, the data file's folder, else the
+    """An image from a data row: ``{"bytes": ...}`` (base64 text in JSON) / ``{"path": ...}`` (the Hugging Face
+    datasets layout verl uses), raw bytes, a file path (relative paths from ``base_dir``, the data file's folder, else the
     working folder) or a PIL image. Returns ``(RGB PIL image, encoded bytes)``; an image that cannot be
     read or decoded is an ``InputError`` naming ``where`` and why."""
     from PIL import Image, UnidentifiedImageError
@@ -43,6 +51,8 @@ def decode_image(value: Any, where: str, base_dir: str | Path | None = None) -> 
         value.convert("RGB").save(buffer, format="PNG")
         return value.convert("RGB"), buffer.getvalue()
     if isinstance(value, dict):
+        if isinstance(value.get("bytes"), str):  # JSON has no bytes: base64 text
+            value = {"bytes": _base64(value["bytes"], where)}
         value = value.get("bytes") or value.get("path")
     if isinstance(value, str):
         path = Path(value).expanduser()
@@ -62,6 +72,16 @@ def decode_image(value: Any, where: str, base_dir: str | Path | None = None) -> 
     except (UnidentifiedImageError, OSError, ValueError) as e:
         raise InputError(f"{where}: the image cannot be decoded ({e})") from e
     return image.convert("RGB"), bytes(value)
+
+
+def _base64(text: str, where: str) -> bytes:
+    import base64
+    import binascii
+
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise InputError(f"{where}: the image's bytes are not valid base64 ({e})") from e
 
 
 def marker_count(messages: Sequence[dict[str, str]]) -> int:
@@ -93,7 +113,7 @@ class ImagePrompts:
     ``tokenizer``: the model's (its chat template renders image parts); ``image_processor``: the model's
     (``AutoImageProcessor``); ``config``: the model config (its ``model_type`` picks the family)."""
 
-    def __init__(self, tokenizer: Any, image_processor: Any, config: Any) -> None:
+    def __init__(self, tokenizer: Any, image_processor: Any, config: Any, source: str | None = None) -> None:
         family = vision_family(config)
         if family is None:
             raise InputError(f"model type {config.model_type!r} is not a registered vision-language family")
@@ -104,6 +124,19 @@ class ImagePrompts:
             family,
         )
         self.image_token_id = int(config.image_token_id)
+        self.source = source  # the model folder the processor's files came from
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        """The processor's files as the model folder has them (``AutoProcessor`` reads them; the tokenizer is
+        saved on its own), so a checkpoint is a complete vision-language model folder."""
+        import shutil
+
+        if self.source is None:
+            self.image_processor.save_pretrained(folder)
+            return
+        for name in PROCESSOR_FILES:
+            if (Path(self.source) / name).is_file():
+                shutil.copyfile(Path(self.source) / name, Path(folder) / name)
 
     @classmethod
     def from_pretrained(
@@ -115,8 +148,14 @@ class ImagePrompts:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         if vision_family(config) is None:
             return None
-        processor = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-        return cls(tokenizer, processor, config)
+        try:
+            processor = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except OSError as e:
+            raise InputError(
+                f"{path}: a {config.model_type} model without its image processor (preprocessor_config.json); "
+                "copy the processor's files from the base model's folder"
+            ) from e
+        return cls(tokenizer, processor, config, path)
 
     def image_input(self, image: Any, data: bytes) -> ImageInput:
         """One decoded RGB image (``decode_image``) as the model takes it."""
@@ -179,18 +218,13 @@ class ImagePrompts:
 def data_url_bytes(url: str, where: str, allowed_local_media_path: str | Path | None = None) -> bytes:
     """The image an ``image_url`` names: a ``data:`` URL (base64), or a local file (a path or ``file://``
     URL) only inside ``allowed_local_media_path`` (vLLM's rule); never a network fetch."""
-    import base64
-    import binascii
     from urllib.parse import unquote, urlparse
 
     if url.startswith("data:"):
         header, _, payload = url.partition(",")
         if not header.endswith(";base64"):
             raise InputError(f"{where}: a data: URL image must be base64 (data:image/png;base64,...)")
-        try:
-            return base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError) as e:
-            raise InputError(f"{where}: the data: URL is not valid base64 ({e})") from e
+        return _base64(payload, where)
     parsed = urlparse(url)
     if parsed.scheme in ("http", "https", "ftp", "s3", "gs"):
         raise InputError(

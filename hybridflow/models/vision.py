@@ -32,11 +32,15 @@ class VisionFamily:
     """How one model family takes images. ``image_token``: the placeholder token repeated once per image
     feature; ``keys``: the image processor's outputs the forward takes (concatenated along dim 0 over the
     batch's images); ``tokens``: an image's placeholder count from its arrays and the model config;
-    ``mrope``: Qwen's 3-D rotary positions (``get_rope_index``)."""
+    ``mrope``: Qwen's 3-D rotary positions (``get_rope_index``); ``tower``: the vision tower's module name and
+    ``projector`` the names of its modules that map its features into the language model (trained when the
+    tower is frozen)."""
 
     image_token: str
     keys: tuple[str, ...]
     tokens: Callable[[dict[str, np.ndarray], Any], int]
+    tower: str
+    projector: tuple[str, ...] = ()
     mrope: bool = False
 
 
@@ -52,12 +56,20 @@ def _llava_tokens(arrays: dict[str, np.ndarray], config: Any) -> int:
     return (height // patch) * (width // patch) + (config.vision_feature_select_strategy == "full")
 
 
-_QWEN = VisionFamily("<|image_pad|>", ("pixel_values", "image_grid_thw"), _qwen_tokens, mrope=True)
+_QWEN = VisionFamily(
+    "<|image_pad|>",
+    ("pixel_values", "image_grid_thw"),
+    _qwen_tokens,
+    tower="visual",
+    projector=("merger", "deepstack_merger_list"),
+    mrope=True,
+)
 VISION_FAMILIES: dict[str, VisionFamily] = {
     "qwen2_vl": _QWEN,
     "qwen2_5_vl": _QWEN,
     "qwen3_vl": _QWEN,
-    "llava": VisionFamily("<image>", ("pixel_values",), _llava_tokens),
+    # LLaVA's projector (multi_modal_projector) sits beside its tower
+    "llava": VisionFamily("<image>", ("pixel_values",), _llava_tokens, tower="vision_tower"),
 }
 
 
@@ -187,3 +199,32 @@ def without_placeholders(logits: torch.Tensor, token_ids: Sequence[int]) -> torc
         return logits
     index = torch.tensor(list(token_ids), device=logits.device)
     return logits.index_fill(-1, index, UNWRITTEN)
+
+
+def freeze_vision_tower(model: torch.nn.Module) -> int:
+    """Fix the vision tower's weights (``requires_grad`` off), its projector excepted: the language model and
+    the projector train (verl's ``freeze_vision_tower``). Returns how many parameters were frozen; 0 for a
+    text model."""
+    family = vision_family(_base_config(model))
+    if family is None:
+        return 0
+    frozen = 0
+    for name, parameter in model.named_parameters():
+        parts = name.split(".")
+        if family.tower in parts and not set(family.projector) & set(parts):
+            parameter.requires_grad_(False)
+            frozen += parameter.numel()
+    return frozen
+
+
+def lora_targets(model: torch.nn.Module, targets: list[str] | str) -> list[str] | str:
+    """LoRA's target modules for ``model``: for a vision-language model asked for ``all-linear``, every linear
+    layer of its language model (the vision tower and projector keep their weights, as the base does); other
+    targets as given."""
+    if vision_family(_base_config(model)) is None or targets != "all-linear":
+        return targets
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and "language_model" in name.split(".")
+    ]

@@ -25,6 +25,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
+    AutoModelForTokenClassification,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -128,9 +129,14 @@ def load_model(
     that receives its shards from rank 0, ``sharding.shard_module``); it stays there, ``device`` unused.
 
     A vision-language checkpoint (a registered family, ``hybridflow.models.vision``) asked for as a causal LM
-    loads as ``AutoModelForImageTextToText``: the same next-token logits, with its vision tower."""
-    if auto_cls is AutoModelForCausalLM and is_vision_language(path, trust_remote_code):
-        auto_cls = AutoModelForImageTextToText
+    loads as ``AutoModelForImageTextToText``: the same next-token logits, with its vision tower; asked for as
+    a one-label token classifier (the critic), as that with a value head for output layer (``value_head``)."""
+    vision = auto_cls in (AutoModelForCausalLM, AutoModelForTokenClassification)
+    vision = vision and is_vision_language(path, trust_remote_code)
+    value_head = vision and auto_cls is AutoModelForTokenClassification
+    if vision:
+        auto_cls, new_head = AutoModelForImageTextToText, None
+        kwargs.pop("num_labels", None)
     if on_meta:
         config = AutoConfig.from_pretrained(
             model_location(path), trust_remote_code=trust_remote_code, **kwargs
@@ -160,12 +166,31 @@ def load_model(
         finally:
             hf_logging.set_verbosity(verbosity)
         _report_new_head(model, sorted(info.get("missing_keys", [])), new_head, path)
+    if value_head:
+        model = with_value_head(model)
     if not on_meta:
         model = model.to(device)
     if disable_dropout:
         without_dropout(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def with_value_head(model: PreTrainedModel) -> PreTrainedModel:
+    """A vision-language model whose output layer is a fresh one-output linear head: its "logits" ``(bs, T,
+    1)`` are values, as a token classifier's are (transformers has no token-classification class for these
+    families). The head is initialised as transformers initialises a classifier head, and untied from the
+    embeddings."""
+    text = model.config.get_text_config()
+    old = model.lm_head.weight
+    head = torch.nn.Linear(text.hidden_size, 1, bias=True, device=old.device, dtype=old.dtype)
+    if old.device.type != "meta":
+        torch.nn.init.normal_(head.weight, std=getattr(text, "initializer_range", 0.02))
+        torch.nn.init.zeros_(head.bias)
+    model.lm_head = head
+    model.config.tie_word_embeddings = text.tie_word_embeddings = False
+    logger.info("the critic's value head starts from scratch (a linear layer in place of the output layer)")
     return model
 
 
@@ -221,6 +246,12 @@ def row_images(data: DataProto) -> list[Sequence[ImageInput]] | None:
     """Each row's images (``non_tensor_batch["image_inputs"]``), or None when no row has one."""
     column = data.non_tensor_batch.get(IMAGES)
     return list(column) if column is not None and any(len(images) for images in column) else None
+
+
+def image_column(data: DataProto) -> list[str]:
+    """``["image_inputs"]`` when ``data`` has the images column, else ``[]``: what a pass that selects its
+    columns keeps of the non-tensor ones."""
+    return [IMAGES] if IMAGES in data.non_tensor_batch else []
 
 
 def image_inputs(
