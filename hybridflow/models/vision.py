@@ -78,9 +78,9 @@ def register_vision_family(model_type: str, family: VisionFamily) -> None:
     VISION_FAMILIES[model_type] = family
 
 
-def vision_family(config: Any) -> VisionFamily | None:
-    """The family of a model config, or None for a text model."""
-    return VISION_FAMILIES.get(getattr(config, "model_type", None))
+def vision_family(hf_settings: Any) -> VisionFamily | None:
+    """The family of a Hugging Face model config, or None for a text model."""
+    return VISION_FAMILIES.get(getattr(hf_settings, "model_type", None))
 
 
 @dataclass(frozen=True, eq=False)
@@ -180,14 +180,15 @@ def image_token_keys(
 UNWRITTEN = -1e9
 
 
-def placeholder_token_ids(config: Any) -> list[int]:
-    """The image (and video) placeholder tokens of a vision-language model, [] for a text model: a policy
-    never writes them (a sampled placeholder would be taken for an image without one in every later pass)."""
-    if vision_family(config) is None:
+def placeholder_token_ids(hf_settings: Any) -> list[int]:
+    """The image (and video) placeholder tokens of a vision-language model (its Hugging Face config), [] for a
+    text model: a policy never writes them (a sampled placeholder would be taken for an image without one in
+    every later pass)."""
+    if vision_family(hf_settings) is None:
         return []
     return [
         int(i)
-        for i in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None))
+        for i in (getattr(hf_settings, "image_token_id", None), getattr(hf_settings, "video_token_id", None))
         if i is not None
     ]
 
