@@ -289,3 +289,15 @@ def row_images(inline: list[Any], column: Any, where: str, image_key: str) -> li
         )
     taken = iter(column)
     return [next(taken) if image is None else image for image in inline]
+
+
+def thumbnail(image: ImageInput, size: int = 96) -> str:
+    """A small PNG of ``image`` (at most ``size`` pixels a side) as a ``data:`` URL: what the run report shows
+    beside a validation sample's prompt."""
+    import base64
+
+    picture = image.pil()
+    picture.thumbnail((size, size))
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()

@@ -19,7 +19,9 @@ from tqdm.auto import tqdm
 from hybridflow.algorithms import apply_kl_penalty, compute_advantage, get_kl_controller
 from hybridflow.config.schema import PPOConfig
 from hybridflow.data import PromptLoader, RLHFDataset
+from hybridflow.data.images import thumbnail
 from hybridflow.data.sft import SFTDataset
+from hybridflow.models.vision import IMAGES
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RewardManager, default_compute_score, load_custom_reward_function
 from hybridflow.runs.tracking import Tracking
@@ -319,7 +321,8 @@ class PPOTrainer(RunLoop):
     def _show_generations(self, batch: DataProto, rewards: torch.Tensor, count: int) -> list[dict[str, Any]]:
         """Print the first ``count`` validation samples (question, answer, score): a look at what the
         numbers mean (``trainer.log_val_generations``). Returns them as ``{"index", "prompt", "response",
-        "score"}`` records."""
+        "score"}`` records, with ``images`` (thumbnails as ``data:`` URLs, for the report) when the prompt has
+        some."""
         samples = []
         for i in range(min(count, len(batch))):
             question = batch.non_tensor_batch["raw_prompt"][i][-1]["content"]
@@ -327,7 +330,10 @@ class PPOTrainer(RunLoop):
             answer = self.tokenizer.decode(batch.batch["responses"][i, :length], skip_special_tokens=True)
             score = rewards[i].sum().item()
             tqdm.write(f"[val step {self.global_step}] score {score:.3g} | {question!r} -> {answer!r}")
-            samples.append({"index": i, "prompt": question, "response": answer, "score": score})
+            sample = {"index": i, "prompt": question, "response": answer, "score": score}
+            if IMAGES in batch.non_tensor_batch and len(batch.non_tensor_batch[IMAGES][i]):
+                sample["images"] = [thumbnail(image) for image in batch.non_tensor_batch[IMAGES][i]]
+            samples.append(sample)
         return samples
 
     # ------------------------------------------------------------------ checkpoints

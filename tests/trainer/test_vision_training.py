@@ -71,8 +71,19 @@ def test_grpo_with_a_reference_saves_a_vlm_that_transformers_and_generate_load(
     shapes_dir, tiny_vlm, tmp_path, capsys
 ):
     folder = tiny_vlm("qwen2_vl")
-    steps = run(shapes_dir, folder, tmp_path, "actor_rollout_ref.actor.use_kl_loss=true")
+    steps = run(
+        shapes_dir,
+        folder,
+        tmp_path,
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "trainer.log_val_generations=2",
+    )
     assert all("actor/kl_loss" in row for row in steps)
+    # the report shows each validation sample's picture beside its prompt
+    assert cli(["report", str(tmp_path)]) == 0
+    page = (tmp_path / "report.html").read_text()
+    assert page.count("<img src='data:image/png;base64,") == 2 and "What colour is the shape?" in page
+    capsys.readouterr()
     saved = tmp_path / "global_step_2" / "actor" / "huggingface"
     model = AutoModelForImageTextToText.from_pretrained(saved)
     assert type(model).__name__ == "Qwen2VLForConditionalGeneration"
