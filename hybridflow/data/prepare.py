@@ -315,6 +315,9 @@ def _parser() -> argparse.ArgumentParser:
     shapes.add_argument("--test-size", type=int, default=100)
     shapes.add_argument("--question", choices=["colour", "count", "compare"], default="colour")
     shapes.add_argument("--image-size", type=int, default=56, help="picture side in pixels")
+    shapes.add_argument(
+        "--colours", default="red,green,blue", help="comma-separated colours the squares are drawn in"
+    )
     shapes.add_argument("--format", choices=["rl", "sft", "dpo"], default="rl")
 
     gsm = tasks.add_parser("gsm8k", parents=[common], help="grade-school math from a local JSONL copy")
@@ -358,8 +361,9 @@ def _arithmetic(args: argparse.Namespace) -> tuple[list[Row], list[Row]]:
 def _shapes(args: argparse.Namespace) -> tuple[list[Row], list[Row]]:
     from hybridflow.data import visual_task
 
+    colours = [c.strip() for c in args.colours.split(",") if c.strip()]
     splits = visual_task.shapes_splits(
-        args.train_size, args.test_size, args.seed, args.question, args.image_size
+        args.train_size, args.test_size, args.seed, args.question, args.image_size, colours
     )
     if args.format == "rl":
         return splits

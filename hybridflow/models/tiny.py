@@ -102,14 +102,27 @@ def _countdown_lines(rng: random.Random, count: int) -> list[str]:
     return lines
 
 
-def training_corpus() -> list[str]:
-    """The built-in text the tokenizer is trained on (deterministic, about 20 kB)."""
+# the visual task's words (``prepare-data shapes``), which the vision-language tokenizer also learns, so that a
+# one-word answer is one token: "blue" is 4 byte-pieces to the text tokenizer
+_VISION_LINES = [
+    "What colour is the shape? Reply with one word: red, green or blue. red green blue",
+    "How many shapes are in the picture? Reply with a number from 1 to 4. 1 2 3 4",
+    "Are there more red or more blue shapes? Reply with one word: red or blue. red blue",
+    "Which colour is it? The picture shows a square. Look at the image and answer.",
+    *["red", "green", "blue"],  # replies, which start a line: no leading space
+]
+
+
+def training_corpus(vision: bool = False) -> list[str]:
+    """The built-in text the tokenizer is trained on (deterministic, about 20 kB); ``vision``: with the
+    visual task's words."""
     rng = random.Random(0)
-    return _ENGLISH.splitlines() + _arithmetic_lines(rng, 150) + _countdown_lines(rng, 60)
+    lines = _ENGLISH.splitlines() + _arithmetic_lines(rng, 150) + _countdown_lines(rng, 60)
+    return lines + _VISION_LINES * 100 if vision else lines
 
 
 @functools.lru_cache(maxsize=4)
-def _trained_tokenizer_json(vocab_size: int) -> str:
+def _trained_tokenizer_json(vocab_size: int, vision: bool = False) -> str:
     """Train the byte-level BPE once per process and vocabulary size (training takes seconds)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -120,23 +133,24 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(training_corpus(), trainer=trainer)
+    tokenizer.train_from_iterator(training_corpus(vision), trainer=trainer)
     return tokenizer.to_str()
 
 
-def make_tiny_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast:
+def make_tiny_tokenizer(vocab_size: int = 1024, vision: bool = False) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer of at most `vocab_size` tokens with SmolLM2's special tokens.
 
     eos = pad = `<|im_end|>` (the end of an assistant turn), bos = `<|im_start|>`, unk =
     `<|endoftext|>`, as in SmolLM2-Instruct. The corpus bounds the number of merges, so the
-    vocabulary may come out a little smaller than asked; `len(tokenizer)` is the true size.
+    vocabulary may come out a little smaller than asked; `len(tokenizer)` is the true size. `vision`: trained
+    on the visual task's words too (the tiny vision-language models' tokenizer).
     """
     if vocab_size < 300:
         raise ValueError(
             f"vocab_size={vocab_size} is too small: 256 byte tokens and 3 special tokens come first"
         )
     return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json(vocab_size)),
+        tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json(vocab_size, vision)),
         bos_token=IM_START,
         eos_token=IM_END,
         pad_token=IM_END,
@@ -459,7 +473,7 @@ def make_tiny_vlm(
     if family not in TINY_VLMS:
         raise ValueError(f"unknown tiny VLM family {family!r}; known: {', '.join(TINY_VLMS)}")
     build, image_tokens, placeholder, processor_class = TINY_VLMS[family]
-    tokenizer = make_tiny_tokenizer()
+    tokenizer = make_tiny_tokenizer(vision=True)
     tokenizer.add_special_tokens({"additional_special_tokens": image_tokens})
     tokenizer.chat_template = vision_chat_template(placeholder)
     torch.manual_seed(seed)
