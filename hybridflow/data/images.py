@@ -244,10 +244,13 @@ def data_url_bytes(url: str, where: str, allowed_local_media_path: str | Path | 
     return path.read_bytes()
 
 
-def content_text(content: list, where: str, images: list[Any]) -> str:
+def content_text(
+    content: list, where: str, images: list[Any], allowed_local_media_path: str | Path | None = None
+) -> str:
     """OpenAI / TRL content parts -> text with an ``<image>`` marker per image part. For each marker,
-    ``images`` gets the image the part carries (``image_url`` with a ``data:`` URL, or TRL's
-    ``{"type": "image", "image": bytes or path}``) or None (``{"type": "image"}``: the row's next image)."""
+    ``images`` gets the image the part carries (``image_url`` with a ``data:`` URL, or a local file inside
+    ``allowed_local_media_path``; TRL's ``{"type": "image", "image": bytes or path}``) or None
+    (``{"type": "image"}``: the row's next image)."""
     text = ""
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -259,7 +262,7 @@ def content_text(content: list, where: str, images: list[Any]) -> str:
             if not isinstance(url, str):
                 raise InputError(f"{where}[{i}]: an image_url part needs image_url.url, got {part!r:.200}")
             text += IMAGE_MARKER
-            images.append(data_url_bytes(url, f"{where}[{i}]"))
+            images.append(data_url_bytes(url, f"{where}[{i}]", allowed_local_media_path))
         elif kind == "image":
             text += IMAGE_MARKER
             images.append(part.get("image"))
@@ -301,3 +304,13 @@ def thumbnail(image: ImageInput, size: int = 96) -> str:
     buffer = io.BytesIO()
     picture.save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def data_url(image: ImageInput) -> str:
+    """``image``'s encoded bytes as a ``data:`` URL (what an agent puts in an ``image_url`` part)."""
+    import base64
+
+    from PIL import Image
+
+    kind = (Image.open(io.BytesIO(image.data)).format or "png").lower()
+    return f"data:image/{kind};base64," + base64.b64encode(image.data).decode()

@@ -11,6 +11,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from hybridflow.data.images import ImagePrompts
 from hybridflow.serving.server import PolicyServer
 from hybridflow.workers.rollout import HFRollout
 
@@ -30,6 +31,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--name", default=None, help="model id in /v1/models (default: the folder's name)")
     parser.add_argument("--max-tokens", type=int, default=512, help="most tokens a call may generate")
     parser.add_argument("--batch-window-ms", type=float, default=2.0, help="how long a call waits for others")
+    parser.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="a folder whose image files chat calls may name in image_url parts (a vision-language model; "
+        "otherwise only data: URLs; URLs on the network are never fetched)",
+    )
     return parser
 
 
@@ -60,6 +67,8 @@ def main(argv: list[str], load: Callable[[str], tuple[Any, Any]], rollout_config
         max_model_len=limit,
         window_s=args.batch_window_ms / 1000,
         weight_version=lambda: version,
+        processor=ImagePrompts.from_pretrained(folder, tokenizer) if os.path.isdir(folder) else None,
+        allowed_local_media_path=args.allowed_local_media_path,
     )
 
     async def serve() -> None:

@@ -3,7 +3,8 @@
 ``generate_sequences`` (the rollout contract, so the trainer's step is unchanged) starts a
 ``PolicyServer`` over the worker's rollout engine once, then runs the user's
 ``async def run(client, sample) -> float | dict`` for ``n`` sessions per prompt, all at once, each with
-a client whose base URL names its session. The batch comes from what the server sampled for each
+a client whose base URL names its session (``sample["images"]``: the row's pictures as ``data:`` URLs, for
+``image_url`` parts; a vision-language policy then trains on the images its calls sent). The batch comes from what the server sampled for each
 session (``sessions.sequences``): calls that continue each other token for token form one row with the
 tokens between them masked out of ``response_mask``, other calls rows of their own; every row of a
 session carries the session's reward (``agent_reward``), which ``SessionRewards`` puts on its last token.
@@ -24,6 +25,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from hybridflow.data.dataset import left_pad
+from hybridflow.data.images import ImagePrompts, data_url
+from hybridflow.models.vision import IMAGES
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import load_custom_reward_function
 from hybridflow.serving.server import PolicyServer
@@ -60,6 +63,7 @@ class ServedRollout:
         config: Any,
         response_length: int,
         weight_version: Callable[[], int] = lambda: 0,
+        processor: ImagePrompts | None = None,
     ) -> None:
         served_agent = config.served_agent
         self.run = load_custom_reward_function(served_agent.path, served_agent.name, key=AGENT_KEY)
@@ -76,6 +80,7 @@ class ServedRollout:
             max_tokens_limit=response_length,
             window_s=served_agent.batch_window_ms / 1000,
             weight_version=weight_version,
+            processor=processor,
         )
         self.sampling = config  # the trainer's sampling, for calls that set none
         self._started = False
@@ -108,6 +113,8 @@ class ServedRollout:
             else {k: v[i] for k, v in rows.non_tensor_batch.items()}
             for i in range(len(rows))
         ]
+        for sample in samples:  # the row's pictures as the agent sends them: image_url parts
+            sample["images"] = [data_url(image) for image in sample.pop(IMAGES, ())]
         names = [f"s{uuid.uuid4().hex[:12]}" for _ in samples]
         batches_before = len(self.server.batcher.batch_sizes)
         results = asyncio.run(self._sessions(names, samples))
@@ -167,6 +174,11 @@ class ServedRollout:
         for r, i in enumerate(owners):
             columns["agent_extra"][r] = results[i][1]
         columns["session_samples"] = np.array([len(per_session[i]) for i in owners], dtype=object)
+        columns.pop(IMAGES, None)  # a row's images are those its calls sent, not its data row's
+        if any(s.images for s in flat):
+            columns[IMAGES] = np.empty(len(flat), dtype=object)
+            for r, s in enumerate(flat):
+                columns[IMAGES][r] = s.images
         out = DataProto.from_dict(
             {k: torch.stack([p[k] for p in prompt_rows]) for k in prompt_rows[0]}, columns
         )

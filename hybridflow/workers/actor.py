@@ -77,7 +77,8 @@ class ActorRolloutRefWorker(Worker):
     (``actor_rollout``, ``actor_rollout_ref``, ``ref``, ``rollout``...); ``device``: ``trainer.device``;
     ``announce``: print one line per generation (``[rollout] generated ...``); ``rollout_mode``: wraps the
     rollout engine, called as ``rollout_mode(engine, tokenizer, rollout_config, response_length,
-    weight_version)`` (a mode from a later layer, e.g. ``hybridflow.serving.ServedRollout``)."""
+    weight_version, processor=...)`` (a mode from a later layer, e.g. ``hybridflow.serving.ServedRollout``;
+    ``processor``: a vision-language model's image processing, else None)."""
 
     def __init__(
         self,
@@ -168,7 +169,12 @@ class ActorRolloutRefWorker(Worker):
                 self.mailbox = WeightMailbox(self._load_weights)
             if self.rollout_mode is not None:
                 self.rollout = self.rollout_mode(
-                    self.rollout, self.tokenizer, rollout, self.response_length, self.weight_version
+                    self.rollout,
+                    self.tokenizer,
+                    rollout,
+                    self.response_length,
+                    self.weight_version,
+                    processor=self.processor,
                 )
         if self._is_ref and not (self.module is not None and is_lora(self.module)):
             strategy = resolve_strategy(ref.strategy, self.world_size, "actor_rollout_ref.ref.strategy")
