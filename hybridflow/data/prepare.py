@@ -318,7 +318,12 @@ def _parser() -> argparse.ArgumentParser:
     shapes.add_argument(
         "--colours", default="red,green,blue", help="comma-separated colours the squares are drawn in"
     )
-    shapes.add_argument("--format", choices=["rl", "sft", "dpo"], default="rl")
+    shapes.add_argument(
+        "--format",
+        choices=["rl", "sft", "dpo", "form"],
+        default="rl",
+        help="rl: prompts + ground truth; sft/dpo: TRL's formats; form: SFT on blank pictures, random answers",
+    )
 
     gsm = tasks.add_parser("gsm8k", parents=[common], help="grade-school math from a local JSONL copy")
     gsm.add_argument("--source", required=True, help="JSONL with 'question' and 'answer' ('... #### N')")
@@ -367,7 +372,7 @@ def _shapes(args: argparse.Namespace) -> tuple[list[Row], list[Row]]:
     )
     if args.format == "rl":
         return splits
-    return tuple(visual_task.offline_rows(rows, args.format, args.seed) for rows in splits)
+    return tuple(visual_task.offline_rows(rows, args.format, args.seed, args.image_size) for rows in splits)
 
 
 _BUILDERS: dict[str, Callable[[argparse.Namespace], tuple[list[Row], list[Row]]]] = {

@@ -11,7 +11,8 @@ the `shapes` rule scorer checks (`hybridflow.rewards.shapes`). Questions (`--que
 Pictures are `--image-size` pixels square (56 by default: 4x4 patches of Qwen2-VL's 14 pixels, 4 image tokens
 on the tiny models), drawn from a seeded generator; no picture appears in both splits.
 `--format sft` writes `{prompt, response, images}` rows and `--format dpo` `{prompt, chosen, rejected,
-images}` (a wrong answer rejected), TRL's vision formats.
+images}` (a wrong answer rejected), TRL's vision formats; `--format form` SFT rows that teach only the answer's
+form: a blank picture answered with a random valid answer.
 """
 
 from __future__ import annotations
@@ -135,14 +136,23 @@ def wrong_answer(row: dict[str, Any], rng: random.Random) -> str:
     return rng.choice([c for c in choices if c != truth])
 
 
-def offline_rows(rows: list[dict[str, Any]], form: str, seed: int) -> list[dict[str, Any]]:
-    """The rows as SFT ``{prompt, response, images}`` or DPO ``{prompt, chosen, rejected, images}`` rows."""
+def _blank(size: int) -> bytes:
+    return _picture([], 1, size)
+
+
+def offline_rows(rows: list[dict[str, Any]], form: str, seed: int, size: int = 56) -> list[dict[str, Any]]:
+    """The rows as SFT ``{prompt, response, images}`` or DPO ``{prompt, chosen, rejected, images}`` rows;
+    ``form``: SFT rows that teach only the answer's form, a blank picture answered with a random valid answer
+    (what SFT before RL teaches in the README's example)."""
     rng = random.Random(seed)
     out = []
     for row in rows:
         keep = {k: row[k] for k in ("prompt", "images", "data_source", "extra_info")}
         truth = row["reward_model"]["ground_truth"]
-        if form == "sft":
+        if form == "form":
+            other = wrong_answer(row, rng)
+            out.append({**keep, "images": [{"bytes": _blank(size)}], "response": rng.choice([truth, other])})
+        elif form == "sft":
             out.append({**keep, "response": truth})
         else:
             out.append({**keep, "chosen": truth, "rejected": wrong_answer(row, rng)})

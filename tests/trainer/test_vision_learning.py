@@ -2,14 +2,9 @@
 answer's form (a colour word, then the end of the turn) without what the picture shows; GRPO on the real
 pictures then raises the held-out reward, which only reading the picture can do."""
 
-import io
 import json
-import random
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
-from PIL import Image
 
 from hybridflow.config.offline import SFTConfig, load_offline_config
 from hybridflow.data.prepare import main as prepare_data
@@ -17,17 +12,6 @@ from hybridflow.trainer import PPOTrainer, load_config
 from hybridflow.trainer.offline import OfflineTrainer
 
 COLOURS = ["red", "blue"]
-
-
-def blank_picture_rows(rows: list[dict], seed: int = 0) -> list[dict]:
-    """The task's prompts over a grey picture, answered with a random colour: the form, not the content."""
-    buffer = io.BytesIO()
-    Image.new("RGB", (56, 56), (128, 128, 128)).save(buffer, format="PNG")
-    rng = random.Random(seed)
-    return [
-        {"prompt": r["prompt"], "images": [{"bytes": buffer.getvalue()}], "response": rng.choice(COLOURS)}
-        for r in rows
-    ]
 
 
 @pytest.mark.learning
@@ -44,11 +28,9 @@ def test_sft_teaches_the_form_then_grpo_raises_the_held_out_reward(tiny_vlm, tmp
             "32",
         ]
     )
-    (tmp_path / "sft").mkdir()
-    train_rows = pq.read_table(tmp_path / "rl" / "train.parquet").to_pylist()
-    pq.write_table(
-        pa.Table.from_pylist(blank_picture_rows(train_rows[:32])), tmp_path / "sft" / "train.parquet"
-    )
+    # the form only: blank pictures, each answered with a random colour
+    form = ["--format", "form", "--colours", ",".join(COLOURS), "--train-size", "32", "--test-size", "1"]
+    prepare_data(["shapes", str(tmp_path / "sft"), *form])
     sft = load_offline_config(
         SFTConfig,
         [
