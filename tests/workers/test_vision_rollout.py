@@ -66,3 +66,33 @@ def test_sampled_log_probs_are_the_models_own_and_the_trainers(
     with torch.no_grad():
         trainer, _ = response_log_probs(model, out)
     assert (trainer - out.batch["rollout_log_probs"]).abs().max() < 1e-5
+
+
+class RecomputeAt:
+    """A ``WeightFeed`` whose ``at``-th refresh says new weights came (the same ones): the rollout then
+    recomputes the unfinished rows' cache, pictures and 3-D positions included."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.calls, self.version = at, 0, 0
+
+    def refresh(self) -> bool:
+        self.calls += 1
+        self.version = int(self.calls >= self.at)
+        return self.calls == self.at
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_a_cache_recomputed_in_flight_keeps_the_pictures(family, tiny_vlm, shapes_file, plain_log_probs):
+    folder = tiny_vlm(family)
+    tokenizer, prompts = image_prompts(folder, shapes_file)
+    model = load_model(folder, torch.device("cpu"), attn_implementation="sdpa").eval()
+    model.generation_config.eos_token_id = -1  # no row ends: every row is in flight at the recompute
+    engine = HFRollout(
+        model, tokenizer, RolloutConfig(n=2, do_sample=True, temperature=1.0, top_k=0), 8, seed=0
+    )
+    engine.weights = RecomputeAt(3)
+    out = engine.generate_sequences(prompts)
+    versions = out.batch["rollout_weight_versions"]
+    assert (versions[:, :3] == 0).all() and (versions[:, 3:] == 1).all()
+    for r, plain in enumerate(plain_log_probs(model, out)):
+        assert torch.allclose(out.batch["rollout_log_probs"][r], plain, atol=1e-5), (family, r)
