@@ -19,11 +19,9 @@ def _generate(argv: list[str]) -> int:
 
 
 def _serve(argv: list[str]) -> int:
-    from hybridflow.config.schema import RolloutConfig
-    from hybridflow.runs.trained_model import load_trained_actor
-    from hybridflow.serving.command import main
+    from hybridflow.commands.serve import main
 
-    return main(argv, load_trained_actor, RolloutConfig())
+    return main(argv)
 
 
 def _report(argv: list[str]) -> int:

@@ -33,7 +33,8 @@ TRUNCATION_MODES = ("error", "left", "right")
 @dataclass
 class PromptRow:
     """One validated row. `row` is its 0-based position in `file` (blank JSONL lines not counted);
-    `position` its position over all the dataset's files, before filtering."""
+    `position` its position over all the dataset's files, before filtering; `raw` the row as the file holds
+    it (every column, nested as written)."""
 
     file: str
     row: int
@@ -42,9 +43,10 @@ class PromptRow:
     data_source: str | None
     ground_truth: Any
     extra_info: dict
+    raw: dict
     images: list[Any] = field(
         default_factory=list
-    )  # as the row gives them (bytes, paths, dicts), in marker order
+    )  # as the row gives them (bytes, paths, dicts), marker order
 
 
 def read_rows(path: str | Path) -> list[dict]:
@@ -140,9 +142,8 @@ def parse_row(
     extra_info = raw.get("extra_info") or {}
     if not isinstance(extra_info, dict):
         raise InputError(f"{where}: field 'extra_info' must be an object, got {extra_info!r:.200}")
-    return PromptRow(
-        file, row, position, messages, data_source, reward_model.get("ground_truth"), extra_info, images
-    )
+    ground_truth = reward_model.get("ground_truth")
+    return PromptRow(file, row, position, messages, data_source, ground_truth, extra_info, raw, images)
 
 
 def render_prompt(
@@ -346,8 +347,9 @@ class RLHFDataset(Dataset):
     def __getitem__(self, idx: int) -> dict[str, Any]:
         """One prompt: `input_ids`, `attention_mask`, `position_ids` (each `(max_prompt_length,)`, left
         padded) plus `raw_prompt` (the messages, `<image>` markers in place), `data_source`, `ground_truth`,
-        `extra_info` and `index` (extra_info["index"] when the row has one, else the row's position over all
-        files); with a vision-language processor, `image_inputs` (the row's images, maybe none)."""
+        `extra_info`, `index` (extra_info["index"] when the row has one, else the row's position over all files)
+        and `data_row` (the row as the file holds it: what a served agent gets as its sample); with a
+        vision-language processor, `image_inputs` (the row's images, maybe none)."""
         row = self.rows[idx]
         item: dict[str, Any] = left_pad(
             self.prompt_ids[idx], self.max_prompt_length, self.tokenizer.pad_token_id
@@ -358,6 +360,7 @@ class RLHFDataset(Dataset):
             ground_truth=row.ground_truth,
             extra_info=row.extra_info,
             index=row.extra_info.get("index", row.position),
+            data_row=row.raw,
         )
         if self.processor is not None:
             where = f"{row.file}: row {row.row}"

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from hybridflow.rewards import arithmetic, calculator, countdown, gsm8k, math_answer, shapes
-from hybridflow.utils.errors import MissingInputError, UserError
+from hybridflow.utils.errors import UserError
+from hybridflow.utils.user_code import load_user_function
 
 Score = float | dict[str, Any]
 RULE_SCORERS: dict[str, Callable[..., Score]] = {
@@ -37,28 +37,7 @@ def default_compute_score(
     return scorer(solution_str, ground_truth, extra_info)
 
 
-def load_custom_reward_function(
-    path: str | Path, name: str = "compute_score", key: str = "custom_reward_function"
-) -> Callable[..., Score]:
-    """The function `name` from the Python file `path`, called like `default_compute_score`; `key` is the
-    config section that names it (errors name its `.path` and `.name`; the served agent loads its function
-    the same way).
-
-    The module is not added to `sys.modules`: cloudpickle then ships the function by value, so
-    Ray workers that cannot import the user's file still get it.
-    """
-    path, what = Path(path), "reward file" if key == "custom_reward_function" else "file"
-    if not path.is_file():
-        raise MissingInputError(f"{key}.path: {what} not found: {path}")
-    spec = importlib.util.spec_from_file_location(f"hybridflow_custom_reward_{path.stem}", path)
-    if spec is None or spec.loader is None:
-        raise UserError(f"{key}.path: cannot load {path} as a Python module (is it a .py file?)")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    fn = getattr(module, name, None)
-    if fn is None:
-        defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise UserError(f"{key}.name: {path} has no function {name!r}; it defines {defined}")
-    if not callable(fn):
-        raise UserError(f"{key}.name: {name!r} in {path} is a {type(fn).__name__}, not a function")
-    return fn
+def load_custom_reward_function(path: str | Path, name: str = "compute_score") -> Callable[..., Score]:
+    """The reward function ``name`` from the Python file ``path`` (``custom_reward_function.path`` and
+    ``.name``), called like ``default_compute_score``."""
+    return load_user_function(path, name, "custom_reward_function", what="reward file")

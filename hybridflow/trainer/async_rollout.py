@@ -42,6 +42,7 @@ import torch
 
 from hybridflow.data import PromptLoader
 from hybridflow.protocol import DataProto
+from hybridflow.rollout import tag_weight_versions
 from hybridflow.single_controller import WorkerGroup
 from hybridflow.trainer.loop import endless
 
@@ -101,9 +102,7 @@ class SyncRollouts:
 
     def take(self, index: int, prompts: DataProto, metrics: dict[str, float], timings: Any) -> DataProto:
         batch = self.generator.generate_sequences(_with_meta(prompts, global_step=index))
-        mask = batch.batch["response_mask"]
-        batch.batch["rollout_weight_versions"] = torch.full_like(mask, index).masked_fill(mask == 0, -1)
-        return batch
+        return tag_weight_versions(batch, index)
 
     def generate_now(self, prompts: DataProto, version: int) -> DataProto:
         """A generation outside training (validation) with the trainer's current weights."""

@@ -24,8 +24,8 @@ from hybridflow.data.sft import SFTDataset
 from hybridflow.models.vision import IMAGES
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RewardManager, default_compute_score, load_custom_reward_function
+from hybridflow.rollout import rollout_scores
 from hybridflow.runs.tracking import Tracking
-from hybridflow.serving import SessionRewards
 from hybridflow.tools import load_tools
 from hybridflow.trainer.async_rollout import PromptStream, build_rollouts, stale_tokens
 from hybridflow.trainer.loop import RunLoop, endless
@@ -81,10 +81,7 @@ class PPOTrainer(RunLoop):
             score_fn = load_custom_reward_function(
                 config.custom_reward_function.path, config.custom_reward_function.name
             )
-        default_reward = RewardManager(self.tokenizer, score_fn)
-        if config.actor_rollout_ref.rollout.served_agent.path:
-            default_reward = SessionRewards()  # the agent's own return value is the reward
-        self.reward_fn = reward_fn or default_reward
+        self.reward_fn = reward_fn or RewardManager(self.tokenizer, score_fn)
         self.val_reward_fn = val_reward_fn or self.reward_fn
         if (
             config.reward_model.two_stage.enable
@@ -180,12 +177,13 @@ class PPOTrainer(RunLoop):
 
     # ------------------------------------------------------------------ one step, stage by stage
     def compute_reward(self, batch: DataProto, metrics: dict[str, float] | None = None) -> DataProto:
-        """``token_level_scores``: the reward model's when there is one, else the rule/custom scorer's
-        (with ``reward_model.two_stage``, the reward model's only on each group's best rows). The
-        ``metrics`` a ``reward_fn`` returns (e.g. ``reward/stage2_calls``) go into ``metrics``."""
+        """``token_level_scores``: the reward model's when there is one, the rollout's own when it scored its
+        samples (a served agent's return values), else the rule/custom scorer's (with
+        ``reward_model.two_stage``, the reward model's only on each group's best rows). The ``metrics`` a
+        ``reward_fn`` returns (e.g. ``reward/stage2_calls``) go into ``metrics``."""
         if self.wg.reward_model is not None and not self.config.reward_model.two_stage.enable:
             batch = batch.union(self.wg.reward_model.compute_rm_score(batch))
-        if "rm_scores" in batch.batch.keys():
+        if "rm_scores" in batch.batch.keys():  # the reward model's, or the rollout's (extras: its columns)
             scores, extra = batch.batch["rm_scores"], {}
         else:
             reward_worker = self.wg.reward
@@ -307,7 +305,7 @@ class PPOTrainer(RunLoop):
             )
             out = self.rollouts.generate_now(batch, self.global_step)
             agent.append(reduce_metrics(out.meta_info.pop("metrics", {})))
-            result = self.val_reward_fn(out, return_dict=True)
+            result = rollout_scores(out) or self.val_reward_fn(out, return_dict=True)
             rows.append((out, result))
         metrics = validation_metrics(rows, kw.n)
         metrics.update({f"val/{k}": reduce_metrics({k: [m[k] for m in agent]})[k] for k in agent[0]})

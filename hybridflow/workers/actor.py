@@ -9,7 +9,6 @@ sharded again after it). The reference policy is a second, frozen copy, loaded o
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,6 +27,14 @@ from hybridflow.algorithms import (
 from hybridflow.config import ActorRolloutRefConfig
 from hybridflow.models.vision import freeze_vision_tower
 from hybridflow.protocol import DataProto
+from hybridflow.rollout import (
+    EngineSpec,
+    Rollout,
+    RolloutEngine,
+    check_generation_batch,
+    is_tagged,
+    tag_weight_versions,
+)
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.checkpointing import load_worker_state, save_worker_state
 from hybridflow.workers.engine import DivergedError, TrainingEngine
@@ -40,7 +47,7 @@ from hybridflow.workers.modeling import (
     response_log_probs,
 )
 from hybridflow.workers.packing import MicroBatching, batched
-from hybridflow.workers.rollout import build_rollout, check_generation_batch
+from hybridflow.workers.rollout import build_rollout
 from hybridflow.workers.sharding import (
     agreed_count,
     gathered,
@@ -75,10 +82,10 @@ def _scalar(value: torch.Tensor | float) -> float:
 class ActorRolloutRefWorker(Worker):
     """``config``: the ``actor_rollout_ref`` config section; ``role``: roles joined by ``_``
     (``actor_rollout``, ``actor_rollout_ref``, ``ref``, ``rollout``...); ``device``: ``trainer.device``;
-    ``announce``: print one line per generation (``[rollout] generated ...``); ``rollout_mode``: wraps the
-    rollout engine, called as ``rollout_mode(engine, tokenizer, rollout_config, response_length,
-    weight_version, processor=...)`` (a mode from a later layer, e.g. ``hybridflow.serving.ServedRollout``;
-    ``processor``: a vision-language model's image processing, else None)."""
+    ``announce``: print one line per generation (``[rollout] generated ...``); ``rollout_engine``: the
+    rollout engine's class (default: the one registered as ``rollout.name`` in this process; the trainer
+    hands it over, so an engine registered in the driver is built in Ray's workers too). The rollout mode
+    (the agent loop, a served agent) follows from the rollout config (``build_rollout``)."""
 
     def __init__(
         self,
@@ -88,7 +95,7 @@ class ActorRolloutRefWorker(Worker):
         seed: int = 42,
         device: str = "auto",
         announce: bool = False,
-        rollout_mode: Callable[..., Any] | None = None,
+        rollout_engine: type[RolloutEngine] | None = None,
     ) -> None:
         super().__init__(device)
         unknown = [r for r in role.split("_") if r not in ROLES]
@@ -100,9 +107,10 @@ class ActorRolloutRefWorker(Worker):
         self.announce = (
             announce  # print what this worker did (a role in its own process, as the tutorial logs)
         )
-        self.module = self.ref_module = self.engine = self.rollout = None
+        self.module = self.ref_module = self.engine = None
+        self.rollout: Rollout | None = None
+        self.rollout_engine = rollout_engine
         self.mailbox: WeightMailbox | None = None  # a rollout-only worker's weight versions (async runs)
-        self.rollout_mode = rollout_mode
         self.weights_received = 0  # weight updates a rollout-only worker was sent
 
     def weight_version(self) -> int:
@@ -157,7 +165,7 @@ class ActorRolloutRefWorker(Worker):
             )
         if self._is_rollout:
             rollout = self.config.rollout
-            self.rollout = build_rollout(
+            spec = EngineSpec(
                 rollout,
                 self.module,
                 self.tokenizer,
@@ -165,17 +173,9 @@ class ActorRolloutRefWorker(Worker):
                 model_location(model_cfg.path),
                 (self.seed if rollout.seed is None else rollout.seed) + self.rank,
             )
+            self.rollout = build_rollout(spec, self.rollout_engine, self.weight_version)
             if not self._is_actor:
                 self.mailbox = WeightMailbox(self._load_weights)
-            if self.rollout_mode is not None:
-                self.rollout = self.rollout_mode(
-                    self.rollout,
-                    self.tokenizer,
-                    rollout,
-                    self.response_length,
-                    self.weight_version,
-                    processor=self.processor,
-                )
         if self._is_ref and not (self.module is not None and is_lora(self.module)):
             strategy = resolve_strategy(ref.strategy, self.world_size, "actor_rollout_ref.ref.strategy")
             module = load_model(
@@ -193,7 +193,7 @@ class ActorRolloutRefWorker(Worker):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         self._require(self.rollout, "rollout", "generate_sequences")
         check_generation_batch(prompts)
-        if "global_step" in prompts.meta_info and hasattr(self.rollout, "reseed"):
+        if "global_step" in prompts.meta_info:
             self.rollout.reseed(prompts.meta_info["global_step"])
         versioned = self.mailbox is not None and "weight_version" in prompts.meta_info
         if versioned:
@@ -212,12 +212,10 @@ class ActorRolloutRefWorker(Worker):
             ) from e
         finally:
             if versioned and self.mailbox.follow:
-                self.mailbox.follow, self.rollout.weights = False, None
-        if versioned and "rollout_weight_versions" not in out.batch.keys():
-            mask = out.batch["response_mask"]
-            out.batch["rollout_weight_versions"] = torch.full_like(mask, self.mailbox.version).masked_fill(
-                mask == 0, -1
-            )
+                self.mailbox.follow = False
+                self.rollout.follow_weights(None)
+        if versioned and not is_tagged(out):  # generated by one version from start to end
+            tag_weight_versions(out, self.mailbox.version)
         if self.announce:
             print(f"[rollout] generated {len(out)} responses for {len(prompts)} prompts", flush=True)
         return out
@@ -229,16 +227,17 @@ class ActorRolloutRefWorker(Worker):
         the engine take newer versions between decoding steps."""
         self.mailbox.use(meta["weight_version"], meta.get("keep_from"))
         if meta.get("follow_weights"):
-            if not hasattr(self.rollout, "weights"):
+            if not self.rollout.capabilities.follows_weights:
                 raise ValueError(
-                    f"a partial rollout needs an engine that swaps weights between decoding steps (hf, vllm); "
-                    f"{type(self.rollout).__name__} does not"
+                    "a partial rollout needs a rollout that takes new weights between decoding steps "
+                    f"(Capabilities.follows_weights: hf, vllm); {type(self.rollout).__name__} does not"
                 )
-            self.mailbox.follow, self.rollout.weights = True, self.mailbox
+            self.mailbox.follow = True
+            self.rollout.follow_weights(self.mailbox)
 
     def _load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         self.module.load_state_dict(dict(named))
-        if hasattr(self.rollout, "update_weights"):
+        if self.rollout.capabilities.own_weights:
             self.rollout.update_weights(named)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -252,7 +251,7 @@ class ActorRolloutRefWorker(Worker):
     def _sync_rollout(self) -> None:
         """After the actor's weights changed: a rollout engine with its own copy (vLLM) takes the new ones
         in memory; the Hugging Face rollout samples from the trained module itself and needs nothing."""
-        if self._is_actor and self.rollout is not None and hasattr(self.rollout, "update_weights"):
+        if self._is_actor and self.rollout is not None and self.rollout.capabilities.own_weights:
             self.rollout.update_weights(policy_weights(self.module))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

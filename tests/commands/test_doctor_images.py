@@ -14,10 +14,9 @@ def test_doctor_reports_image_tokens_of_a_vlm_dataset(tiny_vlm, tmp_path, capsys
         f"data.train_files={tmp_path / 'train.parquet'}",
         f"actor_rollout_ref.model.path={tiny_vlm('qwen2_vl')}",
         "algorithm.adv_estimator=grpo",
-        "data.max_prompt_length=60",
         f"trainer.default_local_dir={tmp_path / 'run'}",
     ]
-    assert cli(["doctor", "--json", *base]) == 1  # 16 image tokens a picture: every 64-token prompt too long
+    assert cli(["doctor", "--json", *base, "data.max_prompt_length=256"]) == 0
     checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
     dataset = checks["dataset"]
     assert dataset["data"]["image_tokens"] == {
@@ -25,6 +24,11 @@ def test_doctor_reports_image_tokens_of_a_vlm_dataset(tiny_vlm, tmp_path, capsys
         "p90": 16,
         "max": 16,
     }  # 112 px: 8x8 patches, 2x2 merged
-    assert dataset["data"]["max"] == 64 and "image tokens p50 16, p90 16, max 16" in dataset["detail"]
+    assert "image tokens p50 16, p90 16, max 16" in dataset["detail"]
     assert checks["model"]["verdict"] == "ok" and "qwen2_vl" in checks["model"]["detail"]
-    assert cli(["doctor", *base[:-2], "data.max_prompt_length=64", base[-1]]) == 0
+    # the image tokens are in the prompt length: a limit one token short drops every prompt
+    longest = dataset["data"]["max"]
+    assert cli(["doctor", "--json", *base, f"data.max_prompt_length={longest - 1}"]) == 1
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert "every prompt is longer than the limit" in checks["dataset"]["detail"]
+    assert longest - 16 > 0 and cli(["doctor", *base, f"data.max_prompt_length={longest}"]) == 0

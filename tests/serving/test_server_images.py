@@ -42,7 +42,13 @@ def media(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def vlm_server(tiny_vlm, media):
     process, url = start_server(
-        tiny_vlm("qwen2_vl"), "--max-tokens", "8", "--allowed-local-media-path", str(media)
+        tiny_vlm("qwen2_vl"),
+        "--max-tokens",
+        "8",
+        "--allowed-local-media-path",
+        str(media),
+        "--name",
+        "policy",
     )
     yield url
     stop(process)
@@ -79,7 +85,7 @@ def test_image_url_parts_reach_the_model_as_its_image_tokens(vlm_server, media, 
 def test_a_text_model_server_refuses_image_parts(tiny_model_path):
     import openai
 
-    process, url = start_server(tiny_model_path, "--max-tokens", "8")
+    process, url = start_server(tiny_model_path, "--max-tokens", "8", "--served-model-name", "policy")
     try:
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
         with pytest.raises(
@@ -96,10 +102,10 @@ AGENT = '''
 async def run(client, sample):
     """Show the row's picture, ask its question; reward by the shapes rule, and a varied text bonus."""
     question = sample["messages"][-1]["content"].replace("<image>", "")
-    content = [{"type": "image_url", "image_url": {"url": sample["images"][0]}}, {"type": "text", "text": question}]
+    content = [{"type": "image_url", "image_url": {"url": sample["image_urls"][0]}}, {"type": "text", "text": question}]
     reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": content}], max_tokens=4)
     text = reply.choices[0].message.content
-    return float(text.strip().startswith(sample["ground_truth"])) + sum(map(ord, text)) % 5 / 10
+    return float(text.strip().startswith(sample["reward_model"]["ground_truth"])) + sum(map(ord, text)) % 5 / 10
 '''
 
 

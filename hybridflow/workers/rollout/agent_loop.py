@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import uuid
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,11 +32,11 @@ from transformers import PreTrainedTokenizerBase
 
 from hybridflow.config import MultiTurnConfig
 from hybridflow.data.dataset import left_pad
-from hybridflow.models.vision import IMAGES
+from hybridflow.models.vision import IMAGES, ImageInput
 from hybridflow.protocol import DataProto
+from hybridflow.rollout import Capabilities, Rollout, attach_responses
+from hybridflow.rollout.chat_template import Messages, TemplateDelta
 from hybridflow.tools import BaseTool, ToolCall, ToolError, parse_tool_calls
-from hybridflow.workers.rollout.chat_template import Messages, TemplateDelta
-from hybridflow.workers.rollout.hf_rollout import attach_responses
 
 SAMPLING_OVERRIDES = ("do_sample", "temperature", "top_p", "top_k")
 
@@ -46,7 +47,7 @@ class Conversation:
 
     prompt_ids: list[int]
     messages: Messages
-    images: tuple[Any, ...] = ()  # the prompt's images (ImageInput), shown to the model in every turn
+    images: tuple[ImageInput, ...] = ()  # the prompt's images, shown to the model in every turn
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
@@ -61,21 +62,27 @@ class Conversation:
     truncated: bool = False
 
     def append(self, ids: list[int], from_model: bool, log_probs: list[float] | None = None) -> None:
+        """Tokens after the ones so far: the model's (trained on) or a tool's and the template's."""
         self.ids += ids
         self.mask += [int(from_model)] * len(ids)
         self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
 
     def finish(self, truncated: bool = False) -> None:
+        """End the conversation (``truncated``: a limit ended it, not the model)."""
         self.done, self.truncated = True, truncated
 
 
-class AgentLoop:
+class AgentLoop(Rollout):
     """``generate_sequences`` with tools; ``config`` is ``rollout.multi_turn`` (``max_assistant_turns``,
-    ``max_user_turns``, ``format``), ``tools`` maps the names the model calls to tool objects."""
+    ``max_user_turns``, ``format``), ``tools`` maps the names the model calls to tool objects.
+
+    A rollout mode over ``engine``: reseeding and the weights go to the engine (an engine with weights of its
+    own still gets every update); it does not follow weights while it generates (a turn's tools run between
+    engine calls, so a partial rollout has no step to swap them at)."""
 
     def __init__(
         self,
-        engine: Any,
+        engine: Rollout,
         tokenizer: PreTrainedTokenizerBase,
         config: MultiTurnConfig,
         response_length: int,
@@ -83,14 +90,19 @@ class AgentLoop:
     ) -> None:
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.response_length, self.tools = response_length, tools
-        self.eos_token_ids = set(engine.eos_token_ids)  # both engines say which ids end a turn
+        self.eos_token_ids = list(engine.eos_token_ids)  # the ids that end a turn
+        self.capabilities = Capabilities(own_weights=engine.capabilities.own_weights)
         self.template = TemplateDelta(tokenizer, [t.schema for t in tools.values()], tokenizer.eos_token_id)
 
-    # ------------------------------------------------------------------ the loop
     def reseed(self, step: int) -> None:
-        """The engine's ``reseed``, where it has one (``HFRollout``); the turns of a step draw on from it."""
-        if hasattr(self.engine, "reseed"):
-            self.engine.reseed(step)
+        """The engine's: the turns of a step draw on from it."""
+        self.engine.reseed(step)
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """The engine's (an engine with weights of its own still gets every update)."""
+        return self.engine.update_weights(weights)
+
+    # ------------------------------------------------------------------ the loop
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """In: as the engine's (``raw_prompt`` messages needed too); ``meta_info`` ``n`` and sampling keys.
