@@ -10,7 +10,7 @@ on the default model.
 Vision-language models (``make_tiny_vlm``, ``hybridflow make-tiny-model --vlm FAMILY``), because the real
 checkpoints (Qwen2-VL-2B and up) take minutes per operation on a CPU and cannot be downloaded
 here. A tiny model of the real architecture (the family's own ``*ForConditionalGeneration`` class, vision
-tower and projector included, a 2-layer language model of width 64) runs each forward in milliseconds, so
+tower and projector included, a 2-layer language model of width 64, a 2-block vision tower half as wide) runs each forward in milliseconds, so
 every path (rollout, scoring, packing, update, checkpoint) is tested on the very code a real checkpoint runs.
 
 Each folder holds the model, the tiny BPE tokenizer above with the family's image tokens added, a
@@ -350,7 +350,7 @@ def _qwen2_vl(tokenizer: PreTrainedTokenizerFast, hidden: int, layers: int) -> t
 
     config = Qwen2VLConfig(
         text_config=_text_config(tokenizer, hidden, layers, rope_parameters=_mrope(hidden)),
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=hidden, num_heads=2, mlp_ratio=2),
+        vision_config=dict(depth=2, embed_dim=hidden // 2, hidden_size=hidden, num_heads=2, mlp_ratio=2),
         tie_word_embeddings=True,
         **_qwen_ids(tokenizer),
     )
@@ -365,8 +365,8 @@ def _qwen2_5_vl(tokenizer: PreTrainedTokenizerFast, hidden: int, layers: int) ->
 
     vision = dict(
         depth=2,
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden // 2,
+        intermediate_size=hidden,
         num_heads=2,
         out_hidden_size=hidden,
         window_size=56,
@@ -390,8 +390,8 @@ def _qwen3_vl(tokenizer: PreTrainedTokenizerFast, hidden: int, layers: int) -> t
     rope = {**_mrope(hidden), "mrope_interleaved": True}
     vision = dict(
         depth=2,
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden // 2,
+        intermediate_size=hidden,
         num_heads=2,
         out_hidden_size=hidden,
         patch_size=16,
@@ -414,8 +414,8 @@ def _llava(tokenizer: PreTrainedTokenizerFast, hidden: int, layers: int) -> tupl
 
     vision = dict(
         model_type="clip_vision_model",
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden // 2,
+        intermediate_size=hidden,
         num_hidden_layers=2,
         num_attention_heads=2,
         image_size=32,
