@@ -268,14 +268,14 @@ def check_dataset(ctx: Context) -> Check:
         f"{what}; prompt tokens p50 {p50}, p90 {p90}, p99 {p99}, max {max(lengths)} vs "
         f"data.max_prompt_length {limit}; first prompt {first_text[-120:]!r}"
     )
-    if any(image_tokens):  # counted in the prompt tokens above, as the model sees them
-        p50_image, p90_image = (int(np.percentile(image_tokens, q)) for q in (50, 90))
-        detail += f"; image tokens p50 {p50_image}, p90 {p90_image}, max {max(image_tokens)}"
+    image_info = _image_tokens(image_tokens)
+    if image_info:  # counted in the prompt tokens above, as the model sees them
+        detail += "; image tokens " + ", ".join(f"{k} {v}" for k, v in image_info.items())
     if not partial:  # the whole training set was read: the prompts a run would have
         ctx.train_rows = len(lengths) - (over if data.filter_overlong_prompts else 0)
     info = {"rows": len(lengths), "p50": p50, "p90": p90, "p99": p99, "max": max(lengths), "over": over}
-    if any(image_tokens):
-        info["image_tokens"] = {"p50": p50_image, "p90": p90_image, "max": max(image_tokens)}
+    if image_info:
+        info["image_tokens"] = image_info
     raise_to = f"raise data.max_prompt_length to {max(lengths)}"
     if over and not data.filter_overlong_prompts and data.truncation == "error":
         return Check(
@@ -303,6 +303,15 @@ def check_dataset(ctx: Context) -> Check:
             info,
         )
     return Check("dataset", "ok", detail + "; none too long", data=info)
+
+
+def _image_tokens(counts: list[int]) -> dict[str, int]:
+    """p50, p90 and max of the image tokens per prompt; {} when no prompt has an image."""
+    import numpy as np
+
+    if not any(counts):
+        return {}
+    return {"p50": int(np.percentile(counts, 50)), "p90": int(np.percentile(counts, 90)), "max": max(counts)}
 
 
 def check_batches(ctx: Context) -> Check:

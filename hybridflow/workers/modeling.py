@@ -106,6 +106,16 @@ def is_vision_language(path: str, trust_remote_code: bool = False) -> bool:
     return vision_family(config) is not None
 
 
+def _vision_class(path: str, auto_cls: Any, trust_remote_code: bool) -> tuple[Any, bool]:
+    """The auto class to load ``path`` with, and whether it then needs a value head: a vision-language model
+    asked for as a causal LM or a one-label token classifier loads as ``AutoModelForImageTextToText``."""
+    if auto_cls not in (AutoModelForCausalLM, AutoModelForTokenClassification):
+        return auto_cls, False
+    if not is_vision_language(path, trust_remote_code):
+        return auto_cls, False
+    return AutoModelForImageTextToText, auto_cls is AutoModelForTokenClassification
+
+
 def load_model(
     path: str,
     device: torch.device,
@@ -131,11 +141,9 @@ def load_model(
     A vision-language checkpoint (a registered family, ``hybridflow.models.vision``) asked for as a causal LM
     loads as ``AutoModelForImageTextToText``: the same next-token logits, with its vision tower; asked for as
     a one-label token classifier (the critic), as that with a value head for output layer (``value_head``)."""
-    vision = auto_cls in (AutoModelForCausalLM, AutoModelForTokenClassification)
-    vision = vision and is_vision_language(path, trust_remote_code)
-    value_head = vision and auto_cls is AutoModelForTokenClassification
-    if vision:
-        auto_cls, new_head = AutoModelForImageTextToText, None
+    auto_cls, value_head = _vision_class(path, auto_cls, trust_remote_code)
+    if auto_cls is AutoModelForImageTextToText:
+        new_head = None  # a value head is put in place of the output layer below, not loaded
         kwargs.pop("num_labels", None)
     if on_meta:
         config = AutoConfig.from_pretrained(
