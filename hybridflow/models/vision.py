@@ -17,12 +17,15 @@ blocks) do not fit the per-image concatenation and the packed 4-D masks here, an
 from __future__ import annotations
 
 import io
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 IMAGES = "image_inputs"  # the DataProto column (non_tensor_batch) of each row's images: a tuple of ImageInput
 
@@ -208,6 +211,10 @@ def freeze_vision_tower(model: torch.nn.Module) -> int:
     text model."""
     family = vision_family(_base_config(model))
     if family is None:
+        logger.warning(
+            "freeze_vision_tower is set but %s is a text model: it has no vision tower to freeze",
+            type(model).__name__,
+        )
         return 0
     frozen = 0
     for name, parameter in model.named_parameters():
