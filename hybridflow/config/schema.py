@@ -68,7 +68,9 @@ DEFAULT_CONFIG_PATH = YAML_DIR / "ppo_trainer.yaml"
 
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-KLEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+_KLBase = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+#: a trailing "+" (k1+, k3+, ...) keeps the estimate's value with k2's gradient (verl's straight-through)
+KLEstimator = Literal[_KLBase, "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
 
 
 @dataclass
@@ -123,7 +125,8 @@ class CriticModelConfig(VisionTrainingConfig, ModelConfig):
 class PolicyLossConfig:
     """Which registered policy loss (``hybridflow.algorithms.get_policy_loss_fn``) the actor uses."""
 
-    loss_mode: str = "vanilla"  #: registered policy loss: vanilla | gspo | your own (register_policy_loss)
+    #: registered policy loss: vanilla | gspo | gpg | geo_mean | cispo | your own (register_policy_loss)
+    loss_mode: str = "vanilla"
 
 
 @dataclass

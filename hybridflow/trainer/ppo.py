@@ -252,6 +252,7 @@ class PPOTrainer(RunLoop):
                     gamma=cfg.algorithm.gamma,
                     lam=cfg.algorithm.lam,
                     norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+                    config=cfg.algorithm,  # what an estimator written for verl reads as its config
                 )
             self.hooks.emit("after_advantage", self, self.global_step, metrics, batch)
             if use_critic:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from hybridflow.algorithms import (
+    ConfigView,
     agg_loss,
     compute_sft_loss,
     get_offline_objective,
@@ -73,10 +74,6 @@ def logprob_diff_metrics(
         "rollout/logprob_diff": float(masked_mean(diff, response_mask)),
         "rollout/logprob_diff_max": float((diff * response_mask).max()),
     }
-
-
-def _scalar(value: torch.Tensor | float) -> float:
-    return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
 
 
 class ActorRolloutRefWorker(Worker):
@@ -349,24 +346,22 @@ class ActorRolloutRefWorker(Worker):
         # driver may skip the extra forward pass and let the ratio start at exactly 1.
         old = micro.batch["old_log_probs"] if "old_log_probs" in micro.batch.keys() else log_prob.detach()
         advantages, tis_metrics = self._off_policy_corrected(micro, old, log_prob.detach(), mask)
-        pg_loss, clipfrac, ppo_kl, clipfrac_lower = get_policy_loss_fn(actor.policy_loss.loss_mode)(
+        # verl's calling convention, so a loss registered for verl runs unchanged; the engine weighs the
+        # micro-batches itself, hence no whole-batch counts in global_batch_info
+        pg_loss, pg_metrics = get_policy_loss_fn(actor.policy_loss.loss_mode)(
             old_log_prob=old,
             log_prob=log_prob,
             advantages=advantages,
             response_mask=mask,
             loss_agg_mode=actor.loss_agg_mode,
-            cliprange=actor.clip_ratio,
-            cliprange_low=actor.clip_ratio_low,
-            cliprange_high=actor.clip_ratio_high,
-            clip_ratio_c=actor.clip_ratio_c,
+            config=ConfigView(actor, global_batch_info={}),
+            rollout_is_weights=None,
         )
         entropy_loss = agg_loss(entropy, mask, actor.loss_agg_mode)
         loss = pg_loss - entropy_coeff * entropy_loss
         metrics = {
             "actor/pg_loss": pg_loss.item(),
-            "actor/pg_clipfrac": _scalar(clipfrac),
-            "actor/ppo_kl": _scalar(ppo_kl),
-            "actor/pg_clipfrac_lower": _scalar(clipfrac_lower),
+            **pg_metrics,
             "actor/entropy": entropy_loss.item(),
             **tis_metrics,
         }
