@@ -15,6 +15,7 @@ import os
 import re
 
 from hybridflow.config.schema import RolloutConfig, ServedAgentConfig
+from hybridflow.data.images import ImagePrompts
 from hybridflow.runs.trained_model import load_trained_actor
 from hybridflow.serving import PolicyServer
 from hybridflow.workers.rollout import HFRollout
@@ -45,6 +46,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--batch-window-ms", type=float, default=window, help=f"how long a call waits for others ({window:g})"
     )
+    parser.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="a folder whose image files chat calls may name in image_url parts (a vision-language model; "
+        "otherwise only data: URLs; URLs on the network are never fetched)",
+    )
     return parser
 
 
@@ -74,6 +81,8 @@ def main(argv: list[str]) -> int:
         max_model_len=limit,
         window_s=args.batch_window_ms / 1000,
         weight_version=lambda: version,
+        processor=ImagePrompts.from_pretrained(folder, tokenizer) if os.path.isdir(folder) else None,
+        allowed_local_media_path=args.allowed_local_media_path,
     )
 
     async def serve() -> None:

@@ -49,6 +49,7 @@ from hybridflow.config.sections import (
     ModelLoadingConfig,
     OptimConfig,
     TrainerConfig,
+    VisionTrainingConfig,
     resolve_shared,
 )
 
@@ -114,7 +115,7 @@ class PolicyModelConfig(LoRAConfig, ModelConfig):
 
 
 @dataclass
-class CriticModelConfig(ModelConfig):
+class CriticModelConfig(VisionTrainingConfig, ModelConfig):
     """The value model; ``path: null`` means the actor's model."""
 
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  #: sharding when critic.strategy is fsdp2
@@ -137,7 +138,7 @@ class CheckpointContentsConfig:
 
 
 @dataclass
-class ActorConfig:
+class ActorConfig(VisionTrainingConfig):
     """The policy update: PPO mini-batches (in prompts) split into micro-batches (in sequences)."""
 
     #: data parallelism: ddp (full replicas), fsdp2 (sharded: for models that do not fit), single; auto = ddp

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hybridflow.rewards import arithmetic, calculator, countdown, gsm8k, math_answer, math_dapo
+from hybridflow.rewards import arithmetic, calculator, countdown, gsm8k, math_answer, math_dapo, shapes
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.user_code import load_user_function
 
@@ -35,6 +35,7 @@ RULE_SCORERS: dict[str, Callable[..., Score]] = {
     "arithmetic": arithmetic.compute_score,
     "countdown": countdown.compute_score,
     "calculator": calculator.compute_score,
+    "shapes": shapes.compute_score,
 }
 #: data_source prefix -> rule, for the names verl matches by prefix (aime24, aime2025, ...)
 RULE_PREFIXES: dict[str, Callable[..., Score]] = {"aime": math_dapo.rule}

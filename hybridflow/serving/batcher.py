@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridflow.data.dataset import left_pad
+from hybridflow.models.vision import IMAGES, ImageInput
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import Rollout
 from hybridflow.serving.token_text import TokenText
@@ -42,6 +43,7 @@ class GenerationRequest:
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    images: tuple[ImageInput, ...] = ()  # the prompt's images, in the order of their tokens
 
     def sampling_key(self) -> tuple:
         """Requests with the same key can share one engine call."""
@@ -153,8 +155,13 @@ class Batcher:
             meta["do_sample"] = False
         else:
             meta.update(do_sample=True, temperature=first.temperature, top_p=first.top_p)
+        images = (
+            {IMAGES: [r.images for r in requests for _ in range(r.n)]}
+            if any(r.images for r in requests)
+            else {}
+        )
         batch = DataProto.from_dict(
-            {k: torch.stack([p[k] for p in padded]) for k in padded[0]}, meta_info=meta
+            {k: torch.stack([p[k] for p in padded]) for k in padded[0]}, images, meta_info=meta
         )
         version = self.weight_version()
         start = time.perf_counter()

@@ -21,10 +21,11 @@ import time
 import uuid
 from typing import Any
 
+from hybridflow.data.images import content_text
 from hybridflow.serving.token_text import TokenText
 from hybridflow.tools import parse_tool_calls
 from hybridflow.tools.parsing import CLOSE, OPEN
-from hybridflow.utils.errors import UserError
+from hybridflow.utils.errors import InputError, UserError
 
 Messages = list[dict[str, Any]]
 
@@ -148,14 +149,23 @@ def tool_schemas(body: dict) -> list[dict[str, Any]]:
     return [] if choice == "none" else tools
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any, where: str, images: list[bytes] | None, media: str | None) -> str:
+    """A message's content as text; ``image_url`` parts become ``<image>`` markers, their images (``data:``
+    URLs, or files inside ``media``, the server's ``--allowed-local-media-path``) appended to ``images``
+    (None: the model is a text model, and image parts are refused)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
         return "".join(str(p.get("text", "")) for p in content)
-    raise RequestError(f"{where}.content must be a string or a list of text parts", f"{where}.content")
+    if isinstance(content, list) and images is not None:
+        try:
+            return content_text(content, f"{where}.content", images, media)
+        except InputError as err:
+            raise RequestError(str(err), f"{where}.content") from err
+    what = "text parts" if images is None else "text and image_url parts"
+    raise RequestError(f"{where}.content must be a string or a list of {what}", f"{where}.content")
 
 
 def hermes_call(name: str, arguments: Any) -> str:
@@ -164,10 +174,13 @@ def hermes_call(name: str, arguments: Any) -> str:
     return f"{OPEN}{json.dumps({'name': name, 'arguments': arguments})}{CLOSE}"
 
 
-def template_messages(messages: Any, raw_replies: dict[str, str]) -> Messages:
+def template_messages(
+    messages: Any, raw_replies: dict[str, str], images: list[bytes] | None = None, media: str | None = None
+) -> Messages:
     """OpenAI messages as the chat template takes them: every content a string; an assistant turn with
     ``tool_calls`` as the text the model wrote (``raw_replies``: call id -> text) or, for calls this server
-    did not issue, Hermes tool-call text."""
+    did not issue, Hermes tool-call text. ``images`` (a vision-language model's server): gets each
+    ``image_url`` part's image, the part an ``<image>`` marker (``_content_text``)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", "messages")
     out = []
@@ -184,7 +197,7 @@ def template_messages(messages: Any, raw_replies: dict[str, str]) -> Messages:
                 f"{where} must be an object with a role of system, developer, user, assistant or tool", where
             )
         role = "system" if message["role"] == "developer" else message["role"]
-        text = _content_text(message.get("content"), where)
+        text = _content_text(message.get("content"), where, images, media)
         calls = message.get("tool_calls") or []
         if role == "assistant" and calls:
             ids = [c.get("id") for c in calls if isinstance(c, dict)]

@@ -16,6 +16,8 @@ a scorer may return (``checked_score``); the rollout attaches it to every row of
 An agent that raises stops the run with one line naming the agent, the exception, the step and the sample's
 keys; with ``served_agent.on_error=score_zero`` the session scores 0 instead (the rows of the calls it made
 train with that reward) and is counted in ``served/failed_sessions``.
+A vision-language policy's agent also gets ``image_urls``: the row's pictures as ``data:`` URLs, to send as
+``image_url`` parts; the policy then trains on the images its calls sent.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from transformers import PreTrainedTokenizerBase
 
 from hybridflow.config import RolloutConfig
 from hybridflow.data.dataset import left_pad
+from hybridflow.data.images import ImagePrompts, data_url
+from hybridflow.models.vision import IMAGES
 from hybridflow.protocol import DataProto
 from hybridflow.rewards.manager import checked_score
 from hybridflow.rollout import Capabilities, Rollout, attach_responses, attach_scores
@@ -53,12 +57,15 @@ class AgentError(UserError):
 
 def agent_sample(rows: DataProto, i: int) -> dict[str, Any]:
     """What the agent gets for row ``i``: a copy of its data row as the file holds it (``data_row``; a batch
-    built in code without one: its non-tensor columns) plus ``messages``, the prompt as chat messages."""
+    built in code without one: its non-tensor columns) plus ``messages``, the prompt as chat messages, and
+    ``image_urls``, its pictures as ``data:`` URLs (a vision-language policy's rows)."""
     columns = rows.non_tensor_batch
     row = columns["data_row"][i] if "data_row" in columns else {k: v[i] for k, v in columns.items()}
     sample = copy.deepcopy(dict(row))
     if "raw_prompt" in columns:
         sample["messages"] = copy.deepcopy(list(columns["raw_prompt"][i]))
+    if IMAGES in columns and len(columns[IMAGES][i]):
+        sample["image_urls"] = [data_url(image) for image in columns[IMAGES][i]]
     return sample
 
 
@@ -77,6 +84,7 @@ class ServedRollout(Rollout):
         config: RolloutConfig,
         response_length: int,
         weight_version: Callable[[], int] = lambda: 0,
+        processor: ImagePrompts | None = None,
     ) -> None:
         served_agent = config.served_agent
         self.run = load_user_function(served_agent.path, served_agent.name, AGENT_KEY, what="agent file")
@@ -95,6 +103,7 @@ class ServedRollout(Rollout):
             max_tokens_limit=response_length,
             window_s=served_agent.batch_window_ms / 1000,
             weight_version=weight_version,
+            processor=processor,
         )
         self.sampling = config  # the trainer's sampling, for calls that set none
         self._started = False
@@ -203,6 +212,11 @@ class ServedRollout(Rollout):
             log_probs[r, :k] = torch.tensor(s.log_probs[:k])
         columns = dict(rows[owners].non_tensor_batch)
         columns["session_samples"] = np.array([len(per_session[i]) for i in owners], dtype=object)
+        columns.pop(IMAGES, None)  # a row's images are those its calls sent, not its data row's
+        if any(s.images for s in flat):
+            columns[IMAGES] = np.empty(len(flat), dtype=object)
+            for r, s in enumerate(flat):
+                columns[IMAGES][r] = s.images
         out = DataProto.from_dict(
             {k: torch.stack([p[k] for p in prompt_rows]) for k in prompt_rows[0]}, columns
         )

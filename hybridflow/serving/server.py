@@ -26,6 +26,8 @@ from typing import Any
 from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
+from hybridflow.data.images import ImagePrompts, decode_image
+from hybridflow.models.vision import ImageInput
 from hybridflow.rollout import Rollout
 from hybridflow.serving import openai_format as fmt
 from hybridflow.serving.batcher import Batcher, Generation, GenerationRequest, Sample
@@ -41,7 +43,7 @@ from hybridflow.serving.http import (
 from hybridflow.serving.openai_format import RequestError
 from hybridflow.serving.sessions import CallRecord, ChatPrompter, ChatTurn, Session
 from hybridflow.serving.token_text import TokenText
-from hybridflow.utils.errors import UserError
+from hybridflow.utils.errors import InputError, UserError
 
 logger = logging.getLogger(__name__)
 SESSION_HEADER = "X-Session-Id"
@@ -53,7 +55,9 @@ class PolicyServer:
 
     ``max_tokens_limit``: the most tokens a call may ask for (and the default of a chat call);
     ``max_model_len``: prompt + ``max_tokens`` may not exceed it (None: unchecked); ``window_s``: how long
-    a request waits for others to batch with; ``weight_version``: read at each engine call."""
+    a request waits for others to batch with; ``weight_version``: read at each engine call; ``processor``: a
+    vision-language model's ``ImagePrompts``, with which chat calls take ``image_url`` parts (``data:`` URLs,
+    or local files inside ``allowed_local_media_path``)."""
 
     def __init__(
         self,
@@ -68,6 +72,8 @@ class PolicyServer:
         max_model_len: int | None = None,
         window_s: float,
         weight_version: Callable[[], int] = lambda: 0,
+        processor: ImagePrompts | None = None,
+        allowed_local_media_path: str | None = None,
     ) -> None:
         if not is_loopback(host) and not token:
             raise UserError(
@@ -79,6 +85,9 @@ class PolicyServer:
         self.host, self.port, self.token = host, port, token
         self.max_tokens_limit, self.max_model_len = max_tokens_limit, max_model_len
         self.weight_version = weight_version
+        # a vision-language model's image processing: chat calls may then send image_url parts (data: URLs;
+        # local files only inside allowed_local_media_path; never fetched from the network)
+        self.processor, self.media = processor, allowed_local_media_path
         self.default_sampling = {"temperature": 1.0, "top_p": 1.0}  # for requests that set none
         eos = list(engine.eos_token_ids)
         self.prompter = ChatPrompter(tokenizer, eos[0])
@@ -177,7 +186,9 @@ class PolicyServer:
             }
         )
 
-    async def _sample(self, prompt_ids: list[int], params: dict, session: Session | None) -> Generation:
+    async def _sample(
+        self, prompt_ids: list[int], params: dict, session: Session | None, images: tuple = ()
+    ) -> Generation:
         if not prompt_ids:
             raise RequestError("the prompt is empty", "prompt")
         if self.max_model_len is not None and len(prompt_ids) + params["max_tokens"] > self.max_model_len:
@@ -187,10 +198,10 @@ class PolicyServer:
                 "max_tokens",
                 code="context_length_exceeded",
             )
-        generation = await self.batcher.generate(GenerationRequest(prompt_ids, **params))
+        generation = await self.batcher.generate(GenerationRequest(prompt_ids, **params, images=images))
         if session is not None:
             session.records += [
-                CallRecord(list(prompt_ids), s.token_ids, s.log_probs, generation.weight_version)
+                CallRecord(list(prompt_ids), s.token_ids, s.log_probs, generation.weight_version, images)
                 for s in generation.samples
             ]
         return generation
@@ -201,12 +212,17 @@ class PolicyServer:
         params = fmt.sampling(body, self.max_tokens_limit, self.max_tokens_limit, self.default_sampling)
         want_logprobs = fmt.check_logprobs(body, chat=True)
         tools = fmt.tool_schemas(body)
-        messages = fmt.template_messages(body.get("messages"), self.raw_replies)
+        pictures: list[bytes] | None = [] if self.processor is not None else None
+        messages = fmt.template_messages(body.get("messages"), self.raw_replies, pictures, self.media)
         if tools and self.prompter.render(messages, tools, True) == self.prompter.render(messages, [], True):
             messages = fmt.with_tools_in_system(messages, tools)  # the template ignores tools: describe them
         session = self._session(request)
-        prompt_ids = self.prompter.prompt_ids(messages, tools, session)
-        generation = await self._sample(prompt_ids, params, session)
+        images = self._images(pictures)
+        if images:  # rendered afresh: the image tokens come from the processor
+            prompt_ids = self._image_prompt_ids(messages, images, tools)
+        else:
+            prompt_ids = self.prompter.prompt_ids(messages, tools, session)
+        generation = await self._sample(prompt_ids, params, session, images)
         choices = [
             self._chat_choice(i, s, bool(tools), want_logprobs, bool(body.get("return_token_ids")))
             for i, s in enumerate(generation.samples)
@@ -233,6 +249,24 @@ class PolicyServer:
                 request, fmt.chat_chunks(out, pieces, include_usage), generation.weight_version
             )
         return self._json(out, version=generation.weight_version)
+
+    def _images(self, pictures: list[bytes] | None) -> tuple[ImageInput, ...]:
+        """The chat call's images as the model takes them; one that does not decode is a 400."""
+        try:
+            return tuple(
+                self.processor.image_input(*decode_image(data, f"image {k} of the messages"))
+                for k, data in enumerate(pictures or [])
+            )
+        except InputError as err:
+            raise RequestError(str(err), "messages") from err
+
+    def _image_prompt_ids(
+        self, messages: fmt.Messages, images: tuple[ImageInput, ...], tools: list[dict[str, Any]]
+    ) -> list[int]:
+        try:
+            return self.processor.encode(messages, images, "messages", {"tools": tools} if tools else None)
+        except InputError as err:
+            raise RequestError(str(err), "messages") from err
 
     def _chat_choice(self, index: int, sample: Sample, tools: bool, logprobs: bool, ids: bool) -> dict:
         """One chat choice; the tool calls it holds are remembered with the text the model wrote, for when

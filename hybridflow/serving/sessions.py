@@ -20,6 +20,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from hybridflow.models.vision import ImageInput
 from hybridflow.rollout.chat_template import Messages, TemplateDelta
 from hybridflow.utils.errors import UserError
 
@@ -32,6 +33,7 @@ class CallRecord:
     token_ids: list[int]
     log_probs: list[float]
     weight_version: int
+    images: tuple[ImageInput, ...] = ()  # the prompt's images
 
 
 @dataclass
@@ -109,6 +111,7 @@ class Sequence:
     mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     calls: int = 0
+    images: tuple[ImageInput, ...] = ()  # the prompt's images: a later call joins only with the same images
 
     @property
     def all_ids(self) -> list[int]:
@@ -129,10 +132,12 @@ def sequences(records: list[CallRecord]) -> list[Sequence]:
     starts with, token for token, else starts a sample of its own."""
     out: list[Sequence] = []
     for record in records:
-        fits = [s for s in out if record.prompt_ids[: len(s.all_ids)] == s.all_ids]
+        fits = [
+            s for s in out if record.prompt_ids[: len(s.all_ids)] == s.all_ids and s.images == record.images
+        ]
         target = max(fits, key=lambda s: len(s.all_ids)) if fits else None
         if target is None:
-            target = Sequence(list(record.prompt_ids))
+            target = Sequence(list(record.prompt_ids), images=record.images)
             out.append(target)
         target.add(record)
     return out

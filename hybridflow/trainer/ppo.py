@@ -19,7 +19,9 @@ from tqdm.auto import tqdm
 from hybridflow.algorithms import apply_kl_penalty, compute_advantage, get_kl_controller
 from hybridflow.config.schema import PPOConfig
 from hybridflow.data import PromptLoader, RLHFDataset
+from hybridflow.data.images import thumbnail
 from hybridflow.data.sft import SFTDataset
+from hybridflow.models.vision import IMAGES
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RewardManager, default_compute_score, load_custom_reward_function
 from hybridflow.rollout import rollout_scores
@@ -38,7 +40,7 @@ from hybridflow.trainer.metrics import (
 from hybridflow.trainer.replay import ActorReplay
 from hybridflow.trainer.two_stage_reward import TwoStageRewardFn
 from hybridflow.trainer.worker_groups import WorkerGroups, build_worker_groups
-from hybridflow.workers.modeling import load_tokenizer
+from hybridflow.workers.modeling import load_image_prompts, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +62,10 @@ class PPOTrainer(RunLoop):
     ) -> None:
         self.config = config = config.validate()  # resolved and checked
         super().__init__(config.trainer, config.to_dict(), worker_groups)
-        self.tokenizer = load_tokenizer(
-            config.actor_rollout_ref.model.path, config.actor_rollout_ref.model.trust_remote_code
-        )
+        model = config.actor_rollout_ref.model
+        self.tokenizer = load_tokenizer(model.path, model.trust_remote_code)
+        # a vision-language model's image processing (None for a text model): the datasets read images with it
+        self.processor = load_image_prompts(model.path, self.tokenizer, model.trust_remote_code)
         data = config.data
         self.train_loader = PromptLoader(
             self._dataset(data.train_files), data.train_batch_size, shuffle=data.shuffle, seed=data.seed
@@ -116,6 +119,8 @@ class PPOTrainer(RunLoop):
             filter_overlong_prompts=d.filter_overlong_prompts,
             apply_chat_template=d.apply_chat_template,
             chat_template_kwargs=kwargs,
+            processor=self.processor,
+            image_key=d.image_key,
         )
 
     def _sft_loader(self, data: Any) -> PromptLoader:
@@ -315,7 +320,8 @@ class PPOTrainer(RunLoop):
     def _show_generations(self, batch: DataProto, rewards: torch.Tensor, count: int) -> list[dict[str, Any]]:
         """Print the first ``count`` validation samples (question, answer, score): a look at what the
         numbers mean (``trainer.log_val_generations``). Returns them as ``{"index", "prompt", "response",
-        "score"}`` records."""
+        "score"}`` records, with ``images`` (thumbnails as ``data:`` URLs, for the report) when the prompt has
+        some."""
         samples = []
         for i in range(min(count, len(batch))):
             question = batch.non_tensor_batch["raw_prompt"][i][-1]["content"]
@@ -323,7 +329,10 @@ class PPOTrainer(RunLoop):
             answer = self.tokenizer.decode(batch.batch["responses"][i, :length], skip_special_tokens=True)
             score = rewards[i].sum().item()
             tqdm.write(f"[val step {self.global_step}] score {score:.3g} | {question!r} -> {answer!r}")
-            samples.append({"index": i, "prompt": question, "response": answer, "score": score})
+            sample = {"index": i, "prompt": question, "response": answer, "score": score}
+            if IMAGES in batch.non_tensor_batch and len(batch.non_tensor_batch[IMAGES][i]):
+                sample["images"] = [thumbnail(image) for image in batch.non_tensor_batch[IMAGES][i]]
+            samples.append(sample)
         return samples
 
     # ------------------------------------------------------------------ checkpoints

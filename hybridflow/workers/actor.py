@@ -26,6 +26,7 @@ from hybridflow.algorithms import (
     truncated_importance_weights,
 )
 from hybridflow.config import ActorRolloutRefConfig
+from hybridflow.models.vision import freeze_vision_tower
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import (
     EngineSpec,
@@ -38,7 +39,14 @@ from hybridflow.rollout import (
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.checkpointing import load_worker_state, save_worker_state
 from hybridflow.workers.engine import DivergedError, TrainingEngine
-from hybridflow.workers.modeling import load_model, load_tokenizer, model_location, response_log_probs
+from hybridflow.workers.modeling import (
+    image_column,
+    load_image_prompts,
+    load_model,
+    load_tokenizer,
+    model_location,
+    response_log_probs,
+)
 from hybridflow.workers.packing import MicroBatching, batched
 from hybridflow.workers.rollout import build_rollout
 from hybridflow.workers.sharding import (
@@ -119,6 +127,7 @@ class ActorRolloutRefWorker(Worker):
         self.init_process_group()
         model_cfg, actor, ref = self.config.model, self.config.actor, self.config.ref
         self.tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
+        self.processor = load_image_prompts(model_cfg.path, self.tokenizer, model_cfg.trust_remote_code)
         if self._is_actor or self._is_rollout:
             # a rollout-only worker (trainer.placement=split) holds a plain copy the actor's full weights load into
             strategy = resolve_strategy(actor.strategy, self.world_size) if self._is_actor else "ddp"
@@ -131,6 +140,8 @@ class ActorRolloutRefWorker(Worker):
                 gradient_checkpointing=self._is_actor and model_cfg.enable_gradient_checkpointing,
                 on_meta=not reads_weights(strategy, lora),
             )
+            if self._is_actor and actor.freeze_vision_tower:
+                freeze_vision_tower(module)
             self.module = wrap_model(
                 module,
                 strategy,
@@ -427,7 +438,7 @@ class ActorRolloutRefWorker(Worker):
             )
             if k in data.batch.keys()
         ]
-        data = data.select(batch_keys=keys, non_tensor_batch_keys=[], meta_info_keys=[])
+        data = data.select(batch_keys=keys, non_tensor_batch_keys=image_column(data), meta_info_keys=[])
         self.module.train()
         extra = []
         if sft_data is not None and len(sft_data):
@@ -524,6 +535,7 @@ class ActorRolloutRefWorker(Worker):
             self.engine,
             self.rank,
             self.config.actor.checkpoint.save_lora_only,
+            self.processor,
         )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -17,6 +17,7 @@ from hybridflow.rollout import EngineSpec, Rollout, RolloutEngine, rollout_class
 from hybridflow.serving import ServedRollout
 from hybridflow.tools import load_tools
 from hybridflow.utils.deprecation import moved_names
+from hybridflow.workers.modeling import load_image_prompts
 from hybridflow.workers.rollout.agent_loop import AgentLoop, agent_metrics
 from hybridflow.workers.rollout.hf_rollout import HFRollout
 
@@ -41,7 +42,11 @@ def build_rollout(
     built = (engine or rollout_class(spec.config.name)).from_spec(spec)
     multi_turn = spec.config.multi_turn
     if spec.config.served_agent.path is not None:
-        return ServedRollout(built, spec.tokenizer, spec.config, spec.response_length, weight_version)
+        # a vision-language policy's agents may send pictures: the server reads them with the model's processor
+        processor = load_image_prompts(spec.model_path, spec.tokenizer) if spec.model_path else None
+        return ServedRollout(
+            built, spec.tokenizer, spec.config, spec.response_length, weight_version, processor=processor
+        )
     if not multi_turn.enable:
         return built
     unsafe = multi_turn.unsafe_python_tool_without_isolation

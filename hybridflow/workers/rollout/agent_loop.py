@@ -8,6 +8,9 @@ response-length budget is spent. The engine needs only the single-turn contract 
 EOS and ``rollout_log_probs`` out; ``meta_info`` ``n`` and ``response_length`` honoured), so the
 Hugging Face and vLLM engines both drive it.
 
+A prompt's images (``image_inputs``) go with every turn's generation call: each turn's context is the
+prompt (its image tokens included) and everything since, and the engine runs the vision tower on them again.
+
 The batch that comes back looks like a single-turn one to the rest of the pipeline: ``responses`` hold
 every token after the prompt (model turns and tool results), ``response_mask`` is 1 on the model's
 tokens only, so losses, KL, entropy and advantages skip the tool output while the model still attends
@@ -29,6 +32,7 @@ from transformers import PreTrainedTokenizerBase
 
 from hybridflow.config import MultiTurnConfig
 from hybridflow.data.dataset import left_pad
+from hybridflow.models.vision import IMAGES, ImageInput
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import Capabilities, Rollout, attach_responses
 from hybridflow.rollout.chat_template import Messages, TemplateDelta
@@ -43,6 +47,7 @@ class Conversation:
 
     prompt_ids: list[int]
     messages: Messages
+    images: tuple[ImageInput, ...] = ()  # the prompt's images, shown to the model in every turn
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
@@ -111,9 +116,12 @@ class AgentLoop(Rollout):
             )
         rows = prompts.repeat(int(prompts.meta_info.get("n", 1)), interleave=True)
         mask = rows.batch["attention_mask"].bool()
+        images = rows.non_tensor_batch.get(IMAGES, [()] * len(rows))
         conversations = [
-            Conversation(ids[m].tolist(), copy.deepcopy(list(messages)))
-            for ids, m, messages in zip(rows.batch["input_ids"], mask, rows.non_tensor_batch["raw_prompt"])
+            Conversation(ids[m].tolist(), copy.deepcopy(list(messages)), tuple(pictures))
+            for ids, m, messages, pictures in zip(
+                rows.batch["input_ids"], mask, rows.non_tensor_batch["raw_prompt"], images
+            )
         ]
         sampling = {k: prompts.meta_info[k] for k in SAMPLING_OVERRIDES if k in prompts.meta_info}
         for tool in self.tools.values():
@@ -135,8 +143,10 @@ class AgentLoop(Rollout):
         contexts = [c.prompt_ids + c.ids for c in live]
         width = max(map(len, contexts))
         padded = [left_pad(ids, width, self.tokenizer.pad_token_id) for ids in contexts]
+        images = {IMAGES: [c.images for c in live]} if any(c.images for c in live) else {}
         batch = DataProto.from_dict(
             {k: torch.stack([p[k] for p in padded]) for k in padded[0]},
+            images,
             meta_info={**sampling, "n": 1, "response_length": budget},
         )
         out = self.engine.generate_sequences(batch)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -17,10 +18,18 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hybridflow import rollout as contract
 from hybridflow.config import RolloutConfig
+from hybridflow.models.vision import (
+    ImageInput,
+    model_image_inputs,
+    placeholder_token_ids,
+    vision_positions,
+    without_placeholders,
+)
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import Capabilities, EngineSpec, Rollout, register_rollout
 from hybridflow.utils.deprecation import moved_names
 from hybridflow.workers.engine import DivergedError
+from hybridflow.workers.modeling import row_images
 
 # the engine-neutral pieces that lived here until the rollout contract got a room of its own
 __getattr__ = moved_names(
@@ -181,8 +190,11 @@ class HFRollout(Rollout):
         if self.seed is None:
             return None
         device, generators, seen = next(self.model.parameters()).device, [], {}
-        for ids, mask in zip(prompts.batch["input_ids"], prompts.batch["attention_mask"]):
-            key = zlib.crc32(ids[mask.bool()].cpu().numpy().tobytes())
+        images = row_images(prompts) or [()] * len(prompts)
+        for ids, mask, pictures in zip(prompts.batch["input_ids"], prompts.batch["attention_mask"], images):
+            key = zlib.crc32(
+                ids[mask.bool()].cpu().numpy().tobytes() + "".join(im.key for im in pictures).encode()
+            )
             seen[key] = seen.get(key, -1) + 1  # the same prompt twice in a batch: other samples
             for j in range(n):
                 entropy = [self.seed, self.step, key, seen[key], j]
@@ -209,34 +221,58 @@ class HFRollout(Rollout):
         return DataProto.concat(parts) if len(parts) > 1 else parts[0]
 
     def _forward(
-        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any = None
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Any = None,
+        images: Sequence[ImageInput] = (),
     ) -> tuple[torch.Tensor, Any]:
-        """The next-token logits after the last column ``(rows, V)``, and the cache extended by ``ids``."""
+        """The next-token logits after the last column ``(rows, V)``, and the cache extended by ``ids``;
+        ``images``: those whose tokens are in ``ids`` (row order), for the vision tower."""
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
             logits_to_keep=1,
+            **model_image_inputs(images, ids.device),
             **({self._cache_key: cache} if cache is not None else {}),
         )
         return out.logits[:, -1], out[self._cache_key]
 
+    def _positions(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, images: list | None
+    ) -> torch.Tensor:
+        """The positions a forward over left-padded rows takes: ``positions`` ``(bs, T)``, or with images
+        Qwen's 3-D ones ``(3, bs, T)`` (``vision_positions``, as the trainer computes them)."""
+        if images is None:
+            return positions
+        rope = vision_positions(self.model, ids, mask, [im for row in images for im in row])
+        return positions if rope is None else rope
+
     def _prefill(
-        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, images: list | None = None
     ) -> tuple[torch.Tensor, Any, torch.Tensor]:
         """Run the prompts ``(bs, P)`` through the model once: the prefix they all share at batch size one,
         then each prompt's remainder, left-padded to the longest, after it. Returns the logits that sample
-        the first response token ``(bs, V)``, the cache, and its attention mask ``(bs, C)``."""
+        the first response token ``(bs, V)``, the cache, and its attention mask ``(bs, C)``. ``images``: each
+        prompt's; the shared prefix stops before the first image, so each prompt's images go through the
+        vision tower once, in its remainder (its ``n`` samples then share the cache)."""
         shared = common_prefix_length(ids, mask, positions) if len(ids) > 1 else 0
-        if shared == 0:
-            logits, cache = self._forward(ids, mask, positions)
-            return logits, cache, mask
         start = ids.shape[1] - int(mask[0].sum())
+        if images is not None and shared:
+            pictures = (ids[0, start : start + shared] == self.model.config.image_token_id).nonzero()
+            shared = int(pictures[0]) if len(pictures) else shared
+        flat = [im for row in images or [] for im in row]
+        positions = self._positions(ids, mask, positions, images)
+        if shared == 0:
+            logits, cache = self._forward(ids, mask, positions, images=flat)
+            return logits, cache, mask
         _, cache = self._forward(
             ids[:1, start : start + shared],
             mask[:1, start : start + shared],
-            positions[:1, start : start + shared],
+            positions[..., :1, start : start + shared],
         )
         cache.batch_repeat_interleave(len(ids))
         lengths, width = mask.sum(dim=1), ids.shape[1]
@@ -248,7 +284,7 @@ class HFRollout(Rollout):
             [torch.ones(len(ids), shared, dtype=mask.dtype, device=mask.device), remainder.to(mask.dtype)],
             dim=1,
         )
-        logits, cache = self._forward(ids[:, -rest:], mask, positions[:, -rest:], cache)
+        logits, cache = self._forward(ids[:, -rest:], mask, positions[..., -rest:], cache, flat)
         return logits, cache, mask
 
     def _generate(self, prompts: DataProto, params: contract.SamplingParams) -> DataProto:
@@ -256,8 +292,8 @@ class HFRollout(Rollout):
         ids, mask, positions = (
             prompts.batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")
         )
-        prompt_mask = mask
-        logits, cache, mask = self._prefill(ids, mask, positions)
+        prompt_mask, images = mask, row_images(prompts)
+        logits, cache, mask = self._prefill(ids, mask, positions, images)
         n, length = params.n, params.response_length
         if n > 1:
             cache.batch_repeat_interleave(n)
@@ -268,10 +304,15 @@ class HFRollout(Rollout):
         log_probs = torch.zeros(rows, length, device=device)
         versions = torch.full((rows, length), -1, dtype=torch.long, device=device)
         live = torch.arange(rows, device=device)  # the rows still decoding, in cache order
-        next_position = positions[:, -1].repeat_interleave(n) + 1
+        # after the prompt, one position per token (the same in Qwen's 3 dimensions: from its largest + 1)
+        last = self._positions(ids, prompt_mask, positions, images)
+        next_position = (last.amax(dim=0) if last.dim() == 3 else last)[:, -1].repeat_interleave(n) + 1
+        three_d = last.dim() == 3
         eos = torch.tensor(self.eos_token_ids, device=device)
+        placeholders = placeholder_token_ids(self.model.config)  # never sampled (the trainer scores so too)
         for step in range(length):
             check_finite(logits)
+            logits = without_placeholders(logits, placeholders)
             live_generators = [generators[row] for row in live.tolist()] if generators else None
             tokens, token_log_probs = sample_tokens(logits, params, live_generators)
             responses[live, step], log_probs[live, step] = tokens, token_log_probs
@@ -285,10 +326,15 @@ class HFRollout(Rollout):
                 cache.batch_select_indices(keep)
                 live, tokens, mask, next_position = live[keep], tokens[keep], mask[keep], next_position[keep]
             if self.weights is not None and self.weights.refresh():
-                logits, cache, mask = self._recompute(ids, prompt_mask, positions, responses, live, n, step)
+                logits, cache, mask = self._recompute(
+                    ids, prompt_mask, positions, responses, live, n, step, images
+                )
             else:
                 mask = torch.cat([mask, torch.ones(len(live), 1, dtype=mask.dtype, device=device)], dim=1)
-                logits, cache = self._forward(tokens[:, None], mask, next_position[:, None], cache)
+                step_positions = (
+                    next_position[:, None].expand(3, -1, 1) if three_d else next_position[:, None]
+                )
+                logits, cache = self._forward(tokens[:, None], mask, step_positions, cache)
             next_position = next_position + 1
         expanded = prompts.repeat(n, interleave=True)
         out = contract.assemble_rollout(
@@ -305,6 +351,7 @@ class HFRollout(Rollout):
         live: torch.Tensor,
         n: int,
         step: int,
+        images: list | None = None,
     ) -> tuple[torch.Tensor, Any, torch.Tensor]:
         """After a weight update in flight: run the ``live`` rows' prompts and their responses so far (tokens
         ``0..step``) through the new weights in one pass. Returns the logits that sample token ``step + 1``,
@@ -319,5 +366,8 @@ class HFRollout(Rollout):
         full_mask = torch.cat(
             [prompt_mask, torch.ones(done.shape, dtype=prompt_mask.dtype, device=ids.device)], dim=1
         )
-        logits, cache = self._forward(full_ids, full_mask, full_positions)
+        rows_images = None if images is None else [images[r] for r in prompt_rows.tolist()]
+        flat = [im for row in rows_images or [] for im in row]
+        full_positions = self._positions(full_ids, full_mask, full_positions, rows_images)
+        logits, cache = self._forward(full_ids, full_mask, full_positions, images=flat)
         return logits, cache, full_mask

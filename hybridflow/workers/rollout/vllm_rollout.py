@@ -26,9 +26,10 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from hybridflow.config import RolloutConfig
+from hybridflow.models.vision import vision_family
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import (
     Capabilities,
@@ -40,6 +41,7 @@ from hybridflow.rollout import (
     register_rollout,
     tag_weight_versions,
 )
+from hybridflow.utils.errors import UserError
 from hybridflow.workers.modeling import resolve_dtype
 
 # GiB of KV cache on CPU when the user sets none: a tiny or 135M-parameter model needs far less.
@@ -95,6 +97,12 @@ class VLLMRollout(Rollout):
         device: torch.device,
         seed: int,
     ) -> None:
+        if vision_family(AutoConfig.from_pretrained(model_path)) is not None:
+            raise UserError(
+                f"rollout.name=vllm does not take vision-language models here ({model_path}): image prompts go "
+                "through rollout.name=hf (vLLM's CPU build cannot import its vision models without torchvision, "
+                "and passing multi_modal_data is not written yet)"
+            )
         vllm = _import_vllm()
         self.config, self.response_length, self.dtype = config, response_length, dtype
         self.weights: WeightFeed | None = None  # set for a partial rollout: looked at between chunks
