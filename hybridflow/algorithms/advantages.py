@@ -163,7 +163,7 @@ def _estimator_inputs(
         elif param.name == "config":
             kwargs[param.name] = view
         elif key in batch_keys:
-            kwargs[param.name] = data.batch[key]
+            kwargs[param.name] = data.tensors[key]
         elif key in data.non_tensor_batch:
             kwargs[param.name] = data.non_tensor_batch[key]
         elif param.default is param.empty:
@@ -200,7 +200,7 @@ def compute_response_mask(data: DataProto) -> torch.Tensor:
         raise KeyError(
             f"response_mask is missing and cannot be derived without responses and attention_mask; data.batch has {sorted(keys)}"
         )
-    return data.batch["attention_mask"][:, -data.batch["responses"].shape[1] :]
+    return data.tensors["attention_mask"][:, -data.tensors["responses"].shape[1] :]
 
 
 def compute_advantage(
@@ -232,6 +232,6 @@ def compute_advantage(
     settings = {"gamma": gamma, "lam": lam, "norm_adv_by_std_in_grpo": norm_adv_by_std_in_grpo, **kw}
     view = ConfigView(config) if config is not None else ConfigView(settings)
     advantages, returns = fn(**_estimator_inputs(fn, str(adv_estimator), data, settings, view))
-    data.batch["advantages"] = advantages
-    data.batch["returns"] = returns
+    data.tensors["advantages"] = advantages
+    data.tensors["returns"] = returns
     return data

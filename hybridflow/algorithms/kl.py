@@ -168,7 +168,7 @@ def apply_kl_penalty(
         raise KeyError(
             f"apply_kl_penalty({kl_penalty!r}) needs {missing} in data.batch; it has {sorted(present)}"
         )
-    batch = data.batch
+    batch = data.tensors
     mask = batch["response_mask"].to(batch["token_level_scores"].dtype)
     kld = _KL_ESTIMATORS.get(kl_penalty)(batch["old_log_probs"] - batch["ref_log_prob"]) * mask
     beta = kl_ctrl.value

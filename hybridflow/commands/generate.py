@@ -58,7 +58,7 @@ def answer_with_images(
         n=1, do_sample=sampled, temperature=temperature if sampled else 1.0, top_k=0, top_p=1.0
     )
     out = HFRollout(model, tokenizer, config, max_new_tokens, seed=0).generate_sequences(prompts)
-    response = out.batch["responses"][0][out.batch["response_mask"][0].bool()]
+    response = out.tensors["responses"][0][out.tensors["response_mask"][0].bool()]
     return tokenizer.decode(response, skip_special_tokens=True)
 
 

@@ -142,7 +142,7 @@ class ReplayBuffer:
         if ref.batch is None:
             return
         for key, stored in ref.batch.items():
-            new = data.batch[key]
+            new = data.tensors[key]
             if new.shape[1:] != stored.shape[1:] or new.dtype != stored.dtype:
                 raise ValueError(
                     f"push: tensor {key!r} has per-row shape {tuple(new.shape[1:])} and dtype {new.dtype}, "

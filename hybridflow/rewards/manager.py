@@ -78,9 +78,9 @@ class RewardManager:
     def response_mask(self, data: DataProto) -> torch.Tensor:
         """`(bs, response_length)` mask of real response tokens: `response_mask`, else the tail of
         `attention_mask` (which spans prompt + response)."""
-        if "response_mask" in data.batch.keys():
-            return data.batch["response_mask"]
-        return data.batch["attention_mask"][:, -data.batch["responses"].shape[1] :]
+        if "response_mask" in data.tensors.keys():
+            return data.tensors["response_mask"]
+        return data.tensors["attention_mask"][:, -data.tensors["responses"].shape[1] :]
 
     def _score_one(
         self, i: int, data_source: Any, text: str, ground_truth: Any, extra_info: Any
@@ -113,7 +113,7 @@ class RewardManager:
                 raise KeyError(
                     f"RewardManager needs non_tensor_batch[{key!r}]; the batch has {sorted(columns)}"
                 )
-        responses = data.batch["responses"].cpu()
+        responses = data.tensors["responses"].cpu()
         mask = self.response_mask(data).bool().cpu()
         texts = self.tokenizer.batch_decode(
             [row[m].tolist() for row, m in zip(responses, mask)], skip_special_tokens=True

@@ -175,8 +175,8 @@ class Batcher:
         self.batch_sizes.append(len(rows))
         if self.on_batch is not None:
             self.on_batch(len(rows), len(requests))
-        lengths = out.batch["response_mask"].sum(-1).tolist()
-        responses, log_probs = out.batch["responses"].tolist(), out.batch["rollout_log_probs"].tolist()
+        lengths = out.tensors["response_mask"].sum(-1).tolist()
+        responses, log_probs = out.tensors["responses"].tolist(), out.tensors["rollout_log_probs"].tolist()
         results, row = [], 0
         for request in requests:
             samples = []

@@ -250,7 +250,7 @@ def version_metrics(batch: DataProto, version: int) -> dict[str, float]:
     that sampled one of its tokens (``async/staleness_mean``, ``_max``, and ``async/staleness_count/<k>``, the
     samples k versions behind: the report's histogram), and the versions that sampled the batch
     (``async/weight_version_min``, ``_max``)."""
-    versions = batch.batch["rollout_weight_versions"]
+    versions = batch.tensors["rollout_weight_versions"]
     real = versions >= 0
     big = torch.iinfo(versions.dtype).max
     oldest = torch.where(real, versions, big).min(dim=-1).values
@@ -272,7 +272,7 @@ def version_metrics(batch: DataProto, version: int) -> dict[str, float]:
 
 def stale_tokens(batch: DataProto, version: int) -> torch.Tensor:
     """Response tokens of ``batch`` sampled by older weights than ``version`` ``(bs, L)`` bool."""
-    versions = batch.batch["rollout_weight_versions"]
+    versions = batch.tensors["rollout_weight_versions"]
     return (versions >= 0) & (versions < version)
 
 
@@ -284,7 +284,7 @@ def _with_meta(prompts: DataProto, **meta: Any) -> DataProto:
 def _copy(prompts: DataProto) -> DataProto:
     """A batch of prompts whose ``meta_info`` the caller may change (tensors are shared, read-only here)."""
     return DataProto(
-        batch=prompts.batch.copy(),
+        batch=prompts.tensors.copy(),
         non_tensor_batch={k: np.array(v, copy=True) for k, v in prompts.non_tensor_batch.items()},
         meta_info=dict(prompts.meta_info),
     )

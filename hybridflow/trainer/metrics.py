@@ -87,7 +87,7 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 
 def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]:
     """Scores, rewards, advantages, returns, values and lengths of one training batch."""
-    b = batch.batch
+    b = batch.tensors
     mask = b["response_mask"].float()
     response_length = mask.sum(-1)
     max_response = mask.shape[-1]
@@ -116,7 +116,7 @@ def compute_throughput_metrics(
     batch: DataProto, timings: dict[str, float], n_workers: int
 ) -> dict[str, float]:
     """Tokens processed (prompt + response) per second per worker, and seconds per step."""
-    total_tokens = int(batch.batch["attention_mask"].sum())
+    total_tokens = int(batch.tensors["attention_mask"].sum())
     step_time = timings["step"]
     return {
         "perf/total_num_tokens": total_tokens,

@@ -181,7 +181,7 @@ class OfflineTrainer(RunLoop):
         (gradient-free by definition, so two plain forward passes)."""
         policy = self.wg.actor_rollout.compute_log_prob(mismatched).batch["old_log_probs"]
         ref = self.wg.ref.compute_ref_log_prob(mismatched).batch["ref_log_prob"]
-        mask = mismatched.batch["response_mask"].float()
+        mask = mismatched.tensors["response_mask"].float()
         return float(kto_kl_estimate(sequence_log_probs(policy, mask), sequence_log_probs(ref, mask)))
 
     def train_step(

@@ -183,8 +183,8 @@ class PPOTrainer(RunLoop):
         ``reward_fn`` returns (e.g. ``reward/stage2_calls``) go into ``metrics``."""
         if self.wg.reward_model is not None and not self.config.reward_model.two_stage.enable:
             batch = batch.union(self.wg.reward_model.compute_rm_score(batch))
-        if "rm_scores" in batch.batch.keys():  # the reward model's, or the rollout's (extras: its columns)
-            scores, extra = batch.batch["rm_scores"], {}
+        if "rm_scores" in batch.tensors.keys():  # the reward model's, or the rollout's (extras: its columns)
+            scores, extra = batch.tensors["rm_scores"], {}
         else:
             reward_worker = self.wg.reward
             result = (
@@ -195,7 +195,7 @@ class PPOTrainer(RunLoop):
             scores, extra = result["reward_tensor"], result.get("reward_extra_info", {})
             if metrics is not None:
                 metrics.update(result.get("metrics", {}))
-        batch.batch["token_level_scores"] = scores
+        batch.tensors["token_level_scores"] = scores
         return batch.union(
             DataProto.from_dict(non_tensors={f"reward_extra/{k}": v for k, v in extra.items()})
         )
@@ -230,7 +230,7 @@ class PPOTrainer(RunLoop):
                 batch = self.compute_reward(batch, metrics)
             self.hooks.emit("after_reward", self, self.global_step, metrics, batch)
             if stale_tokens(batch, self.global_step).any():  # PPO's old policy is the one that sampled
-                batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+                batch.tensors["old_log_probs"] = batch.tensors["rollout_log_probs"]
             elif self._needs_old_log_prob():
                 with timer("old_log_prob", t):
                     batch = self._union_with_metrics(batch, wg.actor_rollout.compute_log_prob(batch), metrics)
@@ -245,7 +245,7 @@ class PPOTrainer(RunLoop):
                     batch, kl_metrics = apply_kl_penalty(batch, self.kl_ctrl, cfg.algorithm.kl_penalty)
                     metrics.update(kl_metrics)
                 else:
-                    batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+                    batch.tensors["token_level_rewards"] = batch.tensors["token_level_scores"]
                 batch = compute_advantage(
                     batch,
                     cfg.algorithm.adv_estimator,
@@ -325,8 +325,8 @@ class PPOTrainer(RunLoop):
         samples = []
         for i in range(min(count, len(batch))):
             question = batch.non_tensor_batch["raw_prompt"][i][-1]["content"]
-            length = int(batch.batch["response_mask"][i].sum())
-            answer = self.tokenizer.decode(batch.batch["responses"][i, :length], skip_special_tokens=True)
+            length = int(batch.tensors["response_mask"][i].sum())
+            answer = self.tokenizer.decode(batch.tensors["responses"][i, :length], skip_special_tokens=True)
             score = rewards[i].sum().item()
             tqdm.write(f"[val step {self.global_step}] score {score:.3g} | {question!r} -> {answer!r}")
             sample = {"index": i, "prompt": question, "response": answer, "score": score}

@@ -304,9 +304,9 @@ class ActorRolloutRefWorker(Worker):
             rollout.log_prob_max_token_len_per_gpu if rollout.log_prob_use_dynamic_bsz else None,
         )
         metrics = {}
-        if "rollout_log_probs" in data.batch.keys() and data.batch["rollout_log_probs"].abs().sum() > 0:
+        if "rollout_log_probs" in data.tensors.keys() and data.tensors["rollout_log_probs"].abs().sum() > 0:
             metrics = logprob_diff_metrics(
-                data.batch["rollout_log_probs"], log_probs, data.batch["response_mask"]
+                data.tensors["rollout_log_probs"], log_probs, data.tensors["response_mask"]
             )
         return DataProto.from_dict(
             {"old_log_probs": log_probs, "entropys": entropy}, meta_info={"metrics": metrics}
@@ -332,7 +332,7 @@ class ActorRolloutRefWorker(Worker):
     def _policy_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         """Policy-gradient loss (+ KL to the reference, - entropy bonus, + supervised NLL on SFT rows)."""
         actor = self.config.actor
-        mask = micro.batch["response_mask"].float()
+        mask = micro.tensors["response_mask"].float()
         entropy_coeff = actor.entropy_coeff
         log_prob, entropy = response_log_probs(
             self.module,
@@ -344,7 +344,7 @@ class ActorRolloutRefWorker(Worker):
         )
         # On-policy shortcut: with one pass over the data the old policy *is* the current one, so the
         # driver may skip the extra forward pass and let the ratio start at exactly 1.
-        old = micro.batch["old_log_probs"] if "old_log_probs" in micro.batch.keys() else log_prob.detach()
+        old = micro.tensors["old_log_probs"] if "old_log_probs" in micro.tensors.keys() else log_prob.detach()
         advantages, tis_metrics = self._off_policy_corrected(micro, old, log_prob.detach(), mask)
         # verl's calling convention, so a loss registered for verl runs unchanged; the engine weighs the
         # micro-batches itself, hence no whole-batch counts in global_batch_info
@@ -366,18 +366,18 @@ class ActorRolloutRefWorker(Worker):
             **tis_metrics,
         }
         if (
-            "ref_log_prob" in micro.batch.keys()
+            "ref_log_prob" in micro.tensors.keys()
         ):  # KL(policy || reference), k1 estimate over the sampled tokens
             metrics["actor/kl_ref"] = float(
-                masked_mean(log_prob.detach() - micro.batch["ref_log_prob"], mask)
+                masked_mean(log_prob.detach() - micro.tensors["ref_log_prob"], mask)
             )
         if actor.use_kl_loss:
-            kl = kl_penalty(log_prob, micro.batch["ref_log_prob"], actor.kl_loss_type)
+            kl = kl_penalty(log_prob, micro.tensors["ref_log_prob"], actor.kl_loss_type)
             kl_loss = agg_loss(kl, mask, actor.loss_agg_mode)
             loss = loss + actor.kl_loss_coef * kl_loss
             metrics.update({"actor/kl_loss": kl_loss.item(), "actor/kl_coef": actor.kl_loss_coef})
-        if "rollout_log_probs" in micro.batch.keys() and "old_log_probs" not in micro.batch.keys():
-            metrics.update(logprob_diff_metrics(micro.batch["rollout_log_probs"], log_prob.detach(), mask))
+        if "rollout_log_probs" in micro.tensors.keys() and "old_log_probs" not in micro.tensors.keys():
+            metrics.update(logprob_diff_metrics(micro.tensors["rollout_log_probs"], log_prob.detach(), mask))
         return loss, metrics
 
     def _off_policy_corrected(
@@ -388,10 +388,10 @@ class ActorRolloutRefWorker(Worker):
         and zeroed where the trainer's ``current`` log-probs left ``actor.off_policy_mask_bounds`` around the
         rollout's (``actor.off_policy_mask``; in an asynchronous run ``old`` is the rollout's own, so only the
         current policy tells how far the weights moved since the sample was drawn)."""
-        actor, advantages = self.config.actor, micro.batch["advantages"]
-        if "rollout_log_probs" not in micro.batch.keys():
+        actor, advantages = self.config.actor, micro.tensors["advantages"]
+        if "rollout_log_probs" not in micro.tensors.keys():
             return advantages, {}
-        rollout, metrics = micro.batch["rollout_log_probs"], {}
+        rollout, metrics = micro.tensors["rollout_log_probs"], {}
         if actor.tis_imp_ratio_cap > 0:
             weights, tis_clipfrac = truncated_importance_weights(old, rollout, mask, actor.tis_imp_ratio_cap)
             advantages = advantages * weights
@@ -410,7 +410,7 @@ class ActorRolloutRefWorker(Worker):
             self.module, micro, temperature=1.0, share_prompt=self.config.model.share_prompt_prefix
         )
         loss = compute_sft_loss(
-            log_prob, micro.batch["response_mask"].float(), self.config.actor.loss_agg_mode
+            log_prob, micro.tensors["response_mask"].float(), self.config.actor.loss_agg_mode
         )
         return loss, {"actor/sft_loss": loss.item()}
 
@@ -436,7 +436,7 @@ class ActorRolloutRefWorker(Worker):
                 "ref_log_prob",
                 "rollout_log_probs",
             )
-            if k in data.batch.keys()
+            if k in data.tensors.keys()
         ]
         data = data.select(batch_keys=keys, non_tensor_batch_keys=image_column(data), meta_info_keys=[])
         self.module.train()
@@ -475,7 +475,7 @@ class ActorRolloutRefWorker(Worker):
         log_prob, _ = response_log_probs(
             self.module, micro, temperature=1.0, share_prompt=self.config.model.share_prompt_prefix
         )
-        return get_offline_objective(spec["loss"]).fn(log_prob, micro.batch, spec)
+        return get_offline_objective(spec["loss"]).fn(log_prob, micro.tensors, spec)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor_offline(self, data: DataProto) -> DataProto:
@@ -509,7 +509,7 @@ class ActorRolloutRefWorker(Worker):
         with torch.no_grad():
             for micro, real in batching.split(data, agreed_count(batching, data, self.module)):
                 metrics = self._offline_loss(micro)[1]  # a filler's forward keeps sharded ranks in step
-                size = float(micro.batch["response_mask"].sum()) if by_tokens else float(len(micro))
+                size = float(micro.tensors["response_mask"].sum()) if by_tokens else float(len(micro))
                 weight = size if real else 0.0
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + weight * value

@@ -88,7 +88,7 @@ class CriticWorker(Worker):
             agreed_count(micro, data, self.module),
         )
         self.module.train()
-        return DataProto.from_dict({"values": values * data.batch["response_mask"]})
+        return DataProto.from_dict({"values": values * data.tensors["response_mask"]})
 
     def _micro_batching(self) -> MicroBatching:
         critic = self.config
@@ -99,12 +99,12 @@ class CriticWorker(Worker):
         )
 
     def _value_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
-        mask = micro.batch["response_mask"].float()
+        mask = micro.tensors["response_mask"].float()
         vpreds = response_values(self.module, micro, self.config.model.share_prompt_prefix)
         vf_loss, clipfrac = compute_value_loss(
             vpreds,
-            micro.batch["returns"],
-            micro.batch["values"],
+            micro.tensors["returns"],
+            micro.tensors["values"],
             mask,
             self.config.cliprange_value,
             self.config.loss_agg_mode,

@@ -213,7 +213,7 @@ class TrainingEngine:
         """Backward every micro-batch's loss, weighted by its share of the global batch."""
 
         def weight(d: DataProto) -> float:  # what the loss averages over: tokens, or responses with a token
-            mask = d.batch["response_mask"]
+            mask = d.tensors["response_mask"]
             return float(mask.sum() if loss_agg_mode == "token-mean" else (mask.sum(dim=-1) > 0).sum())
 
         total_weight = self._global_sum(weight(data))

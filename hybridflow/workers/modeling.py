@@ -240,14 +240,14 @@ def _report_new_head(model: PreTrainedModel, missing: list[str], new_head: str, 
 def trimmed(data: DataProto) -> DataProto:
     """``data``'s ``input_ids``, ``attention_mask``, ``position_ids`` and ``responses`` (and its images)
     without the response columns that no row attends to (the right padding past its longest response)."""
-    length = data.batch["responses"].shape[1]
-    attended = data.batch["attention_mask"][:, -length:].any(dim=0).nonzero()
+    length = data.tensors["responses"].shape[1]
+    attended = data.tensors["attention_mask"][:, -length:].any(dim=0).nonzero()
     cut = length - (int(attended.max()) + 1 if len(attended) else 1)
     images = {IMAGES: data.non_tensor_batch[IMAGES]} if IMAGES in data.non_tensor_batch else {}
     if cut == 0:
         return data
-    tensors = {k: data.batch[k][..., :-cut] for k in ("input_ids", "attention_mask", "position_ids")}
-    return DataProto.from_dict({**tensors, "responses": data.batch["responses"][:, :-cut]}, images)
+    tensors = {k: data.tensors[k][..., :-cut] for k in ("input_ids", "attention_mask", "position_ids")}
+    return DataProto.from_dict({**tensors, "responses": data.tensors["responses"][:, :-cut]}, images)
 
 
 def row_images(data: DataProto) -> list[Sequence[ImageInput]] | None:
@@ -305,15 +305,15 @@ def response_outputs(
     (``trimmed``). ``keeps_logits``: the model takes ``logits_to_keep`` (causal LMs do; token-classification
     models do not)."""
     device = next(model.parameters()).device
-    length = data.batch["responses"].shape[1]
-    real = data.batch["attention_mask"][:, -length:].bool()
+    length = data.tensors["responses"].shape[1]
+    real = data.tensors["attention_mask"][:, -length:].bool()
     images = row_images(data)
     # flash-attention kernels take no 4-D mask: those models score row by row
     share_prompt = share_prompt and model.config._attn_implementation in ("eager", "sdpa")
     if share_prompt:
         extra = None
         if images is not None:
-            extra = image_inputs(model, data.batch["input_ids"], data.batch["attention_mask"], images)
+            extra = image_inputs(model, data.tensors["input_ids"], data.tensors["attention_mask"], images)
         packed = pack_prefix_tree(data, next(model.parameters()).dtype, extra=extra)
         if packed is not None:
             keep = packed.keep.to(device)
@@ -325,8 +325,8 @@ def response_outputs(
             outputs = _forward(model, inputs, packed.images, keep, keeps_logits)
             return packed.gather(outputs if keeps_logits else outputs[:, keep], real), real
     data = trimmed(data)
-    width = data.batch["responses"].shape[1]
-    inputs = {k: data.batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")}
+    width = data.tensors["responses"].shape[1]
+    inputs = {k: data.tensors[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")}
     flat = [im for row in images or [] for im in row]
     positions = vision_positions(model, inputs["input_ids"], inputs["attention_mask"], flat) if flat else None
     if positions is not None:
@@ -360,7 +360,7 @@ def response_log_probs(
     logits = without_placeholders(logits.float(), placeholder_token_ids(model.config))
     if temperature != 1.0:
         logits = logits / temperature
-    labels = data.batch["responses"][real].to(logits.device)
+    labels = data.tensors["responses"][real].to(logits.device)
     log_probs = per_token(logprobs_from_logits(logits, labels), real)
     entropy = None
     if with_entropy:

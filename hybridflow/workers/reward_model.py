@@ -25,7 +25,7 @@ def dummy_scores(data: DataProto) -> torch.Tensor:
     """``(bs,)`` in [0, 1]: half for the response's length (its share of the response width), half for the
     share of distinct tokens in it. Deterministic, and 1.0 only for a full-width response of distinct
     tokens, so a smoke run's reward moves with what the policy writes instead of saturating at once."""
-    mask, responses = data.batch["response_mask"], data.batch["responses"]
+    mask, responses = data.tensors["response_mask"], data.tensors["responses"]
     lengths = mask.sum(-1)
     distinct = torch.tensor([len(set(row[:n].tolist())) for row, n in zip(responses, lengths.tolist())])
     return 0.5 * lengths.float() / mask.shape[-1] + 0.5 * distinct.float() / lengths.clamp(min=1).float()
@@ -64,9 +64,9 @@ class RewardModelWorker(Worker):
         """What the reward model reads for each sample: the rendered conversation, or the plain text."""
         texts = []
         for i in range(len(data)):
-            n_tokens = int(data.batch["response_mask"][i].sum())
+            n_tokens = int(data.tensors["response_mask"][i].sum())
             response = self.policy_tokenizer.decode(
-                data.batch["responses"][i, :n_tokens], skip_special_tokens=True
+                data.tensors["responses"][i, :n_tokens], skip_special_tokens=True
             )
             messages = list(data.non_tensor_batch["raw_prompt"][i])  # chat messages: the dataset made them so
             if self.chat:
@@ -83,7 +83,7 @@ class RewardModelWorker(Worker):
     @torch.no_grad()
     def compute_rm_score(self, data: DataProto) -> DataProto:
         """``rm_scores`` ``(bs, L)``: the model's scalar on the last response token."""
-        mask = data.batch["response_mask"]
+        mask = data.tensors["response_mask"]
         if self.config.dummy:
             return DataProto.from_dict({"rm_scores": sequence_to_token_scores(dummy_scores(data), mask)})
         scores = []

@@ -115,12 +115,12 @@ class AgentLoop(Rollout):
                 f"RLHFDataset provides; the batch has {sorted(prompts.non_tensor_batch)}"
             )
         rows = prompts.repeat(int(prompts.meta_info.get("n", 1)), interleave=True)
-        mask = rows.batch["attention_mask"].bool()
+        mask = rows.tensors["attention_mask"].bool()
         images = rows.non_tensor_batch.get(IMAGES, [()] * len(rows))
         conversations = [
             Conversation(ids[m].tolist(), copy.deepcopy(list(messages)), tuple(pictures))
             for ids, m, messages, pictures in zip(
-                rows.batch["input_ids"], mask, rows.non_tensor_batch["raw_prompt"], images
+                rows.tensors["input_ids"], mask, rows.non_tensor_batch["raw_prompt"], images
             )
         ]
         sampling = {k: prompts.meta_info[k] for k in SAMPLING_OVERRIDES if k in prompts.meta_info}
@@ -150,8 +150,8 @@ class AgentLoop(Rollout):
             meta_info={**sampling, "n": 1, "response_length": budget},
         )
         out = self.engine.generate_sequences(batch)
-        lengths = out.batch["response_mask"].sum(-1).tolist()
-        for c, ids, lps, length in zip(live, out.batch["responses"], out.batch["rollout_log_probs"], lengths):
+        lengths = out.tensors["response_mask"].sum(-1).tolist()
+        for c, ids, lps, length in zip(live, out.tensors["responses"], out.tensors["rollout_log_probs"], lengths):
             keep = min(int(length), self.response_length - len(c.ids))
             tokens = ids[:keep].tolist()
             c.append(tokens, from_model=True, log_probs=lps[:keep].tolist())

@@ -191,7 +191,7 @@ class HFRollout(Rollout):
             return None
         device, generators, seen = next(self.model.parameters()).device, [], {}
         images = row_images(prompts) or [()] * len(prompts)
-        for ids, mask, pictures in zip(prompts.batch["input_ids"], prompts.batch["attention_mask"], images):
+        for ids, mask, pictures in zip(prompts.tensors["input_ids"], prompts.tensors["attention_mask"], images):
             key = zlib.crc32(
                 ids[mask.bool()].cpu().numpy().tobytes() + "".join(im.key for im in pictures).encode()
             )
@@ -290,7 +290,7 @@ class HFRollout(Rollout):
     def _generate(self, prompts: DataProto, params: contract.SamplingParams) -> DataProto:
         device = next(self.model.parameters()).device
         ids, mask, positions = (
-            prompts.batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")
+            prompts.tensors[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")
         )
         prompt_mask, images = mask, row_images(prompts)
         logits, cache, mask = self._prefill(ids, mask, positions, images)

@@ -211,7 +211,7 @@ class VLLMRollout(Rollout):
         laid out exactly as ``HFRollout.generate_sequences`` returns them (``rollout_log_probs`` zero when
         greedy)."""
         params = SamplingParams.from_config(self.config, self.response_length, prompts.meta_info)
-        ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
+        ids, mask = prompts.tensors["input_ids"], prompts.tensors["attention_mask"].bool()
         firsts = [row[keep].tolist() for row, keep in zip(ids, mask)]
         with self.awake() as llm:
             if self.weights is None:
