@@ -31,6 +31,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from hybridflow.algorithms import sequence_to_token_scores
 from hybridflow.config import RolloutConfig, SamplingConfig
 from hybridflow.protocol import DataProto
+from hybridflow.protocol.columns import top_keys
 
 #: the sampling settings a batch's ``meta_info`` may override for one generation
 SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "n", "response_length")
@@ -52,11 +53,11 @@ class SamplingParams:
 
     @classmethod
     def from_config(
-        cls, config: SamplingConfig, response_length: int, overrides: dict | None = None
+        cls, config: SamplingConfig, response_length: int, overrides: dict[str, Any] | None = None
     ) -> SamplingParams:
         """``config``'s sampling with the ``SAMPLING_KEYS`` of ``overrides`` (a batch's ``meta_info``) laid over
         it; temperature 0 means greedy, as in vLLM."""
-        values = {
+        values: dict[str, Any] = {
             "n": config.n,
             "do_sample": config.do_sample,
             "temperature": config.temperature,
@@ -165,7 +166,7 @@ _HOW = "build it with hybridflow.generation_batch(prompts, tokenizer) (strings o
 def check_generation_batch(prompts: DataProto) -> None:
     """A ValueError saying what to do when ``prompts`` is not a generation batch: ``input_ids``,
     ``attention_mask``, ``position_ids`` ``(bs, P)``, left-padded (every prompt ends at the last column)."""
-    keys: list[str] = list(prompts.batch.keys()) if prompts.batch is not None else []
+    keys = top_keys(prompts.batch) if prompts.batch is not None else []
     missing = [k for k in ("input_ids", "attention_mask", "position_ids") if k not in keys]
     if missing:
         raise ValueError(
