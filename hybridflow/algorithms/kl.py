@@ -7,6 +7,7 @@ low-bias square, k3 is unbiased and always >= 0 (lowest variance in practice).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -17,7 +18,7 @@ from hybridflow.algorithms.utils import masked_mean
 if TYPE_CHECKING:
     from hybridflow.protocol import DataProto
 
-_KL_ESTIMATORS: Registry = Registry("kl penalty")
+_KL_ESTIMATORS: Registry[Callable[[torch.Tensor], torch.Tensor]] = Registry("kl penalty")
 
 
 @_KL_ESTIMATORS.register("k1")
