@@ -42,7 +42,7 @@ RULE_PREFIXES: dict[str, Callable[..., Score]] = {"aime": math_dapo.rule}
 
 
 def default_compute_score(
-    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None
 ) -> Score:
     """Score one response with the rule scorer registered for its `data_source` (or its prefix)."""
     scorer = RULE_SCORERS.get(data_source) or next(
