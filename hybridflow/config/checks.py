@@ -10,10 +10,12 @@ from __future__ import annotations
 import fnmatch
 import warnings
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeVar
 
 from hybridflow.dataflow.replay_buffer import ScheduledSampler
 from hybridflow.utils.errors import UserError
+
+T = TypeVar("T")
 
 
 class ConfigError(UserError, ValueError):
@@ -132,6 +134,15 @@ def cuda_available() -> bool:
     import torch  # lazily: only resolve() needs it
 
     return torch.cuda.is_available()
+
+
+def required(value: T | None, key: str) -> T:
+    """The value of ``key``, a setting that resolving or validating the config fills in or requires (a
+    seed taken from ``trainer.seed``, the model path): typed without None; a ConfigError naming the key when
+    it is None, i.e. the config was used before ``validate()``."""
+    if value is None:
+        raise ConfigError(f"{key} is not set (was the config validated? PPOConfig.validate() fills it in)")
+    return value
 
 
 def get_key(obj: Any, key: str) -> Any:

@@ -250,7 +250,11 @@ class KTOConfig(_OfflineConfig):
 
 OfflineConfig = SFTConfig | DPOConfig | KTOConfig
 
-CONFIGS: dict[str, type[_OfflineConfig]] = {"sft": SFTConfig, "dpo": DPOConfig, "kto": KTOConfig}
+CONFIGS: dict[str, type[SFTConfig] | type[DPOConfig] | type[KTOConfig]] = {
+    "sft": SFTConfig,
+    "dpo": DPOConfig,
+    "kto": KTOConfig,
+}
 
 
 def default_config_path(cls: type[_OfflineConfig]) -> Path:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
@@ -102,6 +102,12 @@ class RewardManager:
             ) from e
         where = f"reward function {name} on sample {i} (data_source {data_source!r}, response {text!r:.60})"
         return checked_score(result, where)
+
+    @overload
+    def __call__(self, data: DataProto, return_dict: Literal[False] = False) -> torch.Tensor: ...
+
+    @overload
+    def __call__(self, data: DataProto, return_dict: Literal[True]) -> dict[str, Any]: ...
 
     def __call__(self, data: DataProto, return_dict: bool = False) -> torch.Tensor | dict[str, Any]:
         """`token_level_scores` `(bs, response_length)` float32 on the CPU, zero except each row's last

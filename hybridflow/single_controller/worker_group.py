@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hybridflow.single_controller.colocate import ROLE_METHODS_ATTR
 from hybridflow.single_controller.decorator import (
@@ -153,6 +153,11 @@ class WorkerGroup:
         for public, remote in self._remote_names.items():
             self._bind(public, remote)
 
+    if TYPE_CHECKING:
+        # the worker class's @register-ed methods are bound per group by name (``_bind``): to a type
+        # checker, an attribute the class does not define is one of them
+        def __getattr__(self, name: str) -> Callable[..., Any]: ...
+
     @property
     def name(self) -> str:
         return self._name
@@ -241,8 +246,8 @@ def _group_method(group: WorkerGroup, public: str, spec: MethodSpec, worker_meth
     def call(*args: Any, **kwargs: Any) -> Any:
         return group._call(public, spec, args, kwargs)
 
-    functools.update_wrapper(call, worker_method)
-    del call.__wrapped__  # so inspect uses the signature below, not the worker's (which has ``self``)
+    wrapper: Any = functools.update_wrapper(call, worker_method)  # a function whose attributes we set
+    del wrapper.__wrapped__  # so inspect uses the signature below, not the worker's (which has ``self``)
     signature = inspect.signature(worker_method)
-    call.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
+    wrapper.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
     return call

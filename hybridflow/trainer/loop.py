@@ -115,10 +115,19 @@ class RunLoop:
         self.checkpoints = CheckpointManager(
             trainer.default_local_dir,
             trainer.max_ckpt_to_keep,
-            check_root=lambda root: self.wg.check_shared_folder(root),
+            check_root=lambda root: self.groups.check_shared_folder(root),
         )
         self.global_step = 0
         self.wg = worker_groups
+
+    @property
+    def groups(self) -> WorkerGroups:
+        """``wg`` where the workers must be running: a RuntimeError before ``init_workers()`` or after ``close()``."""
+        if self.wg is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has no workers: call init_workers() first (or after close())"
+            )
+        return self.wg
 
     # ------------------------------------------------------------------ what a trainer supplies
     def init_workers(self) -> None:
@@ -159,7 +168,8 @@ class RunLoop:
 
     def adapt_lr(self, scale: float) -> float:
         """Multiply the actor's learning rate by ``scale`` from the next update on; returns the new lr."""
-        return self.wg.actor_rollout.scale_lr(scale)[0]
+        new_lr: float = self.groups.actor_rollout.scale_lr(scale)[0]
+        return new_lr
 
     def close(self) -> None:
         """Stop the workers this trainer started (Ray actors give their CPUs/GPUs back). The trained

@@ -9,7 +9,7 @@ here, on the driver, by any estimator registered in ``hybridflow.algorithms``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hybridflow.algorithms import apply_kl_penalty, compute_advantage, get_kl_controller
+from hybridflow.config.checks import ConfigError, required
 from hybridflow.config.schema import PPOConfig
 from hybridflow.data import PromptLoader, RLHFDataset
 from hybridflow.data.images import thumbnail
@@ -27,7 +28,13 @@ from hybridflow.rewards import RewardManager, default_compute_score, load_custom
 from hybridflow.rollout import rollout_scores
 from hybridflow.runs.tracking import Tracking
 from hybridflow.tools import load_tools
-from hybridflow.trainer.async_rollout import PromptStream, build_rollouts, stale_tokens
+from hybridflow.trainer.async_rollout import (
+    AsyncRollouts,
+    PromptStream,
+    SyncRollouts,
+    build_rollouts,
+    stale_tokens,
+)
 from hybridflow.trainer.loop import RunLoop, endless
 from hybridflow.trainer.metrics import (
     StepTimings,
@@ -57,18 +64,22 @@ class PPOTrainer(RunLoop):
         config: PPOConfig,
         *,
         worker_groups: WorkerGroups | None = None,
-        reward_fn: Any = None,
-        val_reward_fn: Any = None,
+        reward_fn: Callable[..., Any] | None = None,
+        val_reward_fn: Callable[..., Any] | None = None,
     ) -> None:
         self.config = config = config.validate()  # resolved and checked
         super().__init__(config.trainer, config.to_dict(), worker_groups)
         model = config.actor_rollout_ref.model
-        self.tokenizer = load_tokenizer(model.path, model.trust_remote_code)
+        model_path = required(model.path, "actor_rollout_ref.model.path")
+        self.tokenizer = load_tokenizer(model_path, model.trust_remote_code)
         # a vision-language model's image processing (None for a text model): the datasets read images with it
-        self.processor = load_image_prompts(model.path, self.tokenizer, model.trust_remote_code)
+        self.processor = load_image_prompts(model_path, self.tokenizer, model.trust_remote_code)
         data = config.data
         self.train_loader = PromptLoader(
-            self._dataset(data.train_files), data.train_batch_size, shuffle=data.shuffle, seed=data.seed
+            self._dataset(required(data.train_files, "data.train_files")),
+            data.train_batch_size,
+            shuffle=data.shuffle,
+            seed=required(data.seed, "data.seed"),
         )
         self.val_dataset = self._dataset(data.val_files) if data.val_files else None
         self.sft_loader = self._sft_loader(data) if data.sft.files else None
@@ -81,7 +92,7 @@ class PPOTrainer(RunLoop):
             score_fn = load_custom_reward_function(
                 config.custom_reward_function.path, config.custom_reward_function.name
             )
-        self.reward_fn = reward_fn or RewardManager(self.tokenizer, score_fn)
+        self.reward_fn: Callable[..., Any] = reward_fn or RewardManager(self.tokenizer, score_fn)
         self.val_reward_fn = val_reward_fn or self.reward_fn
         if (
             config.reward_model.two_stage.enable
@@ -89,7 +100,7 @@ class PPOTrainer(RunLoop):
             self.reward_fn = TwoStageRewardFn.from_config(
                 config.reward_model.two_stage,
                 cheap=self.reward_fn,
-                expensive=lambda data: self.wg.reward_model.compute_rm_score(data).batch["rm_scores"],
+                expensive=self._reward_model_scores,
             )
         self.replay = (
             ActorReplay.from_config(config, self.tokenizer.pad_token_id)
@@ -101,7 +112,17 @@ class PPOTrainer(RunLoop):
             alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon
         )
         self._sft_batches = endless(self.sft_loader) if self.sft_loader else None
-        self.rollouts = self.stream = None  # where the samples come from (async_training.mode): init_workers
+        # where the samples come from (async_training.mode): init_workers builds it; batches() the stream
+        self._rollouts: SyncRollouts | AsyncRollouts | None = None
+        self.stream: PromptStream | None = None
+
+    def _reward_model_scores(self, data: DataProto) -> torch.Tensor:
+        """The reward model's ``rm_scores`` of ``data`` (a two-stage reward's expensive scorer)."""
+        group = self.groups.reward_model
+        if group is None:  # validate() refuses a two-stage reward without one
+            raise ConfigError("reward_model.two_stage.enable needs reward_model.enable=true")
+        scores: torch.Tensor = group.compute_rm_score(data).tensors["rm_scores"]
+        return scores
 
     def _dataset(self, files: list[str]) -> RLHFDataset:
         d, multi_turn = self.config.data, self.config.actor_rollout_ref.rollout.multi_turn
@@ -144,26 +165,33 @@ class PPOTrainer(RunLoop):
                 reward_fn=None if two_stage else self.reward_fn,
                 overlapping=self.config.async_training.mode != "sync",
             )
-        self.rollouts = build_rollouts(self.config, self.wg.generator, self.wg.rollout is not None)
+        self._rollouts = build_rollouts(self.config, self.groups.generator, self.groups.rollout is not None)
+
+    @property
+    def rollouts(self) -> SyncRollouts | AsyncRollouts:
+        """Where the samples come from (``async_training.mode``); a RuntimeError before ``init_workers()``."""
+        if self._rollouts is None:
+            raise RuntimeError("PPOTrainer has no rollouts yet: call init_workers() first")
+        return self._rollouts
 
     def sync_rollout_weights(self, version: int) -> None:
         """Send the actor's weights (``version``: the steps they have trained) to a rollout worker of its own
         (``trainer.placement=split``, or an asynchronous run), through Ray's object store on Ray; a rollout in
         the actor's process syncs itself inside ``update_actor``."""
-        self.rollouts.post_weights(self.wg.actor_rollout, version)
+        self.rollouts.post_weights(self.groups.actor_rollout, version)
 
     def close(self) -> None:
-        if self.rollouts is not None:
-            self.rollouts.stop()
+        if self._rollouts is not None:
+            self._rollouts.stop()
         super().close()
 
     # ------------------------------------------------------------------ where the samples come from
     def batches(self) -> Iterator[DataProto]:
         """The prompts of each step; an asynchronous run's producer, started here, draws ahead of them."""
-        self.stream = PromptStream(self.train_loader, self.global_step)
-        self.rollouts.start(self.stream, self.global_step, self.total_steps)
+        self.stream = stream = PromptStream(self.train_loader, self.global_step)
+        self.rollouts.start(stream, self.global_step, self.total_steps)
         while True:
-            yield self.stream.take(self.global_step)
+            yield stream.take(self.global_step)
 
     def data_position(self) -> dict[str, Any]:
         """The loader's position after the last *trained* batch (the producer may have drawn further)."""
@@ -181,12 +209,12 @@ class PPOTrainer(RunLoop):
         samples (a served agent's return values), else the rule/custom scorer's (with
         ``reward_model.two_stage``, the reward model's only on each group's best rows). The ``metrics`` a
         ``reward_fn`` returns (e.g. ``reward/stage2_calls``) go into ``metrics``."""
-        if self.wg.reward_model is not None and not self.config.reward_model.two_stage.enable:
-            batch = batch.union(self.wg.reward_model.compute_rm_score(batch))
+        if self.groups.reward_model is not None and not self.config.reward_model.two_stage.enable:
+            batch = batch.union(self.groups.reward_model.compute_rm_score(batch))
         if "rm_scores" in batch.tensors.keys():  # the reward model's, or the rollout's (extras: its columns)
             scores, extra = batch.tensors["rm_scores"], {}
         else:
-            reward_worker = self.wg.reward
+            reward_worker = self.groups.reward
             result = (
                 reward_worker.compute_reward(batch)
                 if reward_worker
@@ -216,8 +244,9 @@ class PPOTrainer(RunLoop):
     ) -> DataProto:
         """One PPO iteration on a batch of prompts; returns the batch with everything computed.
         ``timings`` receives each stage's seconds and wall-clock span (the run report's timeline)."""
-        cfg, wg, t = self.config, self.wg, StepTimings() if timings is None else timings
-        use_critic = wg.critic is not None
+        cfg, wg, t = self.config, self.groups, StepTimings() if timings is None else timings
+        critic = wg.critic
+        use_critic = critic is not None
         with timer("step", t):
             with timer("gen", t):  # sync: generated now; async: the oldest batch the producer finished
                 batch.meta_info["n"] = cfg.actor_rollout_ref.rollout.n
@@ -237,9 +266,9 @@ class PPOTrainer(RunLoop):
             if wg.ref is not None:
                 with timer("ref", t):
                     batch = batch.union(wg.ref.compute_ref_log_prob(batch))
-            if use_critic:
+            if critic is not None:
                 with timer("values", t):
-                    batch = batch.union(wg.critic.compute_values(batch))
+                    batch = batch.union(critic.compute_values(batch))
             with timer("adv", t):
                 if cfg.algorithm.use_kl_in_reward:
                     batch, kl_metrics = apply_kl_penalty(batch, self.kl_ctrl, cfg.algorithm.kl_penalty)
@@ -255,9 +284,9 @@ class PPOTrainer(RunLoop):
                     config=cfg.algorithm,  # what an estimator written for verl reads as its config
                 )
             self.hooks.emit("after_advantage", self, self.global_step, metrics, batch)
-            if use_critic:
+            if critic is not None:
                 with timer("update_critic", t):
-                    metrics.update(reduce_metrics(wg.critic.update_critic(batch).meta_info["metrics"]))
+                    metrics.update(reduce_metrics(critic.update_critic(batch).meta_info["metrics"]))
             if self.global_step >= cfg.trainer.critic_warmup:
                 with timer("update_actor", t):
                     sft = self._next_sft_batch()
@@ -275,13 +304,13 @@ class PPOTrainer(RunLoop):
         metrics.update(compute_throughput_metrics(batch, t, wg.actor_rollout.world_size))
         return batch
 
-    def _union_with_metrics(self, batch: DataProto, out: DataProto, metrics: dict) -> DataProto:
+    def _union_with_metrics(self, batch: DataProto, out: DataProto, metrics: dict[str, float]) -> DataProto:
         metrics.update(reduce_metrics(out.meta_info.pop("metrics", {})))
         return batch.union(out)
 
     def _next_sft_batch(self) -> DataProto | None:
         sft = self.config.data.sft
-        if self.sft_loader is None or self.global_step % sft.every_n_steps:
+        if self._sft_batches is None or self.global_step % sft.every_n_steps:
             return None
         batch = next(self._sft_batches)
         batch.meta_info["loss_coef"] = sft.loss_coef
@@ -337,9 +366,9 @@ class PPOTrainer(RunLoop):
 
     # ------------------------------------------------------------------ checkpoints
     def save_state(self, folder: Path) -> dict[str, Any]:
-        self.wg.actor_rollout.save_checkpoint(str(folder / "actor"))
-        if self.wg.critic is not None:
-            self.wg.critic.save_checkpoint(str(folder / "critic"))
+        self.groups.actor_rollout.save_checkpoint(str(folder / "actor"))
+        if self.groups.critic is not None:
+            self.groups.critic.save_checkpoint(str(folder / "critic"))
         return {
             "sft_loader": self.sft_loader.state_dict() if self.sft_loader else None,
             "kl_coef": self.kl_ctrl.value,
@@ -347,11 +376,11 @@ class PPOTrainer(RunLoop):
         }
 
     def load_state(self, folder: Path, state: dict[str, Any]) -> None:
-        self.wg.actor_rollout.load_checkpoint(str(folder / "actor"))
-        if self.wg.rollout is not None:
+        self.groups.actor_rollout.load_checkpoint(str(folder / "actor"))
+        if self.groups.rollout is not None:
             self.sync_rollout_weights(state["global_step"])
-        if self.wg.critic is not None:
-            self.wg.critic.load_checkpoint(str(folder / "critic"))
+        if self.groups.critic is not None:
+            self.groups.critic.load_checkpoint(str(folder / "critic"))
         if self.sft_loader and state["sft_loader"]:
             self.sft_loader.load_state_dict(state["sft_loader"])
         self._restore_kl_coef(state["kl_coef"])

@@ -163,11 +163,12 @@ class RayWorkerGroup(WorkerGroup):
             resource_pool.release(name)
             raise
         self._resource_pool = resource_pool
+        self._ray = backend  # the Ray actors behind the group (the base class sees a WorkerBackend)
         super().__init__(backend, cls_with_init.cls, name)
 
     def shutdown(self) -> None:
         """Kill the actors and free the group's share of its pool (the pool's bundles stay reserved)."""
-        self._backend.kill()
+        self._ray.kill()
         self._resource_pool.release(self.name)
 
 
@@ -273,8 +274,8 @@ class _RayBackend:
                 if isinstance(error, RayTaskError) and isinstance(error.cause, UserError)
                 else None
             )
-            raised, cause = worker_failure(kind(group, rank, label, _ANSI.sub("", str(error))), cause)
-            raise raised from cause
+            raised, reason = worker_failure(kind(group, rank, label, _ANSI.sub("", str(error))), cause)
+            raise raised from reason
 
     def kill(self) -> None:
         for actor in self._actors:
