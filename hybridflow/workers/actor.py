@@ -9,10 +9,11 @@ sharded again after it). The reference policy is a second, frozen copy, loaded o
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
+from transformers import PreTrainedModel
 
 from hybridflow.algorithms import (
     ConfigView,
@@ -26,6 +27,7 @@ from hybridflow.algorithms import (
     truncated_importance_weights,
 )
 from hybridflow.config import ActorRolloutRefConfig
+from hybridflow.config.checks import required
 from hybridflow.models.vision import freeze_vision_tower
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import (
@@ -61,6 +63,7 @@ from hybridflow.workers.sharding import (
 )
 from hybridflow.workers.weight_sync import WeightMailbox, from_numpy, policy_weights, to_numpy
 
+T = TypeVar("T")
 ROLES = ("actor", "rollout", "ref")
 
 
@@ -104,7 +107,9 @@ class ActorRolloutRefWorker(Worker):
         self.announce = (
             announce  # print what this worker did (a role in its own process, as the tutorial logs)
         )
-        self.module = self.ref_module = self.engine = None
+        self.module: PreTrainedModel | None = None  # the actor's (or a rollout-only worker's copy)
+        self.ref_module: PreTrainedModel | None = None
+        self.engine: TrainingEngine | None = None
         self.rollout: Rollout | None = None
         self.rollout_engine = rollout_engine
         self.mailbox: WeightMailbox | None = None  # a rollout-only worker's weight versions (async runs)
@@ -126,14 +131,15 @@ class ActorRolloutRefWorker(Worker):
         torch.manual_seed(self.seed + self.rank)
         self.init_process_group()
         model_cfg, actor, ref = self.config.model, self.config.actor, self.config.ref
-        self.tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
-        self.processor = load_image_prompts(model_cfg.path, self.tokenizer, model_cfg.trust_remote_code)
+        model_path = required(model_cfg.path, "actor_rollout_ref.model.path")
+        self.tokenizer = load_tokenizer(model_path, model_cfg.trust_remote_code)
+        self.processor = load_image_prompts(model_path, self.tokenizer, model_cfg.trust_remote_code)
         if self._is_actor or self._is_rollout:
             # a rollout-only worker (trainer.placement=split) holds a plain copy the actor's full weights load into
             strategy = resolve_strategy(actor.strategy, self.world_size) if self._is_actor else "ddp"
             lora = model_cfg.lora_rank if self._is_actor else 0
             module = load_model(
-                model_cfg.path,
+                model_path,
                 *load_placement(strategy, model_cfg.dtype, self.device),
                 trust_remote_code=model_cfg.trust_remote_code,
                 disable_dropout=model_cfg.disable_dropout,
@@ -153,7 +159,7 @@ class ActorRolloutRefWorker(Worker):
             )
         if self._is_actor:
             self.engine = TrainingEngine(
-                self.module,
+                self.policy,
                 actor.optim,
                 actor.grad_clip,
                 "actor",
@@ -164,10 +170,10 @@ class ActorRolloutRefWorker(Worker):
             rollout = self.config.rollout
             spec = EngineSpec(
                 rollout,
-                self.module,
+                self.policy,
                 self.tokenizer,
                 self.response_length,
-                model_location(model_cfg.path),
+                model_location(model_path),
                 (self.seed if rollout.seed is None else rollout.seed) + self.rank,
             )
             self.rollout = build_rollout(spec, self.rollout_engine, self.weight_version)
@@ -176,7 +182,7 @@ class ActorRolloutRefWorker(Worker):
         if self._is_ref and not (self.module is not None and is_lora(self.module)):
             strategy = resolve_strategy(ref.strategy, self.world_size, "actor_rollout_ref.ref.strategy")
             module = load_model(
-                model_cfg.path,
+                model_path,
                 *load_placement(strategy, model_cfg.dtype, self.device),
                 trust_remote_code=model_cfg.trust_remote_code,
                 disable_dropout=model_cfg.disable_dropout,
@@ -188,18 +194,18 @@ class ActorRolloutRefWorker(Worker):
     # ---------------------------------------------------------------- rollout
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        self._require(self.rollout, "rollout", "generate_sequences")
+        rollout = self._require(self.rollout, "rollout", "generate_sequences")
         check_generation_batch(prompts)
         if "global_step" in prompts.meta_info:
-            self.rollout.reseed(prompts.meta_info["global_step"])
-        versioned = self.mailbox is not None and "weight_version" in prompts.meta_info
-        if versioned:
-            self._use_weights(prompts.meta_info)
+            rollout.reseed(prompts.meta_info["global_step"])
+        mailbox = self.mailbox if "weight_version" in prompts.meta_info else None  # an asynchronous run's
+        if mailbox is not None:
+            self._use_weights(prompts.meta_info, mailbox, rollout)
         try:
             reshard = self.config.actor.fsdp_config.reshard_after_forward
             sharded = self.config.rollout.sharded_generation
-            with (lockstep if sharded else gathered)(self.module, reshard):
-                out = self.rollout.generate_sequences(prompts)
+            with (lockstep if sharded else gathered)(self.policy, reshard):
+                out = rollout.generate_sequences(prompts)
         except DivergedError as e:
             if self.engine is None or self.engine.steps_done == 0:
                 raise
@@ -208,48 +214,49 @@ class ActorRolloutRefWorker(Worker):
                 f"{self.engine.lr:g}) broke the weights; lower actor_rollout_ref.actor.optim.lr"
             ) from e
         finally:
-            if versioned and self.mailbox.follow:
-                self.mailbox.follow = False
-                self.rollout.follow_weights(None)
-        if versioned and not is_tagged(out):  # generated by one version from start to end
-            tag_weight_versions(out, self.mailbox.version)
+            if mailbox is not None and mailbox.follow:
+                mailbox.follow = False
+                rollout.follow_weights(None)
+        if mailbox is not None and not is_tagged(out):  # generated by one version from start to end
+            tag_weight_versions(out, mailbox.version)
         if self.announce:
             print(f"[rollout] generated {len(out)} responses for {len(prompts)} prompts", flush=True)
         return out
 
     # ---------------------------------------------------------------- weight sync
-    def _use_weights(self, meta: dict[str, Any]) -> None:
+    def _use_weights(self, meta: dict[str, Any], mailbox: WeightMailbox, rollout: Rollout) -> None:
         """An asynchronous run's generation: load ``meta["weight_version"]`` (None: the newest posted), forget
         versions older than ``meta["keep_from"]``, and with ``meta["follow_weights"]`` (a partial rollout) let
         the engine take newer versions between decoding steps."""
-        self.mailbox.use(meta["weight_version"], meta.get("keep_from"))
+        mailbox.use(meta["weight_version"], meta.get("keep_from"))
         if meta.get("follow_weights"):
-            if not self.rollout.capabilities.follows_weights:
+            if not rollout.capabilities.follows_weights:
                 raise ValueError(
                     "a partial rollout needs a rollout that takes new weights between decoding steps "
-                    f"(Capabilities.follows_weights: hf, vllm); {type(self.rollout).__name__} does not"
+                    f"(Capabilities.follows_weights: hf, vllm); {type(rollout).__name__} does not"
                 )
-            self.mailbox.follow = True
-            self.rollout.follow_weights(self.mailbox)
+            mailbox.follow = True
+            rollout.follow_weights(mailbox)
 
     def _load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        self.module.load_state_dict(dict(named))
-        if self.rollout.capabilities.own_weights:
-            self.rollout.update_weights(named)
+        rollout = self._require(self.rollout, "rollout", "loading weights")
+        self.policy.load_state_dict(dict(named))
+        if rollout.capabilities.own_weights:
+            rollout.update_weights(named)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def post_weights(self, weights: dict[str, np.ndarray], version: int) -> None:
         """Keep the actor's weights (``get_weights``) as ``version`` for this rollout worker's next
         generations, or for the one in flight when it follows new weights; returns at once (a copy is made
         here, so the actor may train on)."""
-        self._require(self.mailbox, "rollout", "post_weights")
-        self.mailbox.post(version, list(from_numpy(weights, next(self.module.parameters()).dtype)))
+        mailbox = self._require(self.mailbox, "rollout", "post_weights")
+        mailbox.post(version, list(from_numpy(weights, next(self.policy.parameters()).dtype)))
 
     def _sync_rollout(self) -> None:
         """After the actor's weights changed: a rollout engine with its own copy (vLLM) takes the new ones
         in memory; the Hugging Face rollout samples from the trained module itself and needs nothing."""
         if self._is_actor and self.rollout is not None and self.rollout.capabilities.own_weights:
-            self.rollout.update_weights(policy_weights(self.module))
+            self.rollout.update_weights(policy_weights(self.policy))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def get_weights(self) -> dict[str, np.ndarray] | None:
@@ -257,20 +264,20 @@ class ActorRolloutRefWorker(Worker):
         gathering FSDP2 shards is a collective), for a rollout worker in another process
         (``trainer.placement=split``)."""
         self._require(self.engine, "actor", "get_weights")
-        weights = to_numpy(policy_weights(self.module))
+        weights = to_numpy(policy_weights(self.policy))
         return weights if self.rank == 0 else None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def update_weights(self, weights: dict[str, np.ndarray]) -> None:
         """Load the actor's weights (``get_weights``) into this rollout worker's model and engine."""
         self._require(self.rollout, "rollout", "update_weights")
-        self._load_weights(list(from_numpy(weights, next(self.module.parameters()).dtype)))
+        self._load_weights(list(from_numpy(weights, next(self.policy.parameters()).dtype)))
         self.weights_received += 1
 
     # ---------------------------------------------------------------- log-probs
     def _log_probs(
         self,
-        module: torch.nn.Module,
+        module: PreTrainedModel,
         data: DataProto,
         with_entropy: bool,
         micro_batch_size: int,
@@ -294,10 +301,10 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs`` and ``entropys`` ``(bs, L)`` under the current policy."""
-        self._require(self.module, "actor", "compute_log_prob")
+        policy = self._require(self.module, "actor", "compute_log_prob")
         rollout = self.config.rollout
         log_probs, entropy = self._log_probs(
-            self.module,
+            policy,
             data,
             True,
             rollout.log_prob_micro_batch_size_per_gpu,
@@ -321,11 +328,18 @@ class ActorRolloutRefWorker(Worker):
             (ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None),
         )
         if self._is_ref and self.ref_module is None:
-            with self.module.disable_adapter():
-                log_probs, _ = self._log_probs(self.module, data, False, micro, budget)
+            from peft import PeftModel
+
+            lora = self.policy
+            if not isinstance(lora, PeftModel):  # the LoRA actor is its own reference (role actor_ref)
+                raise RuntimeError(
+                    f"the reference is the actor with its adapter off, but it has none: {type(lora)}"
+                )
+            with lora.disable_adapter():
+                log_probs, _ = self._log_probs(self.policy, data, False, micro, budget)
         else:
-            self._require(self.ref_module, "ref", "compute_ref_log_prob")
-            log_probs, _ = self._log_probs(self.ref_module, data, False, micro, budget)
+            ref_module = self._require(self.ref_module, "ref", "compute_ref_log_prob")
+            log_probs, _ = self._log_probs(ref_module, data, False, micro, budget)
         return DataProto.from_dict({"ref_log_prob": log_probs})
 
     # ---------------------------------------------------------------- training
@@ -335,7 +349,7 @@ class ActorRolloutRefWorker(Worker):
         mask = micro.tensors["response_mask"].float()
         entropy_coeff = actor.entropy_coeff
         log_prob, entropy = response_log_probs(
-            self.module,
+            self.policy,
             micro,
             self.config.rollout.temperature,
             with_entropy=True,
@@ -357,6 +371,8 @@ class ActorRolloutRefWorker(Worker):
             config=ConfigView(actor, global_batch_info={}),
             rollout_is_weights=None,
         )
+        if entropy is None:  # asked for above (with_entropy=True)
+            raise RuntimeError("response_log_probs(with_entropy=True) returned no entropy")
         entropy_loss = agg_loss(entropy, mask, actor.loss_agg_mode)
         loss = pg_loss - entropy_coeff * entropy_loss
         metrics = {
@@ -407,7 +423,7 @@ class ActorRolloutRefWorker(Worker):
     def _sft_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         """Supervised NLL on demonstration responses (prompt tokens masked out)."""
         log_prob, _ = response_log_probs(
-            self.module, micro, temperature=1.0, share_prompt=self.config.model.share_prompt_prefix
+            self.policy, micro, temperature=1.0, share_prompt=self.config.model.share_prompt_prefix
         )
         loss = compute_sft_loss(
             log_prob, micro.tensors["response_mask"].float(), self.config.actor.loss_agg_mode
@@ -420,7 +436,7 @@ class ActorRolloutRefWorker(Worker):
 
         ``sft_data`` (demonstrations laid out like rollouts: ``input_ids``, ``responses``,
         ``response_mask``...) adds ``sft_data.meta_info["loss_coef"]`` x its NLL to every optimiser step."""
-        self._require(self.engine, "actor", "update_actor")
+        engine = self._require(self.engine, "actor", "update_actor")
         actor = self.config.actor
         mini_batch = actor.ppo_mini_batch_size * self.config.rollout.n // self.world_size
         keys = [
@@ -439,11 +455,11 @@ class ActorRolloutRefWorker(Worker):
             if k in data.tensors.keys()
         ]
         data = data.select(batch_keys=keys, non_tensor_batch_keys=image_column(data), meta_info_keys=[])
-        self.module.train()
+        self.policy.train()
         extra = []
         if sft_data is not None and len(sft_data):
             extra = [(sft_data, self._sft_loss, float(sft_data.meta_info["loss_coef"]))]
-        metrics = self.engine.update(
+        metrics = engine.update(
             data,
             mini_batch,
             self._micro_batching(),
@@ -473,7 +489,7 @@ class ActorRolloutRefWorker(Worker):
         policy's log-probs of ``responses`` (temperature 1: the model's own distribution)."""
         spec = micro.meta_info["offline"]
         log_prob, _ = response_log_probs(
-            self.module, micro, temperature=1.0, share_prompt=self.config.model.share_prompt_prefix
+            self.policy, micro, temperature=1.0, share_prompt=self.config.model.share_prompt_prefix
         )
         return get_offline_objective(spec["loss"]).fn(log_prob, micro.tensors, spec)
 
@@ -482,10 +498,10 @@ class ActorRolloutRefWorker(Worker):
         """One optimiser step over this rank's shard of an offline batch (laid out like rollouts, plus
         ``ref_log_prob``/``label`` where the objective needs them), micro-batch by micro-batch;
         ``data.meta_info["offline"]`` names the objective and its settings. Metrics in ``meta_info``."""
-        self._require(self.engine, "actor", "update_actor_offline")
+        engine = self._require(self.engine, "actor", "update_actor_offline")
         objective = get_offline_objective(data.meta_info["offline"]["loss"])
-        self.module.train()
-        metrics = self.engine.update(
+        self.policy.train()
+        metrics = engine.update(
             data,
             len(data),
             self._micro_batching(),
@@ -499,40 +515,40 @@ class ActorRolloutRefWorker(Worker):
     def evaluate_offline(self, data: DataProto) -> DataProto:
         """The offline objective on held-out data without updating: each metric averaged over this shard's
         micro-batches, weighted as the update weighs them (tokens for SFT, rows otherwise)."""
-        self._require(self.module, "actor", "evaluate_offline")
+        policy = self._require(self.module, "actor", "evaluate_offline")
         by_tokens = get_offline_objective(data.meta_info["offline"]["loss"]).loss_agg_mode == "token-mean"
-        was_training = self.module.training
-        self.module.eval()
+        was_training = policy.training
+        policy.eval()
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
         batching = self._micro_batching()
         with torch.no_grad():
-            for micro, real in batching.split(data, agreed_count(batching, data, self.module)):
+            for micro, real in batching.split(data, agreed_count(batching, data, policy)):
                 metrics = self._offline_loss(micro)[1]  # a filler's forward keeps sharded ranks in step
                 size = float(micro.tensors["response_mask"].sum()) if by_tokens else float(len(micro))
                 weight = size if real else 0.0
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + weight * value
                     weights[key] = weights.get(key, 0.0) + weight
-        self.module.train(was_training)
+        policy.train(was_training)
         return DataProto(meta_info={"metrics": {k: [sums[k] / max(weights[k], 1e-8)] for k in sums}})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def scale_lr(self, scale: float) -> float:
-        self._require(self.engine, "actor", "scale_lr")
-        return self.engine.scale_lr(scale)
+        engine = self._require(self.engine, "actor", "scale_lr")
+        return engine.scale_lr(scale)
 
     # ---------------------------------------------------------------- checkpoints
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
         """``path/huggingface`` (a plain HF model folder) plus optimiser, schedule and RNG state
         (``workers.checkpointing`` has the layout, sharded and LoRA variants included)."""
-        self._require(self.engine, "actor", "save_checkpoint")
+        engine = self._require(self.engine, "actor", "save_checkpoint")
         save_worker_state(
             path,
-            self.module,
+            self.policy,
             self.tokenizer,
-            self.engine,
+            engine,
             self.rank,
             self.config.actor.checkpoint.save_lora_only,
             self.processor,
@@ -540,13 +556,21 @@ class ActorRolloutRefWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
-        self._require(self.engine, "actor", "load_checkpoint")
-        load_worker_state(path, self.module, self.engine, self.rank)
+        engine = self._require(self.engine, "actor", "load_checkpoint")
+        load_worker_state(path, self.policy, engine, self.rank)
         self._sync_rollout()
 
-    def _require(self, part: Any, role: str, method: str) -> None:
+    def _require(self, part: T | None, role: str, method: str) -> T:
+        """``part`` (the module, engine, rollout... of ``role``), which ``method`` needs; a RuntimeError
+        naming the role this worker has when it has none."""
         if part is None:
             raise RuntimeError(
                 f"{method} needs the {role!r} role, but this worker was built with role "
                 f"{self.role!r} (pid {os.getpid()}); call init_model first if you did not"
             )
+        return part
+
+    @property
+    def policy(self) -> PreTrainedModel:
+        """The policy's module: the actor's, or a rollout-only worker's copy."""
+        return self._require(self.module, "actor", "the policy module")

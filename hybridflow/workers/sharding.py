@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import PreTrainedModel
 
 from hybridflow.config import FSDPConfig
 from hybridflow.models.vision import lora_targets
@@ -74,11 +75,15 @@ def wrap_model(
     device: torch.device,
     lora_rank: int = 0,
     lora_alpha: int = 16,
-    target_modules: list[str] | str = ("all-linear",),
-) -> nn.Module:
-    """LoRA adapters (``lora_rank`` > 0), then FSDP2 sharding for ``strategy`` ``fsdp2``."""
+    target_modules: list[str] | str | tuple[str, ...] = ("all-linear",),
+) -> PreTrainedModel:
+    """LoRA adapters (``lora_rank`` > 0), then FSDP2 sharding for ``strategy`` ``fsdp2``.
+
+    Typed as the Hugging Face model it holds: FSDP2 keeps the model's class (it subclasses it), and a peft
+    wrapper forwards the model's attributes (``config``, ``save_pretrained``...) to it."""
     module = apply_lora(module, lora_rank, lora_alpha, list(target_modules))
-    return shard_module(module, fsdp_config, device) if strategy == "fsdp2" else module
+    wrapped = shard_module(module, fsdp_config, device) if strategy == "fsdp2" else module
+    return cast(PreTrainedModel, wrapped)
 
 
 def apply_lora(module: nn.Module, rank: int, alpha: int, target_modules: list[str] | str) -> nn.Module:

@@ -151,7 +151,9 @@ class AgentLoop(Rollout):
         )
         out = self.engine.generate_sequences(batch)
         lengths = out.tensors["response_mask"].sum(-1).tolist()
-        for c, ids, lps, length in zip(live, out.tensors["responses"], out.tensors["rollout_log_probs"], lengths):
+        for c, ids, lps, length in zip(
+            live, out.tensors["responses"], out.tensors["rollout_log_probs"], lengths
+        ):
             keep = min(int(length), self.response_length - len(c.ids))
             tokens = ids[:keep].tolist()
             c.append(tokens, from_model=True, log_probs=lps[:keep].tolist())

@@ -191,7 +191,9 @@ class HFRollout(Rollout):
             return None
         device, generators, seen = next(self.model.parameters()).device, [], {}
         images = row_images(prompts) or [()] * len(prompts)
-        for ids, mask, pictures in zip(prompts.tensors["input_ids"], prompts.tensors["attention_mask"], images):
+        for ids, mask, pictures in zip(
+            prompts.tensors["input_ids"], prompts.tensors["attention_mask"], images
+        ):
             key = zlib.crc32(
                 ids[mask.bool()].cpu().numpy().tobytes() + "".join(im.key for im in pictures).encode()
             )
