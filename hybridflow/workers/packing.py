@@ -353,7 +353,9 @@ def batched(
     inverse = torch.from_numpy(np.argsort(np.concatenate(batches), kind="stable"))
 
     def merge(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
-        return None if parts[0] is None else torch.cat(parts)[inverse]
+        if parts[0] is None:  # a function that returns None (no entropy) does so for every part
+            return None
+        return torch.cat([p for p in parts if p is not None])[inverse]
 
     if isinstance(outputs[0], tuple):
         return tuple(merge([o[i] for o in outputs]) for i in range(len(outputs[0])))

@@ -12,10 +12,11 @@ change before a real reward model exists.
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForSequenceClassification
+from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
 from hybridflow.algorithms import sequence_to_token_scores
 from hybridflow.config import RewardModelConfig
+from hybridflow.config.checks import required
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.modeling import load_model, load_tokenizer
@@ -37,19 +38,19 @@ class RewardModelWorker(Worker):
     def __init__(self, config: RewardModelConfig, policy_tokenizer_path: str, device: str = "auto") -> None:
         super().__init__(device)
         self.config, self.policy_tokenizer_path = config, policy_tokenizer_path
-        self.model = None
+        self.model: PreTrainedModel | None = None  # None with reward_model.dummy
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         self.policy_tokenizer = load_tokenizer(self.policy_tokenizer_path)
         if self.config.dummy:
             return
-        path = self.config.model.path
+        path = required(self.config.model.path, "reward_model.model.path")
         self.tokenizer = load_tokenizer(self.config.model.input_tokenizer or path)
-        self.model = load_model(
+        self.model = model = load_model(
             path, self.device, "auto", auto_cls=AutoModelForSequenceClassification, num_labels=1
         ).eval()
-        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        model.config.pad_token_id = self.tokenizer.pad_token_id
         has_template = bool(self.tokenizer.chat_template)
         self.chat = self.config.input_format == "chat" or (
             self.config.input_format == "auto" and has_template
@@ -65,16 +66,17 @@ class RewardModelWorker(Worker):
         texts = []
         for i in range(len(data)):
             n_tokens = int(data.tensors["response_mask"][i].sum())
-            response = self.policy_tokenizer.decode(
-                data.tensors["responses"][i, :n_tokens], skip_special_tokens=True
-            )
+            response = str(
+                self.policy_tokenizer.decode(
+                    data.tensors["responses"][i, :n_tokens], skip_special_tokens=True
+                )
+            )  # one row of ids decodes to one string
             messages = list(data.non_tensor_batch["raw_prompt"][i])  # chat messages: the dataset made them so
             if self.chat:
-                texts.append(
-                    self.tokenizer.apply_chat_template(
-                        messages + [{"role": "assistant", "content": response}], tokenize=False
-                    )
+                text = self.tokenizer.apply_chat_template(
+                    messages + [{"role": "assistant", "content": response}], tokenize=False
                 )
+                texts.append(str(text))  # tokenize=False renders a string
             else:
                 texts.append("\n".join(m["content"] for m in messages) + "\n" + response)
         return texts
@@ -86,12 +88,14 @@ class RewardModelWorker(Worker):
         mask = data.tensors["response_mask"]
         if self.config.dummy:
             return DataProto.from_dict({"rm_scores": sequence_to_token_scores(dummy_scores(data), mask)})
-        scores = []
+        if self.model is None:
+            raise RuntimeError("RewardModelWorker: call init_model first")
+        model, scores = self.model, []
         for start in range(0, len(data), self.config.micro_batch_size_per_gpu):
             chunk = data[start : start + self.config.micro_batch_size_per_gpu]
             # a rendered template holds its special tokens already; plain text gets the tokenizer's (BOS, CLS...)
             inputs = self.tokenizer(
                 self._texts(chunk), return_tensors="pt", padding=True, add_special_tokens=not self.chat
             ).to(self.device)
-            scores.append(self.model(**inputs).logits[:, 0].float().cpu())
+            scores.append(model(**inputs).logits[:, 0].float().cpu())
         return DataProto.from_dict({"rm_scores": sequence_to_token_scores(torch.cat(scores), mask)})

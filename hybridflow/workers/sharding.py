@@ -216,8 +216,9 @@ def _receive_shards(module: nn.Module, full: dict[str, torch.Tensor] | None, dev
 
     if full is None:  # rank 0's own shards already hold its weights (and its buffers must stay)
         module.to_empty(device=device)
+    state: dict[str, Any] = full or {}
     set_model_state_dict(
-        module, full or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        module, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     )
     _broadcast(module.buffers())
 
@@ -378,7 +379,12 @@ def _base_name(name: str) -> str:
     return name.removeprefix("base_model.model.")
 
 
-def unwrapped(module: nn.Module) -> nn.Module:
+def unwrapped(module: nn.Module) -> PreTrainedModel:
     """The Hugging Face model under a peft wrapper (``module`` itself otherwise): its class and config
     describe what ``full_weights`` yields."""
-    return module.get_base_model() if is_lora(module) else module
+    from peft import PeftModel
+
+    model = module.get_base_model() if isinstance(module, PeftModel) else module
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"expected a Hugging Face model (under its peft wrapper), got {type(model).__name__}")
+    return model

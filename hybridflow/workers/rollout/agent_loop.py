@@ -159,7 +159,7 @@ class AgentLoop(Rollout):
             c.append(tokens, from_model=True, log_probs=lps[:keep].tolist())
             c.assistant_turns += 1
             ended = bool(tokens) and tokens[-1] in self.eos_token_ids
-            text = self.tokenizer.decode(tokens[:-1] if ended else tokens, skip_special_tokens=False)
+            text = str(self.tokenizer.decode(tokens[:-1] if ended else tokens, skip_special_tokens=False))
             c.messages.append({"role": "assistant", "content": text})
             c.pending = parse_tool_calls(text, self.config.format)
             if c.pending:
@@ -200,7 +200,7 @@ class AgentLoop(Rollout):
         """(text for the model, reward, failed); a failing tool never stops the rollout."""
         if call.error is not None:
             return f"Error: {call.error}", 0.0, True
-        tool = self.tools.get(call.name)
+        tool = self.tools.get(call.name) if call.name is not None else None
         if tool is None:
             return f"Error: unknown tool {call.name!r}; available: {', '.join(sorted(self.tools))}", 0.0, True
         try:
@@ -225,7 +225,7 @@ class AgentLoop(Rollout):
             attention[i, :k] = 1
             log_probs[i, :k] = torch.tensor(c.log_probs, dtype=torch.float32)
         rows = attach_responses(rows, responses, response_mask, log_probs, attended=attention)
-        columns = {
+        columns: dict[str, list[Any]] = {
             "messages": [c.messages for c in conversations],
             "tool_calls": [c.tool_calls for c in conversations],
             "num_turns": [c.assistant_turns for c in conversations],
