@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hybridflow.config.schema import RolloutConfig
 from hybridflow.data.dataset import left_pad
@@ -39,8 +39,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def answer_with_images(
-    model: torch.nn.Module,
-    tokenizer: object,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     processor: ImagePrompts,
     prompt: str,
     image_files: list[str],
@@ -59,7 +59,7 @@ def answer_with_images(
     )
     out = HFRollout(model, tokenizer, config, max_new_tokens, seed=0).generate_sequences(prompts)
     response = out.tensors["responses"][0][out.tensors["response_mask"][0].bool()]
-    return tokenizer.decode(response, skip_special_tokens=True)
+    return str(tokenizer.decode(response, skip_special_tokens=True))  # one row of ids: one string
 
 
 def main(argv: list[str]) -> int:

@@ -93,7 +93,7 @@ class MemoryEstimate:
 
     @property
     def largest_pass(self) -> str:
-        return max(self.passes, key=self.passes.get)
+        return max(self.passes, key=lambda name: self.passes[name])
 
     @property
     def device(self) -> float:

@@ -539,16 +539,16 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
         pairs = generation_pairs(run)
         if pairs is None:
             continue
-        first, last, rows = pairs
+        first, last, samples = pairs
         data.setdefault("generations", {})[run.name] = {
             "before_step": first,
             "after_step": last,
-            "rows": rows,
+            "rows": samples,
         }
         if first == last:  # one validation so far
             table = _table(
                 ["prompt", f"step {first}", "score"],
-                [[Prompt(r["prompt"], tuple(r["images"])), r["before"], r["before_score"]] for r in rows],
+                [[Prompt(r["prompt"], tuple(r["images"])), r["before"], r["before_score"]] for r in samples],
             )
             title = f"Validation samples at step {first} (none later yet)"
         else:
@@ -562,7 +562,7 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
                         r["after"],
                         r["after_score"],
                     ]
-                    for r in rows
+                    for r in samples
                 ],
             )
             title = "Validation samples before and after"

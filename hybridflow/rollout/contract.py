@@ -124,15 +124,19 @@ class Rollout(Protocol):
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load the actor's weights (Hugging Face names) into the rollout's own copy; returns how many tensors
         it took. Called only when ``capabilities.own_weights``."""
-        raise NotImplementedError(f"{type(self).__name__} declares no weights of its own (own_weights)")
+        raise _undeclared(self, "declares no weights of its own (own_weights)")
 
     def follow_weights(self, feed: WeightFeed | None) -> None:
         """Take newer weights from ``feed`` between decoding steps of the generations that follow (None: stop).
         Called only when ``capabilities.follows_weights``."""
         if feed is not None:
-            raise NotImplementedError(
-                f"{type(self).__name__} cannot take new weights while it generates (follows_weights)"
-            )
+            raise _undeclared(self, "cannot take new weights while it generates (follows_weights)")
+
+
+def _undeclared(rollout: object, what: str) -> NotImplementedError:
+    """The error of a default method called on a rollout without its capability (a real default, not an
+    abstract method: a rollout that does not declare the capability inherits it)."""
+    return NotImplementedError(f"{type(rollout).__name__} {what}")
 
 
 @dataclass
