@@ -10,14 +10,21 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
 from hybridflow.protocol import DataProto
 from hybridflow.utils.errors import InputError
+
+
+class Rows(Protocol):
+    """What a loader reads: rows by index, and how many there are (a map-style torch Dataset with a length)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
 
 
 def collate_fn(items: Sequence[dict[str, Any]]) -> DataProto:
@@ -68,7 +75,7 @@ class PromptLoader:
 
     def __init__(
         self,
-        dataset: Dataset,
+        dataset: Rows,
         batch_size: int,
         shuffle: bool = True,
         seed: int = 42,

@@ -129,6 +129,8 @@ class Conversations:
                 pieces.append((piece, int(messages[j]["role"] == "assistant")))
             previous = text
         if images:
+            if self.processor is None:  # the dataset refuses a row's images without one first
+                raise ValueError(f"{where}: the row has images but the model is a text model")
             prompt_text = self.processor.expand(prompt_text, images, where)
         prompt, response, mask = self._ids(prompt_text), [], []
         for text, trained in pieces:
@@ -309,8 +311,10 @@ class OfflineDataset(Dataset):
         self, prompt: Text, completion: Text, where: str, images: tuple[ImageInput, ...] = ()
     ) -> Sample:
         """One prompt (with its images) and completion: chat-templated turn by turn, or strings as they are."""
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) and isinstance(completion, str):
             return self.conversations.encode_text(prompt, completion, where)
+        if isinstance(prompt, str) or isinstance(completion, str):  # one setting makes both (chat or not)
+            raise ValueError(f"{where}: the prompt and the completion must both be text or both be messages")
         return self.conversations.encode(prompt + completion, where, len(prompt), images)
 
     def encode_row(self, row: dict, where: str) -> list[Sample]:
@@ -319,7 +323,8 @@ class OfflineDataset(Dataset):
     def __len__(self) -> int:
         return len(self.items)
 
-    def __getitem__(self, idx: int) -> list[Sample]:
+    def __getitem__(self, idx: int) -> list[Any]:
+        """Row ``idx``'s samples (a dataset whose ``collate`` needs more adds it, as KTO's row index)."""
         return self.items[idx]
 
     def collate(self, items: Sequence[list[Sample]]) -> DataProto:
@@ -445,7 +450,7 @@ class KTODataset(OfflineDataset):
         sample.label = int(label)
         return [sample]
 
-    def __getitem__(self, idx: int) -> list[Sample]:
+    def __getitem__(self, idx: int) -> list[Any]:
         """``[sample]``; the collate needs the row's messages for the mismatched pairs, so it gets ``idx`` too."""
         return [*self.items[idx], idx]
 
