@@ -301,7 +301,9 @@ class ScheduledSampler:
         self.phases = [
             _parse_phase(i, phase, defaults, last=i == len(schedule) - 1) for i, phase in enumerate(schedule)
         ]
-        bounds = [p.until_step for p in self.phases[:-1]]
+        bounds = [
+            p.until_step for p in self.phases[:-1] if p.until_step is not None
+        ]  # all but the last have one
         if any(a >= b for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"ScheduledSampler: until_step values must increase, got {bounds}")
 
@@ -337,7 +339,7 @@ class ScheduledSampler:
 
 def _phase_dict(phase: Mapping[str, Any] | Any) -> dict[str, Any]:
     """A config phase (mapping or dataclass) as a dict without its null values."""
-    items = dataclasses.asdict(phase) if dataclasses.is_dataclass(phase) else dict(phase)
+    items = dict(phase) if isinstance(phase, Mapping) else dataclasses.asdict(phase)
     return {k: v for k, v in items.items() if v is not None}
 
 
