@@ -31,6 +31,7 @@ from hybridflow.config.checks import (
     check_cross_fields,
     check_ranges,
 )
+from hybridflow.config.key_pairs import UnusedKeyWarning, check_key_pairs
 from hybridflow.config.schema import ConfigError, PPOConfig, load_unvalidated
 from hybridflow.utils.errors import InputError
 
@@ -72,12 +73,16 @@ class Context:
 
 
 def check_config(ctx: Context, overrides: list[str], config_path: str | None) -> Check:
+    """The config resolves and is consistent; the keys set but ignored on this backend, and those set that
+    have no effect without another key (``KEY_PAIRS``), are listed."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", IgnoredKeyWarning)
+        warnings.simplefilter("always", UnusedKeyWarning)
         try:
             cfg = load_unvalidated(overrides, config_path)
             for check in (check_ranges, check_choices, check_cross_fields):
                 check(cfg)
+            check_key_pairs(cfg, PPOConfig())
         except ConfigError as err:
             return Check(
                 "config", "fail", str(err), "correct the key named above (hybridflow train would stop there)"
@@ -93,21 +98,26 @@ def check_config(ctx: Context, overrides: list[str], config_path: str | None) ->
         f"resolves ({len(overrides)} overrides): {cfg.algorithm.adv_estimator}, device {tr.device}, "
         f"backend {tr.backend}, {tr.n_workers} worker(s)"
     )
-    ignored = list(
-        dict.fromkeys(
-            str(w.message).removeprefix("ignored on this backend: ")
-            for w in caught
-            if issubclass(w.category, IgnoredKeyWarning)
-        )
+    ignored = _warned(caught, IgnoredKeyWarning, "ignored on this backend: ")
+    unused = _warned(caught, UnusedKeyWarning)
+    if not (ignored or unused):
+        return Check("config", "ok", detail)
+    found = [f"set but ignored here: {'; '.join(ignored)}"] if ignored else []
+    found += [f"set but without effect: {'; '.join(unused)}"] if unused else []
+    return Check(
+        "config",
+        "warn",
+        f"{detail}; {'; '.join(found)}",
+        "drop those keys, set what they need, or use a backend that implements them",
+        {"ignored": ignored, "unused": unused},
     )
-    if ignored:
-        return Check(
-            "config",
-            "warn",
-            f"{detail}; set but ignored here: {'; '.join(ignored)}",
-            "drop those keys or use a backend that implements them",
-        )
-    return Check("config", "ok", detail)
+
+
+def _warned(caught: list[warnings.WarningMessage], category: type[Warning], prefix: str = "") -> list[str]:
+    """The messages of the warnings of ``category``, once each, in order, without ``prefix``."""
+    return list(
+        dict.fromkeys(str(w.message).removeprefix(prefix) for w in caught if issubclass(w.category, category))
+    )
 
 
 def check_paths(ctx: Context) -> Check:

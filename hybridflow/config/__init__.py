@@ -2,7 +2,8 @@
 
 ``from hybridflow.config import PPOConfig, load_config, ConfigError, ActorConfig, ...``: every section class
 of the PPO schema is exported. The room holds, in import order: ``checks`` (the errors, value and
-cross-field checks, the verl keys accepted with a warning), ``loader`` (YAML, ``a.b=c`` overrides and typing,
+cross-field checks, the verl keys accepted with a warning), ``key_pairs`` (keys that have no effect without
+another one), ``loader`` (YAML, ``a.b=c`` overrides and typing,
 generic: it takes the schema as an argument), ``sections`` (what every trainer shares: run, optimiser, model
 loading, LoRA, FSDP, data files), ``schema`` (PPO/GRPO), ``offline`` (SFT, DPO, KTO), ``docs`` (the ``#:`` docs,
 ``hybridflow config``, the shipped YAML in ``yaml/``, generated from the schemas).
@@ -16,9 +17,17 @@ from hybridflow.config.schema import (
     ConfigError,
     IgnoredKeyWarning,
     PPOConfig,
+    UnusedKeyWarning,
     load_config,
 )
 
 globals().update(SECTION_CLASSES)  # DataConfig, ActorConfig, ... (found in the schema, not listed twice)
 
-__all__ = ["ConfigError", "IgnoredKeyWarning", "PPOConfig", "load_config", *sorted(SECTION_CLASSES)]
+__all__ = [
+    "ConfigError",
+    "IgnoredKeyWarning",
+    "PPOConfig",
+    "UnusedKeyWarning",
+    "load_config",
+    *sorted(SECTION_CLASSES),
+]

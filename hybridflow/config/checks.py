@@ -1,5 +1,5 @@
 """Checks of the trainer config: value ranges, batch-size arithmetic, names, cross-field rules, and the
-table of verl keys that have no effect here.
+table of verl keys that have no effect here (the keys that have no effect without another one: ``key_pairs``).
 
 They read a resolved ``PPOConfig`` by attribute only (``cfg.actor_rollout_ref.actor.optim.lr``), so this
 module comes before the schema (``schema.py``) and imports none of it; ``PPOConfig.validate`` runs them.

@@ -39,6 +39,7 @@ from hybridflow.config.checks import (
     path_fields,
     warn_ignored,
 )
+from hybridflow.config.key_pairs import UnusedKeyWarning, check_key_pairs
 from hybridflow.config.loader import Schema, apply_flat_keywords, known_keys, load
 from hybridflow.config.sections import (
     YAML_DIR,
@@ -60,6 +61,7 @@ __all__ = [
     "IgnoredKey",
     "IgnoredKeyWarning",
     "PPOConfig",
+    "UnusedKeyWarning",
     "load_config",
 ]
 
@@ -536,13 +538,15 @@ class PPOConfig(Schema):
     def validate(self) -> PPOConfig:
         """Check the resolved config for consistency and return it; a ConfigError explains the first problem.
 
-        Also warns (IgnoredKeyWarning) for GPU-only keys set away from their default.
+        Also warns (IgnoredKeyWarning) for GPU-only keys set away from their default, and (UnusedKeyWarning)
+        for keys set that have no effect without another one (``KEY_PAIRS``).
         """
         cfg = self.resolve()
         check_ranges(cfg)
         check_batch_sizes(cfg)
         check_choices(cfg)
         check_cross_fields(cfg)
+        check_key_pairs(cfg, PPOConfig())
         warn_ignored_schema_keys(cfg)
         return cfg
 

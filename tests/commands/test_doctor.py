@@ -66,10 +66,11 @@ def test_good_config_passes_every_check_and_exits_0(base, capsys):
 
 
 def test_the_demo_settings_pass(data_dir, tiny_model_path, tmp_path):
-    """The demo's own settings (batch sizes, lengths, samples), on the tiny model for speed."""
+    """The demo's own settings (batch sizes, lengths, samples, validation), on the tiny model for speed."""
     checks = verdicts(
         [
             f"data.train_files={data_dir / 'train.parquet'}",
+            f"data.val_files={data_dir / 'test.parquet'}",
             f"actor_rollout_ref.model.path={tiny_model_path}",
             f"trainer.default_local_dir={tmp_path}",
             *DEMO_SETTINGS,
@@ -97,6 +98,23 @@ def test_wrong_batch_size_fails_the_batch_check(base, capsys):
 def test_keys_ignored_on_this_backend_are_a_warning(base):
     check = verdicts([*base, "actor_rollout_ref.hybrid_engine=false"])["config"]
     assert check.verdict == "warn" and "actor_rollout_ref.hybrid_engine = False" in check.detail
+
+
+def test_keys_without_the_key_they_need_are_listed_and_a_refused_one_fails(base):
+    """Before: nothing said that these keys change nothing (and the dummy reward model alone ran the rule
+    scorers instead)."""
+    check = verdicts([*base, "async_training.max_staleness=3", "critic.optim.lr=1e-4"])["config"]
+    assert check.verdict == "warn" and check.data["unused"] == [
+        "critic.optim.lr = 0.0001 has no effect without a critic (critic.enable=true, or "
+        "algorithm.adv_estimator=gae)",
+        "async_training.max_staleness = 3 has no effect without async_training.mode=fully_async (one_step_off "
+        "is always one step behind, sync never)",
+    ]
+    assert "set but without effect: critic.optim.lr = 0.0001 has no effect without a critic" in check.detail
+    checks = verdicts([*base, "reward_model.dummy=true"])
+    assert checks["config"].verdict == "fail" and checks["config"].detail.startswith(
+        "reward_model.dummy=true has no effect without reward_model.enable=true"
+    )
 
 
 def test_missing_file_fails_the_paths_check(base, tmp_path):
