@@ -15,6 +15,7 @@ sections, so configuration sits below them.
 from hybridflow.config.schema import (
     SECTION_CLASSES,
     ConfigError,
+    DeprecatedKeyWarning,
     IgnoredKeyWarning,
     PPOConfig,
     UnusedKeyWarning,
@@ -25,6 +26,7 @@ globals().update(SECTION_CLASSES)  # DataConfig, ActorConfig, ... (found in the 
 
 __all__ = [
     "ConfigError",
+    "DeprecatedKeyWarning",
     "IgnoredKeyWarning",
     "PPOConfig",
     "UnusedKeyWarning",

@@ -23,6 +23,12 @@ class IgnoredKeyWarning(UserWarning):
     """A verl key with no effect on this backend was set: dropped, or (a schema key) kept but unused."""
 
 
+class DeprecatedKeyWarning(FutureWarning):
+    """A key that moved was set by its old name, which works for one release (the message names the new one).
+    A ``FutureWarning``, Python's deprecation warning for end users: shown by default, unlike a
+    ``DeprecationWarning``, which would hide it from a command line."""
+
+
 # ------------------------------------------------------------------------------- verl keys ignored here
 
 

@@ -28,6 +28,7 @@ from hybridflow.config.checks import (
     IGNORED_KEYS,
     VLLM_GPU_ONLY_KEYS,
     ConfigError,
+    DeprecatedKeyWarning,
     IgnoredKey,
     IgnoredKeyWarning,
     check_batch_sizes,
@@ -58,6 +59,7 @@ __all__ = [
     "IGNORED_KEYS",
     "SECTION_CLASSES",
     "ConfigError",
+    "DeprecatedKeyWarning",
     "IgnoredKey",
     "IgnoredKeyWarning",
     "PPOConfig",
@@ -210,10 +212,6 @@ class MultiTurnConfig:
     tool_config_path: str | None = None
     #: tool-call syntax: hermes = <tool_call>{"name", "arguments"}</tool_call>
     format: Literal["hermes"] = "hermes"
-    #: run the python tool with limits only where this machine can create no sandbox (no root, no
-    #: unprivileged user namespaces, no bubblewrap): the code then runs as your own user and can read your
-    #: files and kill your processes; false = refuse to start with a line saying how to enable a sandbox
-    unsafe_python_tool_without_isolation: bool = False
 
 
 @dataclass
@@ -463,6 +461,17 @@ class AsyncTrainingConfig:
     partial_rollout: bool = True
 
 
+@dataclass
+class SandboxConfig:
+    """The sandbox model-written code runs in (``hybridflow.tools.sandbox``): the python tool's, and any reward
+    that executes code."""
+
+    #: run code with limits only where this machine can create no sandbox (no root, no unprivileged user
+    #: namespaces, no bubblewrap): the code then runs as your own user and can read your files and kill your
+    #: processes; false = refuse to start with a line saying how to enable a sandbox
+    unsafe_without_isolation: bool = False
+
+
 @dataclass(init=False)
 class PPOConfig(Schema):
     """The whole configuration; every section has defaults, so ``PPOConfig()`` is complete.
@@ -486,8 +495,13 @@ class PPOConfig(Schema):
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  #: the run
     #: rollout and training overlapping: sync, one-step-off-policy, fully async (hybridflow extension)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    #: where model-written code runs: the python tool, code-executing rewards
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     ALIASES: ClassVar[dict[str, str]] = ALIASES
+    RENAMED: ClassVar[dict[str, str]] = {
+        "actor_rollout_ref.rollout.multi_turn.unsafe_python_tool_without_isolation": "sandbox.unsafe_without_isolation",
+    }
 
     def __init__(self, **kwargs: Any) -> None:
         for f in dataclasses.fields(self):

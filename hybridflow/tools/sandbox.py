@@ -20,7 +20,7 @@ to them, but its files in the read-only system and interpreter folders are its o
 a boundary against kernel exploits: run untrusted users' code in a VM or gVisor.
 
 When neither mode works the tool refuses to run (``SandboxUnavailable``, one line saying why and how to
-enable one), unless the user set ``unsafe_python_tool_without_isolation``: then only the limits above
+enable one), unless the user set ``sandbox.unsafe_without_isolation``: then only the limits above
 hold, and the code runs as the trainer's own user (reads its files, signals its processes).
 """
 
@@ -53,7 +53,7 @@ ISOLATION = {  # what each mode isolates (the keys of SandboxResult.isolation)
     "unsafe": (),
 }
 ISOLATION_KEYS = (*ISOLATION["namespaces"], "own_user")
-UNSAFE_KEY = "actor_rollout_ref.rollout.multi_turn.unsafe_python_tool_without_isolation"
+UNSAFE_KEY = "sandbox.unsafe_without_isolation"  # the config key of the opt-out
 
 
 class SandboxUnavailable(UserError):

@@ -108,7 +108,7 @@ class PPOTrainer(RunLoop):
         # templates that know tools (Qwen2.5's) describe them in the prompt; others ignore the argument
         kwargs = {}
         if multi_turn.enable and multi_turn.tool_config_path:
-            tools = load_tools(multi_turn.tool_config_path, multi_turn.unsafe_python_tool_without_isolation)
+            tools = load_tools(multi_turn.tool_config_path, self.config.sandbox.unsafe_without_isolation)
             kwargs["tools"] = [tool.schema for tool in tools.values()]
         return RLHFDataset(
             files,

@@ -185,7 +185,12 @@ def role_inits(
     roles = roles or {}
     arr = config.actor_rollout_ref
     device = config.trainer.device
-    kw = {"response_length": config.data.max_response_length, "seed": config.trainer.seed, "device": device}
+    kw = {
+        "response_length": config.data.max_response_length,
+        "seed": config.trainer.seed,
+        "device": device,
+        "sandbox": config.sandbox,
+    }
     # a served agent generates through the rollout engine of whichever worker holds the rollout role
     mode = {"rollout_mode": ServedRollout} if arr.rollout.served_agent.path else {}
     # With LoRA the reference is the actor's module with the adapter off: the actor worker takes the role

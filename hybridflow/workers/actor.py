@@ -25,7 +25,7 @@ from hybridflow.algorithms import (
     off_policy_mask,
     truncated_importance_weights,
 )
-from hybridflow.config import ActorRolloutRefConfig
+from hybridflow.config import ActorRolloutRefConfig, SandboxConfig
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.checkpointing import load_worker_state, save_worker_state
@@ -69,7 +69,8 @@ class ActorRolloutRefWorker(Worker):
     (``actor_rollout``, ``actor_rollout_ref``, ``ref``, ``rollout``...); ``device``: ``trainer.device``;
     ``announce``: print one line per generation (``[rollout] generated ...``); ``rollout_mode``: wraps the
     rollout engine, called as ``rollout_mode(engine, tokenizer, rollout_config, response_length,
-    weight_version)`` (a mode from a later layer, e.g. ``hybridflow.serving.ServedRollout``)."""
+    weight_version)`` (a mode from a later layer, e.g. ``hybridflow.serving.ServedRollout``); ``sandbox``:
+    the config's ``sandbox`` section, which says whether the python tool may run code unisolated."""
 
     def __init__(
         self,
@@ -80,6 +81,7 @@ class ActorRolloutRefWorker(Worker):
         device: str = "auto",
         announce: bool = False,
         rollout_mode: Callable[..., Any] | None = None,
+        sandbox: SandboxConfig | None = None,
     ) -> None:
         super().__init__(device)
         unknown = [r for r in role.split("_") if r not in ROLES]
@@ -94,6 +96,7 @@ class ActorRolloutRefWorker(Worker):
         self.module = self.ref_module = self.engine = self.rollout = None
         self.mailbox: WeightMailbox | None = None  # a rollout-only worker's weight versions (async runs)
         self.rollout_mode = rollout_mode
+        self.sandbox = sandbox or SandboxConfig()
         self.weights_received = 0  # weight updates a rollout-only worker was sent
 
     def weight_version(self) -> int:
@@ -152,6 +155,7 @@ class ActorRolloutRefWorker(Worker):
                 self.response_length,
                 model_location(model_cfg.path),
                 (self.seed if rollout.seed is None else rollout.seed) + self.rank,
+                allow_unsafe_code=self.sandbox.unsafe_without_isolation,
             )
             if not self._is_actor:
                 self.mailbox = WeightMailbox(self._load_weights)

@@ -61,13 +61,15 @@ def build_rollout(
     response_length: int,
     model_path: str | None,
     seed: int,
+    allow_unsafe_code: bool = False,
 ) -> Any:
     """The engine named by ``rollout.name`` (``rollout``: a ``RolloutConfig``). ``hf`` samples from ``module``
     itself (shared with the actor); ``vllm`` loads its own copy from ``model_path`` (in ``rollout.dtype``) and
     must be sent the weights after each change (``update_weights``), with ``seed`` its engine's seed
     (``rollout.seed``, null = ``trainer.seed``; the worker adds its rank). ``hf`` seeds each sample from
     ``rollout.seed``, the step and the prompt, the same on every worker (``HFRollout``). Wrapped in the agent
-    loop when ``rollout.multi_turn.enable``."""
+    loop when ``rollout.multi_turn.enable``, whose python tool may run code unisolated where this machine
+    has no sandbox only with ``allow_unsafe_code`` (``sandbox.unsafe_without_isolation``)."""
     name = rollout.name
     if name == "hf":
         engine = HFRollout(module, tokenizer, rollout, response_length, rollout.seed)
@@ -92,6 +94,5 @@ def build_rollout(
     multi_turn = rollout.multi_turn
     if not multi_turn.enable:
         return engine
-    unsafe = multi_turn.unsafe_python_tool_without_isolation
-    tools = load_tools(multi_turn.tool_config_path, unsafe) if multi_turn.tool_config_path else {}
+    tools = load_tools(multi_turn.tool_config_path, allow_unsafe_code) if multi_turn.tool_config_path else {}
     return AgentLoop(engine, tokenizer, multi_turn, response_length, tools)
