@@ -33,6 +33,7 @@ from hybridflow.config.checks import (
 )
 from hybridflow.config.key_pairs import UnusedKeyWarning, check_key_pairs
 from hybridflow.config.schema import ConfigError, PPOConfig, load_unvalidated
+from hybridflow.rewards import arithmetic, calculator, countdown, gsm8k, math_answer
 from hybridflow.utils.errors import InputError
 
 Verdict = Literal["ok", "warn", "fail", "skip"]
@@ -345,11 +346,11 @@ def check_batches(ctx: Context) -> Check:
 
 
 def check_reward(ctx: Context) -> Check:
+    """The reward function on each data source's first row: a right answer (in the task's own form where the
+    scorer's form is known, else the ground truth in the usual answer forms) and a wrong one."""
     from hybridflow.rewards import default_compute_score, load_custom_reward_function
-    from hybridflow.rewards.manager import checked_score
 
-    cfg = ctx.cfg
-    custom = cfg.custom_reward_function
+    custom = ctx.cfg.custom_reward_function
     where = f"{custom.path}:{custom.name}" if custom.path else "the built-in rule scorers (by data_source)"
     try:
         score_fn = (
@@ -367,56 +368,82 @@ def check_reward(ctx: Context) -> Check:
         return Check("reward", "skip", "no dataset rows to score")
     shown, all_zero = [], True
     for source, row in sorted(by_source.items(), key=lambda kv: str(kv[0])):
-        scores = {}
-        for label, candidates in _synthetic_responses(row.ground_truth).items():
-            on = f"on a {label} response for data_source {source!r} ({row.file} row {row.row})"
-            try:
-                results = [score_fn(source, text, row.ground_truth, row.extra_info) for text in candidates]
-            except Exception as err:  # noqa: BLE001 - the point of the check
-                return Check(
-                    "reward",
-                    "fail",
-                    f"{where} raised {on}: {type(err).__name__}: {err}",
-                    "make the reward function return a number for any text (0 for unparsable)",
-                )
-            try:  # the rule training applies to what a scorer returns
-                values = [checked_score(result, "it")["score"] for result in results]
-            except InputError as err:
-                return Check(
-                    "reward",
-                    "fail",
-                    f"{where} {on}: {err}",
-                    "return a number, or a dict with a numeric 'score'",
-                )
-            scores[label] = max(values)
+        scores: dict[str, float] = {}
+        for kind, label, candidates in _probes(row, generic_too=bool(custom.path)):
+            on = f"on a {kind} response for data_source {source!r} ({row.file} row {row.row})"
+            score = _score_probe(score_fn, where, on, row, candidates)
+            if isinstance(score, Check):
+                return score
+            scores[label] = score
         all_zero &= all(v == 0 for v in scores.values())
         shown.append(f"{source}: " + ", ".join(f"{k} {v:.3g}" for k, v in scores.items()))
     detail = f"{where}: " + "; ".join(shown)
-    if cfg.reward_model.enable:
+    if ctx.cfg.reward_model.enable:
         detail += " (the reward model itself is not run by doctor)"
     if all_zero:
         return Check(
             "reward",
             "warn",
-            detail + ": 0 for the ground truth too",
+            detail + ": 0 for the right answer too",
             "check the reward credits a right answer in your answer format",
         )
     return Check("reward", "ok", detail)
 
 
-def _synthetic_responses(ground_truth: Any) -> dict[str, list[str]]:
-    """A response with the ground truth in the usual answer formats (best score kept), and a wrong one."""
-    truth = str(ground_truth)
-    return {
-        "ground-truth": [
-            truth,
-            f"={truth}",
-            f"#### {truth}",
-            f"\\boxed{{{truth}}}",
-            f"<answer>{truth}</answer>",
-        ],
-        "wrong": ["I do not know."],
-    }
+def _score_probe(score_fn: Any, where: str, on: str, row: Any, candidates: list[str]) -> float | Check:
+    """The best score of ``candidates`` on ``row``; a failing Check when the function raises or returns what
+    training refuses."""
+    from hybridflow.rewards.manager import checked_score
+
+    try:
+        results = [score_fn(row.data_source, text, row.ground_truth, row.extra_info) for text in candidates]
+    except Exception as err:  # noqa: BLE001 - the point of the check
+        return Check(
+            "reward",
+            "fail",
+            f"{where} raised {on}: {type(err).__name__}: {err}",
+            "make the reward function return a number for any text (0 for unparsable)",
+        )
+    try:  # the rule training applies to what a scorer returns
+        return max(checked_score(result, "it")["score"] for result in results)
+    except InputError as err:
+        return Check(
+            "reward", "fail", f"{where} {on}: {err}", "return a number, or a dict with a numeric 'score'"
+        )
+
+
+#: A reply each built-in rule scorer gives full marks, in its task's own form, built from the data row: the
+#: reward check's right answer. Other scorers get the ground truth in ``GENERIC_FORMS``.
+REFERENCE_ANSWERS: dict[Any, Any] = {
+    arithmetic.compute_score: arithmetic.reference_answer,
+    calculator.compute_score: calculator.reference_answer,
+    countdown.compute_score: countdown.reference_answer,
+    gsm8k.compute_score: gsm8k.reference_answer,
+    math_answer.compute_score: math_answer.reference_answer,
+}
+GENERIC_FORMS = ("{}", "={}", "#### {}", "\\boxed{{{}}}", "<answer>{}</answer>")
+WRONG_ANSWER = "I do not know."
+
+
+def _probes(row: Any, generic_too: bool) -> list[tuple[str, str, list[str]]]:
+    """``(kind, label, responses)``: the right answer in the task's own form where the data source's rule
+    scorer knows it (with the generic forms too for a custom function, which may want another one), else the
+    ground truth in each generic form, labelled so that less than full marks reads as expected; then a wrong
+    answer."""
+    from hybridflow.rewards import RULE_SCORERS
+
+    build = REFERENCE_ANSWERS.get(RULE_SCORERS.get(row.data_source))
+    reference = build(row.ground_truth, row.extra_info) if build is not None else None
+    generic = [form.format(row.ground_truth) for form in GENERIC_FORMS]
+    wrong = ("wrong", f"wrong {WRONG_ANSWER!r}", [WRONG_ANSWER])
+    if reference is None:
+        label = (
+            f"ground truth in {len(generic)} generic forms (no reply in this task's own form is known here: "
+            "less than full marks is expected), best"
+        )
+        return [("ground-truth", label, generic), wrong]
+    right = [reference, *generic] if generic_too else [reference]
+    return [("right-answer", f"right answer {reference!r}", right), wrong]
 
 
 def machine_memory(cfg: PPOConfig, memory_gb: float | None) -> tuple[float, str]:

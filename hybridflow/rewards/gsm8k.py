@@ -34,3 +34,8 @@ def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None 
         return 0.0
     got = parse_number(answer)
     return float(got is not None and abs(got - expected) <= 1e-6 * max(1.0, abs(expected)))
+
+
+def reference_answer(ground_truth: str, extra_info: dict | None = None) -> str:
+    """A reply ``compute_score`` gives full marks: the answer after ``####``."""
+    return f"#### {ground_truth}"
