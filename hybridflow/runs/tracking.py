@@ -33,7 +33,8 @@ ConsoleFields = tuple[tuple[str, tuple[str, ...]], ...]
 CONSOLE_FIELDS: ConsoleFields = (
     ("reward", ("critic/score/mean", "critic/rewards/mean")),
     # KL to the reference policy (the tutorials' "healthy KL 0.02-0.06"), present when a reference is loaded;
-    # ppo_kl: how far one update moved the policy (0 with one on-policy epoch)
+    # ppo_kl: how far one update moved the policy; not logged when the data is used once, on-policy (the
+    # ratio is then exactly 1, so it would be 0 by construction)
     ("kl_ref", ("actor/kl_ref", "actor/reward_kl_penalty")),
     ("ppo_kl", ("actor/ppo_kl",)),
     ("pg_loss", ("actor/pg_loss",)),

@@ -335,7 +335,8 @@ class ActorRolloutRefWorker(Worker):
         )
         # On-policy shortcut: with one pass over the data the old policy *is* the current one, so the
         # driver may skip the extra forward pass and let the ratio start at exactly 1.
-        old = micro.batch["old_log_probs"] if "old_log_probs" in micro.batch.keys() else log_prob.detach()
+        on_policy = "old_log_probs" not in micro.batch.keys()
+        old = log_prob.detach() if on_policy else micro.batch["old_log_probs"]
         advantages, tis_metrics = self._off_policy_corrected(micro, old, log_prob.detach(), mask)
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = get_policy_loss_fn(actor.policy_loss.loss_mode)(
             old_log_prob=old,
@@ -350,14 +351,11 @@ class ActorRolloutRefWorker(Worker):
         )
         entropy_loss = agg_loss(entropy, mask, actor.loss_agg_mode)
         loss = pg_loss - entropy_coeff * entropy_loss
-        metrics = {
-            "actor/pg_loss": pg_loss.item(),
-            "actor/pg_clipfrac": _scalar(clipfrac),
-            "actor/ppo_kl": _scalar(ppo_kl),
-            "actor/pg_clipfrac_lower": _scalar(clipfrac_lower),
-            "actor/entropy": entropy_loss.item(),
-            **tis_metrics,
-        }
+        metrics = {"actor/pg_loss": pg_loss.item(), "actor/entropy": entropy_loss.item(), **tis_metrics}
+        if not on_policy:  # with the ratio exactly 1 the KL to the old policy and the clip fractions are 0
+            metrics["actor/ppo_kl"] = _scalar(ppo_kl)
+            metrics["actor/pg_clipfrac"] = _scalar(clipfrac)
+            metrics["actor/pg_clipfrac_lower"] = _scalar(clipfrac_lower)
         if (
             "ref_log_prob" in micro.batch.keys()
         ):  # KL(policy || reference), k1 estimate over the sampled tokens
@@ -369,7 +367,7 @@ class ActorRolloutRefWorker(Worker):
             kl_loss = agg_loss(kl, mask, actor.loss_agg_mode)
             loss = loss + actor.kl_loss_coef * kl_loss
             metrics.update({"actor/kl_loss": kl_loss.item(), "actor/kl_coef": actor.kl_loss_coef})
-        if "rollout_log_probs" in micro.batch.keys() and "old_log_probs" not in micro.batch.keys():
+        if "rollout_log_probs" in micro.batch.keys() and on_policy:
             metrics.update(logprob_diff_metrics(micro.batch["rollout_log_probs"], log_prob.detach(), mask))
         return loss, metrics
 
