@@ -24,6 +24,8 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
+from hybridflow.runs.stages import CONSOLE_TIMINGS
+
 logger = logging.getLogger(__name__)
 
 #: The console line's summary fields: (label, metric keys tried in order). Each trainer names its own.
@@ -41,11 +43,6 @@ CONSOLE_FIELDS: ConsoleFields = (
     ("vf_loss", ("critic/vf_loss",)),
     ("resp_len", ("response_length/mean",)),
 )
-_CONSOLE_TIMINGS: tuple[tuple[str, str], ...] = (
-    ("gen", "timing_s/gen"),
-    ("upd", "timing_s/update_actor"),
-    ("step", "timing_s/step"),
-)
 
 
 def format_step_line(step: int, metrics: Mapping[str, float], fields: ConsoleFields = CONSOLE_FIELDS) -> str:
@@ -59,7 +56,7 @@ def format_step_line(step: int, metrics: Mapping[str, float], fields: ConsoleFie
         key = next((k for k in keys if k in metrics), None)
         if key is not None:
             parts.append(f"{label} {_short(metrics[key])}")
-    timings = [f"{label} {metrics[key]:.1f}s" for label, key in _CONSOLE_TIMINGS if key in metrics]
+    timings = [f"{label} {metrics[key]:.1f}s" for label, key in CONSOLE_TIMINGS if key in metrics]
     if timings:
         parts.append(" ".join(timings))
     parts += [f"{key} {_short(value)}" for key, value in metrics.items() if key.startswith("val/")]

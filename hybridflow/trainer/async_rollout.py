@@ -42,6 +42,7 @@ import torch
 
 from hybridflow.data import PromptLoader
 from hybridflow.protocol import DataProto
+from hybridflow.runs.stages import STAGE_GROUPS
 from hybridflow.single_controller import WorkerGroup
 from hybridflow.trainer.loop import endless
 
@@ -181,7 +182,7 @@ class AsyncRollouts:
         metrics["async/trainer_idle_frac"] = min(1.0, clock.trainer_idle / elapsed)
         if hasattr(timings, "spans"):
             timings.spans.append(
-                {"stage": "rollout", "group": "rollout", "start": done.start, "end": done.end}
+                {"stage": "rollout", "group": STAGE_GROUPS["rollout"], "start": done.start, "end": done.end}
             )
         return done.batch
 
