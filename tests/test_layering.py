@@ -194,3 +194,25 @@ def test_every_room_says_what_it_holds_and_git_ignores_no_source_file():
     assert ignored.stdout.split() == []
     probe = subprocess.run(["git", "check-ignore", "runs/demo/metrics.jsonl"], cwd=root, capture_output=True)
     assert probe.returncode == 0  # run folders at the top stay ignored
+
+
+_SOURCE_FILE = re.compile(r"``([\w./-]+\.py|[\w.-]+/[\w./-]+\.yaml)``")
+
+
+def test_every_source_file_a_docstring_names_exists():
+    """Before: ``config/schema.py`` sent readers to ``config_loader.py``, ``config_checks.py`` and
+    ``config/ppo_trainer.yaml``, which had moved. A ``name.py`` (or ``folder/name.yaml``) in double backticks is
+    found beside the module, in its room, in the package, or anywhere in the package by its name."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for name in _SOURCE_FILE.findall(line):
+                places = [path.parent / name, PACKAGE / _top_level(path, PACKAGE) / name, PACKAGE / name]
+                places += (
+                    [PACKAGE.parent / name, *PACKAGE.rglob(name)]
+                    if "/" not in name
+                    else [PACKAGE.parent / name]
+                )
+                if not any(place.exists() for place in places):
+                    found.append(f"{path.relative_to(PACKAGE)}:{n}: {name}")
+    assert found == []

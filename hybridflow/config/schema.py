@@ -5,15 +5,17 @@ mistake (an unknown key, a wrong type, batch sizes that do not divide) fails at 
 that names the key, instead of deep inside a training step.
 
 One definition per key: its type, its default and its one-line doc (the ``#:`` comment beside or above the
-field) live here and nowhere else. The shipped ``config/ppo_trainer.yaml`` is generated from them
-(``hybridflow config yaml --write``; a test fails when it is stale), ``hybridflow config keys`` lists them,
-and the workers read these typed fields without defaults of their own.
+field) live here and nowhere else (the sections every trainer shares: ``sections.py``). The shipped
+``config/yaml/ppo_trainer.yaml`` is generated from them (``hybridflow config yaml --write``, ``docs.py``; a test
+fails when it is stale), ``hybridflow config keys`` lists them, and the workers read these typed fields
+without defaults of their own.
 
-The machinery (YAML files, ``a.b=c`` overrides, typing a nested dict, unknown-key suggestions) is in
-``config_loader.py``; the consistency checks and the table of verl keys accepted with a warning are in
-``config_checks.py``. Three ways in, one mechanism: ``load_config(overrides, config_path)`` for the
-command line, ``PPOConfig.from_dict`` for Python dicts, and the constructor, which takes the nested
-sections or the flat convenience form ``PPOConfig(train_files=[...], adv_estimator="grpo", n=4)``.
+The machinery (YAML files, ``a.b=c`` overrides, typing a nested dict, unknown-key suggestions, keys that moved)
+is in ``loader.py``; the consistency checks and the table of verl keys accepted with a warning are in
+``checks.py``, the table of keys that have no effect without another one in ``key_pairs.py``. Three ways in,
+one mechanism: ``load_config(overrides, config_path)`` for the command line, ``PPOConfig.from_dict`` for Python
+dicts, and the constructor, which takes the nested sections or the flat convenience form
+``PPOConfig(train_files=[...], adv_estimator="grpo", n=4)``.
 """
 
 from __future__ import annotations
