@@ -66,9 +66,9 @@ def _config(argv: list[str]) -> int:
 
 def _offline(kind: str) -> Callable[[list[str]], int]:
     def command(argv: list[str]) -> int:
-        from hybridflow.trainer.main_sft import run
+        from hybridflow.trainer.main_sft import offline_command
 
-        return run(kind, argv)
+        return offline_command(kind, argv)
 
     return command
 

@@ -45,6 +45,17 @@ CONSOLE_FIELDS: ConsoleFields = (
 )
 
 
+def show_info_logs() -> None:
+    """hybridflow's own INFO messages (e.g. which checkpoint a run resumed from) on stderr, other libraries'
+    logging left as it is: what the training commands show."""
+    log = logging.getLogger("hybridflow")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
 def format_step_line(step: int, metrics: Mapping[str, float], fields: ConsoleFields = CONSOLE_FIELDS) -> str:
     """``step 3 | reward 0.42 | kl_ref 0.031 | ppo_kl 0.013 | pg_loss -0.187 | resp_len 12.5 | gen 3.1s ...``.
 
