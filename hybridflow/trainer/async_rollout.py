@@ -1,5 +1,7 @@
-"""Where a training step's samples come from: generated on the spot (``sync``), or by a producer that runs
-ahead of the trainer (``one_step_off``, ``fully_async``; ``async_training`` in the config).
+"""Where a training step's samples come from when a producer runs ahead of the trainer (``one_step_off``,
+``fully_async``; ``async_training`` in the config): ``AsyncRollouts``, and the prompt stream it shares with the
+trainer. Lock-step generation (``sync``), the contract both follow and the choice between them are in
+``rollouts.py``.
 
 Weight versions: version ``v`` is the policy after ``v`` training steps; the batch of step ``b`` (0-based)
 is trained by version ``b``. A sample's staleness is ``b`` minus the oldest version that sampled one of its
@@ -89,35 +91,6 @@ class Generated:
     start: float
     end: float
     rows: int = 0
-
-
-class SyncRollouts:
-    """Lock-step: the trainer generates each batch when it needs it, with its current weights."""
-
-    def __init__(self, generator: WorkerGroup, split: bool) -> None:
-        self.generator, self.split = generator, split
-
-    def start(self, stream: PromptStream, version: int, end: int) -> None:
-        self.stream = stream
-
-    def take(self, index: int, prompts: DataProto, metrics: dict[str, float], timings: Any) -> DataProto:
-        batch = self.generator.generate_sequences(_with_meta(prompts, global_step=index))
-        mask = batch.batch["response_mask"]
-        batch.batch["rollout_weight_versions"] = torch.full_like(mask, index).masked_fill(mask == 0, -1)
-        return batch
-
-    def generate_now(self, prompts: DataProto, version: int) -> DataProto:
-        """A generation outside training (validation) with the trainer's current weights."""
-        return self.generator.generate_sequences(prompts)
-
-    def post_weights(self, actor: WorkerGroup, version: int) -> None:
-        """A rollout worker of its own (``placement=split``) is sent the new weights; a rollout in the
-        actor's process samples from the trained module itself."""
-        if self.split:
-            self.generator.update_weights(actor.get_weights()[0])
-
-    def stop(self) -> None:
-        pass
 
 
 @dataclass
@@ -290,14 +263,3 @@ def _copy(prompts: DataProto) -> DataProto:
         non_tensor_batch={k: np.array(v, copy=True) for k, v in prompts.non_tensor_batch.items()},
         meta_info=dict(prompts.meta_info),
     )
-
-
-def build_rollouts(config: Any, generator: WorkerGroup, split: bool) -> SyncRollouts | AsyncRollouts:
-    """The source of ``async_training.mode``: ``split`` says whether ``generator`` is a rollout worker of its
-    own (which a sync run sends the weights after each update)."""
-    run, n = config.async_training, config.actor_rollout_ref.rollout.n
-    if run.mode == "sync":
-        return SyncRollouts(generator, split)
-    if run.mode == "one_step_off":
-        return AsyncRollouts(generator, n, 1, exact=True)
-    return AsyncRollouts(generator, n, run.max_staleness, exact=not run.partial_rollout)

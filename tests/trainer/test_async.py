@@ -290,3 +290,62 @@ def test_the_prompt_stream_keeps_a_batch_the_producer_has_not_fetched(
     late, state = stream.get(1)
     assert prompts_of(late) == prompts_of(taken) != prompts_of(first)
     assert state == stream.trained_state and state["position"] == 2
+
+
+def test_taking_batches_starts_nothing_the_run_starts_and_stops_the_producer(
+    data_dir, tiny_model_path, reward_file, tmp_path
+):
+    """Before: ``batches()`` was a generator whose first ``next`` opened the prompt stream and started the
+    producer's thread, as a side effect. Now ``start_rollouts`` (which ``fit`` calls) does both, once."""
+    import threading
+
+    with PPOTrainer(
+        config(data_dir, tiny_model_path, reward_file, tmp_path, "async_training.mode=fully_async")
+    ) as trainer:
+        trainer.init_workers()
+        with pytest.raises(RuntimeError, match=r"needs start_rollouts\(\) first"):
+            trainer.batches()
+        idle = {t.name for t in threading.enumerate()}
+        trainer.start_rollouts()
+        assert {t.name for t in threading.enumerate()} - idle == {"hybridflow-rollout"}
+        running = threading.active_count()
+        first = next(trainer.batches())
+        assert threading.active_count() == running and len(first) == 4  # prompts, before generation
+        trainer.rollouts.stop()
+        assert {t.name for t in threading.enumerate()} == idle
+
+
+def test_the_source_of_the_samples_is_chosen_by_mode_and_both_follow_one_contract():
+    """Lock-step generation lives beside the contract and the choice (``trainer/rollouts.py``), not in the
+    asynchronous module; each source has every method the trainer calls."""
+    import inspect
+
+    from hybridflow.trainer.async_rollout import AsyncRollouts
+    from hybridflow.trainer.rollouts import Rollouts, SyncRollouts, build_rollouts
+
+    def built(*overrides: str):
+        return build_rollouts(load_config(["data.train_files=[a.parquet]", *overrides]), None, False)
+
+    assert type(built()) is SyncRollouts
+    one_step_off = built("async_training.mode=one_step_off")
+    assert type(one_step_off) is AsyncRollouts and (one_step_off.max_staleness, one_step_off.exact) == (
+        1,
+        True,
+    )
+    whole = built(
+        "async_training.mode=fully_async",
+        "async_training.max_staleness=3",
+        "async_training.partial_rollout=false",
+    )
+    assert (whole.max_staleness, whole.exact) == (3, True)
+    contract = {
+        name for name, _ in inspect.getmembers(Rollouts, inspect.isfunction) if not name.startswith("_")
+    }
+    assert contract == {"start", "take", "generate_now", "post_weights", "stop"}
+    for source in (SyncRollouts, AsyncRollouts):
+        assert all(
+            inspect.signature(getattr(source, name)).parameters.keys()
+            == inspect.signature(getattr(Rollouts, name)).parameters.keys()
+            for name in contract
+        ), source
+    assert "SyncRollouts" not in inspect.getsource(inspect.getmodule(AsyncRollouts))
