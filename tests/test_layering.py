@@ -216,3 +216,27 @@ def test_every_source_file_a_docstring_names_exists():
                 if not any(place.exists() for place in places):
                     found.append(f"{path.relative_to(PACKAGE)}:{n}: {name}")
     assert found == []
+
+
+def undocumented_functions(room: Path) -> list[str]:
+    """``file:line name`` of every public function and method in ``room`` without a docstring."""
+    found = []
+    for path in sorted(room.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        classes = [
+            node for node in tree.body if isinstance(node, ast.ClassDef) and not node.name.startswith("_")
+        ]
+        for owner, body in [("", tree.body), *((f"{c.name}.", c.body) for c in classes)]:
+            found += [
+                f"{path.relative_to(PACKAGE)}:{node.lineno} {owner}{node.name}"
+                for node in body
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                and not node.name.startswith("_")
+                and not ast.get_docstring(node)
+            ]
+    return found
+
+
+def test_every_public_function_of_the_commands_says_what_it_does():
+    """Before: 61 % of ``commands/``'s public functions and methods had a docstring (14 of 36 had none)."""
+    assert undocumented_functions(PACKAGE / "commands") == []

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hybridflow.commands.memory_estimate import GB, ModelShape, estimate_memory, knob, model_shape
+from hybridflow.commands.reward_probes import probes
 from hybridflow.config.checks import (
     IgnoredKeyWarning,
     check_batch_sizes,
@@ -33,7 +34,6 @@ from hybridflow.config.checks import (
 )
 from hybridflow.config.key_pairs import UnusedKeyWarning, check_key_pairs
 from hybridflow.config.schema import ConfigError, PPOConfig, load_unvalidated
-from hybridflow.rewards import arithmetic, calculator, countdown, gsm8k, math_answer
 from hybridflow.utils.errors import InputError
 
 Verdict = Literal["ok", "warn", "fail", "skip"]
@@ -58,6 +58,7 @@ class Check:
     data: dict[str, Any] = field(default_factory=dict)
 
     def line(self) -> str:
+        """``ok    name        detail  -> fix: ...``: the check as the report prints it."""
         text = f"{LABELS[self.verdict]}  {self.name:<11} {self.detail}"
         return f"{text}  -> fix: {self.fix}" if self.fix else text
 
@@ -122,6 +123,8 @@ def _warned(caught: list[warnings.WarningMessage], category: type[Warning], pref
 
 
 def check_paths(ctx: Context) -> Check:
+    """Every file and model folder the config names exists (or is taken for a hub id), and the run folder is
+    writable."""
     from hybridflow.models.default import DEFAULT_MODEL_NAMES
 
     cfg = ctx.cfg
@@ -171,6 +174,8 @@ def check_paths(ctx: Context) -> Check:
 
 
 def check_model(ctx: Context) -> Check:
+    """The tokenizer and the model's config load (never the weights); eos, pad and an append-only chat
+    template are there; the model's shape is kept for the memory check."""
     from transformers import AutoConfig
 
     from hybridflow.workers.modeling import load_tokenizer, model_location
@@ -239,6 +244,8 @@ def _not_append_only(tokenizer: Any) -> str:
 
 
 def check_dataset(ctx: Context) -> Check:
+    """The first ``DATASET_ROWS`` rows of each training file parse and tokenize as the dataset feeds them; their
+    prompt lengths against ``data.max_prompt_length``, and what would be dropped or truncated."""
     import numpy as np
 
     from hybridflow.data.dataset import parse_row, read_rows, tokenize_prompts
@@ -306,6 +313,8 @@ def check_dataset(ctx: Context) -> Check:
 
 
 def check_batches(ctx: Context) -> Check:
+    """The batch arithmetic over the workers (prompts, sequences, mini- and micro-batches or token budgets),
+    and at least one full batch of training prompts."""
     cfg = ctx.cfg
     data, actor, n = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n
     workers = cfg.trainer.n_workers
@@ -369,7 +378,7 @@ def check_reward(ctx: Context) -> Check:
     shown, all_zero = [], True
     for source, row in sorted(by_source.items(), key=lambda kv: str(kv[0])):
         scores: dict[str, float] = {}
-        for kind, label, candidates in _probes(row, generic_too=bool(custom.path)):
+        for kind, label, candidates in probes(row, generic_too=bool(custom.path)):
             on = f"on a {kind} response for data_source {source!r} ({row.file} row {row.row})"
             score = _score_probe(score_fn, where, on, row, candidates)
             if isinstance(score, Check):
@@ -412,40 +421,6 @@ def _score_probe(score_fn: Any, where: str, on: str, row: Any, candidates: list[
         )
 
 
-#: A reply each built-in rule scorer gives full marks, in its task's own form, built from the data row: the
-#: reward check's right answer. Other scorers get the ground truth in ``GENERIC_FORMS``.
-REFERENCE_ANSWERS: dict[Any, Any] = {
-    arithmetic.compute_score: arithmetic.reference_answer,
-    calculator.compute_score: calculator.reference_answer,
-    countdown.compute_score: countdown.reference_answer,
-    gsm8k.compute_score: gsm8k.reference_answer,
-    math_answer.compute_score: math_answer.reference_answer,
-}
-GENERIC_FORMS = ("{}", "={}", "#### {}", "\\boxed{{{}}}", "<answer>{}</answer>")
-WRONG_ANSWER = "I do not know."
-
-
-def _probes(row: Any, generic_too: bool) -> list[tuple[str, str, list[str]]]:
-    """``(kind, label, responses)``: the right answer in the task's own form where the data source's rule
-    scorer knows it (with the generic forms too for a custom function, which may want another one), else the
-    ground truth in each generic form, labelled so that less than full marks reads as expected; then a wrong
-    answer."""
-    from hybridflow.rewards import RULE_SCORERS
-
-    build = REFERENCE_ANSWERS.get(RULE_SCORERS.get(row.data_source))
-    reference = build(row.ground_truth, row.extra_info) if build is not None else None
-    generic = [form.format(row.ground_truth) for form in GENERIC_FORMS]
-    wrong = ("wrong", f"wrong {WRONG_ANSWER!r}", [WRONG_ANSWER])
-    if reference is None:
-        label = (
-            f"ground truth in {len(generic)} generic forms (no reply in this task's own form is known here: "
-            "less than full marks is expected), best"
-        )
-        return [("ground-truth", label, generic), wrong]
-    right = [reference, *generic] if generic_too else [reference]
-    return [("right-answer", f"right answer {reference!r}", right), wrong]
-
-
 def machine_memory(cfg: PPOConfig, memory_gb: float | None) -> tuple[float, str]:
     """Bytes one machine (GPU on CUDA) offers the workers, and where the figure comes from."""
     if memory_gb is not None:
@@ -468,6 +443,8 @@ def machine_memory(cfg: PPOConfig, memory_gb: float | None) -> tuple[float, str]
 
 
 def check_memory(ctx: Context, memory_gb: float | None) -> Check:
+    """The estimated peak memory (``memory_estimate``) against what a machine offers, naming the knob to turn
+    when it does not fit."""
     cfg = ctx.cfg
     workers = cfg.trainer.n_workers if cfg.trainer.backend == "ray" else 1  # local: one rank in this process
     est = estimate_memory(cfg, ctx.shape, workers)
@@ -492,6 +469,7 @@ def check_memory(ctx: Context, memory_gb: float | None) -> Check:
 
 
 def check_environment(cfg: PPOConfig | None) -> Check:
+    """Versions and devices; with ``rollout.name=vllm``, whether vLLM imports (in a child process)."""
     import torch
 
     versions = {name: _version(name) for name in ("torch", "transformers", "ray", "vllm")}
@@ -569,6 +547,7 @@ def run_checks(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``hybridflow doctor [--json] [--memory-gb N] [--config FILE] key=value ...``: 0 when no check failed."""
     parser = argparse.ArgumentParser(
         prog="hybridflow doctor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

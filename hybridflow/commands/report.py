@@ -54,6 +54,7 @@ def _png(fig: Figure, path: Path) -> bytes:
 
 
 def draw_curves(spec: CurveFigure, data: dict[str, dict[str, list[tuple[int, float]]]], path: Path) -> bytes:
+    """One curve figure (``spec``) of ``curve_data``'s lines, one line style per run, written to ``path``."""
     fig = Figure(figsize=(7, 3.6), layout="constrained")
     ax = fig.subplots()
     right = ax.twinx() if any(c.right for c in spec.curves) else None
