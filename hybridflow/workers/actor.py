@@ -60,6 +60,22 @@ def logprob_diff_metrics(
     }
 
 
+#: The columns ``update_actor`` reads (those present): the rows, their advantages and the log-probs the ratio
+#: and the KL terms need (``old_log_probs`` only when the data is used again, ``ref_log_prob`` with a KL term,
+#: ``rollout_log_probs`` when the engine reported them). Replay keeps exactly these (``trainer.replay``).
+UPDATE_ACTOR_KEYS = (
+    "responses",
+    "response_mask",
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "advantages",
+    "old_log_probs",
+    "ref_log_prob",
+    "rollout_log_probs",
+)
+
+
 def _scalar(value: torch.Tensor | float) -> float:
     return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
 
@@ -414,21 +430,7 @@ class ActorRolloutRefWorker(Worker):
         self._require(self.engine, "actor", "update_actor")
         actor = self.config.actor
         mini_batch = actor.ppo_mini_batch_size * self.config.rollout.n // self.world_size
-        keys = [
-            k
-            for k in (
-                "responses",
-                "response_mask",
-                "input_ids",
-                "attention_mask",
-                "position_ids",
-                "advantages",
-                "old_log_probs",
-                "ref_log_prob",
-                "rollout_log_probs",
-            )
-            if k in data.batch.keys()
-        ]
+        keys = [k for k in UPDATE_ACTOR_KEYS if k in data.batch.keys()]
         data = data.select(batch_keys=keys, non_tensor_batch_keys=[], meta_info_keys=[])
         self.module.train()
         extra = []
