@@ -299,20 +299,22 @@ def test_taking_batches_starts_nothing_the_run_starts_and_stops_the_producer(
     producer's thread, as a side effect. Now ``start_rollouts`` (which ``fit`` calls) does both, once."""
     import threading
 
+    def producers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "hybridflow-rollout"]
+
     with PPOTrainer(
         config(data_dir, tiny_model_path, reward_file, tmp_path, "async_training.mode=fully_async")
     ) as trainer:
         trainer.init_workers()
         with pytest.raises(RuntimeError, match=r"needs start_rollouts\(\) first"):
             trainer.batches()
-        idle = {t.name for t in threading.enumerate()}
+        assert producers() == []
         trainer.start_rollouts()
-        assert {t.name for t in threading.enumerate()} - idle == {"hybridflow-rollout"}
-        running = threading.active_count()
+        (producer,) = producers()
         first = next(trainer.batches())
-        assert threading.active_count() == running and len(first) == 4  # prompts, before generation
+        assert producers() == [producer] and len(first) == 4  # the prompts, taken: nothing else started
         trainer.rollouts.stop()
-        assert {t.name for t in threading.enumerate()} == idle
+        assert producers() == []
 
 
 def test_the_source_of_the_samples_is_chosen_by_mode_and_both_follow_one_contract():
