@@ -50,9 +50,9 @@ def _config(argv: list[str]) -> int:
 
 def _offline(kind: str) -> Callable[[list[str]], int]:
     def command(argv: list[str]) -> int:
-        from hybridflow.trainer.main_sft import run
+        from hybridflow.trainer.main_sft import offline_command
 
-        return run(kind, argv)
+        return offline_command(kind, argv)
 
     return command
 
@@ -104,6 +104,8 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``hybridflow COMMAND [ARGS]``: the command's exit status (2 for an input error, printed as one line);
+    no command, or ``--help``, lists them."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         lines = "\n".join(f"  {name:<16} {help_}" for name, (_, help_) in COMMANDS.items())

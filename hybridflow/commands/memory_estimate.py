@@ -93,13 +93,16 @@ class MemoryEstimate:
 
     @property
     def largest_pass(self) -> str:
+        """The name of the pass that needs the most memory."""
         return max(self.passes, key=self.passes.get)
 
     @property
     def device(self) -> float:
+        """Bytes on the device at the peak: the static state, the largest pass and the runtime."""
         return sum(self.static.values()) + max(self.passes.values()) + RUNTIME_BYTES
 
     def summary(self) -> str:
+        """What makes up the peak, for doctor's line: each static part, the largest pass, the runtime."""
         parts = [f"{name} {_gb(b)}" for name, b in self.static.items() if b]
         parts.append(f"+ largest pass ({self.largest_pass}) {_gb(self.passes[self.largest_pass])}")
         return ", ".join(parts) + f" + runtime {_gb(RUNTIME_BYTES)}"

@@ -1,5 +1,5 @@
 """Checks of the trainer config: value ranges, batch-size arithmetic, names, cross-field rules, and the
-table of verl keys that have no effect here.
+table of verl keys that have no effect here (the keys that have no effect without another one: ``key_pairs``).
 
 They read a resolved ``PPOConfig`` by attribute only (``cfg.actor_rollout_ref.actor.optim.lr``), so this
 module comes before the schema (``schema.py``) and imports none of it; ``PPOConfig.validate`` runs them.
@@ -21,6 +21,12 @@ class ConfigError(UserError, ValueError):
 
 class IgnoredKeyWarning(UserWarning):
     """A verl key with no effect on this backend was set: dropped, or (a schema key) kept but unused."""
+
+
+class DeprecatedKeyWarning(FutureWarning):
+    """A key that moved was set by its old name, which works for one release (the message names the new one).
+    A ``FutureWarning``, Python's deprecation warning for end users: shown by default, unlike a
+    ``DeprecationWarning``, which would hide it from a command line."""
 
 
 # ------------------------------------------------------------------------------- verl keys ignored here

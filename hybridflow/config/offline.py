@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from hybridflow.config.checks import ConfigError
+from hybridflow.config.key_pairs import OFFLINE_KEY_PAIRS, check_key_pairs
 from hybridflow.config.loader import Schema, load
 from hybridflow.config.sections import (
     YAML_DIR,
@@ -172,6 +173,7 @@ class _OfflineConfig(Schema):
                 f"{tr.total_epochs}"
             )
         self._validate_loss(cfg)
+        check_key_pairs(cfg, type(self)(), OFFLINE_KEY_PAIRS)
         return cfg
 
     def _validate_loss(self, cfg: Any) -> None:

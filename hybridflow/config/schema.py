@@ -5,15 +5,17 @@ mistake (an unknown key, a wrong type, batch sizes that do not divide) fails at 
 that names the key, instead of deep inside a training step.
 
 One definition per key: its type, its default and its one-line doc (the ``#:`` comment beside or above the
-field) live here and nowhere else. The shipped ``config/ppo_trainer.yaml`` is generated from them
-(``hybridflow config yaml --write``; a test fails when it is stale), ``hybridflow config keys`` lists them,
-and the workers read these typed fields without defaults of their own.
+field) live here and nowhere else (the sections every trainer shares: ``sections.py``). The shipped
+``config/yaml/ppo_trainer.yaml`` is generated from them (``hybridflow config yaml --write``, ``docs.py``; a test
+fails when it is stale), ``hybridflow config keys`` lists them, and the workers read these typed fields
+without defaults of their own.
 
-The machinery (YAML files, ``a.b=c`` overrides, typing a nested dict, unknown-key suggestions) is in
-``config_loader.py``; the consistency checks and the table of verl keys accepted with a warning are in
-``config_checks.py``. Three ways in, one mechanism: ``load_config(overrides, config_path)`` for the
-command line, ``PPOConfig.from_dict`` for Python dicts, and the constructor, which takes the nested
-sections or the flat convenience form ``PPOConfig(train_files=[...], adv_estimator="grpo", n=4)``.
+The machinery (YAML files, ``a.b=c`` overrides, typing a nested dict, unknown-key suggestions, keys that moved)
+is in ``loader.py``; the consistency checks and the table of verl keys accepted with a warning are in
+``checks.py``, the table of keys that have no effect without another one in ``key_pairs.py``. Three ways in,
+one mechanism: ``load_config(overrides, config_path)`` for the command line, ``PPOConfig.from_dict`` for Python
+dicts, and the constructor, which takes the nested sections or the flat convenience form
+``PPOConfig(train_files=[...], adv_estimator="grpo", n=4)``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from hybridflow.config.checks import (
     IGNORED_KEYS,
     VLLM_GPU_ONLY_KEYS,
     ConfigError,
+    DeprecatedKeyWarning,
     IgnoredKey,
     IgnoredKeyWarning,
     check_batch_sizes,
@@ -39,6 +42,7 @@ from hybridflow.config.checks import (
     path_fields,
     warn_ignored,
 )
+from hybridflow.config.key_pairs import UnusedKeyWarning, check_key_pairs
 from hybridflow.config.loader import Schema, apply_flat_keywords, known_keys, load
 from hybridflow.config.sections import (
     YAML_DIR,
@@ -58,9 +62,11 @@ __all__ = [
     "IGNORED_KEYS",
     "SECTION_CLASSES",
     "ConfigError",
+    "DeprecatedKeyWarning",
     "IgnoredKey",
     "IgnoredKeyWarning",
     "PPOConfig",
+    "UnusedKeyWarning",
     "load_config",
 ]
 
@@ -212,10 +218,6 @@ class MultiTurnConfig:
     tool_config_path: str | None = None
     #: tool-call syntax: hermes = <tool_call>{"name", "arguments"}</tool_call>
     format: Literal["hermes"] = "hermes"
-    #: run the python tool with limits only where this machine can create no sandbox (no root, no
-    #: unprivileged user namespaces, no bubblewrap): the code then runs as your own user and can read your
-    #: files and kill your processes; false = refuse to start with a line saying how to enable a sandbox
-    unsafe_python_tool_without_isolation: bool = False
 
 
 @dataclass
@@ -471,6 +473,17 @@ class AsyncTrainingConfig:
     partial_rollout: bool = True
 
 
+@dataclass
+class SandboxConfig:
+    """The sandbox model-written code runs in (``hybridflow.tools.sandbox``): the python tool's, and any reward
+    that executes code."""
+
+    #: run code with limits only where this machine can create no sandbox (no root, no unprivileged user
+    #: namespaces, no bubblewrap): the code then runs as your own user and can read your files and kill your
+    #: processes; false = refuse to start with a line saying how to enable a sandbox
+    unsafe_without_isolation: bool = False
+
+
 @dataclass(init=False)
 class PPOConfig(Schema):
     """The whole configuration; every section has defaults, so ``PPOConfig()`` is complete.
@@ -494,8 +507,13 @@ class PPOConfig(Schema):
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  #: the run
     #: rollout and training overlapping: sync, one-step-off-policy, fully async (hybridflow extension)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    #: where model-written code runs: the python tool, code-executing rewards
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     ALIASES: ClassVar[dict[str, str]] = ALIASES
+    RENAMED: ClassVar[dict[str, str]] = {
+        "actor_rollout_ref.rollout.multi_turn.unsafe_python_tool_without_isolation": "sandbox.unsafe_without_isolation",
+    }
 
     def __init__(self, **kwargs: Any) -> None:
         for f in dataclasses.fields(self):
@@ -546,13 +564,15 @@ class PPOConfig(Schema):
     def validate(self) -> PPOConfig:
         """Check the resolved config for consistency and return it; a ConfigError explains the first problem.
 
-        Also warns (IgnoredKeyWarning) for GPU-only keys set away from their default.
+        Also warns (IgnoredKeyWarning) for GPU-only keys set away from their default, and (UnusedKeyWarning)
+        for keys set that have no effect without another one (``KEY_PAIRS``).
         """
         cfg = self.resolve()
         check_ranges(cfg)
         check_batch_sizes(cfg)
         check_choices(cfg)
         check_cross_fields(cfg)
+        check_key_pairs(cfg, PPOConfig())
         warn_ignored_schema_keys(cfg)
         return cfg
 

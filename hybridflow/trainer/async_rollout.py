@@ -1,5 +1,7 @@
-"""Where a training step's samples come from: generated on the spot (``sync``), or by a producer that runs
-ahead of the trainer (``one_step_off``, ``fully_async``; ``async_training`` in the config).
+"""Where a training step's samples come from when a producer runs ahead of the trainer (``one_step_off``,
+``fully_async``; ``async_training`` in the config): ``AsyncRollouts``, and the prompt stream it shares with the
+trainer. Lock-step generation (``sync``), the contract both follow and the choice between them are in
+``rollouts.py``.
 
 Weight versions: version ``v`` is the policy after ``v`` training steps; the batch of step ``b`` (0-based)
 is trained by version ``b``. A sample's staleness is ``b`` minus the oldest version that sampled one of its
@@ -42,7 +44,7 @@ import torch
 
 from hybridflow.data import PromptLoader
 from hybridflow.protocol import DataProto
-from hybridflow.rollout import tag_weight_versions
+from hybridflow.runs.stages import STAGE_GROUPS
 from hybridflow.single_controller import WorkerGroup
 from hybridflow.trainer.loop import endless
 
@@ -89,33 +91,6 @@ class Generated:
     start: float
     end: float
     rows: int = 0
-
-
-class SyncRollouts:
-    """Lock-step: the trainer generates each batch when it needs it, with its current weights."""
-
-    def __init__(self, generator: WorkerGroup, split: bool) -> None:
-        self.generator, self.split = generator, split
-
-    def start(self, stream: PromptStream, version: int, end: int) -> None:
-        self.stream = stream
-
-    def take(self, index: int, prompts: DataProto, metrics: dict[str, float], timings: Any) -> DataProto:
-        batch = self.generator.generate_sequences(_with_meta(prompts, global_step=index))
-        return tag_weight_versions(batch, index)
-
-    def generate_now(self, prompts: DataProto, version: int) -> DataProto:
-        """A generation outside training (validation) with the trainer's current weights."""
-        return self.generator.generate_sequences(prompts)
-
-    def post_weights(self, actor: WorkerGroup, version: int) -> None:
-        """A rollout worker of its own (``placement=split``) is sent the new weights; a rollout in the
-        actor's process samples from the trained module itself."""
-        if self.split:
-            self.generator.update_weights(actor.get_weights()[0])
-
-    def stop(self) -> None:
-        pass
 
 
 @dataclass
@@ -180,7 +155,7 @@ class AsyncRollouts:
         metrics["async/trainer_idle_frac"] = min(1.0, clock.trainer_idle / elapsed)
         if hasattr(timings, "spans"):
             timings.spans.append(
-                {"stage": "rollout", "group": "rollout", "start": done.start, "end": done.end}
+                {"stage": "rollout", "group": STAGE_GROUPS["rollout"], "start": done.start, "end": done.end}
             )
         return done.batch
 
@@ -288,14 +263,3 @@ def _copy(prompts: DataProto) -> DataProto:
         non_tensor_batch={k: np.array(v, copy=True) for k, v in prompts.non_tensor_batch.items()},
         meta_info=dict(prompts.meta_info),
     )
-
-
-def build_rollouts(config: Any, generator: WorkerGroup, split: bool) -> SyncRollouts | AsyncRollouts:
-    """The source of ``async_training.mode``: ``split`` says whether ``generator`` is a rollout worker of its
-    own (which a sync run sends the weights after each update)."""
-    run, n = config.async_training, config.actor_rollout_ref.rollout.n
-    if run.mode == "sync":
-        return SyncRollouts(generator, split)
-    if run.mode == "one_step_off":
-        return AsyncRollouts(generator, n, 1, exact=True)
-    return AsyncRollouts(generator, n, run.max_staleness, exact=not run.partial_rollout)

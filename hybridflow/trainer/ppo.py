@@ -27,7 +27,7 @@ from hybridflow.rewards import RewardManager, default_compute_score, load_custom
 from hybridflow.rollout import rollout_scores
 from hybridflow.runs.tracking import Tracking
 from hybridflow.tools import load_tools
-from hybridflow.trainer.async_rollout import PromptStream, build_rollouts, stale_tokens
+from hybridflow.trainer.async_rollout import PromptStream, stale_tokens
 from hybridflow.trainer.loop import RunLoop, endless
 from hybridflow.trainer.metrics import (
     StepTimings,
@@ -38,6 +38,7 @@ from hybridflow.trainer.metrics import (
     validation_metrics,
 )
 from hybridflow.trainer.replay import ActorReplay
+from hybridflow.trainer.rollouts import build_rollouts
 from hybridflow.trainer.two_stage_reward import TwoStageRewardFn
 from hybridflow.trainer.worker_groups import WorkerGroups, build_worker_groups
 from hybridflow.workers.modeling import load_image_prompts, load_tokenizer
@@ -108,7 +109,7 @@ class PPOTrainer(RunLoop):
         # templates that know tools (Qwen2.5's) describe them in the prompt; others ignore the argument
         kwargs = {}
         if multi_turn.enable and multi_turn.tool_config_path:
-            tools = load_tools(multi_turn.tool_config_path, multi_turn.unsafe_python_tool_without_isolation)
+            tools = load_tools(multi_turn.tool_config_path, self.config.sandbox.unsafe_without_isolation)
             kwargs["tools"] = [tool.schema for tool in tools.values()]
         return RLHFDataset(
             files,
@@ -158,18 +159,25 @@ class PPOTrainer(RunLoop):
         super().close()
 
     # ------------------------------------------------------------------ where the samples come from
-    def batches(self) -> Iterator[DataProto]:
-        """The prompts of each step; an asynchronous run's producer, started here, draws ahead of them."""
+    def start_rollouts(self) -> None:
+        """Open the stream of training prompts at ``global_step`` and start where the samples come from (an
+        asynchronous run's producer begins generating ahead): ``_train`` calls it once, and stops it after."""
         self.stream = PromptStream(self.train_loader, self.global_step)
         self.rollouts.start(self.stream, self.global_step, self.total_steps)
-        while True:
-            yield self.stream.take(self.global_step)
+
+    def batches(self) -> Iterator[DataProto]:
+        """The prompts of each step, from the stream ``start_rollouts`` opened (taking one starts nothing)."""
+        stream = self.stream
+        if stream is None:
+            raise RuntimeError("PPOTrainer.batches() needs start_rollouts() first (fit() calls it)")
+        return iter(lambda: stream.take(self.global_step), None)
 
     def data_position(self) -> dict[str, Any]:
         """The loader's position after the last *trained* batch (the producer may have drawn further)."""
         return self.stream.trained_state if self.stream else self.train_loader.state_dict()
 
     def _train(self, tracker: Tracking) -> dict[str, float]:
+        self.start_rollouts()
         try:
             return super()._train(tracker)
         finally:  # an asynchronous run's producer stops with the run, also when a step raises

@@ -25,7 +25,7 @@ from hybridflow.algorithms import (
     off_policy_mask,
     truncated_importance_weights,
 )
-from hybridflow.config import ActorRolloutRefConfig
+from hybridflow.config import ActorRolloutRefConfig, SandboxConfig
 from hybridflow.models.vision import freeze_vision_tower
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import (
@@ -76,13 +76,35 @@ def logprob_diff_metrics(
     }
 
 
+#: The columns ``update_actor`` reads (those present): the rows, their advantages and the log-probs the ratio
+#: and the KL terms need (``old_log_probs`` only when the data is used again, ``ref_log_prob`` with a KL term,
+#: ``rollout_log_probs`` when the engine reported them). Replay keeps exactly these (``trainer.replay``).
+UPDATE_ACTOR_KEYS = (
+    "responses",
+    "response_mask",
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "advantages",
+    "old_log_probs",
+    "ref_log_prob",
+    "rollout_log_probs",
+)
+
+
+#: The policy-loss metrics that are 0 by construction when the data is used once (the ratio is exactly 1):
+#: left out of such a step's metrics, so the console does not show ``ppo_kl 0`` every step.
+ZERO_ON_POLICY = ("actor/ppo_kl", "actor/pg_clipfrac", "actor/pg_clipfrac_lower")
+
+
 class ActorRolloutRefWorker(Worker):
     """``config``: the ``actor_rollout_ref`` config section; ``role``: roles joined by ``_``
     (``actor_rollout``, ``actor_rollout_ref``, ``ref``, ``rollout``...); ``device``: ``trainer.device``;
     ``announce``: print one line per generation (``[rollout] generated ...``); ``rollout_engine``: the
     rollout engine's class (default: the one registered as ``rollout.name`` in this process; the trainer
     hands it over, so an engine registered in the driver is built in Ray's workers too). The rollout mode
-    (the agent loop, a served agent) follows from the rollout config (``build_rollout``)."""
+    (the agent loop, a served agent) follows from the rollout config (``build_rollout``); ``sandbox``: the config's ``sandbox`` section, which says
+    whether the python tool may run code unisolated."""
 
     def __init__(
         self,
@@ -93,6 +115,7 @@ class ActorRolloutRefWorker(Worker):
         device: str = "auto",
         announce: bool = False,
         rollout_engine: type[RolloutEngine] | None = None,
+        sandbox: SandboxConfig | None = None,
     ) -> None:
         super().__init__(device)
         unknown = [r for r in role.split("_") if r not in ROLES]
@@ -108,6 +131,7 @@ class ActorRolloutRefWorker(Worker):
         self.rollout: Rollout | None = None
         self.rollout_engine = rollout_engine
         self.mailbox: WeightMailbox | None = None  # a rollout-only worker's weight versions (async runs)
+        self.sandbox = sandbox or SandboxConfig()
         self.weights_received = 0  # weight updates a rollout-only worker was sent
 
     def weight_version(self) -> int:
@@ -170,7 +194,9 @@ class ActorRolloutRefWorker(Worker):
                 model_location(model_cfg.path),
                 (self.seed if rollout.seed is None else rollout.seed) + self.rank,
             )
-            self.rollout = build_rollout(spec, self.rollout_engine, self.weight_version)
+            self.rollout = build_rollout(
+                spec, self.rollout_engine, self.weight_version, self.sandbox.unsafe_without_isolation
+            )
             if not self._is_actor:
                 self.mailbox = WeightMailbox(self._load_weights)
         if self._is_ref and not (self.module is not None and is_lora(self.module)):
@@ -344,7 +370,8 @@ class ActorRolloutRefWorker(Worker):
         )
         # On-policy shortcut: with one pass over the data the old policy *is* the current one, so the
         # driver may skip the extra forward pass and let the ratio start at exactly 1.
-        old = micro.batch["old_log_probs"] if "old_log_probs" in micro.batch.keys() else log_prob.detach()
+        on_policy = "old_log_probs" not in micro.batch.keys()
+        old = log_prob.detach() if on_policy else micro.batch["old_log_probs"]
         advantages, tis_metrics = self._off_policy_corrected(micro, old, log_prob.detach(), mask)
         # verl's calling convention, so a loss registered for verl runs unchanged; the engine weighs the
         # micro-batches itself, hence no whole-batch counts in global_batch_info
@@ -359,6 +386,8 @@ class ActorRolloutRefWorker(Worker):
         )
         entropy_loss = agg_loss(entropy, mask, actor.loss_agg_mode)
         loss = pg_loss - entropy_coeff * entropy_loss
+        if on_policy:  # with the ratio exactly 1 the KL to the old policy and the clip fractions are 0
+            pg_metrics = {k: v for k, v in pg_metrics.items() if k not in ZERO_ON_POLICY}
         metrics = {
             "actor/pg_loss": pg_loss.item(),
             **pg_metrics,
@@ -376,7 +405,7 @@ class ActorRolloutRefWorker(Worker):
             kl_loss = agg_loss(kl, mask, actor.loss_agg_mode)
             loss = loss + actor.kl_loss_coef * kl_loss
             metrics.update({"actor/kl_loss": kl_loss.item(), "actor/kl_coef": actor.kl_loss_coef})
-        if "rollout_log_probs" in micro.batch.keys() and "old_log_probs" not in micro.batch.keys():
+        if "rollout_log_probs" in micro.batch.keys() and on_policy:
             metrics.update(logprob_diff_metrics(micro.batch["rollout_log_probs"], log_prob.detach(), mask))
         return loss, metrics
 
@@ -423,21 +452,7 @@ class ActorRolloutRefWorker(Worker):
         self._require(self.engine, "actor", "update_actor")
         actor = self.config.actor
         mini_batch = actor.ppo_mini_batch_size * self.config.rollout.n // self.world_size
-        keys = [
-            k
-            for k in (
-                "responses",
-                "response_mask",
-                "input_ids",
-                "attention_mask",
-                "position_ids",
-                "advantages",
-                "old_log_probs",
-                "ref_log_prob",
-                "rollout_log_probs",
-            )
-            if k in data.batch.keys()
-        ]
+        keys = [k for k in UPDATE_ACTOR_KEYS if k in data.batch.keys()]
         data = data.select(batch_keys=keys, non_tensor_batch_keys=image_column(data), meta_info_keys=[])
         self.module.train()
         extra = []

@@ -66,10 +66,11 @@ def test_good_config_passes_every_check_and_exits_0(base, capsys):
 
 
 def test_the_demo_settings_pass(data_dir, tiny_model_path, tmp_path):
-    """The demo's own settings (batch sizes, lengths, samples), on the tiny model for speed."""
+    """The demo's own settings (batch sizes, lengths, samples, validation), on the tiny model for speed."""
     checks = verdicts(
         [
             f"data.train_files={data_dir / 'train.parquet'}",
+            f"data.val_files={data_dir / 'test.parquet'}",
             f"actor_rollout_ref.model.path={tiny_model_path}",
             f"trainer.default_local_dir={tmp_path}",
             *DEMO_SETTINGS,
@@ -99,6 +100,23 @@ def test_keys_ignored_on_this_backend_are_a_warning(base):
     assert check.verdict == "warn" and "actor_rollout_ref.hybrid_engine = False" in check.detail
 
 
+def test_keys_without_the_key_they_need_are_listed_and_a_refused_one_fails(base):
+    """Before: nothing said that these keys change nothing (and the dummy reward model alone ran the rule
+    scorers instead)."""
+    check = verdicts([*base, "async_training.max_staleness=3", "critic.optim.lr=1e-4"])["config"]
+    assert check.verdict == "warn" and check.data["unused"] == [
+        "critic.optim.lr = 0.0001 has no effect without a critic (critic.enable=true, or "
+        "algorithm.adv_estimator=gae)",
+        "async_training.max_staleness = 3 has no effect without async_training.mode=fully_async (one_step_off "
+        "is always one step behind, sync never)",
+    ]
+    assert "set but without effect: critic.optim.lr = 0.0001 has no effect without a critic" in check.detail
+    checks = verdicts([*base, "reward_model.dummy=true"])
+    assert checks["config"].verdict == "fail" and checks["config"].detail.startswith(
+        "reward_model.dummy=true has no effect without reward_model.enable=true"
+    )
+
+
 def test_missing_file_fails_the_paths_check(base, tmp_path):
     checks = verdicts([*base, f"data.val_files={tmp_path / 'nope.parquet'}"])
     assert failed(checks) == ["paths"]
@@ -119,13 +137,52 @@ def test_raising_reward_fails_and_an_always_zero_reward_warns(base, tmp_path):
     )
     checks = verdicts([*base, f"custom_reward_function.path={tmp_path / 'bad.py'}"])
     assert failed(checks) == ["reward"]
-    assert "raised on a ground-truth response for data_source 'arithmetic'" in checks["reward"].detail
-    assert "ValueError: invalid literal for int() with base 10: '=" in checks["reward"].detail
+    assert "raised on a right-answer response for data_source 'arithmetic'" in checks["reward"].detail
+    assert "ValueError: invalid literal for int() with base 10: '" in checks["reward"].detail
     (tmp_path / "zero.py").write_text("def compute_score(*args, **kwargs):\n    return 0.0\n")
     checks = verdicts([*base, f"custom_reward_function.path={tmp_path / 'zero.py'}"])
-    assert checks["reward"].verdict == "warn" and "ground-truth 0, wrong 0" in checks["reward"].detail
-    # the built-in arithmetic scorer: a bare "=<sum>" has the right answer but not the A+B= form
-    assert "arithmetic: ground-truth 0.5, wrong 0" in verdicts(base)["reward"].detail
+    assert checks["reward"].verdict == "warn" and checks["reward"].detail.endswith(
+        " 0, wrong 'I do not know.' 0: 0 for the right answer too"
+    )
+
+
+def test_the_reward_probe_is_a_right_answer_in_the_tasks_own_form(base, tmp_path):
+    """Before: the demo's data printed ``arithmetic: ground-truth 0.5``, which reads as a broken reward: the
+    probe was a bare ``=<sum>``, not the ``A+B=<sum>`` the prompt asks for. Each built-in scorer now builds
+    its task's reply from the row; where no form is known the line says why less than 1 is expected."""
+    prompt = [{"role": "user", "content": "Compute it."}]
+    rows = [
+        ("arithmetic", "60", {"a": 47, "b": 13}),
+        ("countdown", {"target": 10, "numbers": [2, 5]}, {"solution": "2 * 5"}),
+        ("gsm8k", "72", {}),
+        ("lighteval/MATH", "\\frac{1}{2}", {}),
+        ("math", "\\frac{1}{2}", {}),
+    ]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"data_source": source, "prompt": prompt, "extra_info": info,
+                        "reward_model": {"ground_truth": truth}}) + "\n"
+            for source, truth, info in rows
+        )
+    )  # fmt: skip
+    detail = verdicts([*base, f"data.train_files={path}", "data.train_batch_size=2"])["reward"].detail
+    assert detail == (
+        "the built-in rule scorers (by data_source): arithmetic: right answer '47+13=60' 1, wrong 'I do not "
+        "know.' 0; countdown: right answer '<answer>2 * 5</answer>' 1, wrong 'I do not know.' 0; gsm8k: right "
+        "answer '#### 72' 1, wrong 'I do not know.' 0; lighteval/MATH: right answer '\\\\boxed{\\\\frac{1}{2}}' 1, "
+        "wrong 'I do not know.' 0; math: right answer 'Answer: \\\\frac{1}{2}' 1, wrong 'I do not know.' -1"
+    )
+    path.write_text(
+        json.dumps({"data_source": "arithmetic", "prompt": prompt, "reward_model": {"ground_truth": "60"}})
+        + "\n"
+    )
+    detail = verdicts([*base, f"data.train_files={path}", "data.train_batch_size=1",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=1"])["reward"].detail  # fmt: skip
+    assert detail.endswith(
+        "arithmetic: ground truth in 5 generic forms (no reply in this task's own form is known here: less "
+        "than full marks is expected), best 0.5, wrong 'I do not know.' 0"
+    )
 
 
 def test_overlong_dataset_fails_the_dataset_check(base):
@@ -306,10 +363,10 @@ def test_doctor_accepts_exactly_the_scores_training_accepts(base, tmp_path, tiny
     assert trains == (scorer != "text.py")
     if trains:
         assert checks["reward"].verdict == "ok", checks["reward"].detail
-        assert "ground-truth 1, wrong 0" in checks["reward"].detail
+        assert "' 1, wrong 'I do not know.' 0" in checks["reward"].detail
     else:
         assert failed(checks) == ["reward"]
-        assert "on a ground-truth response for data_source 'arithmetic'" in checks["reward"].detail
+        assert "on a right-answer response for data_source 'arithmetic'" in checks["reward"].detail
         assert "it returned str '1.0': a score is a number" in checks["reward"].detail
 
 
