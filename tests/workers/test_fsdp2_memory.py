@@ -1,7 +1,9 @@
 """FSDP2 memory on 2 Ray ranks (CPU, gloo): only rank 0 reads the checkpoint (rank 1 builds on the meta
-device and receives its shards), and generation without gathering the whole model steps the ranks together
-and samples what generation from the gathered model samples."""
+device and receives its shards), generation without gathering the whole model steps the ranks together
+and samples what generation from the gathered model samples, and saving the consolidated Hugging Face folder
+holds no more than two gathered tensors at once on any rank."""
 
+import weakref
 from unittest import mock
 
 import torch
@@ -11,7 +13,7 @@ from test_fsdp2 import ray_group
 from transformers import AutoModelForCausalLM
 
 from hybridflow.single_controller import ClassWithInitArgs, Dispatch, register
-from hybridflow.workers import ActorRolloutRefWorker
+from hybridflow.workers import ActorRolloutRefWorker, checkpointing
 from hybridflow.workers.sharding import full_weights, gathered, is_sharded, lockstep
 
 
@@ -42,6 +44,23 @@ class LoadProbe(ActorRolloutRefWorker):
         }
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_holding(self, path: str) -> tuple[int, int]:
+        """Save a checkpoint; returns (full tensors gathered, the most of them alive at once on this rank)."""
+        alive, real = [], checkpointing.full_weights
+        most = 0
+
+        def spy(*args, **kwargs):
+            nonlocal most
+            for name, tensor in real(*args, **kwargs):
+                alive.append(weakref.ref(tensor))
+                most = max(most, sum(ref() is not None for ref in alive))
+                yield name, tensor
+
+        with mock.patch.object(checkpointing, "full_weights", spy):
+            self.save_checkpoint(path)
+        return len(alive), most
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def greedy(self, prompts, sharded: bool) -> list[list[int]]:
         """Rank r decodes 2 + 5r tokens from the same prompts, so the ranks run different numbers of forwards."""
         self.rollout.response_length = 2 + 5 * self.rank
@@ -52,7 +71,7 @@ class LoadProbe(ActorRolloutRefWorker):
 
 
 def test_rank0_reads_the_checkpoint_and_sharded_generation_matches_gathered(
-    tiny_model_path, chat_prompts, ray_session
+    tiny_model_path, chat_prompts, ray_session, tmp_path
 ):
     init = ClassWithInitArgs(LoadProbe, config(tiny_model_path, "fsdp2"), role="actor_rollout_ref")
     group, pool = ray_group(init, "fsdpmem")
@@ -62,6 +81,7 @@ def test_rank0_reads_the_checkpoint_and_sharded_generation_matches_gathered(
         prompts = chat_prompts(_tokenizer(tiny_model_path), ["Compute 1+2.", "Say hi."])
         gathered_out = group.greedy(prompts, False)
         sharded_out = group.greedy(prompts, True)
+        holding = group.save_holding(str(tmp_path / "ckpt"))
     finally:
         group.shutdown()
         pool.remove()
@@ -76,6 +96,12 @@ def test_rank0_reads_the_checkpoint_and_sharded_generation_matches_gathered(
                 assert torch.equal(weights[rank][role][name], tensor), (rank, role, name)
     assert [len(rows[0]) for rows in sharded_out] == [2, 7]
     assert sharded_out == gathered_out
+    # every rank gathers each full tensor for the consolidated folder and drops it once written (rank 0) or at
+    # once (the others): the one just gathered and the one before it, never the whole model
+    assert holding == [(len(plain), 2), (len(plain), 2)], holding
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "huggingface").state_dict()
+    for name, tensor in plain.items():
+        assert torch.equal(saved[name], tensor), name
 
 
 def _tokenizer(path: str):
