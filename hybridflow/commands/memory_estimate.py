@@ -119,9 +119,13 @@ def _activations(
     return logits + tokens * shape.num_layers * per_layer * act_bytes
 
 
-def estimate_memory(cfg: Any, shape: ModelShape, world_size: int) -> MemoryEstimate:
+def estimate_memory(
+    cfg: Any, shape: ModelShape, world_size: int, prompt_tokens: int | None = None
+) -> MemoryEstimate:
     """Peak bytes of one worker for the resolved ``PPOConfig`` ``cfg`` and the actor's ``shape``; the critic
-    is taken to have the actor's shape (a value head instead of the output layer)."""
+    is taken to have the actor's shape (a value head instead of the output layer). ``prompt_tokens``: the
+    longest prompt of the data when it is known (each batch is trimmed to its longest prompt), else
+    ``data.max_prompt_length``."""
     arr, data = cfg.actor_rollout_ref, cfg.data
     actor, rollout, model = arr.actor, arr.rollout, arr.model
     on_gpu = cfg.trainer.device == "cuda"
@@ -147,7 +151,7 @@ def estimate_memory(cfg: Any, shape: ModelShape, world_size: int) -> MemoryEstim
     if cfg.critic.enable:
         critic_width = DTYPE_BYTES[cfg.critic.model.dtype]
         est.static["critic weights+grads+AdamW"] = 4 * shape.params * critic_width / shards
-    sequence = data.max_prompt_length + data.max_response_length
+    sequence = (data.max_prompt_length if prompt_tokens is None else prompt_tokens) + data.max_response_length
     if actor.use_dynamic_bsz:
         tokens = actor.ppo_max_token_len_per_gpu
         sequences = max(1, tokens // sequence)
