@@ -1,8 +1,10 @@
-"""Memory per rank of one actor update: full replicas (ddp), FSDP2 sharding, FSDP2 with optimizer offload,
-a KL run's reference policy as a second copy (ddp) or as the LoRA actor with its adapter off, and a whole
-GRPO step (generation from the sharded actor, old log-probs, update), on 1, 2 or 4 ranks.
+"""Memory per rank in bare processes (``bench/memory.py --bare``): one actor update with full replicas (ddp),
+FSDP2 sharding, FSDP2 with optimizer offload, a KL run's reference policy as a second copy (ddp) or as the LoRA
+actor with its adapter off, and a whole GRPO step (generation from the sharded actor, old log-probs, update), on
+1, 2 or 4 ranks, each rank a process of its own running ``ActorRolloutRefWorker`` on a synthetic batch (no Ray,
+no trainer, no checkpoint at the end: what the path users run adds is measured by ``bench/memory.py``).
 
-    .venv/bin/python bench/memory.py [--model default | --random-model 1024,16] [--ranks 1 2 4]
+    .venv/bin/python bench/memory.py --bare [--model default | --random-model 1024,16] [--ranks 1 2 4]
         [--only SETTING ...] [--rows 8] [--prompt 64] [--response 32] [--out FILE]
 
 Each setting runs in fresh processes, one per rank (gloo), which load the model, compute the reference
@@ -10,8 +12,8 @@ log-probs when the setting has a reference (or generate the rollouts, for the GR
 optimiser step on the same synthetic batch, split over the ranks. Per rank it reports the bytes of
 parameters + gradients + optimiser state that the rank holds (its shards under FSDP2) and the peak resident
 memory of the process (which also counts the checkpoint as rank 0 reads it, gathered layers, activations, and
-torch itself). ``--random-model HIDDEN,LAYERS`` builds a random Llama from a config (vocabulary 8k, MLP 3x
-hidden; 1024,16 is about 200M parameters): no download. Each rank hands freed blocks of 4 MiB and more back to
+torch itself). ``--random-model HIDDEN,LAYERS`` builds a random Llama from a config (the tiny tokenizer's 1.2k-token
+vocabulary, MLP 3x hidden; 1024,16 is 194M parameters): no download. Each rank hands freed blocks of 4 MiB and more back to
 the OS, as every worker does with ``trainer.return_freed_memory`` (the default); ``--keep-freed-memory`` leaves
 glibc's allocator as it is, for comparison. Prints a table and writes JSON.
 """
@@ -170,15 +172,36 @@ def doctor_mib(model: str, setting: dict, world: int, args: argparse.Namespace) 
     return estimate_memory(cfg, shape, world).device / 2**20
 
 
+def random_model(spec: str) -> str:
+    """``HIDDEN,LAYERS``: a random Llama in a scratch folder removed at exit (about 4 bytes per parameter), with
+    hidden // 64 heads, hidden // 256 key/value heads and an MLP of 3 x hidden; no download."""
+    from hybridflow.models import make_tiny_model
+
+    hidden, layers = (int(v) for v in spec.split(","))
+    scratch = tempfile.mkdtemp(prefix="hfmem-")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    return make_tiny_model(
+        Path(scratch) / "model",
+        vocab_size=8192,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=hidden // 64,
+        num_kv_heads=max(1, hidden // 256),
+        intermediate_size=3 * hidden,
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="bench/memory.py --bare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--model", default="default", help="model folder, or 'default' for SmolLM2-135M-Instruct"
@@ -196,25 +219,10 @@ def main() -> None:
         action="store_true",
         help="leave glibc's allocator as it is (trainer.return_freed_memory=false) instead of returning freed blocks",
     )
-    parser.add_argument("--out", default="bench/results/memory.json")
-    args = parser.parse_args()
+    parser.add_argument("--out", default="bench/results/memory_bare.json")
+    args = parser.parse_args(argv)
 
-    model = args.model
-    if args.random_model:
-        from hybridflow.models import make_tiny_model
-
-        hidden, layers = (int(v) for v in args.random_model.split(","))
-        scratch = tempfile.mkdtemp(prefix="hfmem-")  # about 4 bytes per parameter: removed at exit
-        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
-        model = make_tiny_model(
-            Path(scratch) / "model",
-            vocab_size=8192,
-            hidden_size=hidden,
-            num_layers=layers,
-            num_heads=hidden // 64,
-            num_kv_heads=max(1, hidden // 256),
-            intermediate_size=3 * hidden,
-        )
+    model = random_model(args.random_model) if args.random_model else args.model
     results = {}
     ctx = mp.get_context("spawn")
     for name, setting in SETTINGS.items():
