@@ -170,7 +170,7 @@ def check_model(ctx: Context) -> Check:
         folder = model_location(model.path)
         tokenizer = load_tokenizer(model.path, model.trust_remote_code)
         hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=model.trust_remote_code)
-        ctx.shape = model_shape(hf_config)
+        ctx.shape = model_shape(hf_config, folder)
     except Exception as err:  # noqa: BLE001 - any loading failure is the verdict, with its reason
         return Check(
             "model",

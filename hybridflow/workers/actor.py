@@ -30,7 +30,13 @@ from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.checkpointing import load_worker_state, save_worker_state
 from hybridflow.workers.engine import DivergedError, TrainingEngine
-from hybridflow.workers.modeling import load_model, load_tokenizer, model_location, response_log_probs
+from hybridflow.workers.modeling import (
+    load_model,
+    load_tokenizer,
+    model_location,
+    response_log_probs,
+    weights_source,
+)
 from hybridflow.workers.packing import MicroBatching, batched
 from hybridflow.workers.rollout import build_rollout, check_generation_batch
 from hybridflow.workers.sharding import (
@@ -117,13 +123,14 @@ class ActorRolloutRefWorker(Worker):
             # a rollout-only worker (trainer.placement=split) holds a plain copy the actor's full weights load into
             strategy = resolve_strategy(actor.strategy, self.world_size) if self._is_actor else "ddp"
             lora = model_cfg.lora_rank if self._is_actor else 0
+            placement = load_placement(strategy, model_cfg.dtype, self.device)
             module = load_model(
                 model_cfg.path,
-                *load_placement(strategy, model_cfg.dtype, self.device),
+                *placement,
                 trust_remote_code=model_cfg.trust_remote_code,
                 disable_dropout=model_cfg.disable_dropout,
                 gradient_checkpointing=self._is_actor and model_cfg.enable_gradient_checkpointing,
-                on_meta=not reads_weights(strategy, lora),
+                on_meta=not reads_weights(strategy, lora, streamed=True),
             )
             self.module = wrap_model(
                 module,
@@ -133,6 +140,7 @@ class ActorRolloutRefWorker(Worker):
                 lora,
                 model_cfg.lora_alpha,
                 model_cfg.target_modules,
+                self._weights_source(placement[1]),
             )
         if self._is_actor:
             self.engine = TrainingEngine(
@@ -161,15 +169,23 @@ class ActorRolloutRefWorker(Worker):
                 )
         if self._is_ref and not (self.module is not None and is_lora(self.module)):
             strategy = resolve_strategy(ref.strategy, self.world_size, "actor_rollout_ref.ref.strategy")
+            placement = load_placement(strategy, model_cfg.dtype, self.device)
             module = load_model(
                 model_cfg.path,
-                *load_placement(strategy, model_cfg.dtype, self.device),
+                *placement,
                 trust_remote_code=model_cfg.trust_remote_code,
                 disable_dropout=model_cfg.disable_dropout,
-                on_meta=not reads_weights(strategy),
+                on_meta=not reads_weights(strategy, streamed=True),
             ).eval()
             module.requires_grad_(False)
-            self.ref_module = wrap_model(module, strategy, ref.fsdp_config, self.device)
+            self.ref_module = wrap_model(
+                module, strategy, ref.fsdp_config, self.device, weights=self._weights_source(placement[1])
+            )
+
+    def _weights_source(self, dtype: str | None) -> Callable[[torch.nn.Module], Any]:
+        """Where rank 0 of a sharded policy takes the full tensors it sends to the ranks (``weights_source``)."""
+        model_cfg = self.config.model
+        return weights_source(model_cfg.path, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code)
 
     # ---------------------------------------------------------------- rollout
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

@@ -1,4 +1,4 @@
-"""Safetensors files written one tensor at a time, as the tensors arrive.
+"""Safetensors files written and read one tensor at a time.
 
 Why: a sharded (FSDP2) model's consolidated ``huggingface/`` folder is written from full tensors gathered one at
 a time from the ranks' shards. Collecting them into a state dict for ``save_pretrained`` costs a second copy of
@@ -6,6 +6,9 @@ the whole model in the writing process on top of its training state (measured on
 +741 MiB on every rank, whose share of the training state was 741 MiB). ``StreamedSafetensors`` writes each
 tensor's bytes as it comes and holds none of them: the file is laid out with room for its header in front,
 filled in once every tensor's offsets are known.
+
+``SafetensorsFolder`` is the reading side: rank 0 of a sharded model streams a checkpoint's tensors to the ranks
+one at a time instead of loading the whole model first (``sharding.shard_module``).
 
 The files are what ``save_pretrained`` writes: ``model.safetensors``, or ``model-0000i-of-0000N.safetensors``
 plus ``model.safetensors.index.json`` beyond ``max_shard_bytes`` (50 GB, transformers' default shard size), with
@@ -17,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import BinaryIO
 
@@ -133,3 +136,64 @@ class StreamedSafetensors:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (self.folder / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         return [self.folder / name for name in names]
+
+
+_TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
+
+
+class SafetensorsFolder(Mapping[str, torch.Tensor]):
+    """The tensors of a model folder's safetensors file(s) (``model.safetensors``, or the files its index
+    names), each read from disk when it is asked for (``folder[name]``), with plain reads: no file is mapped
+    into the process, so it holds the tensors it keeps and nothing more (``safe_open`` maps the file, and the
+    pages it reads stay resident in the process until the file is closed).
+
+    ``SafetensorsFolder.open(folder)``: None when the folder has no safetensors weights (a hub id, ``.bin``)."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self._where: dict[str, tuple[Path, torch.dtype, tuple[int, ...], int, int]] = {}
+        for path in files:
+            with open(path, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(length))
+            header.pop("__metadata__", None)
+            for name, entry in header.items():
+                begin, end = entry["data_offsets"]
+                dtype = _TORCH_DTYPES[entry["dtype"]]
+                self._where[name] = (path, dtype, tuple(entry["shape"]), 8 + length + begin, end - begin)
+
+    @classmethod
+    def open(cls, folder: str | Path) -> SafetensorsFolder | None:
+        folder = Path(folder)
+        if (folder / INDEX_NAME).is_file():
+            weight_map = json.loads((folder / INDEX_NAME).read_text())["weight_map"]
+            return cls([folder / name for name in sorted(set(weight_map.values()))])
+        return cls([folder / WEIGHTS_NAME]) if (folder / WEIGHTS_NAME).is_file() else None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._where[name][2]
+
+    def holds(self, module: torch.nn.Module) -> bool:
+        """Whether every parameter of ``module`` is here under its own name and shape (a checkpoint that
+        transformers renames or converts as it loads it is not)."""
+        return all(
+            name in self._where and self._where[name][2] == tuple(p.shape)
+            for name, p in module.named_parameters()
+        )
+
+    def __contains__(self, name: object) -> bool:  # without reading the tensor (Mapping's default does)
+        return name in self._where
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        path, dtype, shape, start, size = self._where[name]
+        tensor = torch.empty(shape, dtype=dtype)
+        with open(path, "rb") as f:
+            f.seek(start)
+            if size and f.readinto(memoryview(tensor.reshape(-1).view(torch.uint8).numpy())) != size:
+                raise OSError(f"{path} ends inside tensor {name}: the file is truncated")
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)

@@ -1,6 +1,7 @@
 """``hybridflow doctor``: every check passes on a good (and the demo's) configuration and fails on its own
 crafted bad input; the memory estimate's arithmetic by hand."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -73,7 +74,8 @@ def test_good_config_passes_every_check_and_exits_0(base, tiny_model_path, capsy
     # the memory estimate is for the longest prompt read (batches are trimmed to it), not for 96 tokens
     memory = next(c for c in report["checks"] if c["name"] == "memory")
     cfg = load_config(base)
-    shape = model_shape(AutoConfig.from_pretrained(tiny_model_path))
+    shape = model_shape(AutoConfig.from_pretrained(tiny_model_path), tiny_model_path)
+    assert shape.streams_checkpoint  # its safetensors hold every parameter under its name
     longest = estimate_memory(cfg, shape, 1, prompt_tokens=dataset["data"]["max"])
     assert dataset["data"]["max"] < 96 and memory["data"]["passes"] == longest.passes
 
@@ -281,6 +283,9 @@ def test_memory_knob_names_sharded_generation_when_the_gathered_model_does_not_f
     assert low.passes["generation"] == est.passes["generation"] - 3.5e9
     assert low.largest_pass == "checkpoint read by rank 0"
     assert low.device == est.device - est.passes["generation"] + 2.5e9
+    # a checkpoint rank 0 sends tensor by tensor is never held whole: only the KV cache is left
+    streamed = estimate_memory(sharded, dataclasses.replace(shape, streams_checkpoint=True), world_size=8)
+    assert streamed.passes.keys() == {"policy update", "log-prob pass", "generation"}
 
 
 def test_environment_fails_when_the_rollout_engine_does_not_import(tmp_path, monkeypatch):
