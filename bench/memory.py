@@ -208,7 +208,12 @@ def measure(keys: list[str], run: Path, interval: float) -> dict:
             "peak_by_stage_mib": by_stage,
         }
     driver = watch.series.get(proc.pid, [])
+    stage_s: dict[str, float] = {}
+    for span in spans:
+        stage_s[span["stage"]] = stage_s.get(span["stage"], 0.0) + span["end"] - span["start"]
     return {
+        "startup_s": (first or time.time()) - start,  # Ray, the workers, loading and sharding the model
+        "stage_s": stage_s,
         "workers": dict(sorted(workers.items())),
         "driver_peak_rss_mib": max((v["VmHWM"] for _, v in driver), default=0.0),
         "step_s": [row["timing_s/step"] for row in steps if "timing_s/step" in row],
@@ -245,8 +250,8 @@ def prepare(args: argparse.Namespace, scratch: Path) -> tuple[str, Path]:
 def table(results: dict) -> str:
     lines = [
         "| generation | ranks | peak RSS per worker (MiB) | largest vs 1 rank | stage of the peak | "
-        "PSS / USS at most (MiB) | driver (MiB) | doctor (MiB) | step s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "PSS / USS at most (MiB) | driver (MiB) | doctor (MiB) | step s | start-up s | checkpoint s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (gen, ranks), r in results.items():
         workers = r["workers"].values()
@@ -260,7 +265,8 @@ def table(results: dict) -> str:
             f"{f'{ratio:.2f}x' if ratio else '-'} | {largest['stage']} | "
             f"{max(w['peak_pss_mib'] for w in workers):.0f} / {max(w['peak_uss_mib'] for w in workers):.0f} | "
             f"{r['driver_peak_rss_mib']:.0f} | {r['doctor_mib']:.0f} ({r['doctor_mib'] / peak - 1:+.0%}) | "
-            f"{', '.join(f'{s:.1f}' for s in r['step_s'])} |"
+            f"{', '.join(f'{s:.1f}' for s in r['step_s'])} | {r['startup_s']:.0f} | "
+            f"{r['stage_s'].get('checkpoint', 0.0):.1f} |"
         )
     return "\n".join(lines)
 
