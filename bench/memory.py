@@ -1,7 +1,7 @@
 """Peak memory per worker of a GRPO run through the path users run: ``hybridflow train`` on Ray.
 
     .venv/bin/python bench/memory.py [--random-model 1024,16 | --model PATH] [--ranks 1 4]
-        [--generation sharded gathered] [--prompts 4] [--samples 2] [--micro 1] [--steps 1] [--validate]
+        [--generation sharded gathered] [--prompts 4] [--samples 2] [--micro 1] [--steps 2] [--validate]
         [--interval 0.2] [--out FILE] [-- KEY=VALUE ...]
     .venv/bin/python bench/memory.py --bare ...      # bare processes on a synthetic batch (bench/memory_bare.py)
 
@@ -9,7 +9,9 @@ Writes the arithmetic task with ``hybridflow prepare-data``, then for each worke
 runs ``hybridflow train`` as a user would (``trainer.backend=ray``, ``trainer.cpus_per_worker=0.5``, actor
 ``strategy=fsdp2``, ``rollout.sharded_generation`` true or false; GRPO with ``--prompts`` prompts x
 ``--samples`` samples, micro-batches of ``--micro``, ``--steps`` steps; every other key at the CLI's default,
-so the run ends with its checkpoint; keys after ``--`` are added) and watches the Ray worker processes the
+so the run ends with its checkpoint; keys after ``--`` are added). Two steps by default: the first generation
+runs before any gradient or AdamW moment exists, the second beside them, as every later one does (with the
+default gathered generation, that is where a worker holds the whole model beside its share of the state). and watches the Ray worker processes the
 trainer starts (the run's own process tree, so other Ray sessions on the machine are not counted).
 
 What is measured, per worker, every ``--interval`` seconds: the kernel's peak resident set since the last
@@ -290,7 +292,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--micro", type=int, default=1, help="sequences per micro-batch")
-    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=2,
+        help="training steps (from the 2nd, generation runs beside the gradients and moments)",
+    )
     parser.add_argument("--validate", action="store_true", help="validate before and after (data.val_files)")
     parser.add_argument("--interval", type=float, default=0.2, help="seconds between samples")
     parser.add_argument("--out", default="bench/results/memory.json")
