@@ -166,9 +166,10 @@ def stage_at(when: float, spans: list[dict], first: float | None) -> str:
     return "step" if any(s["start"] <= when <= s["end"] for s in spans) else "end"
 
 
-def measure(keys: list[str], run: Path, interval: float) -> dict:
-    """``hybridflow train KEYS``, watched; per rank its peak and where it was."""
-    env = dict(os.environ, HYBRIDFLOW_DEBUG="1")
+def measure(keys: list[str], run: Path, interval: float, log: Path | None = None) -> dict:
+    """``hybridflow train KEYS``, watched (its output copied to ``log``); per rank its peak and where it was."""
+    # every worker's line that names its rank and pid, not one of them with "[repeated 3x across cluster]"
+    env = dict(os.environ, HYBRIDFLOW_DEBUG="1", RAY_DEDUP_LOGS="0")
     start = time.time()
     proc = subprocess.Popen(
         [str(BIN / "hybridflow"), "train", *keys],
@@ -180,13 +181,18 @@ def measure(keys: list[str], run: Path, interval: float) -> dict:
     watch = WorkerWatch(proc.pid, interval)
     watch.start()
     ranks, tail = {}, []
+    copy = open(log, "a") if log else None  # noqa: SIM115 (closed below)
     for line in proc.stdout:
         tail = (tail + [line])[-40:]
+        if copy:
+            copy.write(line)
         found = RANK_LINE.search(line)
         if found:
             ranks[int(found.group(2))] = int(found.group(1))
     proc.wait()
     watch.join()
+    if copy:
+        copy.close()
     if proc.returncode:
         raise SystemExit(f"hybridflow train failed ({proc.returncode}):\n{''.join(tail)}")
     spans = [json.loads(line) for line in (run / "timeline.jsonl").read_text().splitlines()]
@@ -201,7 +207,7 @@ def measure(keys: list[str], run: Path, interval: float) -> dict:
         for t, values in series:
             stage = stage_at(t, spans, first)
             by_stage[stage] = max(by_stage.get(stage, 0.0), values["VmHWM"])
-        workers[ranks.get(pid, -1)] = {
+        workers[ranks.get(pid, f"pid {pid}")] = {
             "peak_rss_mib": peak["VmHWM"],
             "at_peak": peak,
             "stage": stage_at(when, spans, first),
@@ -216,7 +222,7 @@ def measure(keys: list[str], run: Path, interval: float) -> dict:
     return {
         "startup_s": (first or time.time()) - start,  # Ray, the workers, loading and sharding the model
         "stage_s": stage_s,
-        "workers": dict(sorted(workers.items())),
+        "workers": dict(sorted(workers.items(), key=lambda item: (isinstance(item[0], str), item[0]))),
         "driver_peak_rss_mib": max((v["VmHWM"] for _, v in driver), default=0.0),
         "step_s": [row["timing_s/step"] for row in steps if "timing_s/step" in row],
         "wall_s": time.time() - start,
@@ -301,6 +307,7 @@ def main() -> None:
     parser.add_argument("--validate", action="store_true", help="validate before and after (data.val_files)")
     parser.add_argument("--interval", type=float, default=0.2, help="seconds between samples")
     parser.add_argument("--out", default="bench/results/memory.json")
+    parser.add_argument("--log", type=Path, help="append every run's output to this file")
     parser.add_argument("keys", nargs="*", help="more hybridflow train keys (after --)")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="hfmem-run-"))  # data, runs and checkpoints: removed at exit
@@ -314,7 +321,7 @@ def main() -> None:
                 continue
             run = scratch / f"run-{gen}-{ranks}"
             keys = overrides(args, model, data, run, ranks, gen)
-            results[(gen, ranks)] = measure(keys, run, args.interval)
+            results[(gen, ranks)] = measure(keys, run, args.interval, args.log)
             results[(gen, ranks)]["doctor_mib"] = doctor_mib(keys, ranks)
             results[(gen, ranks)]["keys"] = keys
             print(
