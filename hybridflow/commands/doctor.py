@@ -73,6 +73,7 @@ class Context:
     shape: ModelShape | None = None
     rows: list[Any] = field(default_factory=list)  # parsed PromptRows of the training files' first rows
     train_rows: int | None = None  # training prompts left after filtering (None: files longer than read)
+    prompt_tokens: int | None = None  # the longest prompt read, at most data.max_prompt_length (memory)
 
 
 def check_config(ctx: Context, overrides: list[str], config_path: str | None) -> Check:
@@ -187,7 +188,7 @@ def check_model(ctx: Context) -> Check:
         tokenizer = load_tokenizer(model.path, model.trust_remote_code)
         ctx.processor = load_image_prompts(model.path, tokenizer, model.trust_remote_code)
         hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=model.trust_remote_code)
-        ctx.shape = model_shape(hf_config)
+        ctx.shape = model_shape(hf_config, folder)
     except Exception as err:  # noqa: BLE001 - any loading failure is the verdict, with its reason
         return Check(
             "model",
@@ -280,6 +281,7 @@ def check_dataset(ctx: Context) -> Check:
         )
     limit = data.max_prompt_length
     over = sum(n > limit for n in lengths)
+    ctx.prompt_tokens = min(max(lengths), limit)  # batches are trimmed to their longest prompt
     p50, p90, p99 = (int(np.percentile(lengths, q)) for q in (50, 90, 99))
     what = f"first {len(lengths)} rows" if partial else f"{len(lengths)} rows"
     detail = (
@@ -467,7 +469,7 @@ def check_memory(ctx: Context, memory_gb: float | None) -> Check:
     when it does not fit."""
     cfg = ctx.cfg
     workers = cfg.trainer.n_workers if cfg.trainer.backend == "ray" else 1  # local: one rank in this process
-    est = estimate_memory(cfg, ctx.shape, workers)
+    est = estimate_memory(cfg, ctx.shape, workers, ctx.prompt_tokens)
     available, source = machine_memory(cfg, memory_gb)
     # CPU workers share one machine's memory; GPU workers each have their own device
     per_machine = 1 if cfg.trainer.device == "cuda" else workers

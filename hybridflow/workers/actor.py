@@ -9,6 +9,7 @@ sharded again after it). The reference policy is a second, frozen copy, loaded o
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,7 @@ from hybridflow.workers.modeling import (
     load_tokenizer,
     model_location,
     response_log_probs,
+    weights_source,
 )
 from hybridflow.workers.packing import MicroBatching, batched
 from hybridflow.workers.rollout import build_rollout
@@ -156,13 +158,14 @@ class ActorRolloutRefWorker(Worker):
             # a rollout-only worker (trainer.placement=split) holds a plain copy the actor's full weights load into
             strategy = resolve_strategy(actor.strategy, self.world_size) if self._is_actor else "ddp"
             lora = model_cfg.lora_rank if self._is_actor else 0
+            placement = load_placement(strategy, model_cfg.dtype, self.device)
             module = load_model(
                 model_cfg.path,
-                *load_placement(strategy, model_cfg.dtype, self.device),
+                *placement,
                 trust_remote_code=model_cfg.trust_remote_code,
                 disable_dropout=model_cfg.disable_dropout,
                 gradient_checkpointing=self._is_actor and model_cfg.enable_gradient_checkpointing,
-                on_meta=not reads_weights(strategy, lora),
+                on_meta=not reads_weights(strategy, lora, streamed=True),
             )
             if self._is_actor and actor.freeze_vision_tower:
                 freeze_vision_tower(module)
@@ -174,6 +177,7 @@ class ActorRolloutRefWorker(Worker):
                 lora,
                 model_cfg.lora_alpha,
                 model_cfg.target_modules,
+                self._weights_source(placement[1]),
             )
         if self._is_actor:
             self.engine = TrainingEngine(
@@ -201,15 +205,23 @@ class ActorRolloutRefWorker(Worker):
                 self.mailbox = WeightMailbox(self._load_weights)
         if self._is_ref and not (self.module is not None and is_lora(self.module)):
             strategy = resolve_strategy(ref.strategy, self.world_size, "actor_rollout_ref.ref.strategy")
+            placement = load_placement(strategy, model_cfg.dtype, self.device)
             module = load_model(
                 model_cfg.path,
-                *load_placement(strategy, model_cfg.dtype, self.device),
+                *placement,
                 trust_remote_code=model_cfg.trust_remote_code,
                 disable_dropout=model_cfg.disable_dropout,
-                on_meta=not reads_weights(strategy),
+                on_meta=not reads_weights(strategy, streamed=True),
             ).eval()
             module.requires_grad_(False)
-            self.ref_module = wrap_model(module, strategy, ref.fsdp_config, self.device)
+            self.ref_module = wrap_model(
+                module, strategy, ref.fsdp_config, self.device, weights=self._weights_source(placement[1])
+            )
+
+    def _weights_source(self, dtype: str | None) -> Callable[[torch.nn.Module], Any]:
+        """Where rank 0 of a sharded policy takes the full tensors it sends to the ranks (``weights_source``)."""
+        model_cfg = self.config.model
+        return weights_source(model_cfg.path, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code)
 
     # ---------------------------------------------------------------- rollout
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

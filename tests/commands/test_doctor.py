@@ -1,18 +1,26 @@
 """``hybridflow doctor``: every check passes on a good (and the demo's) configuration and fails on its own
 crafted bad input; the memory estimate's arithmetic by hand."""
 
+import dataclasses
 import json
 import os
 import shutil
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from hybridflow.commands.cli import main as cli
 from hybridflow.commands.demo import DEMO_SETTINGS
 from hybridflow.commands.doctor import run_checks
-from hybridflow.commands.memory_estimate import GB, RUNTIME_BYTES, ModelShape, estimate_memory, knob
+from hybridflow.commands.memory_estimate import (
+    GB,
+    RUNTIME_BYTES,
+    ModelShape,
+    estimate_memory,
+    knob,
+    model_shape,
+)
 from hybridflow.config.schema import load_config, load_unvalidated
 from hybridflow.rewards import RewardManager, load_custom_reward_function
 from hybridflow.utils.errors import UserError
@@ -50,7 +58,7 @@ def failed(checks: dict) -> list[str]:
     return [name for name, c in checks.items() if c.verdict == "fail"]
 
 
-def test_good_config_passes_every_check_and_exits_0(base, capsys):
+def test_good_config_passes_every_check_and_exits_0(base, tiny_model_path, capsys):
     assert cli(["doctor", *base]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[1] for line in lines[:8]] == NAMES and all(
@@ -63,6 +71,13 @@ def test_good_config_passes_every_check_and_exits_0(base, capsys):
     dataset = next(c for c in report["checks"] if c["name"] == "dataset")
     assert dataset["data"]["rows"] == 16 and dataset["data"]["over"] == 0
     assert dataset["data"]["p50"] <= dataset["data"]["max"] <= 96
+    # the memory estimate is for the longest prompt read (batches are trimmed to it), not for 96 tokens
+    memory = next(c for c in report["checks"] if c["name"] == "memory")
+    cfg = load_config(base)
+    shape = model_shape(AutoConfig.from_pretrained(tiny_model_path), tiny_model_path)
+    assert shape.streams_checkpoint  # its safetensors hold every parameter under its name
+    longest = estimate_memory(cfg, shape, 1, prompt_tokens=dataset["data"]["max"])
+    assert dataset["data"]["max"] < 96 and memory["data"]["passes"] == longest.passes
 
 
 def test_the_demo_settings_pass(data_dir, tiny_model_path, tmp_path):
@@ -245,6 +260,9 @@ def test_memory_estimate_by_hand():
     assert est.passes["policy update"] == update
     assert est.passes["generation"] == 2 * 2 * 32 * 4 * 8 * 32 + 8 * 1000 * 4  # all 8 sequences
     assert est.device == 160e6 + update + RUNTIME_BYTES
+    # with the data read, its longest prompt (10 tokens) sets the length, not data.max_prompt_length
+    short = estimate_memory(cfg, shape, world_size=1, prompt_tokens=10)
+    assert short.passes["policy update"] == 2 * 9 * 1000 * 4 * 3 + 2 * 18 * 2 * (14 * 64 + 4 * 128) * 4
     lora = estimate_memory(
         load_config(
             [
@@ -322,6 +340,9 @@ def test_memory_knob_names_sharded_generation_when_the_gathered_model_does_not_f
     assert low.passes["generation"] == est.passes["generation"] - 3.5e9
     assert low.largest_pass == "checkpoint read by rank 0"
     assert low.device == est.device - est.passes["generation"] + 2.5e9
+    # a checkpoint rank 0 sends tensor by tensor is never held whole: only the KV cache is left
+    streamed = estimate_memory(sharded, dataclasses.replace(shape, streams_checkpoint=True), world_size=8)
+    assert streamed.passes.keys() == {"policy update", "log-prob pass", "generation"}
 
 
 def test_environment_fails_when_the_rollout_engine_does_not_import(tmp_path, monkeypatch):
