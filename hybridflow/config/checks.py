@@ -220,6 +220,8 @@ _RANGES: dict[str, tuple] = {
         )
     },
     "actor_rollout_ref.model.lora_rank": _NON_NEGATIVE,
+    **{f"reward_model.code.{k}": _POSITIVE for k in ("max_concurrent", "memory_limit_mb")},
+    **{f"reward_model.code.{k}": _GREATER_THAN_0 for k in ("timeout_s", "test_timeout_s")},
     "actor_rollout_ref.model.lora_alpha": _GREATER_THAN_0,
     **{
         f"{r}.fsdp_config.fsdp_size": (lambda v: v == -1 or v >= 1, "-1 (all ranks) or >= 1")

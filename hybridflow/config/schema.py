@@ -324,6 +324,19 @@ class TwoStageRewardConfig:
 
 
 @dataclass
+class CodeRewardConfig:
+    """Code scored by running it against its tests (data_source code, humaneval, mbpp, apps, taco...), one
+    sandbox per sample (the python tool's; hybridflow extension, verl's sandbox_fusion names where they fit)."""
+
+    max_concurrent: int | None = None  #: sandboxes running at once; null = the machine's CPU cores
+    memory_limit_mb: int = 1024  #: address-space limit of a sample's sandbox, in MB
+    timeout_s: float = 10.0  #: wall-clock limit of one sample, all its tests together (the rest then fail)
+    test_timeout_s: float = 3.0  #: wall-clock (and, rounded up, CPU) limit of one test
+    #: all_or_nothing = 1 only when every test passes; fraction = the share of tests passed
+    score: Literal["all_or_nothing", "fraction"] = "all_or_nothing"
+
+
+@dataclass
 class RewardModelConfig:
     """A learned reward model (off by default: rule-based rewards come from the reward manager)."""
 
@@ -338,6 +351,8 @@ class RewardModelConfig:
     dummy: bool = False
     #: cheap reward for all, reward model only for the best share (hybridflow extension)
     two_stage: TwoStageRewardConfig = field(default_factory=TwoStageRewardConfig)
+    #: how code rows are run and scored (the rule scorer of the code data sources)
+    code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
 
 
 @dataclass

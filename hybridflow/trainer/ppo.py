@@ -21,7 +21,7 @@ from hybridflow.config.schema import PPOConfig
 from hybridflow.data import PromptLoader, RLHFDataset
 from hybridflow.data.sft import SFTDataset
 from hybridflow.protocol import DataProto
-from hybridflow.rewards import RewardManager, default_compute_score, load_custom_reward_function
+from hybridflow.rewards import CodeScorer, RewardManager, RuleScorers, load_custom_reward_function
 from hybridflow.runs.tracking import Tracking
 from hybridflow.serving import SessionRewards
 from hybridflow.tools import load_tools
@@ -73,7 +73,7 @@ class PPOTrainer(RunLoop):
         self.total_steps = config.trainer.total_training_steps or steps
         for optim in (config.actor_rollout_ref.actor.optim, config.critic.optim):
             optim.total_training_steps = self.total_steps
-        score_fn = default_compute_score
+        score_fn = self._rule_scorers()
         if config.custom_reward_function.path:
             score_fn = load_custom_reward_function(
                 config.custom_reward_function.path, config.custom_reward_function.name
@@ -102,6 +102,19 @@ class PPOTrainer(RunLoop):
         )
         self._sft_batches = endless(self.sft_loader) if self.sft_loader else None
         self.rollouts = self.stream = None  # where the samples come from (async_training.mode): init_workers
+
+    def _rule_scorers(self) -> RuleScorers:
+        """The built-in scorers with ``reward_model.code``'s settings; every code row of the data is read and
+        the sandbox checked now, so a malformed test or a machine without one fails before training."""
+        unsafe = self.config.actor_rollout_ref.rollout.multi_turn.unsafe_python_tool_without_isolation
+        rules = RuleScorers(CodeScorer(self.config.reward_model.code, allow_unsafe=unsafe))
+        datasets = [self.train_loader.dataset] + ([self.val_dataset] if self.val_dataset else [])
+        rules.check_rows(
+            (f"{row.file}: row {row.row}", row.data_source, row.ground_truth)
+            for d in datasets
+            for row in d.rows
+        )
+        return rules
 
     def _dataset(self, files: list[str]) -> RLHFDataset:
         d, multi_turn = self.config.data, self.config.actor_rollout_ref.rollout.multi_turn
