@@ -1,7 +1,7 @@
 """``python -m hybridflow.trainer.main_sft key=value ...``: supervised fine-tuning (``hybridflow sft``).
 
 The packaged ``sft_trainer.yaml`` (verl's SFT key names), a ``--config FILE.yaml`` merged over it, then
-dotted overrides. ``main_dpo`` and ``main_kto`` are the same command for the other offline trainers.
+dotted overrides. ``main_dpo``, ``main_kto`` and ``main_rm`` are the same command for the other offline trainers.
 A config mistake exits with status 2 and one line naming the key, not a traceback.
 """
 
@@ -17,7 +17,7 @@ from hybridflow.trainer.offline import OfflineTrainer
 
 
 def run(kind: str, argv: list[str] | None = None) -> int:
-    """Parse ``argv`` for the offline trainer ``kind`` (sft | dpo | kto), train, save; exit status."""
+    """Parse ``argv`` for the offline trainer ``kind`` (sft | dpo | kto | rm), train, save; exit status."""
     cls = CONFIGS[kind]
     parser = argparse.ArgumentParser(prog=f"hybridflow {kind}", description=cls.__doc__)
     parser.add_argument(
