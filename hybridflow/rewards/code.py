@@ -68,7 +68,8 @@ class CodeScorer:
 
     @property
     def max_concurrent(self) -> int:
-        return self.config.max_concurrent or os.cpu_count() or 1
+        code = self.config
+        return code.max_concurrent or os.cpu_count() or 1
 
     def check_ground_truths(self, rows: Iterable[tuple[str, Any]]) -> int:
         """Parse every ``(where, ground_truth)`` (``InputError`` naming the first malformed one) and make
@@ -88,8 +89,9 @@ class CodeScorer:
         c = self.config
         caps = sum(output_cap(e) for e in tests.expected) + len(tests) * 400
         return SandboxLimits(
-            timeout_s=c.timeout_s + 1.0,  # the harness stops at timeout_s; this catches one that does not
-            cpu_s=math.ceil(c.timeout_s) + 1,
+            timeout_s=c.sample_timeout_s
+            + 1.0,  # the harness stops at sample_timeout_s; this catches one that does not
+            cpu_s=math.ceil(c.sample_timeout_s) + 1,
             memory_mb=c.memory_limit_mb,
             max_output_bytes=caps + REPORT_BYTES,
         )
@@ -104,7 +106,7 @@ class CodeScorer:
             "output_caps": [output_cap(e) for e in tests.expected],
             "test_timeout_s": c.test_timeout_s,
             "test_cpu_s": math.ceil(c.test_timeout_s),
-            "budget_s": c.timeout_s,
+            "budget_s": c.sample_timeout_s,
         }
 
     def score(self, response: str, ground_truth: Any, extra_info: dict | None = None) -> dict[str, float]:

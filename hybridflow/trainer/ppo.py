@@ -188,27 +188,36 @@ class PPOTrainer(RunLoop):
 
     # ------------------------------------------------------------------ one step, stage by stage
     def compute_reward(self, batch: DataProto, metrics: dict[str, float] | None = None) -> DataProto:
-        """``token_level_scores``: the reward model's when there is one, else the rule/custom scorer's
-        (with ``reward_model.two_stage``, the reward model's only on each group's best rows). The
-        ``metrics`` a ``reward_fn`` returns (e.g. ``reward/stage2_calls``) go into ``metrics``."""
-        if self.wg.reward_model is not None and not self.config.reward_model.two_stage.enable:
-            batch = batch.union(self.wg.reward_model.compute_rm_score(batch))
+        """``token_level_scores``: the reward model's (or judge's) when there is one, plus
+        ``reward_model.rule_weight`` x the rule/custom scorer's, else the rule/custom scorer's (with
+        ``reward_model.two_stage``, the reward model's only on each group's best rows). The ``metrics`` a
+        ``reward_fn`` or the judge returns (e.g. ``reward/stage2_calls``, ``reward/judge/failures``) go into
+        ``metrics``."""
+        rm, metrics = self.config.reward_model, {} if metrics is None else metrics
+        if self.wg.reward_model is not None and not rm.two_stage.enable:
+            scored = self.wg.reward_model.compute_rm_score(batch)
+            metrics.update(reduce_metrics(scored.meta_info.pop("metrics", {})))
+            batch = batch.union(scored)
         if "rm_scores" in batch.batch.keys():
-            scores, extra = batch.batch["rm_scores"], {}
+            scores, extra = rm.model_weight * batch.batch["rm_scores"], {}
+            if rm.rule_weight:
+                result = self._rule_reward(batch, metrics)
+                scores = scores + rm.rule_weight * result["reward_tensor"]
+                extra = result.get("reward_extra_info", {})
         else:
-            reward_worker = self.wg.reward
-            result = (
-                reward_worker.compute_reward(batch)
-                if reward_worker
-                else self.reward_fn(batch, return_dict=True)
-            )
+            result = self._rule_reward(batch, metrics)
             scores, extra = result["reward_tensor"], result.get("reward_extra_info", {})
-            if metrics is not None:
-                metrics.update(result.get("metrics", {}))
         batch.batch["token_level_scores"] = scores
         return batch.union(
             DataProto.from_dict(non_tensors={f"reward_extra/{k}": v for k, v in extra.items()})
         )
+
+    def _rule_reward(self, batch: DataProto, metrics: dict[str, float]) -> dict[str, Any]:
+        """The rule/custom scorer's result, from the reward worker when there is one, else here."""
+        worker = self.wg.reward
+        result = worker.compute_reward(batch) if worker else self.reward_fn(batch, return_dict=True)
+        metrics.update(result.get("metrics", {}))
+        return result
 
     def _needs_old_log_prob(self) -> bool:
         """A separate old-policy pass is only needed when the policy changes before the data is used up
@@ -308,7 +317,7 @@ class PPOTrainer(RunLoop):
             return {}
         kw = self.config.actor_rollout_ref.rollout.val_kwargs
         size = self.config.data.val_batch_size or len(self.val_dataset)
-        rows, agent = [], []
+        rows, agent, verdicts = [], [], []
         for batch in PromptLoader(self.val_dataset, size, shuffle=False, drop_last=False):
             batch.meta_info.update(
                 n=kw.n, temperature=kw.temperature, top_p=kw.top_p, top_k=kw.top_k, do_sample=kw.do_sample
@@ -316,28 +325,45 @@ class PPOTrainer(RunLoop):
             out = self.rollouts.generate_now(batch, self.global_step)
             agent.append(reduce_metrics(out.meta_info.pop("metrics", {})))
             result = self.val_reward_fn(out, return_dict=True)
+            verdicts.append(self._judge_validation(out, result))
             rows.append((out, result))
         metrics = validation_metrics(rows, kw.n)
         metrics.update({f"val/{k}": reduce_metrics({k: [m[k] for m in agent]})[k] for k in agent[0]})
         samples = self._show_generations(
-            rows[0][0], rows[0][1]["reward_tensor"], self.config.trainer.log_val_generations
+            rows[0][0], rows[0][1]["reward_tensor"], self.config.trainer.log_val_generations, verdicts[0]
         )
         if tracker is not None and samples:
             tracker.log_records("val_generations", samples, step=self.global_step)
         return metrics
 
-    def _show_generations(self, batch: DataProto, rewards: torch.Tensor, count: int) -> list[dict[str, Any]]:
+    def _judge_validation(self, out: DataProto, result: dict[str, Any]) -> list[str] | None:
+        """With a judge (``reward_model.style=generative``) validation asks it too: its scores become the
+        ``judge`` extra (``val/<source>/judge/mean@n``) and its raw verdicts go with the logged samples."""
+        if self.wg.reward_model is None or self.config.reward_model.style != "generative":
+            return None
+        judged = self.wg.reward_model.compute_rm_score(out)
+        result.setdefault("reward_extra_info", {})["judge"] = judged.batch["rm_scores"].sum(-1).tolist()
+        return list(judged.non_tensor_batch["judge_verdict"])
+
+    def _show_generations(
+        self, batch: DataProto, rewards: torch.Tensor, count: int, verdicts: list[str] | None = None
+    ) -> list[dict[str, Any]]:
         """Print the first ``count`` validation samples (question, answer, score): a look at what the
         numbers mean (``trainer.log_val_generations``). Returns them as ``{"index", "prompt", "response",
-        "score"}`` records."""
+        "score"}`` records (and the judge's raw ``verdict`` when a judge scored them)."""
         samples = []
         for i in range(min(count, len(batch))):
             question = batch.non_tensor_batch["raw_prompt"][i][-1]["content"]
             length = int(batch.batch["response_mask"][i].sum())
             answer = self.tokenizer.decode(batch.batch["responses"][i, :length], skip_special_tokens=True)
             score = rewards[i].sum().item()
-            tqdm.write(f"[val step {self.global_step}] score {score:.3g} | {question!r} -> {answer!r}")
+            judged = f" | judge: {verdicts[i]!r}" if verdicts else ""
+            tqdm.write(
+                f"[val step {self.global_step}] score {score:.3g} | {question!r} -> {answer!r}{judged}"
+            )
             samples.append({"index": i, "prompt": question, "response": answer, "score": score})
+            if verdicts:
+                samples[-1]["verdict"] = verdicts[i]
         return samples
 
     # ------------------------------------------------------------------ checkpoints

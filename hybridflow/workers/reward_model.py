@@ -8,6 +8,11 @@ the response (``input_format``). ``dummy=True`` loads nothing and scores each re
 share of distinct tokens: a stand-in whose rewards move with the responses, so a pipeline test sees them
 change before a real reward model exists.
 
+A judge (``style=generative``, ``rewards.judge``): the worker renders ``judge.prompt_template`` for each sample
+and asks either the causal LM at ``model.path`` (greedy, in micro-batches; ``yes_probability`` from one forward)
+or the endpoint at ``judge.base_url`` (nothing is loaded then); ``rm_scores`` get the parsed scores, the
+result's ``judge_verdict`` column the raw replies, and its metrics ``reward/judge/failures``.
+
 Training (``hybridflow rm``, ``train``: an ``RMConfig``): any causal LM with a fresh one-output score head,
 trained on preference pairs with the Bradley-Terry loss (``algorithms.preference``), through the same
 ``TrainingEngine`` as the actor and the critic: full weights or LoRA adapters (the head always trains), DDP or
@@ -30,6 +35,7 @@ from hybridflow.config import RewardModelConfig
 from hybridflow.config.offline import RMConfig
 from hybridflow.data.offline import Sample, collate_samples, reward_model_tokens
 from hybridflow.protocol import DataProto
+from hybridflow.rewards.judge import EndpointJudge, Verdict, last_user_message, parse_verdict, render
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.checkpointing import load_worker_state, save_worker_state
 from hybridflow.workers.engine import TrainingEngine
@@ -67,6 +73,12 @@ def sequence_rewards(model: torch.nn.Module, data: DataProto) -> torch.Tensor:
     return model(**inputs, use_cache=False).logits[:, 0].float()
 
 
+def _first_tokens(tokenizer: Any, word: str) -> list[int]:
+    """The first token of ``word`` as a reply would begin with it, in its usual spellings (yes, Yes, YES)."""
+    spellings = dict.fromkeys((word, word.capitalize(), word.upper(), word.lower()))
+    return sorted({tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in spellings})
+
+
 def _body_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
     """LoRA's targets without the head: ``["all-linear"]`` means every linear layer of the body here (peft's
     own ``all-linear`` spares only a causal LM's output layer, and would put adapters on the score head)."""
@@ -99,7 +111,11 @@ class RewardModelWorker(Worker):
             self._init_training(self.train)
             return
         self.policy_tokenizer = load_tokenizer(self.policy_tokenizer_path)
+        self.endpoint = None
         if self.config.dummy:
+            return
+        if self.config.style == "generative":
+            self._init_judge()
             return
         path = self.config.model.path
         self.tokenizer = load_tokenizer(self.config.model.input_tokenizer or path)
@@ -153,6 +169,87 @@ class RewardModelWorker(Worker):
             m.fsdp_config.optimizer_offload,
         )
 
+    # ---------------------------------------------------------------- a judge
+    def _init_judge(self) -> None:
+        """An endpoint client, or the causal LM at ``model.path`` with the token ids ``yes_probability`` reads."""
+        judge = self.config.judge
+        if judge.base_url:
+            self.endpoint = EndpointJudge(judge)
+            return
+        path = self.config.model.path
+        self.tokenizer = load_tokenizer(self.config.model.input_tokenizer or path)
+        self.model = load_model(path, self.device, "auto").eval()
+        self.answer_ids = [
+            _first_tokens(self.tokenizer, words[0]) for words in (judge.yes_words, judge.no_words)
+        ]
+
+    def _judge_prompts(self, data: DataProto) -> list[str]:
+        prompts = []
+        for i in range(len(data)):
+            n_tokens = int(data.batch["response_mask"][i].sum())
+            response = self.policy_tokenizer.decode(
+                data.batch["responses"][i, :n_tokens], skip_special_tokens=True
+            )
+            question = last_user_message(data.non_tensor_batch["raw_prompt"][i])
+            truth = (
+                data.non_tensor_batch["ground_truth"][i] if "ground_truth" in data.non_tensor_batch else None
+            )
+            prompts.append(render(self.config.judge.prompt_template, question, response, truth))
+        return prompts
+
+    def _local_judge(self, prompts: list[str]) -> list[Verdict]:
+        """The worker's causal LM on each prompt (its chat template, a generation prompt): greedy replies
+        parsed, or the yes token's probability against the no token's from the next-token distribution."""
+        judge, verdicts = self.config.judge, []
+        for start in range(0, len(prompts), judge.micro_batch_size_per_gpu):
+            chunk = [
+                self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+                )
+                for p in prompts[start : start + judge.micro_batch_size_per_gpu]
+            ]
+            inputs = self.tokenizer(
+                chunk, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
+            ).to(self.device)
+            if judge.parser == "yes_probability":
+                positions = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+                probs = self.model(**inputs, position_ids=positions).logits[:, -1].float().softmax(-1)
+                yes, no = (probs[:, ids].sum(-1) for ids in self.answer_ids)
+                verdicts += [
+                    Verdict(float(p), f"p(yes)={float(p):.4f}") for p in yes / (yes + no).clamp(min=1e-12)
+                ]
+                continue
+            out = self.model.generate(
+                **inputs,
+                max_new_tokens=judge.max_tokens,
+                do_sample=False,
+                pad_token_id=self.tokenizer.pad_token_id,
+            )
+            for text in self.tokenizer.batch_decode(
+                out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True
+            ):
+                score = parse_verdict(text, judge)
+                verdicts.append(
+                    Verdict(judge.failure_score, text, True) if score is None else Verdict(score, text)
+                )
+        return verdicts
+
+    def _judged(self, data: DataProto) -> DataProto:
+        prompts = self._judge_prompts(data)
+        verdicts = self.endpoint.judge(prompts) if self.endpoint is not None else self._local_judge(prompts)
+        scores = torch.tensor([v.score for v in verdicts], dtype=torch.float32)
+        failures = float(sum(v.failed for v in verdicts))
+        return DataProto.from_dict(
+            {"rm_scores": sequence_to_token_scores(scores, data.batch["response_mask"])},
+            non_tensors={"judge_verdict": [v.text for v in verdicts]},
+            meta_info={
+                "metrics": {
+                    "reward/judge/failures": [failures],
+                    "reward/judge/score_mean": [float(scores.mean())],
+                }
+            },
+        )
+
     # ---------------------------------------------------------------- scoring
     def _inputs(self, data: DataProto) -> DataProto:
         """What the reward model reads for each sample (``reward_model_tokens``), laid out as a batch."""
@@ -178,9 +275,11 @@ class RewardModelWorker(Worker):
         mask = data.batch["response_mask"]
         if self.config.dummy:
             return DataProto.from_dict({"rm_scores": sequence_to_token_scores(dummy_scores(data), mask)})
-        scores = []
-        for start in range(0, len(data), self.config.micro_batch_size_per_gpu):
-            chunk = data[start : start + self.config.micro_batch_size_per_gpu]
+        if self.config.style == "generative":
+            return self._judged(data)
+        scores, reward_model = [], self.config
+        for start in range(0, len(data), reward_model.micro_batch_size_per_gpu):
+            chunk = data[start : start + reward_model.micro_batch_size_per_gpu]
             scores.append(sequence_rewards(self.model, self._inputs(chunk)).cpu())
         return DataProto.from_dict({"rm_scores": sequence_to_token_scores(torch.cat(scores), mask)})
 

@@ -105,7 +105,7 @@ def test_the_scan_catches_what_the_issue_found():
     defaults = schema_defaults()
     seeded = "class W:\n    def __init__(self, config, seed: int = 0):\n        pass\n"
     assert shadowed_defaults(seeded, "workers/actor.py", defaults) == [
-        "workers/actor.py:2 __init__(seed=0): the schema says [None, None, 42, 42, None, 42, None, 42, None]"
+        "workers/actor.py:2 __init__(seed=0): the schema says [None, None, 42, 42, None, 42, None, 42, None, 42, None]"
     ]
     coef = "w = float(meta.get('loss_coef', 1.0))\n"
     assert shadowed_defaults(coef, "workers/actor.py", defaults) == [

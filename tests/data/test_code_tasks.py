@@ -27,7 +27,7 @@ def scorer() -> CodeScorer:
         sandbox.sandbox_mode()
     except SandboxUnavailable as err:
         pytest.skip(f"no sandbox on this machine: {err}")
-    return CodeScorer(CodeRewardConfig(timeout_s=10.0, test_timeout_s=5.0))
+    return CodeScorer(CodeRewardConfig(sample_timeout_s=10.0, test_timeout_s=5.0))
 
 
 def test_humaneval_comes_from_the_wheel_and_its_canonical_solutions_pass(tmp_path, scorer, capsys):

@@ -18,7 +18,7 @@ from hybridflow.tools import sandbox
 from hybridflow.tools.sandbox import SandboxUnavailable
 from hybridflow.utils.errors import InputError
 
-FAST = CodeRewardConfig(timeout_s=6.0, test_timeout_s=1.5)
+FAST = CodeRewardConfig(sample_timeout_s=6.0, test_timeout_s=1.5)
 HUMANEVAL = {
     "prompt": 'from typing import List\n\n\ndef total(xs: List[int]) -> int:\n    """Sum of xs."""\n',
     "test": "def check(candidate):\n    assert candidate([1, 2]) == 3\n    assert candidate([]) == 0\n",
@@ -114,7 +114,7 @@ def test_a_right_program_scores_1_and_a_wrong_one_0(scorer, truth, right):
 
 def test_the_fraction_mode_scores_the_share_of_tests_passed(scorer):
     half_right = "def add(a, b):\n    return 3 if a == 1 else a + b + 1\n"  # passes test 1 of 3
-    fraction = CodeScorer(CodeRewardConfig(timeout_s=6.0, test_timeout_s=1.5, score="fraction"))
+    fraction = CodeScorer(CodeRewardConfig(sample_timeout_s=6.0, test_timeout_s=1.5, score="fraction"))
     assert fraction.score(fenced(half_right), MBPP)["score"] == pytest.approx(1 / 3)
     assert scorer.score(fenced(half_right), MBPP)["score"] == 0.0
     assert scorer.score(fenced(half_right), MBPP)["pass_rate"] == pytest.approx(1 / 3)
@@ -139,7 +139,7 @@ def test_wrong_crashing_and_looping_programs_score_0_within_their_limits(scorer,
     if flag:
         assert result[flag] == 1.0
     # every test stops at its own limit: 3 tests x 1.5 s, well inside the sample's 6 s budget
-    assert time.monotonic() - start < FAST.timeout_s + 1.5 + 2.0
+    assert time.monotonic() - start < FAST.sample_timeout_s + 1.5 + 2.0
 
 
 HOSTILE = {
@@ -175,7 +175,7 @@ def test_stdout_tests_cannot_be_passed_by_printing_a_report(scorer):
 
 def test_samples_run_in_parallel_sandboxes_and_keep_their_order(scorer):
     items = [(fenced(ADD if i % 2 == 0 else ADD.replace("+", "-")), MBPP, None) for i in range(6)]
-    parallel = CodeScorer(CodeRewardConfig(timeout_s=6.0, test_timeout_s=1.5, max_concurrent=3))
+    parallel = CodeScorer(CodeRewardConfig(sample_timeout_s=6.0, test_timeout_s=1.5, max_concurrent=3))
     assert [r["score"] for r in parallel.score_many(items)] == [1.0, 0.0] * 3
 
 
