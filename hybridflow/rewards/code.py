@@ -89,8 +89,7 @@ class CodeScorer:
         c = self.config
         caps = sum(output_cap(e) for e in tests.expected) + len(tests) * 400
         return SandboxLimits(
-            timeout_s=c.sample_timeout_s
-            + 1.0,  # the harness stops at sample_timeout_s; this catches one that does not
+            timeout_s=c.sample_timeout_s + 1.0,  # the harness stops in time; this catches one that does not
             cpu_s=math.ceil(c.sample_timeout_s) + 1,
             memory_mb=c.memory_limit_mb,
             max_output_bytes=caps + REPORT_BYTES,
@@ -109,11 +108,14 @@ class CodeScorer:
             "budget_s": c.sample_timeout_s,
         }
 
+    def sandbox_code(self, program: str, tests: CodeTests) -> str:
+        """What the sandbox runs: the harness, then its call on the spec (JSON in a string literal)."""
+        return f"{HARNESS}\nmain(json.loads({json.dumps(self.program_spec(program, tests))!r}))\n"
+
     def score(self, response: str, ground_truth: Any, extra_info: dict | None = None) -> dict[str, float]:
         """One sample's result dict (see the module docstring)."""
         tests = parse_tests(ground_truth)
-        program = extract_program(response, tests)
-        code = f"{HARNESS}\nmain({json.dumps(self.program_spec(program, tests))})\n"
+        code = self.sandbox_code(extract_program(response, tests), tests)
         return self.judge(run_python(code, self.limits(tests), self.allow_unsafe), tests)
 
     def judge(self, result: SandboxResult, tests: CodeTests) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """The program that runs inside a code sample's sandbox: the sample's tests, each in a child process of its own.
 
 Standard library only, and it trusts nothing the model wrote: ``code.py`` sends this file's source followed by
-``main(SPEC)`` to ``run_python`` (one sandbox per sample). Why a child per test: a test that hangs, crashes,
+``main(json.loads(SPEC))`` to ``run_python`` (one sandbox per sample). Why a child per test: a test that hangs, crashes,
 exits early or floods its output is killed and recorded without touching the others, and the program never
 runs in the process that reports. The reporting process:
 - never executes the model's code (it only compiles it, to tell a syntax error from a failing test);

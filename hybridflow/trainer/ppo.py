@@ -73,11 +73,12 @@ class PPOTrainer(RunLoop):
         self.total_steps = config.trainer.total_training_steps or steps
         for optim in (config.actor_rollout_ref.actor.optim, config.critic.optim):
             optim.total_training_steps = self.total_steps
-        score_fn = self._rule_scorers()
         if config.custom_reward_function.path:
             score_fn = load_custom_reward_function(
                 config.custom_reward_function.path, config.custom_reward_function.name
             )
+        else:
+            score_fn = self._rule_scorers()
         default_reward = RewardManager(self.tokenizer, score_fn)
         if config.actor_rollout_ref.rollout.served_agent.path:
             default_reward = SessionRewards()  # the agent's own return value is the reward

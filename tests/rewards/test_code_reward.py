@@ -101,13 +101,17 @@ def test_outputs_compare_by_lines_then_by_tokens_and_values_unwrap_apps_lists():
         (STDIO, READ_ADD),
         (CALL, ADD),
         (CALL, "class Solution:\n    def add(self, a, b):\n        return a + b\n"),
+        (
+            {"inputs": [[True], [None]], "outputs": [False, True], "fn_name": "neg"},
+            "def neg(x):\n    return not x\n",
+        ),
     ],
 )
 def test_a_right_program_scores_1_and_a_wrong_one_0(scorer, truth, right):
     good = scorer.score(fenced(right), truth)
     assert good["score"] == 1.0 and good["acc"] == 1.0 and good["pass_rate"] == 1.0
     assert good["syntax_error"] == 0.0 and good["timeout"] == 0.0 and good["sandbox_s"] > 0
-    wrong = right.replace("a + b", "a * b").replace("sum(xs)", "len(xs)")
+    wrong = right.replace("a + b", "a * b").replace("sum(xs)", "len(xs)").replace("not x", "x")
     bad = scorer.score(fenced(wrong), truth)
     assert bad["score"] == 0.0 and bad["acc"] == 0.0 and bad["pass_rate"] < 1.0
 
@@ -216,7 +220,6 @@ def test_a_run_with_malformed_tests_or_no_sandbox_fails_at_the_start(scorer, mon
 
 def test_a_test_cannot_write_into_the_report(scorer):
     """The reporting process is not dumpable: the program (same user id) cannot open its stdout via /proc."""
-    from hybridflow.rewards.code import HARNESS
     from hybridflow.tools import run_python
 
     attack = (
@@ -224,9 +227,7 @@ def test_a_test_cannot_write_into_the_report(scorer):
     )
     program = attack + "except OSError:\n    pass\n" + ADD
     tests = parse_tests(MBPP)
-    result = run_python(
-        f"{HARNESS}\nmain({json.dumps(scorer.program_spec(program, tests))})\n", scorer.limits(tests)
-    )
+    result = run_python(scorer.sandbox_code(program, tests), scorer.limits(tests))
     assert RESULT_MARKER in result.stdout and "PWNED" not in result.stdout
 
 
