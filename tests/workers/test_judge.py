@@ -119,12 +119,8 @@ def test_a_judge_served_by_hybridflow_serve_on_loopback(judge_model):
     assert "Connection refused" in down[0].text or "URLError" in down[0].text
 
 
-def test_ppo_with_a_judge_plus_the_rule_and_its_verdicts_in_the_samples(tmp_path, judge_model, data_dir):
-    """reward = model_weight x judge + rule_weight x rule, the failures metric logged, and validation keeps
-    the judge's raw verdicts with the samples the report shows."""
-    from hybridflow.trainer import PPOTrainer
-
-    config = load_config(
+def judge_ppo_config(tmp_path, judge_model, data_dir, *extra: str):
+    return load_config(
         [
             f"data.train_files={data_dir / 'train.parquet'}",
             f"data.val_files={data_dir / 'test.parquet'}",
@@ -140,13 +136,22 @@ def test_ppo_with_a_judge_plus_the_rule_and_its_verdicts_in_the_samples(tmp_path
             "reward_model.style=generative",
             f"reward_model.model.path={judge_model}",
             "reward_model.judge.max_tokens=2",
-            "reward_model.model_weight=0.5",
-            "reward_model.rule_weight=2.0",
             "trainer.total_training_steps=1",
             "trainer.log_val_generations=2",
             "trainer.logger=[file]",
             f"trainer.default_local_dir={tmp_path / 'run'}",
+            *extra,
         ]
+    )
+
+
+def test_ppo_with_a_judge_plus_the_rule_and_its_verdicts_in_the_samples(tmp_path, judge_model, data_dir):
+    """reward = model_weight x judge + rule_weight x rule, the failures metric logged, and validation keeps
+    the judge's raw verdicts with the samples the report shows."""
+    from hybridflow.trainer import PPOTrainer
+
+    config = judge_ppo_config(
+        tmp_path, judge_model, data_dir, "reward_model.model_weight=0.5", "reward_model.rule_weight=2.0"
     )
     with PPOTrainer(config) as trainer:
         trainer.init_workers()
@@ -165,3 +170,23 @@ def test_ppo_with_a_judge_plus_the_rule_and_its_verdicts_in_the_samples(tmp_path
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any("val/arithmetic/judge/mean@1" in m for m in logged)
     assert any("reward/judge/failures" in m for m in logged)
+
+
+def test_two_stage_the_rule_ranks_and_the_judge_rescores_the_best(tmp_path, judge_model, data_dir):
+    from hybridflow.trainer import PPOTrainer
+
+    config = judge_ppo_config(
+        tmp_path,
+        judge_model,
+        data_dir,
+        "reward_model.two_stage.enable=true",
+        "reward_model.two_stage.top_k_ratio=0.5",
+    )
+    with PPOTrainer(config) as trainer:
+        trainer.init_workers()
+        batch = trainer.rollouts.generate_now(next(iter(trainer.train_loader)), 0)
+        metrics: dict[str, float] = {}
+        trainer.compute_reward(batch, metrics)
+    assert (
+        metrics["reward/stage1_calls"] == 4 and metrics["reward/stage2_calls"] == 2
+    )  # one of each group's two
