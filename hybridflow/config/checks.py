@@ -362,6 +362,11 @@ def check_cross_fields(cfg: Any) -> None:
             "judge: reward_model.judge.base_url)",
         ),
         (
+            rm.judge.base_url is not None and rm.style != "generative",
+            "reward_model.judge.base_url is set but reward_model.style is 'discriminative': the judge only "
+            "scores with reward_model.style=generative",
+        ),
+        (
             rm.style == "generative" and "{response}" not in rm.judge.prompt_template,
             "reward_model.judge.prompt_template must contain {response} (and may use {prompt}, {ground_truth})",
         ),

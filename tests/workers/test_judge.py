@@ -190,3 +190,30 @@ def test_two_stage_the_rule_ranks_and_the_judge_rescores_the_best(tmp_path, judg
     assert (
         metrics["reward/stage1_calls"] == 4 and metrics["reward/stage2_calls"] == 2
     )  # one of each group's two
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["reward_model.style=generative", "reward_model.judge.prompt_template=hi"],
+            "must contain {response}",
+        ),
+        (
+            ["reward_model.judge.base_url=http://127.0.0.1:9/v1"],
+            "the judge only scores with reward_model.style",
+        ),
+        (["reward_model.judge.score_range=[5,5]"], "low < high"),
+        (["reward_model.rule_weight=1", "reward_model.two_stage.enable=true"], "choose one"),
+    ],
+)
+def test_judge_settings_that_cannot_work_are_refused_naming_the_key(overrides, message, tiny_model_path):
+    from hybridflow.config.checks import ConfigError
+
+    base = [
+        "data.train_files=x.parquet",
+        "reward_model.enable=true",
+        f"reward_model.model.path={tiny_model_path}",
+    ]
+    with pytest.raises(ConfigError, match=message.replace("{", r"\{").replace("}", r"\}")):
+        load_config([*base, "algorithm.adv_estimator=grpo", *overrides])
