@@ -236,3 +236,21 @@ def test_rm_on_two_ray_workers_with_fsdp2(tmp_path, tiny_model_path, ray_session
         tmp_path / "run" / "global_step_1" / "reward_model" / "huggingface"
     )
     assert loaded.score.weight.shape == (1, loaded.config.hidden_size)
+
+
+def test_plain_text_pairs_read_as_the_plain_reward_model_reads_them(tmp_path, tiny_model_path):
+    """data.apply_chat_template=false: each side is the prompt, a newline and the completion with the
+    tokenizer's special tokens, the form PPO's reward model reads without a template (input_format=plain)."""
+    tokenizer = load_tokenizer(tiny_model_path)
+    rows = [{"prompt": "Compute 2+3.", "chosen": "5", "rejected": "6"}]
+    dataset = RewardPairDataset(write(tmp_path / "plain.jsonl", rows), tokenizer, apply_chat_template=False)
+    batch = dataset.collate([dataset[0]])
+    chosen = batch.batch["input_ids"][0][batch.batch["attention_mask"][0].bool()].tolist()
+    assert chosen == tokenizer("Compute 2+3.\n5")["input_ids"]
+    assert batch.batch["margin"].tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="must be a string with data.apply_chat_template=false"):
+        RewardPairDataset(
+            write(tmp_path / "chat.jsonl", [{**rows[0], "chosen": [{"role": "assistant", "content": "5"}]}]),
+            tokenizer,
+            apply_chat_template=False,
+        )
