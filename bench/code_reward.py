@@ -2,10 +2,11 @@
 
 Scores ``--samples`` responses of the generated function task (``prepare-data code``: five assert tests
 each; right and wrong programs alternating) with ``reward_model.code.max_concurrent`` 1, 2 and 8, side by
-side, after a warm-up; prints the wall seconds per sample (the batch's wall time over its samples, what a
-training step waits for), the mean sandbox seconds per sample (each sandbox's own wall time), and the
-seconds for 256 samples at that rate. Then all 164 HumanEval canonical solutions (``prepare-data humaneval``)
-at the default concurrency, as a check that the harness passes what is right. Writes JSON.
+side, after a warm-up, next to an empty sandbox (``print(1)``). Prints the wall seconds per sample (the
+batch's wall time over its samples: what a training step waits for), the mean sandbox seconds per sample
+(each sandbox's own wall time), the CPU seconds the sandboxes used per sample, and the seconds 256 samples
+take at that rate. Then all 164 HumanEval canonical solutions (``prepare-data humaneval``) at the default
+concurrency, as a check that the harness passes what is right. Writes JSON.
 
     .venv/bin/python bench/code_reward.py [--samples 32] [--out bench/results/code_reward.json]
 """
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -37,19 +39,26 @@ def task_items(count: int) -> list[tuple[str, str, None]]:
     return items
 
 
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # the sandboxes, once they are reaped
+    return usage.ru_utime + usage.ru_stime
+
+
 def measure(items: list, concurrency: int, repeats: int) -> dict[str, float]:
     scorer = CodeScorer(CodeRewardConfig(max_concurrent=concurrency))
-    walls, inside = [], []
+    walls, inside, cpu = [], [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), _children_cpu_s()
         results = scorer.score_many(items)
         walls.append((time.perf_counter() - start) / len(items))
+        cpu.append((_children_cpu_s() - cpu_start) / len(items))
         inside.append(statistics.mean(r["sandbox_s"] for r in results))
         assert [r["score"] for r in results] == [1.0 - i % 2 for i in range(len(items))], results
     per_sample = statistics.median(walls)
     return {
         "wall_s_per_sample": per_sample,
         "sandbox_s_per_sample": statistics.median(inside),
+        "cpu_s_per_sample": statistics.median(cpu),
         "seconds_for_256": 256 * per_sample,
     }
 
@@ -84,11 +93,13 @@ def main() -> None:
     empty = empty_sandbox_s()
     rows = {c: measure(items, c, args.repeats) for c in args.concurrency}
     print(f"an empty sandbox (print(1)), one at a time: {empty:.3f} s")
-    print(f"{'parallel':>8} {'wall s/sample':>14} {'sandbox s/sample':>17} {'256 samples s':>14}")
+    print(
+        f"{'parallel':>8} {'wall s/sample':>14} {'sandbox s/sample':>17} {'CPU s/sample':>13} {'256 samples s':>14}"
+    )
     for c, row in rows.items():
         print(
             f"{c:>8} {row['wall_s_per_sample']:>14.3f} {row['sandbox_s_per_sample']:>17.3f} "
-            f"{row['seconds_for_256']:>14.1f}"
+            f"{row['cpu_s_per_sample']:>13.3f} {row['seconds_for_256']:>14.1f}"
         )
     check = humaneval_check()
     print(
