@@ -328,7 +328,8 @@ class CodeRewardConfig:
     """Code scored by running it against its tests (data_source code, humaneval, mbpp, apps, taco...), one
     sandbox per sample (the python tool's; hybridflow extension, verl's sandbox_fusion names where they fit)."""
 
-    max_concurrent: int | None = None  #: sandboxes running at once; null = the machine's CPU cores
+    #: sandboxes running at once; null = 4 per CPU core (a sandbox mostly waits on process start and teardown)
+    max_concurrent: int | None = None
     memory_limit_mb: int = 1024  #: address-space limit of a sample's sandbox, in MB
     sample_timeout_s: float = (
         10.0  #: wall-clock limit of one sample, all its tests together (the rest then fail)
