@@ -1,7 +1,7 @@
-"""Cost of code rewards: one sandbox per sample, at 1, 2 and 8 sandboxes in parallel.
+"""Cost of code rewards: one sandbox per sample, at 1, 2, 4, 8 and 16 sandboxes in parallel.
 
 Scores ``--samples`` responses of the generated function task (``prepare-data code``: five assert tests
-each; right and wrong programs alternating) with ``reward_model.code.max_concurrent`` 1, 2 and 8, side by
+each; right and wrong programs alternating) with ``reward_model.code.max_concurrent`` 1 to 16, side by
 side, after a warm-up, next to an empty sandbox (``print(1)``). Prints the wall seconds per sample (the
 batch's wall time over its samples: what a training step waits for), the mean sandbox seconds per sample
 (each sandbox's own wall time), the CPU seconds the sandboxes used per sample, and the seconds 256 samples
@@ -85,7 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 8])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--out", type=Path, default=Path("bench/results/code_reward.json"))
     args = parser.parse_args()
     items = task_items(args.samples)
