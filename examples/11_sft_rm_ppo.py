@@ -10,7 +10,8 @@ The command-line equivalent: ``hybridflow sft ...``, ``hybridflow rm model.parti
 ``hybridflow train actor_rollout_ref.model.path=<SFT folder> reward_model.enable=true
 reward_model.model.path=<RM folder> ...``.
 
-    python examples/11_sft_rm_ppo.py [OUT_DIR] [--model tiny|default] [--rm-steps N] [--steps N] [--seed S]
+    python examples/11_sft_rm_ppo.py [OUT_DIR] [--model tiny|default] [--rm-steps N] [--rm-lr LR] [--steps N]
+        [--seed S]
 """
 
 import argparse
@@ -57,7 +58,14 @@ def offline(cls: type, out: Path, model: str | Path, steps: int, *overrides: str
     return run_dir / f"global_step_{steps}" / folder / "huggingface", rows(run_dir)
 
 
-def main(out_dir: Path, model: str = "tiny", rm_steps: int = 4, steps: int = 2, seed: int = 0) -> dict:
+def main(
+    out_dir: Path,
+    model: str = "tiny",
+    rm_steps: int = 4,
+    steps: int = 2,
+    seed: int = 0,
+    rm_lr: float | None = None,
+) -> dict:
     out, tiny = Path(out_dir), model == "tiny"
     sizes = (
         ["--train-size", "32", "--test-size", "8"] if tiny else ["--train-size", "512", "--test-size", "64"]
@@ -71,8 +79,10 @@ def main(out_dir: Path, model: str = "tiny", rm_steps: int = 4, steps: int = 2, 
     start = out / "model" if tiny else "default"
     lr = ["optim.lr=2e-3"] if tiny else ["optim.lr=1e-5"]
     sft_model, sft_rows = offline(SFTConfig, out, start, 4, *lr, "data.train_batch_size=8")
-    rm_lr = ["optim.lr=1e-3"] if tiny else ["optim.lr=1e-5"]
-    rm_model, rm_rows = offline(RMConfig, out, sft_model, rm_steps, *rm_lr, "data.train_batch_size=8")
+    rm_lr = rm_lr or (1e-3 if tiny else 1e-5)
+    rm_model, rm_rows = offline(
+        RMConfig, out, sft_model, rm_steps, f"optim.lr={rm_lr}", "data.train_batch_size=8"
+    )
     grpo = tiny_config(
         out,
         f"data.train_files={out / 'rl' / 'train.parquet'}",
@@ -122,6 +132,9 @@ if __name__ == "__main__":
     parser.add_argument("out_dir", nargs="?", default=None)
     parser.add_argument("--model", default="tiny", choices=["tiny", "default"])
     parser.add_argument("--rm-steps", type=int, default=4)
+    parser.add_argument(
+        "--rm-lr", type=float, default=None, help="the reward model's lr (tiny 1e-3, default 1e-5)"
+    )
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -131,5 +144,5 @@ if __name__ == "__main__":
 
     torch.set_num_threads(1 if args.model == "tiny" else 2)
     out = Path(args.out_dir or tempfile.mkdtemp(prefix="hybridflow-example-"))
-    main(out, args.model, args.rm_steps, args.steps, args.seed)
+    main(out, args.model, args.rm_steps, args.steps, args.seed, args.rm_lr)
     print(f"run folder: {out / 'run'}", file=sys.stderr)
