@@ -19,13 +19,8 @@ TIERS: list[tuple[str, ...]] = [
     ("algorithms",),
     ("dataflow",),  # generic driver pieces; the config checks ask the replay sampler about its settings
     ("config",),  # the typed sections the workers and trainers read
-    (
-        "single_controller",
-        "rewards",
-        "tools",
-        "runs",
-        "rollout",
-    ),  # rollout: the engine contract, its registry
+    ("single_controller", "tools", "runs", "rollout"),  # rollout: the engine contract, its registry
+    ("rewards",),  # the code scorer runs programs in the python tool's sandbox
     ("data",),  # the offline task data judges the model's own samples with the rule scorers
     ("serving",),  # the OpenAI-compatible endpoint over any rollout, the served rollout (a rollout mode)
     ("workers",),  # build the served rollout over their engine, as the agent loop
@@ -148,13 +143,13 @@ def test_a_wrong_way_import_is_caught(tmp_path):
         "protocol.py": "from hybridflow.trainer import PPOTrainer\n",
         "workers/x.py": "def f():\n    import hybridflow.data.dataset\n",
         "trainer/ok.py": "from hybridflow.workers import CriticWorker\nfrom hybridflow import data\n",
-        "rewards/y.py": "from hybridflow import tools\n",
+        "runs/y.py": "from hybridflow import tools\n",
     }.items():
         (tmp_path / module).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / module).write_text(text)
     assert layering_violations(tmp_path) == [
-        "protocol.py:1 imports hybridflow.trainer (tier 8) from tier 0 (protocol)",
-        "rewards/y.py:1 imports hybridflow.tools (tier 4) from tier 4 (rewards)",
+        "protocol.py:1 imports hybridflow.trainer (tier 9) from tier 0 (protocol)",
+        "runs/y.py:1 imports hybridflow.tools (tier 4) from tier 4 (runs)",
     ]
 
 

@@ -1,4 +1,4 @@
-"""The ``hybridflow`` command: ``train``, ``sft``, ``dpo``, ``kto``, ``config``, ``prepare-data``,
+"""The ``hybridflow`` command: ``train``, ``sft``, ``dpo``, ``kto``, ``rm``, ``config``, ``prepare-data``,
 ``make-tiny-model``, ``generate``, ``serve``, ``report``, ``doctor``.
 
 Every command prints an input error (``UserError``) as one ``hybridflow <cmd>: error: ...`` line with exit
@@ -85,6 +85,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "sft": (_offline("sft"), "supervised fine-tuning: hybridflow sft data.train_files=... key=value ..."),
     "dpo": (_offline("dpo"), "preference optimisation (DPO/IPO/hinge): hybridflow dpo data.train_files=..."),
     "kto": (_offline("kto"), "KTO on good/bad completions: hybridflow kto data.train_files=..."),
+    "rm": (_offline("rm"), "train a reward model on preference pairs: hybridflow rm data.train_files=..."),
     "prepare-data": (
         _prepare_data,
         "write train/test parquet for a task: hybridflow prepare-data TASK OUT_DIR",

@@ -214,6 +214,13 @@ def timeline_spans(run: Run, last: int = TIMELINE_STEPS) -> list[dict[str, Any]]
     ]
 
 
+def _score_cell(sample: dict[str, Any]) -> Any:
+    """A sample's score, with the judge's raw verdict when a judge scored it."""
+    if "verdict" not in sample:
+        return sample.get("score")
+    return f"{sample.get('score')} (judge: {sample['verdict']})"
+
+
 def generation_pairs(run: Run) -> tuple[int, int, list[dict[str, Any]]] | None:
     """The validation samples of the first and the last validation that logged some, side by side by
     sample index: ``(first step, last step, [{"prompt", "before", "before_score", "after", ...}])``."""
@@ -231,9 +238,9 @@ def generation_pairs(run: Run) -> tuple[int, int, list[dict[str, Any]]] | None:
                 "prompt": before.get("prompt"),
                 "images": before.get("images", []),
                 "before": before.get("response"),
-                "before_score": before.get("score"),
+                "before_score": _score_cell(before),
                 "after": after.get("response"),
-                "after_score": after.get("score"),
+                "after_score": _score_cell(after),
             }
         )
     return first, last, rows

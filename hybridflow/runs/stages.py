@@ -33,6 +33,12 @@ STAGES: tuple[Stage, ...] = (
     Stage("adv", "driver", "the KL penalty and the advantages"),
     Stage("update_critic", "critic", "the critic's update"),
     Stage("update_actor", "actor_rollout", "the policy update", "upd"),
+    Stage(
+        "update_rm",
+        "actor_rollout",
+        "a reward model's update (hybridflow rm trains it in the actor's group)",
+        "upd",
+    ),
     Stage("replay_priorities", "actor_rollout", "the replay buffer's new priorities"),
     Stage("sync_weights", "rollout", "the actor's weights sent to a rollout worker of its own"),
     Stage("validate", "actor_rollout", "validation on the held-out prompts"),

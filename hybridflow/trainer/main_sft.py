@@ -1,7 +1,7 @@
 """``python -m hybridflow.trainer.main_sft key=value ...``: supervised fine-tuning (``hybridflow sft``).
 
 The packaged ``sft_trainer.yaml`` (verl's SFT key names), a ``--config FILE.yaml`` merged over it, then
-dotted overrides. ``main_dpo`` and ``main_kto`` are the same command for the other offline trainers. As for
+dotted overrides. ``main_dpo``, ``main_kto`` and ``main_rm`` are the same command for the other offline trainers. As for
 ``main_ppo``, a mistake in the input (a config key, a missing or malformed data file, a model path) exits with
 status 2 and one line naming the culprit (``run_cli``); ``--debug`` (or ``HYBRIDFLOW_DEBUG=1``) shows the
 traceback.
@@ -19,7 +19,7 @@ from hybridflow.utils.errors import run_cli
 
 
 def run(kind: str, argv: list[str] | None = None) -> int:
-    """``python -m hybridflow.trainer.main_<kind>`` (sft | dpo | kto): ``offline_command`` through ``run_cli``."""
+    """``python -m hybridflow.trainer.main_<kind>`` (sft | dpo | kto | rm): ``offline_command`` through ``run_cli``."""
     return run_cli(
         f"hybridflow {kind}", lambda args: offline_command(kind, args), sys.argv[1:] if argv is None else argv
     )

@@ -103,13 +103,15 @@ def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]
 def compute_throughput_metrics(
     batch: DataProto, timings: dict[str, float], n_workers: int
 ) -> dict[str, float]:
-    """Tokens processed (prompt + response) per second per worker, and seconds per step."""
+    """Tokens processed (prompt + response) per second per worker, seconds per step, and the share of the
+    step spent scoring (``perf/reward_share``: a sandbox or a judge can dominate a step)."""
     total_tokens = int(batch.batch["attention_mask"].sum())
     step_time = timings["step"]
     return {
         "perf/total_num_tokens": total_tokens,
         "perf/time_per_step": step_time,
         "perf/throughput": total_tokens / step_time / max(n_workers, 1),
+        "perf/reward_share": timings.get("reward", 0.0) / step_time,
     }
 
 

@@ -88,11 +88,19 @@ def wrap_model(
     return shard_module(module, fsdp_config, device, weights) if strategy == "fsdp2" else module
 
 
-def apply_lora(module: nn.Module, rank: int, alpha: int, target_modules: list[str] | str) -> nn.Module:
+def apply_lora(
+    module: nn.Module,
+    rank: int,
+    alpha: int,
+    target_modules: list[str] | str,
+    task_type: str | None = "CAUSAL_LM",
+) -> nn.Module:
     """``module`` wrapped in a ``peft`` LoRA model (base weights frozen); ``rank`` 0 returns it unchanged.
 
     ``target_modules``: ``["all-linear"]`` (every linear layer but the output layer; of a vision-language
-    model, every linear layer of its language model) or module names."""
+    model, every linear layer of its language model) or module names. ``task_type`` None: a plain
+    ``PeftModel`` (a reward model: peft's sequence-classification wrapper would rename its head, which the
+    saved Hugging Face folder must keep as it is)."""
     if rank <= 0:
         return module
     from peft import LoraConfig, get_peft_model
@@ -109,7 +117,7 @@ def apply_lora(module: nn.Module, rank: int, alpha: int, target_modules: list[st
             target_modules=targets,
             lora_dropout=0.0,
             bias="none",
-            task_type="CAUSAL_LM",
+            task_type=task_type,
         ),
     )
 

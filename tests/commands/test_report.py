@@ -183,6 +183,7 @@ def test_one_vocabulary_of_stages_for_the_timers_the_timeline_and_the_report():
     assert CONSOLE_TIMINGS == (
         ("gen", "timing_s/gen"),
         ("upd", "timing_s/update_actor"),
+        ("upd", "timing_s/update_rm"),
         ("step", "timing_s/step"),
     )
 

@@ -20,6 +20,7 @@ EXPECTED_METRICS = [
     "response_length/clip_ratio",
     "perf/throughput",
     "perf/time_per_step",
+    "perf/reward_share",
     "perf/total_num_tokens",
     "rollout/logprob_diff",
 ]

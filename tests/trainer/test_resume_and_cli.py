@@ -26,7 +26,7 @@ from hybridflow.trainer.loop import HookError
 
 SUBPROCESS_ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
 BIN = Path(sys.executable).parent  # the venv's bin folder, holding the `hybridflow` console script
-NOT_DETERMINISTIC = ("timing_s/", "perf/time_per_step", "perf/throughput")  # wall-clock measurements
+NOT_DETERMINISTIC = ("timing_s/", "perf/time_per_step", "perf/throughput", "perf/reward_share")  # wall clock
 ESTIMATORS = {
     "grpo": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=true"],
     # A critic, two PPO epochs and an adaptive KL coefficient: more state that a resume must bring back.
