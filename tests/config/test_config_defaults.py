@@ -29,7 +29,11 @@ NOT_CONFIG_VALUES = {
     ("models/tiny.py", "make_tiny_vlm", "seed"): "the tiny vision-language model's init seed",
     ("models/tiny.py", "teach_conversations", "seed"): "the tiny test model's teaching seed",
     ("models/tiny.py", "teach_conversations", "lr"): "the tiny test model's teaching rate",
-    ("rewards/gsm8k.py", "compute_score", "score"): "verl's gsm8k signature: the full-marks value, not reward_model.code.score",
+    (
+        "rewards/gsm8k.py",
+        "compute_score",
+        "score",
+    ): "verl's gsm8k signature: the full-marks value, not reward_model.code.score",
     # GSPO's own settings (the paper's) for direct calls; the actor always passes the config's
     ("algorithms/losses.py", "compute_policy_loss_gspo", "loss_agg_mode"): "GSPO's sequence-level mean",
 }
