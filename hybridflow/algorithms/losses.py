@@ -21,14 +21,31 @@ from hybridflow.algorithms.utils import masked_mean
 PolicyLossFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 _POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+# loss name -> the ``actor.policy_loss`` keys the actor passes it as keywords beyond the common ones
+_POLICY_LOSS_OPTIONS: dict[str, tuple[str, ...]] = {}
 
 # Log-ratios beyond this are numerically meaningless and would overflow exp().
 _MAX_LOG_RATIO = 20.0
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator registering a policy loss under ``name``; it must accept the module's common keywords."""
-    return _POLICY_LOSSES.register(name)
+def register_policy_loss(name: str, options: tuple[str, ...] = ()) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator registering a policy loss under ``name``; it must accept the module's common keywords, plus
+    ``options``: names of ``actor_rollout_ref.actor.policy_loss`` keys the actor passes it by keyword (e.g.
+    Clip-Cov's ``clip_cov_ratio``)."""
+    register = _POLICY_LOSSES.register(name)
+
+    def decorator(fn: PolicyLossFn) -> PolicyLossFn:
+        fn = register(fn)  # refuses another function under a taken name before the options change
+        _POLICY_LOSS_OPTIONS[name] = tuple(options)
+        return fn
+
+    return decorator
+
+
+def policy_loss_options(name: str) -> tuple[str, ...]:
+    """The ``actor.policy_loss`` keys the loss registered as ``name`` takes beyond the common keywords."""
+    get_policy_loss_fn(name)
+    return _POLICY_LOSS_OPTIONS.get(name, ())
 
 
 def get_policy_loss_fn(name: str) -> PolicyLossFn:
@@ -201,20 +218,34 @@ def compute_sft_loss(
 
 
 def truncated_importance_weights(
-    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, cap: float
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    cap: float,
+    level: str = "token",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Truncated importance sampling (TIS) between the rollout engine and the trainer, all ``(bs, T)``.
 
     The rollout engine samples from its own numerics (another kernel, stale weights), so the samples come
-    from ``pi_rollout``, not the ``pi_old`` the loss assumes. Weighting each token by
-    ``min(pi_old / pi_rollout, cap)`` corrects for it; the cap bounds the variance that rare tokens would
-    bring. Returns ``(weights (bs, T), clipfrac)``: detached weights (1 off the mask) and the share of
-    response tokens whose ratio was capped. Multiplying the advantages by the weights scales each
+    from ``pi_rollout``, not the ``pi_old`` the loss assumes. ``level`` ``token`` (Token-TIS) weights each token
+    by ``min(pi_old / pi_rollout, cap)``; ``sequence`` (Seq-TIS, verl's ``rollout_is: sequence``) weights every
+    token of a sample by ``min(prod_t pi_old / pi_rollout, cap)``, the ratio of the whole sample (unbiased for a
+    sequence-level reward, higher variance). The cap bounds the variance that rare tokens would bring. Returns
+    ``(weights (bs, T), clipfrac)``: detached weights (1 off the mask) and the share of response tokens (of
+    samples, for ``sequence``) whose ratio was capped. Multiplying the advantages by the weights scales each
     token's clipped-surrogate loss by the same factor (the weight is positive)."""
     if cap <= 0:
         raise ValueError(f"tis_imp_ratio_cap must be > 0 to apply TIS, got {cap}")
-    log_ratio = (old_log_prob - rollout_log_prob).detach().clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio = log_ratio.exp()
+    if level not in ("token", "sequence"):
+        raise ValueError(f"unknown TIS level {level!r}; known: ['sequence', 'token']")
     mask = response_mask.bool()
-    clipfrac = masked_mean((ratio > cap).float(), mask)
+    log_ratio = (old_log_prob - rollout_log_prob).detach()
+    if level == "sequence":
+        seq = (log_ratio * mask).sum(dim=-1).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+        has = mask.any(dim=-1)
+        clipfrac = masked_mean((seq > cap).float(), has)
+        ratio = seq[:, None].expand_as(log_ratio)
+    else:
+        ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+        clipfrac = masked_mean((ratio > cap).float(), mask)
     return torch.where(mask, ratio.clamp(max=cap), torch.ones_like(ratio)), clipfrac

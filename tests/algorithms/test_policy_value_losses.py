@@ -161,7 +161,9 @@ def test_gspo_token_gradient_uses_the_sequence_ratio():
 
 
 def test_policy_loss_registry():
-    with pytest.raises(ValueError, match=r"unknown policy loss 'ppo'; known: \['gspo', 'vanilla'.*\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown policy loss 'ppo'; known: \['clip_cov', 'gspo', 'kl_cov', 'vanilla'.*\]"
+    ):
         get_policy_loss_fn("ppo")
     register_policy_loss("vanilla")(compute_policy_loss)  # re-registering the same function is harmless
     with pytest.raises(ValueError, match="policy loss 'vanilla' is already registered"):
