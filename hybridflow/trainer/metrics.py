@@ -37,6 +37,7 @@ STAGE_GROUPS: dict[str, str] = {
     "update_actor": "actor_rollout",
     "replay_priorities": "actor_rollout",
     "ref": "ref",
+    "teacher": "teacher",
     "values": "critic",
     "update_critic": "critic",
     "reward": "driver",

@@ -8,6 +8,7 @@ sharded again after it). The reference policy is a second, frozen copy, loaded o
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,8 @@ from hybridflow.algorithms import (
     kl_penalty,
     masked_mean,
     off_policy_mask,
+    policy_loss_options,
+    reverse_kl,
     truncated_importance_weights,
 )
 from hybridflow.config import ActorRolloutRefConfig
@@ -333,7 +336,7 @@ class ActorRolloutRefWorker(Worker):
         # driver may skip the extra forward pass and let the ratio start at exactly 1.
         old = micro.batch["old_log_probs"] if "old_log_probs" in micro.batch.keys() else log_prob.detach()
         advantages, tis_metrics = self._off_policy_corrected(micro, old, log_prob.detach(), mask)
-        pg_loss, clipfrac, ppo_kl, clipfrac_lower = get_policy_loss_fn(actor.policy_loss.loss_mode)(
+        pg_loss, clipfrac, ppo_kl, clipfrac_lower = self._policy_loss_fn()(
             old_log_prob=old,
             log_prob=log_prob,
             advantages=advantages,
@@ -365,9 +368,37 @@ class ActorRolloutRefWorker(Worker):
             kl_loss = agg_loss(kl, mask, actor.loss_agg_mode)
             loss = loss + actor.kl_loss_coef * kl_loss
             metrics.update({"actor/kl_loss": kl_loss.item(), "actor/kl_coef": actor.kl_loss_coef})
+        if self.config.teacher.signal == "loss" and "teacher_log_prob" in micro.batch.keys():
+            distill_loss, distill_metrics = self._distillation_loss(micro, log_prob, mask)
+            loss = loss + self.config.teacher.kl_coef * distill_loss
+            metrics.update(distill_metrics)
         if "rollout_log_probs" in micro.batch.keys() and "old_log_probs" not in micro.batch.keys():
             metrics.update(logprob_diff_metrics(micro.batch["rollout_log_probs"], log_prob.detach(), mask))
         return loss, metrics
+
+    def _policy_loss_fn(self) -> Callable[..., tuple[torch.Tensor, ...]]:
+        """The configured policy loss with the keys of its own bound (Clip-Cov's, KL-Cov's)."""
+        losses = self.config.actor.policy_loss
+        settings = {
+            "clip_cov_ratio": losses.clip_cov_ratio,
+            "clip_cov_lb": losses.clip_cov_lb,
+            "clip_cov_ub": losses.clip_cov_ub,
+            "kl_cov_ratio": losses.kl_cov_ratio,
+            "ppo_kl_coef": losses.ppo_kl_coef,
+        }
+        options = {key: settings[key] for key in policy_loss_options(losses.loss_mode)}
+        return functools.partial(get_policy_loss_fn(losses.loss_mode), **options)
+
+    def _distillation_loss(
+        self, micro: DataProto, log_prob: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """On-policy distillation as a loss term: the KL estimate ``teacher.kl_loss_type`` between the policy
+        and the teacher's log-probs of the sampled tokens, aggregated as the policy loss is."""
+        teacher_log_prob = micro.batch["teacher_log_prob"]
+        kl = kl_penalty(log_prob, teacher_log_prob, self.config.teacher.kl_loss_type)
+        loss = agg_loss(kl, mask, self.config.actor.loss_agg_mode)
+        reverse = float(masked_mean(reverse_kl(log_prob, teacher_log_prob), mask))
+        return loss, {"actor/distill_loss": loss.item(), "distill/reverse_kl": reverse}
 
     def _off_policy_corrected(
         self, micro: DataProto, old: torch.Tensor, current: torch.Tensor, mask: torch.Tensor
@@ -382,7 +413,9 @@ class ActorRolloutRefWorker(Worker):
             return advantages, {}
         rollout, metrics = micro.batch["rollout_log_probs"], {}
         if actor.tis_imp_ratio_cap > 0:
-            weights, tis_clipfrac = truncated_importance_weights(old, rollout, mask, actor.tis_imp_ratio_cap)
+            weights, tis_clipfrac = truncated_importance_weights(
+                old, rollout, mask, actor.tis_imp_ratio_cap, actor.tis_level
+            )
             advantages = advantages * weights
             metrics["actor/tis_clipfrac"] = float(tis_clipfrac)
             metrics["actor/tis_weight_mean"] = float(masked_mean(weights, mask))
@@ -424,6 +457,7 @@ class ActorRolloutRefWorker(Worker):
                 "old_log_probs",
                 "ref_log_prob",
                 "rollout_log_probs",
+                "teacher_log_prob",
             )
             if k in data.batch.keys()
         ]
