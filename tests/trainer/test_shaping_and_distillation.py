@@ -220,3 +220,37 @@ def test_the_student_moves_towards_the_teacher(opd_task, reward_file, tmp_path, 
     kl = [row["distill/reverse_kl"] for row in rows]
     early, late = sum(kl[:5]) / 5, sum(kl[-5:]) / 5
     assert late < bound * early, f"the reverse KL went from {early:.2f} to {late:.2f}: {kl}"
+
+
+# ------------------------------------------------------------------------------- entropy control
+@pytest.mark.parametrize(
+    ("loss", "keys", "share"),
+    [
+        ("clip_cov", ["clip_cov_ratio=0.5", "clip_cov_lb=-1e9", "clip_cov_ub=1e9"], 0.5),
+        ("kl_cov", ["kl_cov_ratio=0.25", "ppo_kl_coef=1.0"], 0.25),
+    ],
+)
+def test_the_covariance_losses_act_on_the_configured_share_of_tokens(
+    data_dir, tiny_model_path, tmp_path, loss, keys, share
+):
+    """Clip-Cov and KL-Cov from the config: with bounds that admit every token, the share of tokens they
+    select is the configured ratio of the batch's response tokens (one micro-batch, rounded down)."""
+    reward = tmp_path / "digits.py"
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)\n"
+    )
+    policy = "actor_rollout_ref.actor.policy_loss"
+    metrics, (batch,) = fit(
+        config(
+            data_dir,
+            tiny_model_path,
+            reward,
+            tmp_path / "run",
+            f"{policy}.loss_mode={loss}",
+            *(f"{policy}.{key}" for key in keys),
+        ),
+        "on_step_end",
+    )
+    tokens = int(batch.batch["response_mask"].sum())
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(int(share * tokens) / tokens)
