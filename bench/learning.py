@@ -7,20 +7,21 @@ distillation, on two tasks, over seeds.
     .venv/bin/python bench/learning.py --model tiny --samples 64,128 --steps 2,4   # a smoke run, minutes
 
 Every run is the demo's GRPO (8 prompts x 4 samples a step, up to 16 new tokens, T 0.7, top-k 50, lr 1e-5) on
-SmolLM2-135M-Instruct (the arms of one task and seed one after the other in a process of their own), with one method on (the ``baseline`` arm: none) and
-``trainer.seed`` set to the seed (which also orders the data). Held-out greedy accuracy is measured on the
-task's 64 test problems when the run has generated each ``--samples`` count (the step at which it first reaches
-it) and at each ``--steps`` count: for every arm but dynamic sampling the two are the same points (32 samples a
-step); a dynamic-sampling step generates more samples, so its accuracy is given at the same number of samples
-(fewer steps) and at the same number of steps (more samples). A run ends at the last of both. The base model's
-accuracy is measured once per task. Training time counts the steps only (``timing_s/step``), not validation.
+SmolLM2-135M-Instruct with one method on (the ``baseline`` arm: none) and ``trainer.seed`` set to the seed
+(which also orders the data); the arms of one task and seed run one after the other in a process of their
+own. Held-out greedy accuracy is measured on the task's 64 test problems when the run has generated each
+``--samples`` count (at the step that first reaches it) and at each ``--steps`` count: for every arm but
+dynamic sampling these are the same points (32 samples a step); a dynamic-sampling step generates more
+samples, so its accuracy is given at the same number of samples (fewer steps) and at the same number of steps
+(more samples). A run ends at the last of both. The base model's accuracy is measured once per task.
+Training time counts the steps only (``timing_s/step``), not validation.
 
-The tasks: the demo's two-digit addition (``arithmetic``) and ``countdown`` with two numbers up to 25 and
-targets up to 50 (512 training problems) (reach the target with + - * /, the equation in ``<answer>`` tags; 48 new tokens), scored by
-the built-in rules, with ``acc`` the share of exactly right answers. On-policy distillation (``opd``,
-arithmetic only) distils a teacher made by 8 steps of SFT on the task's demonstrations (``hybridflow sft``,
-measured on the same held-out problems) into the base model: the teacher's per-token reverse KL is a reward
-beside the task's (``actor_rollout_ref.teacher``, defaults).
+The tasks: the demo's two-digit addition (``arithmetic``) and ``countdown`` (reach the target from two numbers
+up to 25 with + - * /, targets up to 50, the equation in ``<answer>`` tags; 512 training problems, 48 new
+tokens), scored by the built-in rules, ``acc`` the share of exactly right answers. On-policy distillation
+(``opd``, arithmetic only) distils a teacher made by 8 steps of SFT on the task's demonstrations
+(``hybridflow sft``; its held-out accuracy is measured too) into the base model: the teacher's per-token
+reverse KL is a reward beside the task's (``actor_rollout_ref.teacher`` at its defaults).
 
 Prints a table (mean and min-max over the seeds) and writes JSON (``--out``). Run it alone, under the heavy
 lock on a shared machine: other jobs on the same cores slow the runs unevenly.
@@ -207,6 +208,7 @@ def make_teacher(work: Path, model: str, steps: int) -> str:
 def prepare(work: Path, tasks: list[str], seed: int = 0) -> None:
     from hybridflow.data.prepare import main as prepare_data
 
+    work.mkdir(parents=True, exist_ok=True)
     (work / "reward.py").write_text(REWARD)
     for task in tasks:
         folder = work / "data" / task
