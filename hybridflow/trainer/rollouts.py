@@ -15,6 +15,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.rollout import tag_weight_versions
 from hybridflow.single_controller import WorkerGroup
 from hybridflow.trainer.async_rollout import AsyncRollouts, PromptStream
+from hybridflow.trainer.dynamic_sampling import GroupFilter
 
 
 class Rollouts(Protocol):
@@ -39,17 +40,25 @@ class Rollouts(Protocol):
 
 
 class SyncRollouts:
-    """Lock-step: the trainer generates each batch when it needs it, with its current weights."""
+    """Lock-step: the trainer generates each batch when it needs it, with its current weights; ``refill``
+    (dynamic sampling) scores it and refills it with more of the step's prompts."""
 
-    def __init__(self, generator: WorkerGroup, split: bool) -> None:
-        self.generator, self.split = generator, split
+    def __init__(
+        self, generator: WorkerGroup, split: bool, n: int, refill: GroupFilter | None = None
+    ) -> None:
+        self.generator, self.split, self.n, self.refill = generator, split, n, refill
 
     def start(self, stream: PromptStream, version: int, end: int) -> None:
         self.stream = stream
 
     def take(self, index: int, prompts: DataProto, metrics: dict[str, float], timings: Any) -> DataProto:
-        prompts.meta_info["global_step"] = index
-        return tag_weight_versions(self.generator.generate_sequences(prompts), index)
+        def generate(part: DataProto) -> DataProto:
+            part.meta_info.update(global_step=index, n=self.n)
+            return tag_weight_versions(self.generator.generate_sequences(part), index)
+
+        if self.refill is None:
+            return generate(prompts)
+        return self.refill.fill(prompts, generate, lambda: self.stream.more(index))
 
     def generate_now(self, prompts: DataProto, version: int) -> DataProto:
         """A generation outside training (validation) with the trainer's current weights."""
@@ -65,12 +74,14 @@ class SyncRollouts:
         pass
 
 
-def build_rollouts(config: Any, generator: WorkerGroup, split: bool) -> Rollouts:
+def build_rollouts(
+    config: Any, generator: WorkerGroup, split: bool, refill: GroupFilter | None = None
+) -> Rollouts:
     """The source of ``async_training.mode``: ``split`` says whether ``generator`` is a rollout worker of its
-    own (which a sync run sends the weights after each update)."""
+    own (which a sync run sends the weights after each update); ``refill``: dynamic sampling, or None."""
     run, n = config.async_training, config.actor_rollout_ref.rollout.n
     if run.mode == "sync":
-        return SyncRollouts(generator, split)
+        return SyncRollouts(generator, split, n, refill)
     if run.mode == "one_step_off":
-        return AsyncRollouts(generator, n, 1, exact=True)
-    return AsyncRollouts(generator, n, run.max_staleness, exact=not run.partial_rollout)
+        return AsyncRollouts(generator, n, 1, exact=True, refill=refill)
+    return AsyncRollouts(generator, n, run.max_staleness, exact=not run.partial_rollout, refill=refill)
