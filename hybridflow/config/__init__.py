@@ -2,90 +2,34 @@
 
 ``from hybridflow.config import PPOConfig, load_config, ConfigError, ActorConfig, ...``: every section class
 of the PPO schema is exported. The room holds, in import order: ``checks`` (the errors, value and
-cross-field checks, the verl keys accepted with a warning), ``loader`` (YAML, ``a.b=c`` overrides and typing,
-generic: it takes the schema as an argument), ``sections`` (what every trainer shares: run, optimiser, model
-loading, LoRA, FSDP, data files), ``schema`` (PPO/GRPO), ``offline`` (SFT, DPO, KTO), ``docs`` (the ``#:`` docs,
-``hybridflow config``, the shipped YAML in ``yaml/``, generated from the schemas).
+cross-field checks, the verl keys accepted with a warning), ``key_pairs`` (keys that have no effect without
+another one), ``loader`` (YAML, ``a.b=c`` overrides and typing, keys that moved; generic: it takes the schema
+as an argument), ``sections`` (what every trainer shares: run, optimiser, model loading, LoRA, FSDP, data
+files), ``schema`` (PPO/GRPO), ``offline`` (SFT, DPO, KTO), ``docs`` (the ``#:`` docs, ``hybridflow config``,
+the shipped YAML in ``yaml/``, generated from the schemas).
 
 May import: ``utils``, ``protocol``, ``models``, ``algorithms``. The workers and trainers read these typed
 sections, so configuration sits below them.
 """
 
 from hybridflow.config.schema import (
-    ActorConfig,
-    ActorRolloutRefConfig,
-    AlgorithmConfig,
-    AsyncTrainingConfig,
-    CheckpointContentsConfig,
+    SECTION_CLASSES,
     ConfigError,
-    CriticConfig,
-    CriticModelConfig,
-    CustomRewardFunctionConfig,
-    DataConfig,
+    DeprecatedKeyWarning,
     IgnoredKeyWarning,
-    KLControlConfig,
-    ModelConfig,
-    MultiTurnConfig,
-    PolicyLossConfig,
-    PolicyModelConfig,
     PPOConfig,
-    RefConfig,
-    ReplayBufferConfig,
-    ReplayScheduleEntry,
-    RewardModelConfig,
-    RewardModelPathConfig,
-    RolloutConfig,
-    SamplingConfig,
-    ServedAgentConfig,
-    SFTMixConfig,
-    TwoStageRewardConfig,
+    UnusedKeyWarning,
     load_config,
 )
-from hybridflow.config.sections import (
-    DataFilesConfig,
-    FSDPConfig,
-    LoRAConfig,
-    ModelLoadingConfig,
-    OptimConfig,
-    TrainerConfig,
-    VisionTrainingConfig,
-)
 
-# every section class of the schema by name (tests/config/test_exports.py checks none is missing)
+globals().update(SECTION_CLASSES)  # DataConfig, ActorConfig, ... (found in the schema, not listed twice)
+
 __all__ = [
-    "ActorConfig",
-    "ActorRolloutRefConfig",
-    "AlgorithmConfig",
-    "AsyncTrainingConfig",
-    "CheckpointContentsConfig",
     "ConfigError",
-    "CriticConfig",
-    "CriticModelConfig",
-    "CustomRewardFunctionConfig",
-    "DataConfig",
-    "DataFilesConfig",
-    "FSDPConfig",
+    "DeprecatedKeyWarning",
     "IgnoredKeyWarning",
-    "KLControlConfig",
-    "LoRAConfig",
-    "ModelConfig",
-    "ModelLoadingConfig",
-    "MultiTurnConfig",
-    "OptimConfig",
     "PPOConfig",
-    "PolicyLossConfig",
-    "PolicyModelConfig",
-    "RefConfig",
-    "ReplayBufferConfig",
-    "ReplayScheduleEntry",
-    "RewardModelConfig",
-    "RewardModelPathConfig",
-    "RolloutConfig",
-    "SFTMixConfig",
-    "SamplingConfig",
-    "ServedAgentConfig",
-    "TrainerConfig",
-    "TwoStageRewardConfig",
-    "VisionTrainingConfig",
+    "UnusedKeyWarning",
     "load_config",
+    *sorted(SECTION_CLASSES),
 ]

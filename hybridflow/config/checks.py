@@ -1,5 +1,5 @@
 """Checks of the trainer config: value ranges, batch-size arithmetic, names, cross-field rules, and the
-table of verl keys that have no effect here.
+table of verl keys that have no effect here (the keys that have no effect without another one: ``key_pairs``).
 
 They read a resolved ``PPOConfig`` by attribute only (``cfg.actor_rollout_ref.actor.optim.lr``), so this
 module comes before the schema (``schema.py``) and imports none of it; ``PPOConfig.validate`` runs them.
@@ -24,6 +24,12 @@ class ConfigError(UserError, ValueError):
 
 class IgnoredKeyWarning(UserWarning):
     """A verl key with no effect on this backend was set: dropped, or (a schema key) kept but unused."""
+
+
+class DeprecatedKeyWarning(FutureWarning):
+    """A key that moved was set by its old name, which works for one release (the message names the new one).
+    A ``FutureWarning``, Python's deprecation warning for end users: shown by default, unlike a
+    ``DeprecationWarning``, which would hide it from a command line."""
 
 
 # ------------------------------------------------------------------------------- verl keys ignored here
@@ -106,6 +112,7 @@ IGNORED_KEYS: tuple[IgnoredKey, ...] = (
         "reward_model.launch_reward_fn_async", "rewards are computed in the step, not in the background"
     ),
     IgnoredKey("trainer.balance_batch", "batches are not reordered by token count"),
+    IgnoredKey("reward_model.overlong_buffer.log", "the penalty is always logged (reward/overlong_*)"),
     # schema keys whose alternatives hybridflow does not have (yet): they warn when set away from the default
     IgnoredKey("actor_rollout_ref.hybrid_engine", "the rollout always shares the actor's module here"),
 )
@@ -165,6 +172,7 @@ def path_fields(cfg: Any) -> list[tuple[Any, str]]:
         (cfg.trainer, "resume_from_path"),
         (cfg.actor_rollout_ref.rollout.multi_turn, "tool_config_path"),
         (cfg.actor_rollout_ref.rollout.served_agent, "path"),
+        (cfg.actor_rollout_ref.teacher, "path"),
     ]
 
 
@@ -238,6 +246,13 @@ _RANGES: dict[str, Range] = {
         )
     },
     "actor_rollout_ref.model.lora_rank": _NON_NEGATIVE,
+    **{f"reward_model.code.{k}": _POSITIVE for k in ("max_concurrent", "memory_limit_mb")},
+    **{f"reward_model.code.{k}": _GREATER_THAN_0 for k in ("sample_timeout_s", "test_timeout_s")},
+    **{
+        f"reward_model.judge.{k}": _POSITIVE
+        for k in ("max_tokens", "micro_batch_size_per_gpu", "max_concurrent")
+    },
+    "reward_model.judge.request_timeout_s": _GREATER_THAN_0,
     "actor_rollout_ref.model.lora_alpha": _GREATER_THAN_0,
     **{
         f"{r}.fsdp_config.fsdp_size": (lambda v: v == -1 or v >= 1, "-1 (all ranks) or >= 1")
@@ -275,6 +290,13 @@ _RANGES: dict[str, Range] = {
     **{f"trainer.{k}": _NON_NEGATIVE for k in ("log_val_generations", "n_gpus_per_node", "critic_warmup")},
     "trainer.cpus_per_worker": _GREATER_THAN_0,
     "async_training.max_staleness": _NON_NEGATIVE,
+    "data.gen_batch_size": _POSITIVE,
+    "algorithm.filter_groups.max_num_gen_batches": _NON_NEGATIVE,
+    "reward_model.overlong_buffer.penalty_factor": _NON_NEGATIVE,
+    **{f"{_ACTOR}.policy_loss.{k}": _GREATER_THAN_0 for k in ("clip_cov_ratio", "kl_cov_ratio")},
+    f"{_ACTOR}.policy_loss.ppo_kl_coef": _NON_NEGATIVE,
+    "actor_rollout_ref.teacher.kl_coef": _NON_NEGATIVE,
+    "actor_rollout_ref.teacher.task_reward_coef": _NON_NEGATIVE,
     "trainer.save_freq": _FREQUENCY,
     "trainer.test_freq": _FREQUENCY,
 }
@@ -372,8 +394,38 @@ def check_cross_fields(cfg: Any) -> None:
             "algorithm.adv_estimator 'gae' needs a value model, but critic.enable is false",
         ),
         (
-            rm.enable and not rm.dummy and not rm.model.path,
-            "reward_model.enable=true needs reward_model.model.path (or reward_model.dummy=true)",
+            rm.enable
+            and not rm.dummy
+            and not rm.model.path
+            and not (rm.style == "generative" and rm.judge.base_url),
+            "reward_model.enable=true needs reward_model.model.path (or reward_model.dummy=true; a generative "
+            "judge: reward_model.judge.base_url)",
+        ),
+        (
+            rm.judge.base_url is not None and rm.style != "generative",
+            "reward_model.judge.base_url is set but reward_model.style is 'discriminative': the judge only "
+            "scores with reward_model.style=generative",
+        ),
+        (
+            rm.style == "generative" and "{response}" not in rm.judge.prompt_template,
+            "reward_model.judge.prompt_template must contain {response} (and may use {prompt}, {ground_truth})",
+        ),
+        (
+            len(rm.judge.score_range) != 2 or rm.judge.score_range[0] >= rm.judge.score_range[1],
+            f"reward_model.judge.score_range must be [low, high] with low < high, got {rm.judge.score_range}",
+        ),
+        (
+            not rm.judge.yes_words or not rm.judge.no_words,
+            "reward_model.judge.yes_words and no_words each need at least one word",
+        ),
+        (
+            rm.rule_weight != 0 and not rm.enable,
+            "reward_model.rule_weight adds the rule score to a reward model's: it needs reward_model.enable=true",
+        ),
+        (
+            rm.rule_weight != 0 and rm.two_stage.enable,
+            "reward_model.rule_weight (a weighted sum) and reward_model.two_stage (the rule ranks, the model "
+            "re-scores the best) are two ways to combine them: choose one",
         ),
         (
             rm.two_stage.enable and not rm.enable,
@@ -422,6 +474,7 @@ def check_cross_fields(cfg: Any) -> None:
             )
         ),
         *_async_problems(cfg),
+        *_sample_efficiency_problems(cfg),
     ]
     for failed, message in problems:
         if failed:
@@ -451,5 +504,42 @@ def _async_problems(cfg: Any) -> list[tuple[bool, str]]:
             partial and (rollout.multi_turn.enable or rollout.served_agent.path is not None),
             "async_training.partial_rollout=true swaps weights between decoding steps, which the hf and vllm "
             "rollouts do but not the agent loop or a served agent: set async_training.partial_rollout=false",
+        ),
+    ]
+
+
+def _sample_efficiency_problems(cfg: Any) -> list[tuple[bool, str]]:
+    """Dynamic sampling, overlong shaping and on-policy distillation: the keys that need another key, and the
+    settings that would do nothing."""
+    data, alg, arr = cfg.data, cfg.algorithm, cfg.actor_rollout_ref
+    groups, buffer = alg.filter_groups, cfg.reward_model.overlong_buffer
+    single = arr.rollout.n == 1 and arr.rollout.served_agent.path is None
+    return [
+        (
+            groups.enable and single,
+            "algorithm.filter_groups.enable=true drops groups whose samples all score the same, but with "
+            f"{_ROLLOUT}.n=1 every group is one sample and is kept: set {_ROLLOUT}.n > 1",
+        ),
+        (
+            data.gen_batch_size is not None
+            and data.gen_batch_size != data.train_batch_size
+            and not groups.enable,
+            f"data.gen_batch_size={data.gen_batch_size} sets the prompts per generation batch of dynamic "
+            "sampling: it needs algorithm.filter_groups.enable=true (or leave it null)",
+        ),
+        (
+            groups.enable and groups.metric == "seq_final_reward" and alg.use_kl_in_reward,
+            "algorithm.filter_groups.metric=seq_final_reward: groups are filtered before the in-reward KL "
+            "penalty (algorithm.use_kl_in_reward) exists; use seq_reward",
+        ),
+        (
+            buffer.enable and not 0 < buffer.len <= data.max_response_length,
+            f"reward_model.overlong_buffer.len must be in (0, data.max_response_length={data.max_response_length}] "
+            f"when reward_model.overlong_buffer.enable=true, got {buffer.len}",
+        ),
+        (
+            arr.teacher.path is not None and arr.teacher.kl_coef == 0,
+            "actor_rollout_ref.teacher.kl_coef=0 gives the teacher's signal no weight: raise it, or unset "
+            "actor_rollout_ref.teacher.path",
         ),
     ]

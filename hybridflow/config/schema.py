@@ -5,15 +5,17 @@ mistake (an unknown key, a wrong type, batch sizes that do not divide) fails at 
 that names the key, instead of deep inside a training step.
 
 One definition per key: its type, its default and its one-line doc (the ``#:`` comment beside or above the
-field) live here and nowhere else. The shipped ``config/ppo_trainer.yaml`` is generated from them
-(``hybridflow config yaml --write``; a test fails when it is stale), ``hybridflow config keys`` lists them,
-and the workers read these typed fields without defaults of their own.
+field) live here and nowhere else (the sections every trainer shares: ``sections.py``). The shipped
+``config/yaml/ppo_trainer.yaml`` is generated from them (``hybridflow config yaml --write``, ``docs.py``; a test
+fails when it is stale), ``hybridflow config keys`` lists them, and the workers read these typed fields
+without defaults of their own.
 
-The machinery (YAML files, ``a.b=c`` overrides, typing a nested dict, unknown-key suggestions) is in
-``config_loader.py``; the consistency checks and the table of verl keys accepted with a warning are in
-``config_checks.py``. Three ways in, one mechanism: ``load_config(overrides, config_path)`` for the
-command line, ``PPOConfig.from_dict`` for Python dicts, and the constructor, which takes the nested
-sections or the flat convenience form ``PPOConfig(train_files=[...], adv_estimator="grpo", n=4)``.
+The machinery (YAML files, ``a.b=c`` overrides, typing a nested dict, unknown-key suggestions, keys that moved)
+is in ``loader.py``; the consistency checks and the table of verl keys accepted with a warning are in
+``checks.py``, the table of keys that have no effect without another one in ``key_pairs.py``. Three ways in,
+one mechanism: ``load_config(overrides, config_path)`` for the command line, ``PPOConfig.from_dict`` for Python
+dicts, and the constructor, which takes the nested sections or the flat convenience form
+``PPOConfig(train_files=[...], adv_estimator="grpo", n=4)``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from hybridflow.config.checks import (
     IGNORED_KEYS,
     VLLM_GPU_ONLY_KEYS,
     ConfigError,
+    DeprecatedKeyWarning,
     IgnoredKey,
     IgnoredKeyWarning,
     check_batch_sizes,
@@ -39,6 +42,7 @@ from hybridflow.config.checks import (
     path_fields,
     warn_ignored,
 )
+from hybridflow.config.key_pairs import UnusedKeyWarning, check_key_pairs
 from hybridflow.config.loader import Schema, apply_flat_keywords, known_keys, load
 from hybridflow.config.sections import (
     YAML_DIR,
@@ -58,9 +62,11 @@ __all__ = [
     "IGNORED_KEYS",
     "SECTION_CLASSES",
     "ConfigError",
+    "DeprecatedKeyWarning",
     "IgnoredKey",
     "IgnoredKeyWarning",
     "PPOConfig",
+    "UnusedKeyWarning",
     "load_config",
 ]
 
@@ -94,6 +100,8 @@ class DataConfig(DataFilesConfig):
     max_prompt_length: int = 512  #: longest prompt in tokens; longer ones are filtered or truncated
     max_response_length: int = 64  #: most tokens generated per response
     filter_overlong_prompts: bool = True  #: drop prompts longer than max_prompt_length when loading
+    #: with algorithm.filter_groups: prompts per generation batch (the loader's batch); null = train_batch_size
+    gen_batch_size: int | None = None
     #: optional supervised loss mixed into the policy update (hybridflow extension)
     sft: SFTMixConfig = field(default_factory=SFTMixConfig)
 
@@ -125,8 +133,15 @@ class CriticModelConfig(VisionTrainingConfig, ModelConfig):
 class PolicyLossConfig:
     """Which registered policy loss (``hybridflow.algorithms.get_policy_loss_fn``) the actor uses."""
 
-    #: registered policy loss: vanilla | gspo | gpg | geo_mean | cispo | your own (register_policy_loss)
+    #: registered policy loss: vanilla | gspo | gpg | geo_mean | cispo | clip_cov | kl_cov (entropy
+    #: control) | your own (register_policy_loss)
     loss_mode: str = "vanilla"
+    #: clip_cov: share of response tokens whose gradient is cut (drawn among covariance in (lb, ub))
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0  #: clip_cov: lower bound of the covariance of the tokens it may cut
+    clip_cov_ub: float = 5.0  #: clip_cov: upper bound of the covariance of the tokens it may cut
+    kl_cov_ratio: float = 2e-4  #: kl_cov: share of response tokens (largest covariance) given the KL penalty
+    ppo_kl_coef: float = 1.0  #: kl_cov: weight of |log pi - log pi_old| on those tokens
 
 
 @dataclass
@@ -159,12 +174,19 @@ class ActorConfig(VisionTrainingConfig):
     #: truncated importance sampling: weight each token by min(pi_trainer / pi_rollout, cap) to correct for
     #: the rollout engine's mismatch with the trainer (vLLM kernels, stale weights); <= 0 (-1) = off
     tis_imp_ratio_cap: float = -1.0
+    #: TIS weight per token (token: Token-TIS) or per sample (sequence: Seq-TIS, verl's rollout_is=sequence,
+    #: the product of the sample's token ratios, capped)
+    tis_level: Literal["token", "sequence"] = "token"
     #: drop tokens whose trainer/rollout probability ratio left off_policy_mask_bounds (their advantage is
-    #: zeroed): off | token | sequence (a sample's length-normalised ratio) | token_and_sequence
+    #: zeroed): off | token (IcePop; verl rollout_rs=token_k1) | sequence (a sample's length-normalised
+    #: ratio: Geo-RS, verl rollout_rs=seq_mean_k1) | token_and_sequence
     off_policy_mask: Literal["off", "token", "sequence", "token_and_sequence"] = "off"
     #: [low, high] bounds of that ratio (0 <= low <= 1 <= high)
     off_policy_mask_bounds: list[float] = field(default_factory=lambda: [0.5, 2.0])
     loss_agg_mode: LossAggMode = "token-mean"  #: how token losses become one number
+    #: DAPO's overlong filtering: samples cut at data.max_response_length (no EOS) are left out of the policy
+    #: loss (they still count in their group's baseline)
+    mask_truncated_samples: bool = False
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)  #: the policy-gradient loss
     entropy_coeff: float = 0.0  #: weight of the entropy bonus
     use_kl_loss: bool = False  #: add a KL-to-reference term to the loss (GRPO style)
@@ -212,10 +234,6 @@ class MultiTurnConfig:
     tool_config_path: str | None = None
     #: tool-call syntax: hermes = <tool_call>{"name", "arguments"}</tool_call>
     format: Literal["hermes"] = "hermes"
-    #: run the python tool with limits only where this machine can create no sandbox (no root, no
-    #: unprivileged user namespaces, no bubblewrap): the code then runs as your own user and can read your
-    #: files and kill your processes; false = refuse to start with a line saying how to enable a sandbox
-    unsafe_python_tool_without_isolation: bool = False
 
 
 @dataclass
@@ -282,6 +300,26 @@ class RolloutConfig(SamplingConfig):
 
 
 @dataclass
+class TeacherConfig:
+    """On-policy distillation (``hybridflow.algorithms.distillation``): a teacher model scores the tokens the
+    student sampled, and the per-token reverse KL KL(student || teacher) trains the student. The teacher is a
+    frozen worker like the reference (its micro-batches: actor_rollout_ref.ref's) and must have the student's
+    tokenizer (checked at start)."""
+
+    #: the teacher: any Hugging Face causal LM folder or hub id with the student's tokenizer; null = no teacher
+    path: str | None = None
+    trust_remote_code: bool = False  #: allow model code shipped with the teacher's checkpoint
+    #: reward = -kl_coef * (log pi_s - log pi_t) per token into the advantage estimator; loss = kl_coef * KL
+    #: (kl_loss_type) as a loss term beside the policy loss
+    signal: Literal["reward", "loss"] = "reward"
+    kl_coef: float = 1.0  #: weight of the reverse-KL signal
+    #: weight of the task reward beside it (0 = pure distillation; 1 = the task reward as it is)
+    task_reward_coef: float = 1.0
+    #: KL estimator of signal=loss (k2's gradient is the reverse KL's on-policy gradient)
+    kl_loss_type: KLEstimator = "k2"
+
+
+@dataclass
 class ActorRolloutRefConfig:
     """The policy model in its three roles: trained actor, generating rollout, frozen reference."""
 
@@ -291,6 +329,7 @@ class ActorRolloutRefConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)  #: the policy update
     ref: RefConfig = field(default_factory=RefConfig)  #: the frozen reference policy
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  #: generation
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)  #: on-policy distillation's teacher
 
 
 @dataclass
@@ -334,10 +373,73 @@ class TwoStageRewardConfig:
 
 
 @dataclass
+class CodeRewardConfig:
+    """Code scored by running it against its tests (data_source code, humaneval, mbpp, apps, taco...), one
+    sandbox per sample (the python tool's; hybridflow extension, verl's sandbox_fusion names where they fit)."""
+
+    #: sandboxes running at once; null = 4 per CPU core (a sandbox mostly waits on process start and teardown)
+    max_concurrent: int | None = None
+    memory_limit_mb: int = 1024  #: address-space limit of a sample's sandbox, in MB
+    sample_timeout_s: float = (
+        10.0  #: wall-clock limit of one sample, all its tests together (the rest then fail)
+    )
+    test_timeout_s: float = 3.0  #: wall-clock (and, rounded up, CPU) limit of one test
+    #: all_or_nothing = 1 only when every test passes; fraction = the share of tests passed
+    score: Literal["all_or_nothing", "fraction"] = "all_or_nothing"
+
+
+DEFAULT_JUDGE_TEMPLATE = (
+    "Grade the answer to the question. Question: {prompt} Reference answer: {ground_truth} Answer: {response} "
+    "How correct is the answer, from 0 (wrong) to 10 (fully correct)? Reply with the number only."
+)
+
+
+@dataclass
+class JudgeConfig:
+    """A judge model that scores responses (reward_model.style=generative): the causal LM at
+    reward_model.model.path in the reward model's worker, or an OpenAI-compatible endpoint (hybridflow extension)."""
+
+    #: an OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (hybridflow serve's default, on loopback);
+    #: null = the causal LM at reward_model.model.path, in the reward model's worker
+    base_url: str | None = None
+    model: str | None = None  #: the model name sent to the endpoint; null = the first its /models lists
+    api_key_env: str = "OPENAI_API_KEY"  #: environment variable with the endpoint's key (sent when set)
+    #: the judge's user message; {prompt} (the last user message), {response} and {ground_truth} are filled in
+    prompt_template: str = DEFAULT_JUDGE_TEMPLATE
+    #: number (the first number, on score_range) | verdict (yes_words 1, no_words 0) | yes_probability (of the
+    #: first yes word's token as the reply's first token)
+    parser: Literal["number", "verdict", "yes_probability"] = "number"
+    score_range: list[float] = field(default_factory=lambda: [0.0, 10.0])  #: number: [low, high] -> [0, 1]
+    yes_words: list[str] = field(default_factory=lambda: ["yes", "correct"])  #: verdict words that score 1
+    no_words: list[str] = field(
+        default_factory=lambda: ["no", "incorrect", "wrong"]
+    )  #: verdict words that score 0
+    max_tokens: int = 16  #: tokens the judge may write (yes_probability reads only the first)
+    micro_batch_size_per_gpu: int = 8  #: prompts per generation of the worker's judge
+    max_concurrent: int = 8  #: endpoint calls in flight at once
+    request_timeout_s: float = 60.0  #: seconds per endpoint call
+    failure_score: float = (
+        0.0  #: the score of a failed call or an unparsable verdict (counted in reward/judge/failures)
+    )
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping: a penalty growing linearly over the last ``len`` tokens of
+    data.max_response_length, from 0 to -penalty_factor (added to each sample's score)."""
+
+    enable: bool = False  #: add the penalty to the scores
+    len: int = 0  #: the buffer: tokens before data.max_response_length where the penalty starts
+    penalty_factor: float = 1.0  #: the penalty at data.max_response_length tokens
+
+
+@dataclass
 class RewardModelConfig:
     """A learned reward model (off by default: rule-based rewards come from the reward manager)."""
 
     enable: bool = False  #: score responses with a learned reward model
+    #: discriminative = a sequence classifier's scalar; generative = a judge model's parsed verdict (judge.*)
+    style: Literal["discriminative", "generative"] = "discriminative"
     model: RewardModelPathConfig = field(default_factory=RewardModelPathConfig)  #: the reward model
     micro_batch_size_per_gpu: int = 8  #: sequences per reward-model forward on one worker
     #: what the reward model reads: chat (the conversation in its tokenizer's chat template), plain (the prompt
@@ -348,6 +450,16 @@ class RewardModelConfig:
     dummy: bool = False
     #: cheap reward for all, reward model only for the best share (hybridflow extension)
     two_stage: TwoStageRewardConfig = field(default_factory=TwoStageRewardConfig)
+    #: how code rows are run and scored (the rule scorer of the code data sources)
+    code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  #: the judge of style generative
+    #: the reward is model_weight x the reward model's (or judge's) score + rule_weight x the rule scorer's
+    model_weight: float = 1.0
+    #: weight of the rule (or custom) scorer in that sum; 0 = the model's score alone (reward_model.two_stage
+    #: instead: the rule ranks, the model re-scores the best)
+    rule_weight: float = 0.0
+    #: DAPO's overlong reward shaping (applies to every scorer, not only a reward model)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass
@@ -369,6 +481,22 @@ class KLControlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (``hybridflow.trainer.dynamic_sampling``): groups whose samples all have the same
+    ``metric`` (all right, all wrong: zero advantage) are dropped and more prompts are generated until
+    data.train_batch_size groups are left (the surplus of the last generation batch is dropped)."""
+
+    enable: bool = False  #: filter zero-variance groups and refill the batch
+    #: what must vary within a group: seq_reward (the sample's summed score) | acc, score or any other key the
+    #: reward function returns in its dict | seq_final_reward (the same as seq_reward: the filter runs before
+    #: the in-reward KL penalty, so it is refused with algorithm.use_kl_in_reward)
+    metric: str = "seq_reward"
+    #: most generation batches per step; then the step trains on the groups it has (logged); 0 = no limit
+    #: (verl's default, which can loop forever on data the model always or never solves)
+    max_num_gen_batches: int = 10
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantage estimation and the KL penalty in the reward."""
 
@@ -380,6 +508,8 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False  #: subtract a KL-to-reference penalty from the reward
     kl_penalty: KLEstimator = "kl"  #: KL estimator for that penalty
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)  #: the in-reward KL coefficient
+    #: DAPO's dynamic sampling: drop zero-variance groups, generate more prompts
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass
@@ -471,6 +601,17 @@ class AsyncTrainingConfig:
     partial_rollout: bool = True
 
 
+@dataclass
+class SandboxConfig:
+    """The sandbox model-written code runs in (``hybridflow.tools.sandbox``): the python tool's, and any reward
+    that executes code."""
+
+    #: run code with limits only where this machine can create no sandbox (no root, no unprivileged user
+    #: namespaces, no bubblewrap): the code then runs as your own user and can read your files and kill your
+    #: processes; false = refuse to start with a line saying how to enable a sandbox
+    unsafe_without_isolation: bool = False
+
+
 @dataclass(init=False)
 class PPOConfig(Schema):
     """The whole configuration; every section has defaults, so ``PPOConfig()`` is complete.
@@ -494,8 +635,13 @@ class PPOConfig(Schema):
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  #: the run
     #: rollout and training overlapping: sync, one-step-off-policy, fully async (hybridflow extension)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    #: where model-written code runs: the python tool, code-executing rewards
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     ALIASES: ClassVar[dict[str, str]] = ALIASES
+    RENAMED: ClassVar[dict[str, str]] = {
+        "actor_rollout_ref.rollout.multi_turn.unsafe_python_tool_without_isolation": "sandbox.unsafe_without_isolation",
+    }
 
     def __init__(self, **kwargs: Any) -> None:
         for f in dataclasses.fields(self):
@@ -546,13 +692,15 @@ class PPOConfig(Schema):
     def validate(self) -> PPOConfig:
         """Check the resolved config for consistency and return it; a ConfigError explains the first problem.
 
-        Also warns (IgnoredKeyWarning) for GPU-only keys set away from their default.
+        Also warns (IgnoredKeyWarning) for GPU-only keys set away from their default, and (UnusedKeyWarning)
+        for keys set that have no effect without another one (``KEY_PAIRS``).
         """
         cfg = self.resolve()
         check_ranges(cfg)
         check_batch_sizes(cfg)
         check_choices(cfg)
         check_cross_fields(cfg)
+        check_key_pairs(cfg, PPOConfig())
         warn_ignored_schema_keys(cfg)
         return cfg
 

@@ -1,5 +1,7 @@
-"""Where a training step's samples come from: generated on the spot (``sync``), or by a producer that runs
-ahead of the trainer (``one_step_off``, ``fully_async``; ``async_training`` in the config).
+"""Where a training step's samples come from when a producer runs ahead of the trainer (``one_step_off``,
+``fully_async``; ``async_training`` in the config): ``AsyncRollouts``, and the prompt stream it shares with the
+trainer. Lock-step generation (``sync``), the contract both follow and the choice between them are in
+``rollouts.py``.
 
 Weight versions: version ``v`` is the policy after ``v`` training steps; the batch of step ``b`` (0-based)
 is trained by version ``b``. A sample's staleness is ``b`` minus the oldest version that sampled one of its
@@ -27,10 +29,16 @@ the rollout seeds each sample of batch ``b`` by ``(rollout.seed, b, its prompt, 
 Resuming: a checkpoint records the prompt loader's position after the last *trained* batch, so batches the
 producer had generated (or was generating) but not trained are regenerated after a resume: no prompt is
 lost or trained twice.
+
+Dynamic sampling (``algorithm.filter_groups``, ``hybridflow.trainer.dynamic_sampling``): whoever generates a
+step's batch (the trainer in sync, the producer otherwise, which so oversamples ahead of the trainer) scores
+it, drops the groups that teach nothing and draws more prompts for the same step (``PromptStream.more``) until
+the batch is full; the stream records the loader's position after the step's last draw.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -42,8 +50,9 @@ import torch
 
 from hybridflow.data import PromptLoader
 from hybridflow.protocol import DataProto
-from hybridflow.rollout import tag_weight_versions
+from hybridflow.runs.stages import STAGE_GROUPS
 from hybridflow.single_controller import WorkerGroup
+from hybridflow.trainer.dynamic_sampling import GroupFilter
 from hybridflow.trainer.loop import endless
 
 
@@ -51,33 +60,54 @@ class PromptStream:
     """The training prompts by batch number, for a trainer and a producer that draws ahead of it.
 
     ``get(b)`` returns batch ``b`` (drawn from ``loader`` across epochs on first request, kept until
-    ``take(b)``) with the loader's position after it, which is what a checkpoint taken once ``b`` is trained
-    must record: ``trained_state``, set by ``take(b)``, the trainer's call."""
+    ``take(b)``) with the loader's position after it; ``more(b)`` draws another batch for step ``b`` (dynamic
+    sampling), which moves step ``b``'s position on. What a checkpoint taken once ``b`` is trained must record
+    is that position after ``b``'s last draw: ``trained_state``, for the last step the trainer ``take``-s.
+    Draws are in step order: a step's batches are all drawn before the next step's first (the trainer takes
+    step ``b + 1`` only once step ``b``'s batch is finished)."""
 
     def __init__(self, loader: PromptLoader, first: int) -> None:
         self._loader, self._batches = loader, endless(loader)
         self._next = first
-        self._kept: dict[int, tuple[DataProto, dict[str, Any]]] = {}
+        self._kept: dict[int, DataProto] = {}
+        self._after: dict[int, dict[str, Any]] = {}  # the loader's position after each step's last draw
         self._lock = threading.Lock()
-        self.trained_state = loader.state_dict()
+        self._initial, self._taken = loader.state_dict(), None
 
     def get(self, index: int) -> tuple[DataProto, dict[str, Any]]:
         with self._lock:
             while self._next <= index:
-                self._kept[self._next] = (next(self._batches), self._loader.state_dict())
+                self._kept[self._next] = next(self._batches)
+                self._after[self._next] = self._loader.state_dict()
                 self._next += 1
-            prompts, state = self._kept[index]
-            return _copy(prompts), state
+            return _copy(self._kept[index]), self._after[index]
+
+    def more(self, index: int) -> DataProto:
+        """Another batch of prompts for step ``index``, the last one drawn (dynamic sampling refills it): the
+        loader's next batch; the position after it becomes the step's."""
+        with self._lock:
+            if index != self._next - 1:
+                raise RuntimeError(f"more prompts for step {index} after step {self._next - 1} began drawing")
+            prompts = next(self._batches)
+            self._after[index] = self._loader.state_dict()
+            return _copy(prompts)
 
     def take(self, index: int) -> DataProto:
         """Batch ``index`` for the trainer, which trains it next: the batches before it are forgotten (the
-        producer may not have fetched this one yet), and ``trained_state`` becomes the loader's position after
-        it."""
-        prompts, state = self.get(index)
+        producer may not have fetched this one yet), and ``trained_state`` follows step ``index``."""
+        prompts, _ = self.get(index)
         with self._lock:
             self._kept = {i: kept for i, kept in self._kept.items() if i >= index}
-            self.trained_state = state
+            self._after = {i: state for i, state in self._after.items() if i >= index}
+            self._taken = index
         return prompts
+
+    @property
+    def trained_state(self) -> dict[str, Any]:
+        """The loader's position after the last draw of the step the trainer took last (read at a checkpoint,
+        once that step is trained: no more draws for it come)."""
+        with self._lock:
+            return self._initial if self._taken is None else self._after[self._taken]
 
 
 @dataclass
@@ -89,33 +119,6 @@ class Generated:
     start: float
     end: float
     rows: int = 0
-
-
-class SyncRollouts:
-    """Lock-step: the trainer generates each batch when it needs it, with its current weights."""
-
-    def __init__(self, generator: WorkerGroup, split: bool) -> None:
-        self.generator, self.split = generator, split
-
-    def start(self, stream: PromptStream, version: int, end: int) -> None:
-        self.stream = stream
-
-    def take(self, index: int, prompts: DataProto, metrics: dict[str, float], timings: Any) -> DataProto:
-        batch = self.generator.generate_sequences(_with_meta(prompts, global_step=index))
-        return tag_weight_versions(batch, index)
-
-    def generate_now(self, prompts: DataProto, version: int) -> DataProto:
-        """A generation outside training (validation) with the trainer's current weights."""
-        return self.generator.generate_sequences(prompts)
-
-    def post_weights(self, actor: WorkerGroup, version: int) -> None:
-        """A rollout worker of its own (``placement=split``) is sent the new weights; a rollout in the
-        actor's process samples from the trained module itself."""
-        if self.split:
-            self.generator.update_weights(actor.get_weights()[0])
-
-    def stop(self) -> None:
-        pass
 
 
 @dataclass
@@ -133,8 +136,18 @@ class AsyncRollouts:
     ``exact``: batch ``b`` is generated by exactly version ``b - max_staleness`` (one-step-off, or fully
     async without partial rollouts), else by the newest posted, following newer ones in flight."""
 
-    def __init__(self, generator: WorkerGroup, n: int, max_staleness: int, exact: bool) -> None:
+    def __init__(
+        self,
+        generator: WorkerGroup,
+        n: int,
+        max_staleness: int,
+        exact: bool,
+        refill: GroupFilter | None = None,
+    ) -> None:
         self.generator, self.n, self.max_staleness, self.exact = generator, n, max_staleness, exact
+        self.refill = (
+            refill  # dynamic sampling: the producer scores and refills each batch before queueing it
+        )
         self._cond = threading.Condition()
         self._done: deque[Generated] = deque()
         self._posted = 0
@@ -180,7 +193,7 @@ class AsyncRollouts:
         metrics["async/trainer_idle_frac"] = min(1.0, clock.trainer_idle / elapsed)
         if hasattr(timings, "spans"):
             timings.spans.append(
-                {"stage": "rollout", "group": "rollout", "start": done.start, "end": done.end}
+                {"stage": "rollout", "group": STAGE_GROUPS["rollout"], "start": done.start, "end": done.end}
             )
         return done.batch
 
@@ -229,13 +242,13 @@ class AsyncRollouts:
                 }
                 if not self.exact:
                     meta["follow_weights"] = True
-                with self._cond:
-                    self._in_flight = len(prompts) * self.n
                 start = time.time()
-                with self._generating:
-                    batch = self.generator.generate_sequences(_with_meta(prompts, **meta))
+                generate = functools.partial(self._generate, meta=meta)
+                if self.refill is None:
+                    batch = generate(prompts)
+                else:
+                    batch = self.refill.fill(prompts, generate, functools.partial(self.stream.more, index))
                 with self._cond:
-                    self._in_flight = 0
                     self._done.append(Generated(index, batch, start, time.time()))
                     self._cond.notify_all()
                 index += 1
@@ -243,6 +256,17 @@ class AsyncRollouts:
             with self._cond:
                 self._error = error
                 self._cond.notify_all()
+
+    def _generate(self, prompts: DataProto, meta: dict[str, Any]) -> DataProto:
+        """One generation call of the producer (validation waits for it), counted as samples in flight."""
+        with self._cond:
+            self._in_flight = len(prompts) * self.n
+        try:
+            with self._generating:
+                return self.generator.generate_sequences(_with_meta(prompts, **meta))
+        finally:
+            with self._cond:
+                self._in_flight = 0
 
 
 def version_metrics(batch: DataProto, version: int) -> dict[str, float]:
@@ -288,14 +312,3 @@ def _copy(prompts: DataProto) -> DataProto:
         non_tensor_batch={k: np.array(v, copy=True) for k, v in prompts.non_tensor_batch.items()},
         meta_info=dict(prompts.meta_info),
     )
-
-
-def build_rollouts(config: Any, generator: WorkerGroup, split: bool) -> SyncRollouts | AsyncRollouts:
-    """The source of ``async_training.mode``: ``split`` says whether ``generator`` is a rollout worker of its
-    own (which a sync run sends the weights after each update)."""
-    run, n = config.async_training, config.actor_rollout_ref.rollout.n
-    if run.mode == "sync":
-        return SyncRollouts(generator, split)
-    if run.mode == "one_step_off":
-        return AsyncRollouts(generator, n, 1, exact=True)
-    return AsyncRollouts(generator, n, run.max_staleness, exact=not run.partial_rollout)

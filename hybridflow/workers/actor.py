@@ -9,6 +9,7 @@ sharded again after it). The reference policy is a second, frozen copy, loaded o
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
@@ -24,9 +25,10 @@ from hybridflow.algorithms import (
     kl_penalty,
     masked_mean,
     off_policy_mask,
+    reverse_kl,
     truncated_importance_weights,
 )
-from hybridflow.config import ActorRolloutRefConfig
+from hybridflow.config import ActorRolloutRefConfig, SandboxConfig
 from hybridflow.config.checks import required
 from hybridflow.models.vision import freeze_vision_tower
 from hybridflow.protocol import DataProto
@@ -48,6 +50,7 @@ from hybridflow.workers.modeling import (
     load_tokenizer,
     model_location,
     response_log_probs,
+    weights_source,
 )
 from hybridflow.workers.packing import MicroBatching, batched
 from hybridflow.workers.rollout import build_rollout
@@ -79,13 +82,37 @@ def logprob_diff_metrics(
     }
 
 
+#: The columns ``update_actor`` reads (those present): the rows, their advantages and the log-probs the ratio
+#: and the KL terms need (``old_log_probs`` only when the data is used again, ``ref_log_prob`` with a KL term,
+#: ``rollout_log_probs`` when the engine reported them). Replay keeps exactly these (``trainer.replay``).
+UPDATE_ACTOR_KEYS = (
+    "responses",
+    "response_mask",
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "advantages",
+    "old_log_probs",
+    "ref_log_prob",
+    "rollout_log_probs",
+    "teacher_log_prob",
+)
+
+
+#: The policy-loss metrics that are 0 by construction when the data is used once (the ratio is exactly 1):
+#: left out of such a step's metrics when they are 0, so the console does not show ``ppo_kl 0`` every step
+#: (a loss whose clip fraction means something else, Clip-Cov's share of cut tokens, keeps it).
+ZERO_ON_POLICY = ("actor/ppo_kl", "actor/pg_clipfrac", "actor/pg_clipfrac_lower")
+
+
 class ActorRolloutRefWorker(Worker):
     """``config``: the ``actor_rollout_ref`` config section; ``role``: roles joined by ``_``
     (``actor_rollout``, ``actor_rollout_ref``, ``ref``, ``rollout``...); ``device``: ``trainer.device``;
     ``announce``: print one line per generation (``[rollout] generated ...``); ``rollout_engine``: the
     rollout engine's class (default: the one registered as ``rollout.name`` in this process; the trainer
     hands it over, so an engine registered in the driver is built in Ray's workers too). The rollout mode
-    (the agent loop, a served agent) follows from the rollout config (``build_rollout``)."""
+    (the agent loop, a served agent) follows from the rollout config (``build_rollout``); ``sandbox``: the config's ``sandbox`` section, which says
+    whether the python tool may run code unisolated."""
 
     def __init__(
         self,
@@ -96,6 +123,7 @@ class ActorRolloutRefWorker(Worker):
         device: str = "auto",
         announce: bool = False,
         rollout_engine: type[RolloutEngine] | None = None,
+        sandbox: SandboxConfig | None = None,
     ) -> None:
         super().__init__(device)
         unknown = [r for r in role.split("_") if r not in ROLES]
@@ -113,6 +141,7 @@ class ActorRolloutRefWorker(Worker):
         self.rollout: Rollout | None = None
         self.rollout_engine = rollout_engine
         self.mailbox: WeightMailbox | None = None  # a rollout-only worker's weight versions (async runs)
+        self.sandbox = sandbox or SandboxConfig()
         self.weights_received = 0  # weight updates a rollout-only worker was sent
 
     def weight_version(self) -> int:
@@ -138,13 +167,14 @@ class ActorRolloutRefWorker(Worker):
             # a rollout-only worker (trainer.placement=split) holds a plain copy the actor's full weights load into
             strategy = resolve_strategy(actor.strategy, self.world_size) if self._is_actor else "ddp"
             lora = model_cfg.lora_rank if self._is_actor else 0
+            placement = load_placement(strategy, model_cfg.dtype, self.device)
             module = load_model(
                 model_path,
-                *load_placement(strategy, model_cfg.dtype, self.device),
+                *placement,
                 trust_remote_code=model_cfg.trust_remote_code,
                 disable_dropout=model_cfg.disable_dropout,
                 gradient_checkpointing=self._is_actor and model_cfg.enable_gradient_checkpointing,
-                on_meta=not reads_weights(strategy, lora),
+                on_meta=not reads_weights(strategy, lora, streamed=True),
             )
             if self._is_actor and actor.freeze_vision_tower:
                 freeze_vision_tower(module)
@@ -156,6 +186,7 @@ class ActorRolloutRefWorker(Worker):
                 lora,
                 model_cfg.lora_alpha,
                 model_cfg.target_modules,
+                self._weights_source(placement[1]),
             )
         if self._is_actor:
             self.engine = TrainingEngine(
@@ -176,20 +207,30 @@ class ActorRolloutRefWorker(Worker):
                 model_location(model_path),
                 (self.seed if rollout.seed is None else rollout.seed) + self.rank,
             )
-            self.rollout = build_rollout(spec, self.rollout_engine, self.weight_version)
+            self.rollout = build_rollout(
+                spec, self.rollout_engine, self.weight_version, self.sandbox.unsafe_without_isolation
+            )
             if not self._is_actor:
                 self.mailbox = WeightMailbox(self._load_weights)
         if self._is_ref and not (self.module is not None and is_lora(self.module)):
             strategy = resolve_strategy(ref.strategy, self.world_size, "actor_rollout_ref.ref.strategy")
+            placement = load_placement(strategy, model_cfg.dtype, self.device)
             module = load_model(
                 model_path,
-                *load_placement(strategy, model_cfg.dtype, self.device),
+                *placement,
                 trust_remote_code=model_cfg.trust_remote_code,
                 disable_dropout=model_cfg.disable_dropout,
-                on_meta=not reads_weights(strategy),
+                on_meta=not reads_weights(strategy, streamed=True),
             ).eval()
             module.requires_grad_(False)
-            self.ref_module = wrap_model(module, strategy, ref.fsdp_config, self.device)
+            self.ref_module = wrap_model(
+                module, strategy, ref.fsdp_config, self.device, weights=self._weights_source(placement[1])
+            )
+
+    def _weights_source(self, dtype: str | None) -> Callable[[torch.nn.Module], Any]:
+        """Where rank 0 of a sharded policy takes the full tensors it sends to the ranks (``weights_source``)."""
+        model_cfg = self.config.model
+        return weights_source(model_cfg.path, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code)
 
     # ---------------------------------------------------------------- rollout
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -358,7 +399,8 @@ class ActorRolloutRefWorker(Worker):
         )
         # On-policy shortcut: with one pass over the data the old policy *is* the current one, so the
         # driver may skip the extra forward pass and let the ratio start at exactly 1.
-        old = micro.tensors["old_log_probs"] if "old_log_probs" in micro.tensors.keys() else log_prob.detach()
+        on_policy = "old_log_probs" not in micro.tensors.keys()
+        old = log_prob.detach() if on_policy else micro.tensors["old_log_probs"]
         advantages, tis_metrics = self._off_policy_corrected(micro, old, log_prob.detach(), mask)
         # verl's calling convention, so a loss registered for verl runs unchanged; the engine weighs the
         # micro-batches itself, hence no whole-batch counts in global_batch_info
@@ -375,6 +417,8 @@ class ActorRolloutRefWorker(Worker):
             raise RuntimeError("response_log_probs(with_entropy=True) returned no entropy")
         entropy_loss = agg_loss(entropy, mask, actor.loss_agg_mode)
         loss = pg_loss - entropy_coeff * entropy_loss
+        if on_policy:  # with the ratio exactly 1 the KL to the old policy and PPO's clip fractions are 0
+            pg_metrics = {k: v for k, v in pg_metrics.items() if not (k in ZERO_ON_POLICY and v == 0.0)}
         metrics = {
             "actor/pg_loss": pg_loss.item(),
             **pg_metrics,
@@ -392,9 +436,24 @@ class ActorRolloutRefWorker(Worker):
             kl_loss = agg_loss(kl, mask, actor.loss_agg_mode)
             loss = loss + actor.kl_loss_coef * kl_loss
             metrics.update({"actor/kl_loss": kl_loss.item(), "actor/kl_coef": actor.kl_loss_coef})
-        if "rollout_log_probs" in micro.tensors.keys() and "old_log_probs" not in micro.tensors.keys():
+        if self.config.teacher.signal == "loss" and "teacher_log_prob" in micro.tensors.keys():
+            distill_loss, distill_metrics = self._distillation_loss(micro, log_prob, mask)
+            loss = loss + self.config.teacher.kl_coef * distill_loss
+            metrics.update(distill_metrics)
+        if "rollout_log_probs" in micro.tensors.keys() and on_policy:
             metrics.update(logprob_diff_metrics(micro.tensors["rollout_log_probs"], log_prob.detach(), mask))
         return loss, metrics
+
+    def _distillation_loss(
+        self, micro: DataProto, log_prob: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """On-policy distillation as a loss term: the KL estimate ``teacher.kl_loss_type`` between the policy
+        and the teacher's log-probs of the sampled tokens, aggregated as the policy loss is."""
+        teacher_log_prob = micro.tensors["teacher_log_prob"]
+        kl = kl_penalty(log_prob, teacher_log_prob, self.config.teacher.kl_loss_type)
+        loss = agg_loss(kl, mask, self.config.actor.loss_agg_mode)
+        reverse = float(masked_mean(reverse_kl(log_prob, teacher_log_prob), mask))
+        return loss, {"actor/distill_loss": loss.item(), "distill/reverse_kl": reverse}
 
     def _off_policy_corrected(
         self, micro: DataProto, old: torch.Tensor, current: torch.Tensor, mask: torch.Tensor
@@ -409,7 +468,9 @@ class ActorRolloutRefWorker(Worker):
             return advantages, {}
         rollout, metrics = micro.tensors["rollout_log_probs"], {}
         if actor.tis_imp_ratio_cap > 0:
-            weights, tis_clipfrac = truncated_importance_weights(old, rollout, mask, actor.tis_imp_ratio_cap)
+            weights, tis_clipfrac = truncated_importance_weights(
+                old, rollout, mask, actor.tis_imp_ratio_cap, actor.tis_level
+            )
             advantages = advantages * weights
             metrics["actor/tis_clipfrac"] = float(tis_clipfrac)
             metrics["actor/tis_weight_mean"] = float(masked_mean(weights, mask))
@@ -439,21 +500,7 @@ class ActorRolloutRefWorker(Worker):
         engine = self._require(self.engine, "actor", "update_actor")
         actor = self.config.actor
         mini_batch = actor.ppo_mini_batch_size * self.config.rollout.n // self.world_size
-        keys = [
-            k
-            for k in (
-                "responses",
-                "response_mask",
-                "input_ids",
-                "attention_mask",
-                "position_ids",
-                "advantages",
-                "old_log_probs",
-                "ref_log_prob",
-                "rollout_log_probs",
-            )
-            if k in data.tensors.keys()
-        ]
+        keys = [k for k in UPDATE_ACTOR_KEYS if k in data.tensors.keys()]
         data = data.select(batch_keys=keys, non_tensor_batch_keys=image_column(data), meta_info_keys=[])
         self.policy.train()
         extra = []
