@@ -492,7 +492,7 @@ class RewardPairDataset(OfflineDataset):
 
     def collate(self, items: Sequence[list[Any]]) -> DataProto:
         batch = collate_samples([s for item in items for s in item[:2]], self.pad_id)
-        batch.batch["margin"] = torch.tensor([self.margins[item[2]] for item in items for _ in range(2)])
+        batch.tensors["margin"] = torch.tensor([self.margins[item[2]] for item in items for _ in range(2)])
         return batch
 
 

@@ -310,7 +310,7 @@ class PPOTrainer(RunLoop):
                 )  # agent/* of multi-turn rollouts
             self.hooks.emit("after_generate", self, self.global_step, metrics, batch)
             with timer("reward", t):
-                if "token_level_scores" not in batch.batch.keys():  # dynamic sampling scored it already
+                if "token_level_scores" not in batch.tensors.keys():  # dynamic sampling scored it already
                     batch = self.compute_reward(batch, metrics)
             self.hooks.emit("after_reward", self, self.global_step, metrics, batch)
             if stale_tokens(batch, self.global_step).any():  # PPO's old policy is the one that sampled

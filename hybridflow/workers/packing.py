@@ -356,7 +356,7 @@ class PairBatching(MicroBatching):
 
     def split(self, data: DataProto, count: int = 0) -> list[tuple[DataProto, bool]]:
         """As ``MicroBatching.split``, with the cheapest whole pair as the filler (a loss over pairs needs one)."""
-        lengths = data.batch["attention_mask"].sum(dim=1)
+        lengths = data.tensors["attention_mask"].sum(dim=1)
         cheapest = int((lengths[0::2] + lengths[1::2]).argmin())
         filler = data[[2 * cheapest, 2 * cheapest + 1]]
         return [(data[idx], True) if len(idx) else (filler, False) for idx in self.indices(data, count)]

@@ -69,7 +69,7 @@ def sequence_rewards(model: torch.nn.Module, data: DataProto) -> torch.Tensor:
     position ids keep a left-padded row's positions right), read where transformers reads it."""
     data = trimmed(data)
     device = next(model.parameters()).device
-    inputs = {k: data.batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")}
+    inputs = {k: data.tensors[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")}
     return model(**inputs, use_cache=False).logits[:, 0].float()
 
 
@@ -186,9 +186,9 @@ class RewardModelWorker(Worker):
     def _judge_prompts(self, data: DataProto) -> list[str]:
         prompts = []
         for i in range(len(data)):
-            n_tokens = int(data.batch["response_mask"][i].sum())
+            n_tokens = int(data.tensors["response_mask"][i].sum())
             response = self.policy_tokenizer.decode(
-                data.batch["responses"][i, :n_tokens], skip_special_tokens=True
+                data.tensors["responses"][i, :n_tokens], skip_special_tokens=True
             )
             question = last_user_message(data.non_tensor_batch["raw_prompt"][i])
             truth = (
@@ -240,7 +240,7 @@ class RewardModelWorker(Worker):
         scores = torch.tensor([v.score for v in verdicts], dtype=torch.float32)
         failures = float(sum(v.failed for v in verdicts))
         return DataProto.from_dict(
-            {"rm_scores": sequence_to_token_scores(scores, data.batch["response_mask"])},
+            {"rm_scores": sequence_to_token_scores(scores, data.tensors["response_mask"])},
             non_tensors={"judge_verdict": [v.text for v in verdicts]},
             meta_info={
                 "metrics": {
@@ -293,7 +293,7 @@ class RewardModelWorker(Worker):
         )
 
     def _loss(self, micro: DataProto, spec: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-        return get_offline_objective("rm").fn(sequence_rewards(self.model, micro), micro.batch, spec)
+        return get_offline_objective("rm").fn(sequence_rewards(self.model, micro), micro.tensors, spec)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_reward_model(self, data: DataProto) -> DataProto:
