@@ -217,7 +217,9 @@ def _kto_objective(
     }
 
 
-def _rm_objective(rewards: torch.Tensor, batch: Batch, spec: dict) -> tuple[torch.Tensor, dict[str, float]]:
+def _rm_objective(
+    rewards: torch.Tensor, batch: Batch, spec: dict[str, Any]
+) -> tuple[torch.Tensor, dict[str, float]]:
     """``rewards`` ``(2B,)``: the reward model's scalar for each interleaved chosen/rejected row."""
     if len(rewards) % 2:
         raise ValueError(

@@ -31,7 +31,7 @@ def compute_score(
     return {"score": score, "acc": float(correct)}
 
 
-def reference_answer(ground_truth: str, extra_info: dict | None = None) -> str | None:
+def reference_answer(ground_truth: str, extra_info: dict[str, Any] | None = None) -> str | None:
     """The reply ``compute_score`` gives full marks (``A+B=<sum>``); None without the operands in ``extra_info``."""
     info = extra_info or {}
     return f"{info['a']}+{info['b']}={str(ground_truth).strip()}" if "a" in info and "b" in info else None

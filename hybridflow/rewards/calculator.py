@@ -47,7 +47,7 @@ def compute_score(
     return {"score": score, "acc": float(correct), "tool_call_ok": float(tool_ok)}
 
 
-def reference_answer(ground_truth: str, extra_info: dict | None = None) -> str | None:
+def reference_answer(ground_truth: str, extra_info: dict[str, Any] | None = None) -> str | None:
     """The reply ``compute_score`` gives full marks (``A*B=<product>``); None without the factors in ``extra_info``."""
     info = extra_info or {}
     return f"{info['a']}*{info['b']}={str(ground_truth).strip()}" if "a" in info and "b" in info else None

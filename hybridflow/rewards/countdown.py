@@ -80,7 +80,9 @@ def compute_score(
     return CORRECT_SCORE if value == truth["target"] else FORMAT_SCORE
 
 
-def reference_answer(ground_truth: str | dict, extra_info: dict | None = None) -> str | None:
+def reference_answer(
+    ground_truth: str | dict[str, Any], extra_info: dict[str, Any] | None = None
+) -> str | None:
     """A reply ``compute_score`` gives full marks: the known solution (``prepare-data countdown`` keeps it in
     ``extra_info["solution"]``) in ``<answer>`` tags; None without one."""
     solution = (extra_info or {}).get("solution")

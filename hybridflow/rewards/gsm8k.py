@@ -66,6 +66,6 @@ def flexible(solution_str: str, ground_truth: str, extra_info: dict[str, Any] | 
     return compute_score(solution_str, ground_truth, method="flexible")
 
 
-def reference_answer(ground_truth: str, extra_info: dict | None = None) -> str:
+def reference_answer(ground_truth: str, extra_info: dict[str, Any] | None = None) -> str:
     """A reply ``compute_score`` gives full marks: the answer after ``####``."""
     return f"#### {ground_truth}"

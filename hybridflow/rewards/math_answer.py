@@ -82,7 +82,7 @@ def compute_score(solution_str: str, ground_truth: str, extra_info: dict[str, An
     return float(predicted == truth)
 
 
-def reference_answer(ground_truth: str, extra_info: dict | None = None) -> str:
+def reference_answer(ground_truth: str, extra_info: dict[str, Any] | None = None) -> str:
     """A reply ``compute_score`` gives full marks: the answer in ``\\boxed{}``."""
     truth = str(ground_truth)
     return f"\\boxed{{{last_boxed(truth) or truth}}}"

@@ -49,6 +49,6 @@ def rule(solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None
     return compute_score(solution_str, ground_truth)
 
 
-def reference_answer(ground_truth: str, extra_info: dict | None = None) -> str:
+def reference_answer(ground_truth: str, extra_info: dict[str, Any] | None = None) -> str:
     """A reply ``rule`` gives full marks: the ground truth on an ``Answer:`` line."""
     return f"Answer: {ground_truth}"
