@@ -230,7 +230,8 @@ class ActorRolloutRefWorker(Worker):
     def _weights_source(self, dtype: str | None) -> Callable[[torch.nn.Module], Any]:
         """Where rank 0 of a sharded policy takes the full tensors it sends to the ranks (``weights_source``)."""
         model_cfg = self.config.model
-        return weights_source(model_cfg.path, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code)
+        path = required(model_cfg.path, "actor_rollout_ref.model.path")
+        return weights_source(path, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code)
 
     # ---------------------------------------------------------------- rollout
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

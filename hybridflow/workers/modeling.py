@@ -20,6 +20,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
+from unittest import mock
 
 import torch
 from transformers import (
@@ -220,11 +221,8 @@ def parameters_on_meta() -> Iterator[None]:
             param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         register(module, name, param)
 
-    torch.nn.Module.register_parameter = on_meta
-    try:
+    with mock.patch.object(torch.nn.Module, "register_parameter", on_meta):  # put back on the way out
         yield
-    finally:
-        torch.nn.Module.register_parameter = register
 
 
 def weights_source(path: str, **load: Any) -> Callable[[torch.nn.Module], Mapping[str, torch.Tensor]]:

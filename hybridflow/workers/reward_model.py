@@ -25,13 +25,14 @@ that is not padding), so the folder is an ``AutoModelForSequenceClassification``
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
-from transformers import AutoModelForSequenceClassification
+from transformers import AutoModelForSequenceClassification, GenerationMixin, PreTrainedModel
 
 from hybridflow.algorithms import get_offline_objective, sequence_to_token_scores
 from hybridflow.config import RewardModelConfig
+from hybridflow.config.checks import required
 from hybridflow.config.offline import RMConfig
 from hybridflow.data.offline import Sample, collate_samples, reward_model_tokens
 from hybridflow.protocol import DataProto
@@ -44,6 +45,7 @@ from hybridflow.workers.packing import PairBatching
 from hybridflow.workers.sharding import (
     agreed_count,
     apply_lora,
+    as_hf_model,
     load_placement,
     reads_weights,
     resolve_strategy,
@@ -51,6 +53,7 @@ from hybridflow.workers.sharding import (
     unwrapped,
 )
 
+T = TypeVar("T")
 HEADS = ("score", "classifier")  # what transformers calls a sequence classifier's output layer
 
 
@@ -103,23 +106,39 @@ class RewardModelWorker(Worker):
         super().__init__(device)
         self.config, self.policy_tokenizer_path = config, policy_tokenizer_path
         self.train, self.seed = train, seed
-        self.model = self.engine = None
+        self._model: PreTrainedModel | None = None  # the scoring, judging or trained model (none: dummy)
+        self._engine: TrainingEngine | None = None
+        self.endpoint: EndpointJudge | None = None
+
+    @property
+    def model(self) -> PreTrainedModel:
+        return _built(self._model, "a model (init_model loads it; reward_model.dummy has none)")
+
+    @property
+    def engine(self) -> TrainingEngine:
+        return _built(self._engine, "a training engine (built with train=RMConfig)")
+
+    @property
+    def trained(self) -> RMConfig:
+        """The reward-model training settings (``train``)."""
+        return _built(self.train, "training settings (train=RMConfig)")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         if self.train is not None:
             self._init_training(self.train)
             return
-        self.policy_tokenizer = load_tokenizer(self.policy_tokenizer_path)
-        self.endpoint = None
+        self.policy_tokenizer = load_tokenizer(
+            required(self.policy_tokenizer_path, "actor_rollout_ref.model.path")
+        )
         if self.config.dummy:
             return
         if self.config.style == "generative":
             self._init_judge()
             return
-        path = self.config.model.path
+        path = required(self.config.model.path, "reward_model.model.path")
         self.tokenizer = load_tokenizer(self.config.model.input_tokenizer or path)
-        self.model = model = load_model(
+        self._model = model = load_model(
             path, self.device, "auto", auto_cls=AutoModelForSequenceClassification, num_labels=1
         ).eval()
         model.config.pad_token_id = self.tokenizer.pad_token_id
@@ -152,16 +171,18 @@ class RewardModelWorker(Worker):
             on_meta=not reads_weights(strategy, m.lora_rank),
         )
         module.config.pad_token_id = self.tokenizer.pad_token_id
+        trained: torch.nn.Module = module
         if m.lora_rank > 0:  # adapters on the body; the fresh head trains in full, or nothing could learn
-            module = apply_lora(
+            trained = apply_lora(
                 module, m.lora_rank, m.lora_alpha, _body_targets(module, m.target_modules), None
             )
-            for name, parameter in unwrapped(module).named_parameters():
+            for name, parameter in unwrapped(trained).named_parameters():
                 if name.split(".")[0] in HEADS:
                     parameter.requires_grad_(True)
-        self.model = shard_module(module, m.fsdp_config, self.device) if strategy == "fsdp2" else module
-        self.engine = TrainingEngine(
-            self.model,
+        sharded = shard_module(trained, m.fsdp_config, self.device) if strategy == "fsdp2" else trained
+        self._model = as_hf_model(sharded)
+        self._engine = TrainingEngine(
+            self._model,
             train.optim,
             train.optim.clip_grad,
             "rm",
@@ -176,9 +197,9 @@ class RewardModelWorker(Worker):
         if judge.base_url:
             self.endpoint = EndpointJudge(judge)
             return
-        path = self.config.model.path
+        path = required(self.config.model.path, "reward_model.model.path")
         self.tokenizer = load_tokenizer(self.config.model.input_tokenizer or path)
-        self.model = load_model(path, self.device, "auto").eval()
+        self._model = load_model(path, self.device, "auto").eval()
         self.answer_ids = [
             _first_tokens(self.tokenizer, words[0]) for words in (judge.yes_words, judge.no_words)
         ]
@@ -187,8 +208,10 @@ class RewardModelWorker(Worker):
         prompts = []
         for i in range(len(data)):
             n_tokens = int(data.tensors["response_mask"][i].sum())
-            response = self.policy_tokenizer.decode(
-                data.tensors["responses"][i, :n_tokens], skip_special_tokens=True
+            response = str(  # one row of ids decodes to one string
+                self.policy_tokenizer.decode(
+                    data.tensors["responses"][i, :n_tokens], skip_special_tokens=True
+                )
             )
             question = last_user_message(data.non_tensor_batch["raw_prompt"][i])
             truth = (
@@ -219,7 +242,10 @@ class RewardModelWorker(Worker):
                     Verdict(float(p), f"p(yes)={float(p):.4f}") for p in yes / (yes + no).clamp(min=1e-12)
                 ]
                 continue
-            out = self.model.generate(
+            model = self.model
+            if not isinstance(model, GenerationMixin):
+                raise TypeError(f"a judge model generates; {type(model).__name__} cannot")
+            out = model.generate(
                 **inputs,
                 max_new_tokens=judge.max_tokens,
                 do_sample=False,
@@ -262,6 +288,8 @@ class RewardModelWorker(Worker):
                 )
             )  # one row of ids decodes to one string
             messages = list(data.non_tensor_batch["raw_prompt"][i])  # chat messages: the dataset made them so
+            prompt: str | list[dict[str, Any]]
+            completion: str | list[dict[str, Any]]
             if self.chat:
                 prompt, completion = messages, [{"role": "assistant", "content": response}]
             else:
@@ -287,7 +315,7 @@ class RewardModelWorker(Worker):
 
     # ---------------------------------------------------------------- training
     def _batching(self) -> PairBatching:
-        d = self.train.data
+        d = self.trained.data
         return PairBatching(
             d.micro_batch_size_per_gpu, d.max_token_len_per_gpu if d.use_dynamic_bsz else None
         )
@@ -332,3 +360,10 @@ class RewardModelWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
         load_worker_state(path, self.model, self.engine, self.rank)
+
+
+def _built(part: T | None, what: str) -> T:
+    """A part of the worker that ``init_model`` builds for its mode; a RuntimeError naming it when it has none."""
+    if part is None:
+        raise RuntimeError(f"RewardModelWorker has no {what}")
+    return part

@@ -86,11 +86,16 @@ def wrap_model(
     """LoRA adapters (``lora_rank`` > 0), then FSDP2 sharding for ``strategy`` ``fsdp2`` (``weights``: rank 0's
     source of full tensors for a module built on the meta device, ``shard_module``).
 
-    Typed as the Hugging Face model it holds: FSDP2 keeps the model's class (it subclasses it), and a peft
-    wrapper forwards the model's attributes (``config``, ``save_pretrained``...) to it."""
+    Typed as the Hugging Face model it holds (``as_hf_model``)."""
     module = apply_lora(module, lora_rank, lora_alpha, list(target_modules))
-    wrapped = shard_module(module, fsdp_config, device, weights) if strategy == "fsdp2" else module
-    return cast(PreTrainedModel, wrapped)
+    return as_hf_model(shard_module(module, fsdp_config, device, weights) if strategy == "fsdp2" else module)
+
+
+def as_hf_model(module: nn.Module) -> PreTrainedModel:
+    """A Hugging Face model, LoRA-wrapped or sharded, typed as the model it holds: FSDP2 keeps the model's
+    class (it subclasses it), and a peft wrapper forwards the model's attributes (``config``,
+    ``save_pretrained``...) to it."""
+    return cast(PreTrainedModel, module)
 
 
 def apply_lora(
