@@ -439,7 +439,7 @@ def check_reward(ctx: Context) -> Check:
         all_zero &= all(v == 0 for v in scores.values())
         shown.append(f"{source}: " + ", ".join(f"{k} {v:.3g}" for k, v in scores.items()))
     detail = f"{where}: " + "; ".join(shown)
-    if ctx.cfg.reward_model.enable:
+    if ctx.config.reward_model.enable:
         detail += " (the reward model itself is not run by doctor)"
     if all_zero:
         return Check(

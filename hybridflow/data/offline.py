@@ -415,7 +415,7 @@ def reward_model_tokens(tokenizer: Any, prompt: Text, completion: Text) -> list[
     when it scores a policy's responses alike: the whole conversation rendered by the chat template and
     tokenized as one text, or for strings (no template) the prompt, a newline and the completion, with the
     tokenizer's special tokens (what a plain classifier expects)."""
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) or isinstance(completion, str):  # both text, or both messages
         return tokenizer(f"{prompt}\n{completion}")["input_ids"]
     text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

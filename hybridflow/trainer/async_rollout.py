@@ -72,7 +72,8 @@ class PromptStream:
         self._kept: dict[int, DataProto] = {}
         self._after: dict[int, dict[str, Any]] = {}  # the loader's position after each step's last draw
         self._lock = threading.Lock()
-        self._initial, self._taken = loader.state_dict(), None
+        self._initial = loader.state_dict()
+        self._taken: int | None = None  # the batch the trainer took last
 
     def get(self, index: int) -> tuple[DataProto, dict[str, Any]]:
         with self._lock:

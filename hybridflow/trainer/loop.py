@@ -102,7 +102,7 @@ class RunLoop:
 
     name = "training"  #: the progress bar's label
     console_fields: ConsoleFields = CONSOLE_FIELDS  #: the console line's summary fields (label, metric keys)
-    train_loader: PromptLoader
+    train_loader: PromptLoader[Any]
     total_steps: int
 
     def __init__(

@@ -165,7 +165,7 @@ class PPOTrainer(RunLoop):
             image_key=d.image_key,
         )
 
-    def _sft_loader(self, data: Any) -> PromptLoader:
+    def _sft_loader(self, data: Any) -> PromptLoader[SFTDataset]:
         sft = SFTDataset(
             data.sft.files,
             self.tokenizer,
@@ -246,13 +246,14 @@ class PPOTrainer(RunLoop):
         ``reward/stage2_calls``, ``reward/judge/failures``) go into ``metrics``."""
         rm, metrics = self.config.reward_model, {} if metrics is None else metrics
         own = rollout_scores(batch)
-        if own is not None:  # its extras are columns of the batch already
-            scores, extra = own["reward_tensor"], {}
+        extra: dict[str, Any] = {}  # the scorer's extra columns (a rollout's own are the batch's already)
+        if own is not None:
+            scores = own["reward_tensor"]
         elif self.groups.reward_model is not None and not rm.two_stage.enable:
             scored = self.groups.reward_model.compute_rm_score(batch)
             metrics.update(reduce_metrics(scored.meta_info.pop("metrics", {})))
             batch = batch.union(scored)
-            scores, extra = rm.model_weight * batch.tensors["rm_scores"], {}
+            scores = rm.model_weight * batch.tensors["rm_scores"]
             if rm.rule_weight:
                 result = self._rule_reward(batch, metrics)
                 scores = scores + rm.rule_weight * result["reward_tensor"]
@@ -276,7 +277,9 @@ class PPOTrainer(RunLoop):
     def _rule_reward(self, batch: DataProto, metrics: dict[str, float]) -> dict[str, Any]:
         """The rule/custom scorer's result, from the reward worker when there is one, else here."""
         worker = self.groups.reward
-        result = worker.compute_reward(batch) if worker else self.reward_fn(batch, return_dict=True)
+        result: dict[str, Any] = (
+            worker.compute_reward(batch) if worker else self.reward_fn(batch, return_dict=True)
+        )
         metrics.update(result.get("metrics", {}))
         return result
 
