@@ -106,17 +106,18 @@ class RewardModelWorker(Worker):
         super().__init__(device)
         self.config, self.policy_tokenizer_path = config, policy_tokenizer_path
         self.train, self.seed = train, seed
-        self._model: PreTrainedModel | None = None  # the scoring, judging or trained model (none: dummy)
+        self.model: PreTrainedModel | None = None  # the scoring, judging or trained model (none: dummy)
         self._engine: TrainingEngine | None = None
         self.endpoint: EndpointJudge | None = None
 
     @property
-    def model(self) -> PreTrainedModel:
-        return _built(self._model, "a model (init_model loads it; reward_model.dummy has none)")
+    def loaded(self) -> PreTrainedModel:
+        """``model``, where one must be loaded."""
+        return _built(self.model, "model (init_model loads one; reward_model.dummy has none)")
 
     @property
     def engine(self) -> TrainingEngine:
-        return _built(self._engine, "a training engine (built with train=RMConfig)")
+        return _built(self._engine, "training engine (it is built with train=RMConfig)")
 
     @property
     def trained(self) -> RMConfig:
@@ -138,7 +139,7 @@ class RewardModelWorker(Worker):
             return
         path = required(self.config.model.path, "reward_model.model.path")
         self.tokenizer = load_tokenizer(self.config.model.input_tokenizer or path)
-        self._model = model = load_model(
+        self.model = model = load_model(
             path, self.device, "auto", auto_cls=AutoModelForSequenceClassification, num_labels=1
         ).eval()
         model.config.pad_token_id = self.tokenizer.pad_token_id
@@ -180,9 +181,9 @@ class RewardModelWorker(Worker):
                 if name.split(".")[0] in HEADS:
                     parameter.requires_grad_(True)
         sharded = shard_module(trained, m.fsdp_config, self.device) if strategy == "fsdp2" else trained
-        self._model = as_hf_model(sharded)
+        self.model = as_hf_model(sharded)
         self._engine = TrainingEngine(
-            self._model,
+            self.loaded,
             train.optim,
             train.optim.clip_grad,
             "rm",
@@ -199,7 +200,7 @@ class RewardModelWorker(Worker):
             return
         path = required(self.config.model.path, "reward_model.model.path")
         self.tokenizer = load_tokenizer(self.config.model.input_tokenizer or path)
-        self._model = load_model(path, self.device, "auto").eval()
+        self.model = load_model(path, self.device, "auto").eval()
         self.answer_ids = [
             _first_tokens(self.tokenizer, words[0]) for words in (judge.yes_words, judge.no_words)
         ]
@@ -236,13 +237,13 @@ class RewardModelWorker(Worker):
             ).to(self.device)
             if judge.parser == "yes_probability":
                 positions = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-                probs = self.model(**inputs, position_ids=positions).logits[:, -1].float().softmax(-1)
+                probs = self.loaded(**inputs, position_ids=positions).logits[:, -1].float().softmax(-1)
                 yes, no = (probs[:, ids].sum(-1) for ids in self.answer_ids)
                 verdicts += [
                     Verdict(float(p), f"p(yes)={float(p):.4f}") for p in yes / (yes + no).clamp(min=1e-12)
                 ]
                 continue
-            model = self.model
+            model = self.loaded
             if not isinstance(model, GenerationMixin):
                 raise TypeError(f"a judge model generates; {type(model).__name__} cannot")
             out = model.generate(
@@ -310,7 +311,7 @@ class RewardModelWorker(Worker):
         scores, reward_model = [], self.config
         for start in range(0, len(data), reward_model.micro_batch_size_per_gpu):
             chunk = data[start : start + reward_model.micro_batch_size_per_gpu]
-            scores.append(sequence_rewards(self.model, self._inputs(chunk)).cpu())
+            scores.append(sequence_rewards(self.loaded, self._inputs(chunk)).cpu())
         return DataProto.from_dict({"rm_scores": sequence_to_token_scores(torch.cat(scores), mask)})
 
     # ---------------------------------------------------------------- training
@@ -321,13 +322,13 @@ class RewardModelWorker(Worker):
         )
 
     def _loss(self, micro: DataProto, spec: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-        return get_offline_objective("rm").fn(sequence_rewards(self.model, micro), micro.tensors, spec)
+        return get_offline_objective("rm").fn(sequence_rewards(self.loaded, micro), micro.tensors, spec)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_reward_model(self, data: DataProto) -> DataProto:
         """One optimiser step over this rank's shard of interleaved pairs (``data.meta_info["offline"]``: the
         loss settings); metrics (``loss``, ``rewards/*``, ``rm/grad_norm``, ``rm/lr``) in ``meta_info``."""
-        self.model.train()
+        self.loaded.train()
         loss = partial(self._loss, spec=data.meta_info["offline"])
         metrics = self.engine.update(
             data, len(data), self._batching(), loss, "seq-mean-token-sum", seed=self.seed
@@ -337,29 +338,29 @@ class RewardModelWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def evaluate_reward_model(self, data: DataProto) -> DataProto:
         """The loss and pair metrics on held-out pairs, without updating (averaged over pairs)."""
-        self.model.eval()
+        self.loaded.eval()
         spec, batching = data.meta_info["offline"], self._batching()
         sums: dict[str, float] = {}
         pairs = 0.0
         with torch.no_grad():
-            for micro, real in batching.split(data, agreed_count(batching, data, self.model)):
+            for micro, real in batching.split(data, agreed_count(batching, data, self.loaded)):
                 metrics = self._loss(micro, spec)[1]  # a filler's forward keeps sharded ranks in step
                 weight = len(micro) / 2 if real else 0.0
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + weight * value
                 pairs += weight
-        self.model.train()
+        self.loaded.train()
         return DataProto(meta_info={"metrics": {k: [v / max(pairs, 1e-8)] for k, v in sums.items()}})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
         """``path/huggingface``: an ``AutoModelForSequenceClassification`` folder (LoRA merged), plus the
         optimiser state (``workers.checkpointing``)."""
-        save_worker_state(path, self.model, self.tokenizer, self.engine, self.rank)
+        save_worker_state(path, self.loaded, self.tokenizer, self.engine, self.rank)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
-        load_worker_state(path, self.model, self.engine, self.rank)
+        load_worker_state(path, self.loaded, self.engine, self.rank)
 
 
 def _built(part: T | None, what: str) -> T:
