@@ -56,11 +56,12 @@ def _strings(value: Any, what: str, where: str) -> list[str]:
     return value
 
 
-def _text(value: Any) -> str:
-    """A stdin/stdout entry: text, or (as some datasets store them) a list of lines."""
+def _text(value: Any) -> Any:
+    """A stdin/stdout entry: text, or (as some datasets store them) a list of lines, joined; anything else as
+    it is, for the caller to refuse."""
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return "\n".join(value) + "\n"
-    return str(value)  # text as it is (a number stored bare becomes its text)
+    return value
 
 
 def parse_tests(ground_truth: Any, where: str = "ground truth") -> CodeTests:
