@@ -42,7 +42,8 @@ def priority_probabilities(priorities: np.ndarray, alpha: float) -> np.ndarray:
     total = scaled.sum()
     if not total > 0:
         raise ValueError(f"cannot sample by priority: all {len(scaled)} priorities are zero")
-    return scaled / total
+    probabilities: np.ndarray = scaled / total
+    return probabilities
 
 
 def importance_weights(probabilities: np.ndarray, indices: np.ndarray, beta: float) -> np.ndarray:
@@ -52,7 +53,8 @@ def importance_weights(probabilities: np.ndarray, indices: np.ndarray, beta: flo
     be drawn (``P(j) > 0``), so a row's weight does not depend on which other rows were drawn with it.
     Returns float64 of shape ``indices.shape``, each in ``(0, 1]``."""
     smallest = probabilities[probabilities > 0].min()
-    return np.power(probabilities[indices] / smallest, -beta)
+    weights: np.ndarray = np.power(probabilities[indices] / smallest, -beta)
+    return weights
 
 
 def _as_priorities(priorities: np.ndarray | float, n: int, what: str) -> np.ndarray:
@@ -92,7 +94,7 @@ class ReplayBuffer:
         self._head = 0
         self._priorities = np.zeros(0, dtype=np.float64)
         self._next_id = 0
-        self._meta_info: dict = {}
+        self._meta_info: dict[str, Any] = {}
 
     def __len__(self) -> int:
         return len(self._priorities)
@@ -239,7 +241,8 @@ class ReplayBuffer:
     @property
     def priorities(self) -> np.ndarray:
         """Priorities of the stored rows, oldest first, shape ``(len(self),)`` (a copy)."""
-        return self._priorities.copy()
+        priorities: np.ndarray = self._priorities.copy()
+        return priorities
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

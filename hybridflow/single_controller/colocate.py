@@ -63,7 +63,7 @@ def _init_roles(self: _Colocated, role_inits: dict[str, ClassWithInitArgs[Any]])
     self.role_workers = {role: init() for role, init in role_inits.items()}
 
 
-def _forwarder(role: str, method: str, original: Callable) -> Callable:
+def _forwarder(role: str, method: str, original: Callable[..., Any]) -> Callable[..., Any]:
     """The fused method ``role__method``: calls ``method`` on the role's worker; same registration."""
 
     @functools.wraps(original)  # keeps the docstring, the signature (via __wrapped__) and the @register spec

@@ -58,7 +58,7 @@ EVENTS = (
 )
 EVENT_ALIASES = {"on_batch_end": "on_step_end"}  # the tutorials' name
 
-Hook = Callable[[Any, int, dict, Any], None]
+Hook = Callable[[Any, int, dict[str, Any], Any], None]
 
 
 class HookError(RuntimeError):
@@ -79,7 +79,7 @@ class HookRegistry:
             raise TypeError(f"hook for {event!r} must be callable, got {fn!r}")
         self._hooks[event].append(fn)
 
-    def emit(self, event: str, trainer: Any, step: int, metrics: dict, batch: Any = None) -> None:
+    def emit(self, event: str, trainer: Any, step: int, metrics: dict[str, Any], batch: Any = None) -> None:
         for fn in self._hooks[event]:
             try:
                 fn(trainer, step, metrics, batch)
@@ -294,7 +294,7 @@ class RunLoop:
         return metrics
 
 
-def endless(loader: PromptLoader) -> Iterator[DataProto]:
+def endless(loader: PromptLoader[Any]) -> Iterator[DataProto]:
     """Batches across epochs; each pass over the loader continues from its (resumable) position."""
     while True:
         yield from loader
