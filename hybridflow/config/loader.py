@@ -332,7 +332,8 @@ def build_config(tree: dict[str, Any], root: type[S]) -> S:
             resolved = OmegaConf.to_container(OmegaConf.create(tree), resolve=True)
         except OmegaConfBaseException as err:
             raise ConfigError(f"cannot resolve an interpolation in the config: {err}") from None
-        tree = {str(key): value for key, value in cast(dict[Any, Any], resolved).items()}  # a dict's a dict
+        # the container of a DictConfig is a dict
+        tree = {str(key): value for key, value in cast(dict[Any, Any], resolved).items()}
     return cast(S, build(root, tree, ""))  # build types the tree into root
 
 
