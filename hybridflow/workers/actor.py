@@ -43,6 +43,7 @@ from hybridflow.workers.sharding import (
     resolve_strategy,
     wrap_model,
 )
+from hybridflow.workers.ulysses import enable_ulysses, gather_rows, own_rows, sequence_parallel
 from hybridflow.workers.weight_sync import WeightMailbox, from_numpy, policy_weights, to_numpy
 
 ROLES = ("actor", "rollout", "ref")
@@ -92,6 +93,7 @@ class ActorRolloutRefWorker(Worker):
             announce  # print what this worker did (a role in its own process, as the tutorial logs)
         )
         self.module = self.ref_module = self.engine = self.rollout = None
+        self.actor_sp = self.ref_sp = None  # sequence-parallel groups (ulysses_sequence_parallel_size > 1)
         self.mailbox: WeightMailbox | None = None  # a rollout-only worker's weight versions (async runs)
         self.rollout_mode = rollout_mode
         self.weights_received = 0  # weight updates a rollout-only worker was sent
@@ -125,6 +127,8 @@ class ActorRolloutRefWorker(Worker):
                 gradient_checkpointing=self._is_actor and model_cfg.enable_gradient_checkpointing,
                 on_meta=not reads_weights(strategy, lora),
             )
+            if self._is_actor:
+                self.actor_sp = self._sequence_parallel(module, actor.ulysses_sequence_parallel_size, "actor")
             self.module = wrap_model(
                 module,
                 strategy,
@@ -142,6 +146,7 @@ class ActorRolloutRefWorker(Worker):
                 "actor",
                 self.world_size,
                 actor.fsdp_config.optimizer_offload,
+                actor.ulysses_sequence_parallel_size,
             )
         if self._is_rollout:
             rollout = self.config.rollout
@@ -169,7 +174,18 @@ class ActorRolloutRefWorker(Worker):
                 on_meta=not reads_weights(strategy),
             ).eval()
             module.requires_grad_(False)
+            self.ref_sp = self._sequence_parallel(module, ref.ulysses_sequence_parallel_size, "ref")
             self.ref_module = wrap_model(module, strategy, ref.fsdp_config, self.device)
+        elif self._is_ref:  # LoRA: the reference is the actor's module with the adapter off
+            self.ref_sp = self._sequence_parallel(self.module, ref.ulysses_sequence_parallel_size, "ref")
+
+    def _sequence_parallel(self, module: torch.nn.Module, size: int, role: str) -> Any:
+        """This rank's Ulysses group for ``role`` (None for size 1), with ``module`` made able to use it."""
+        key = f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size"
+        sp = sequence_parallel(size, key)
+        if sp is not None:
+            enable_ulysses(module, size, key)
+        return sp
 
     # ---------------------------------------------------------------- rollout
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -262,21 +278,25 @@ class ActorRolloutRefWorker(Worker):
         with_entropy: bool,
         micro_batch_size: int,
         max_token_len: int | None,
+        sp: Any = None,
     ) -> tuple[torch.Tensor, Any]:
-        """Log-probs without gradients: ``micro_batch_size`` rows, or ``max_token_len`` tokens, a forward."""
+        """Log-probs without gradients: ``micro_batch_size`` rows, or ``max_token_len`` tokens, a forward.
+        ``sp``: a Ulysses group, whose ranks score their rows together (a token budget per rank: x its size)."""
         was_training = module.training
         module.eval()
         share = self.config.model.share_prompt_prefix
-        micro = MicroBatching(micro_batch_size or len(data), max_token_len, share)
+        data = gather_rows(data, sp)
+        budget = max_token_len * sp.size if max_token_len and sp is not None else max_token_len
+        micro = MicroBatching(micro_batch_size or len(data), budget, share)
         temperature = self.config.rollout.temperature
         log_probs, entropy = batched(
-            lambda d: response_log_probs(module, d, temperature, with_entropy, share_prompt=share),
+            lambda d: response_log_probs(module, d, temperature, with_entropy, share_prompt=share, sp=sp),
             data,
             micro,
             agreed_count(micro, data, module),
         )
         module.train(was_training)
-        return log_probs, entropy
+        return own_rows(log_probs, sp), own_rows(entropy, sp)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
@@ -289,6 +309,7 @@ class ActorRolloutRefWorker(Worker):
             True,
             rollout.log_prob_micro_batch_size_per_gpu,
             rollout.log_prob_max_token_len_per_gpu if rollout.log_prob_use_dynamic_bsz else None,
+            self.actor_sp,
         )
         metrics = {}
         if "rollout_log_probs" in data.batch.keys() and data.batch["rollout_log_probs"].abs().sum() > 0:
@@ -309,10 +330,10 @@ class ActorRolloutRefWorker(Worker):
         )
         if self._is_ref and self.ref_module is None:
             with self.module.disable_adapter():
-                log_probs, _ = self._log_probs(self.module, data, False, micro, budget)
+                log_probs, _ = self._log_probs(self.module, data, False, micro, budget, self.ref_sp)
         else:
             self._require(self.ref_module, "ref", "compute_ref_log_prob")
-            log_probs, _ = self._log_probs(self.ref_module, data, False, micro, budget)
+            log_probs, _ = self._log_probs(self.ref_module, data, False, micro, budget, self.ref_sp)
         return DataProto.from_dict({"ref_log_prob": log_probs})
 
     # ---------------------------------------------------------------- training
@@ -328,6 +349,7 @@ class ActorRolloutRefWorker(Worker):
             with_entropy=True,
             entropy_grad=entropy_coeff != 0,
             share_prompt=self.config.model.share_prompt_prefix,
+            sp=self.actor_sp,
         )
         # On-policy shortcut: with one pass over the data the old policy *is* the current one, so the
         # driver may skip the extra forward pass and let the ratio start at exactly 1.
@@ -396,7 +418,11 @@ class ActorRolloutRefWorker(Worker):
     def _sft_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         """Supervised NLL on demonstration responses (prompt tokens masked out)."""
         log_prob, _ = response_log_probs(
-            self.module, micro, temperature=1.0, share_prompt=self.config.model.share_prompt_prefix
+            self.module,
+            micro,
+            temperature=1.0,
+            share_prompt=self.config.model.share_prompt_prefix,
+            sp=self.actor_sp,
         )
         loss = compute_sft_loss(
             log_prob, micro.batch["response_mask"].float(), self.config.actor.loss_agg_mode
@@ -411,7 +437,10 @@ class ActorRolloutRefWorker(Worker):
         ``response_mask``...) adds ``sft_data.meta_info["loss_coef"]`` x its NLL to every optimiser step."""
         self._require(self.engine, "actor", "update_actor")
         actor = self.config.actor
-        mini_batch = actor.ppo_mini_batch_size * self.config.rollout.n // self.world_size
+        sp = self.actor_sp  # a Ulysses group trains on its ranks' rows together
+        mini_batch = (
+            actor.ppo_mini_batch_size * self.config.rollout.n // self.world_size * (sp.size if sp else 1)
+        )
         keys = [
             k
             for k in (
@@ -427,11 +456,12 @@ class ActorRolloutRefWorker(Worker):
             )
             if k in data.batch.keys()
         ]
-        data = data.select(batch_keys=keys, non_tensor_batch_keys=[], meta_info_keys=[])
+        data = gather_rows(data.select(batch_keys=keys, non_tensor_batch_keys=[], meta_info_keys=[]), sp)
         self.module.train()
         extra = []
         if sft_data is not None and len(sft_data):
-            extra = [(sft_data, self._sft_loss, float(sft_data.meta_info["loss_coef"]))]
+            coef = float(sft_data.meta_info["loss_coef"])
+            extra = [(gather_rows(sft_data, sp), self._sft_loss, coef)]
         metrics = self.engine.update(
             data,
             mini_batch,
@@ -452,7 +482,9 @@ class ActorRolloutRefWorker(Worker):
         actor = self.config.actor
         return MicroBatching(
             actor.ppo_micro_batch_size_per_gpu,
-            actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
+            actor.ppo_max_token_len_per_gpu * actor.ulysses_sequence_parallel_size
+            if actor.use_dynamic_bsz
+            else None,
             self.config.model.share_prompt_prefix,
         )
 
@@ -462,7 +494,11 @@ class ActorRolloutRefWorker(Worker):
         policy's log-probs of ``responses`` (temperature 1: the model's own distribution)."""
         spec = micro.meta_info["offline"]
         log_prob, _ = response_log_probs(
-            self.module, micro, temperature=1.0, share_prompt=self.config.model.share_prompt_prefix
+            self.module,
+            micro,
+            temperature=1.0,
+            share_prompt=self.config.model.share_prompt_prefix,
+            sp=self.actor_sp,
         )
         return get_offline_objective(spec["loss"]).fn(log_prob, micro.batch, spec)
 
@@ -473,6 +509,7 @@ class ActorRolloutRefWorker(Worker):
         ``data.meta_info["offline"]`` names the objective and its settings. Metrics in ``meta_info``."""
         self._require(self.engine, "actor", "update_actor_offline")
         objective = get_offline_objective(data.meta_info["offline"]["loss"])
+        data = gather_rows(data, self.actor_sp)
         self.module.train()
         metrics = self.engine.update(
             data,
@@ -490,6 +527,7 @@ class ActorRolloutRefWorker(Worker):
         micro-batches, weighted as the update weighs them (tokens for SFT, rows otherwise)."""
         self._require(self.module, "actor", "evaluate_offline")
         by_tokens = get_offline_objective(data.meta_info["offline"]["loss"]).loss_agg_mode == "token-mean"
+        data = gather_rows(data, self.actor_sp)
         was_training = self.module.training
         self.module.eval()
         sums: dict[str, float] = {}
