@@ -34,7 +34,14 @@ from hybridflow.models import resolve_model_path
 from hybridflow.protocol import DataProto
 from hybridflow.utils.errors import MissingInputError
 from hybridflow.workers.packing import pack_prefix_tree
-from hybridflow.workers.ulysses import SequenceParallel, causal_mask, split_columns, spread, takes_4d_mask
+from hybridflow.workers.ulysses import (
+    SequenceParallel,
+    causal_mask,
+    left_aligned,
+    split_columns,
+    spread,
+    takes_4d_mask,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -238,9 +245,15 @@ def _outputs(
     width = data.batch["responses"].shape[1]
     if sp is not None:
         ids, pos, mask = (data.batch[k] for k in ("input_ids", "position_ids", "attention_mask"))
-        keep = torch.arange(ids.shape[1] - width - 1, ids.shape[1] - 1)
-        rows, cols = real[:, :width].nonzero(as_tuple=True)  # row-major: the order of real's True entries
-        outputs = _split_outputs(model, ids, pos, causal_mask(mask), keep, sp)
+        rows, step = real[:, :width].nonzero(as_tuple=True)  # row-major: the order of real's True entries
+        aligned = left_aligned(ids, pos, mask)
+        if aligned is None:  # gaps in some row: its own mask
+            allowed, predictor = causal_mask(mask), ids.shape[1] - width - 1 + step
+        else:  # response token t of row r is predicted by column prompt_r - 1 + t
+            (ids, pos), allowed = aligned, None
+            predictor = mask[:, :-width].sum(1)[rows] - 1 + step
+        keep, cols = torch.unique(predictor, return_inverse=True)
+        outputs = _split_outputs(model, ids, pos, allowed, keep, sp)
         return (*outputs(rows, cols, keeps_logits), real)
     inputs = {k: data.batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")}
     outputs = model(
@@ -253,7 +266,7 @@ def _split_outputs(
     model: PreTrainedModel,
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
-    allowed: torch.Tensor,
+    allowed: torch.Tensor | None,
     keep: torch.Tensor,
     sp: SequenceParallel,
 ) -> Any:
@@ -271,10 +284,10 @@ def _split_outputs(
     ) -> tuple[torch.Tensor, torch.Tensor]:
         out = model(
             input_ids=part.input_ids.to(device),
-            attention_mask=part.attention_mask.to(device),
             position_ids=part.position_ids.to(device),
             use_cache=False,
-            ulysses=sp,
+            ulysses=sp,  # attention over the whole sequence, under its mask (none: the model makes a slice's)
+            ulysses_mask=None if part.attention_mask is None else part.attention_mask.to(device),
             **({"logits_to_keep": columns} if keeps_logits else {}),
         ).logits
         out = out if keeps_logits else out[:, columns]

@@ -11,12 +11,13 @@ How it plugs in, without copying any model code:
 
 - ``enable_ulysses(model)`` switches the model to an attention implementation registered with transformers'
   ``AttentionInterface`` (``hybridflow_ulysses_sdpa`` / ``_eager``) that behaves exactly like the original one
-  unless a forward is called with the ``ulysses=SequenceParallel(...)`` keyword, which transformers hands down
-  to every attention call (and which gradient checkpointing keeps for the recomputation). Generation from the
-  same module is untouched.
+  unless a forward is called with the ``ulysses=SequenceParallel(...)`` keyword (and ``ulysses_mask``, the
+  whole sequence's mask), which transformers hands down to every attention call (and which gradient
+  checkpointing keeps for the recomputation). Generation from the same module is untouched.
 - ``split_columns`` lays a forward out for the group: the columns padded to a multiple of the size, this rank's
-  slice of the input ids and position ids, and the full 4-D boolean attention mask (causal and padding, or a
-  prefix tree's, ``hybridflow.workers.packing``), which attention applies to the gathered sequence.
+  slice of the input ids and position ids, and the full 4-D boolean attention mask of a prefix tree
+  (``hybridflow.workers.packing``), which attention applies to the gathered sequence; plain rows are first
+  moved to their first columns (``left_aligned``), so causal attention needs no mask at all.
 - Each rank computes the per-token results (log-probs, entropies, values) for the response tokens its columns
   predict; ``spread`` assembles all of them on every rank: an all-reduce of disjoint parts forward, the
   identity backward. Every rank of the group then computes the same loss, and each rank's backward yields the
@@ -184,13 +185,33 @@ def own_rows(values: torch.Tensor | None, sp: SequenceParallel | None) -> torch.
 @dataclass
 class Columns:
     """One forward laid out for a sequence-parallel group: this rank's ``input_ids`` and ``position_ids``
-    ``(G, W / size)`` (columns ``start`` onward), and the full boolean mask ``(G, 1, W, W)`` (True: attends)."""
+    ``(G, W / size)`` (columns ``start`` onward), and the whole ``(G, 1, W, W)`` boolean mask (True: attends),
+    or None for causal attention alone."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor | None
     start: int
     width: int
+
+
+def left_aligned(
+    input_ids: torch.Tensor, position_ids: torch.Tensor, padding: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rows whose real tokens (``padding`` 1) are one run each, moved to the first columns, so that causal
+    attention alone sees exactly each row's earlier tokens: no mask, where a ``(W, W)`` one per layer (sdpa
+    keeps a float copy for its backward) would cost more than a long sequence's activations. Positions travel
+    with their tokens. None when some row's real tokens have gaps."""
+    real = padding.bool()
+    first = (real.cumsum(1) == 0).sum(1)
+    count = real.sum(1)
+    width = input_ids.shape[1]
+    columns = torch.arange(width)[None]
+    if not torch.equal(real, (columns >= first[:, None]) & (columns < (first + count)[:, None])):
+        return None
+    source = (columns + first[:, None]).clamp(max=width - 1)
+    keep = columns < count[:, None]
+    return input_ids.gather(1, source) * keep, position_ids.gather(1, source) * keep
 
 
 def causal_mask(padding: torch.Tensor) -> torch.Tensor:
@@ -203,16 +224,18 @@ def causal_mask(padding: torch.Tensor) -> torch.Tensor:
 
 
 def split_columns(
-    input_ids: torch.Tensor, position_ids: torch.Tensor, allowed: torch.Tensor, sp: SequenceParallel
+    input_ids: torch.Tensor, position_ids: torch.Tensor, allowed: torch.Tensor | None, sp: SequenceParallel
 ) -> Columns:
-    """Pad the ``W`` columns to a multiple of the group size (padding columns attend only to themselves) and
-    take this rank's slice; ``allowed`` ``(G, 1, W, W)`` bool stays whole (attention sees every column)."""
+    """Pad the ``W`` columns to a multiple of the group size (padding columns attend only to themselves, or
+    causally, after every real one) and take this rank's slice; ``allowed`` ``(G, 1, W, W)`` bool (None:
+    causal) stays whole, as attention sees every column."""
     width = input_ids.shape[1]
     padded = -(-width // sp.size) * sp.size
     extra = padded - width
     if extra:
         input_ids = F.pad(input_ids, (0, extra))
         position_ids = F.pad(position_ids, (0, extra))
+    if extra and allowed is not None:
         allowed = F.pad(allowed, (0, extra, 0, extra))
         tail = torch.arange(width, padded)
         allowed[:, :, tail, tail] = True
@@ -239,10 +262,12 @@ def _ulysses_attention(inner: Any) -> Any:
         dropout: float = 0.0,
         scaling: float | None = None,
         ulysses: SequenceParallel | None = None,
+        ulysses_mask: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         """transformers' attention call (``query`` ``(b, heads, s, d)``, ``key``/``value`` ``(b, kv_heads, s,
-        d)``, returns ``(b, s, heads, d)``); with ``ulysses`` over the whole sequence, heads split by rank."""
+        d)``, returns ``(b, s, heads, d)``); with ``ulysses`` over the whole sequence, heads split by rank, under
+        ``ulysses_mask`` ``(b, 1, S, S)`` bool (None: causal) instead of the mask the model made for its slice."""
         if ulysses is None:
             return inner(
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -255,9 +280,10 @@ def _ulysses_attention(inner: Any) -> Any:
             q,
             k,
             v,
-            attn_mask=attention_mask,
+            attn_mask=ulysses_mask,
             dropout_p=dropout,
             scale=scaling,
+            is_causal=ulysses_mask is None,
             enable_gqa=q.shape[1] != k.shape[1],
         )
         return heads_to_seq(out, ulysses).transpose(1, 2).contiguous(), None

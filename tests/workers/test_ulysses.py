@@ -15,12 +15,19 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from hybridflow.utils.errors import UserError
 from hybridflow.workers.modeling import response_log_probs, response_values
-from hybridflow.workers.ulysses import causal_mask, enable_ulysses, sequence_parallel, split_columns
+from hybridflow.workers.ulysses import (
+    causal_mask,
+    enable_ulysses,
+    left_aligned,
+    sequence_parallel,
+    split_columns,
+)
 
 
-def batch():
+def batch(gap=False):
     """7 rows: a group of 3 samples of a 13-token prompt, a pair of a 6-token prompt, two lone rows; responses of
-    1-9 tokens, so the packed width (and the plain rows' width) divides by neither 2 nor 4."""
+    1-9 tokens, so the packed width (and the plain rows' width) divides by neither 2 nor 4. ``gap``: one prompt
+    token no other token attends to."""
     gen = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(3, 1000, (n,), generator=gen)  # noqa: E731
     rows = []
@@ -28,8 +35,15 @@ def batch():
         prompt = ids(prompt_len)
         rows += [(prompt, ids(n)) for n in response_lens]
     data = layout(rows, prompt_width=13, length=9)
+    if gap:  # the rows are not one run of tokens each: the plain path needs a mask of its own
+        data.batch["attention_mask"][5, 4] = 0
     data.batch["weights"] = torch.linspace(-1, 1, 7)[:, None] * torch.linspace(0.5, 1.5, 9)
     return data
+
+
+# prefix trees; plain rows (moved to their first columns, causal attention without a mask); plain rows one of
+# which has a gap (the batch gets a mask of its own)
+CASES = ("packed", "plain", "gap")
 
 
 def run(model, data, share, sp):
@@ -64,7 +78,7 @@ def _rank(rank, port, path, out):
     critic = AutoModelForTokenClassification.from_pretrained(path, num_labels=1)
     enable_ulysses(critic, 4, "critic.ulysses_sequence_parallel_size")
     data = batch()
-    results = {(4, share): run(model, data, share, four) for share in (True, False)}
+    results = {(4, case): run(model, batch(case == "gap"), case == "packed", four) for case in CASES}
     results["critic"] = critic_run(critic, data, True, four)
     # the module still generates as before (no ulysses keyword: the original attention, its own mask)
     prompt = data.batch["input_ids"][:2, -6:]
@@ -72,7 +86,7 @@ def _rank(rank, port, path, out):
         input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False
     )
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    results.update({(2, share): run(model, data, share, two) for share in (True, False)})
+    results.update({(2, case): run(model, batch(case == "gap"), case == "packed", two) for case in CASES})
     torch.save(results, f"{out}/{rank}.pt")
     dist.destroy_process_group()
 
@@ -89,7 +103,7 @@ def reference(tiny_model_path):
     torch.manual_seed(0)
     critic = AutoModelForTokenClassification.from_pretrained(tiny_model_path, num_labels=1)
     data = batch()
-    results = {share: run(model, data, share, None) for share in (True, False)}
+    results = {case: run(model, batch(case == "gap"), case == "packed", None) for case in CASES}
     results["critic"] = critic_run(critic, data, True, None)
     prompt = data.batch["input_ids"][:2, -6:]
     results["generated"] = model.generate(
@@ -105,17 +119,17 @@ def test_split_sequences_equal_one_process(tiny_model_path, reference, tmp_path)
     )
     ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(4)]
     mask = batch().batch["response_mask"].bool()
-    for size, share in [(4, True), (4, False), (2, True), (2, False)]:
-        log_probs, entropy, grads = reference[share]
+    for size, case in [(size, case) for size in (4, 2) for case in CASES]:
+        log_probs, entropy, grads = reference[case]
         for rank in ranks:  # every rank of a group holds every token's result
-            torch.testing.assert_close(rank[size, share][0][mask], log_probs[mask], rtol=0, atol=1e-5)
-            torch.testing.assert_close(rank[size, share][1][mask], entropy[mask], rtol=0, atol=1e-5)
+            torch.testing.assert_close(rank[size, case][0][mask], log_probs[mask], rtol=0, atol=1e-5)
+            torch.testing.assert_close(rank[size, case][1][mask], entropy[mask], rtol=0, atol=1e-5)
         assert len(grads) > 10
         for name, grad in grads.items():
             assert grad.abs().max() > 0, name
             for group in [ranks[i : i + size] for i in range(0, 4, size)]:
-                summed = sum(rank[size, share][2][name] for rank in group)
-                torch.testing.assert_close(summed, grad, rtol=1e-4, atol=1e-6, msg=f"{size} {share} {name}")
+                summed = sum(rank[size, case][2][name] for rank in group)
+                torch.testing.assert_close(summed, grad, rtol=1e-4, atol=1e-6, msg=f"{size} {case} {name}")
     values, grads = reference["critic"]
     for rank in ranks:
         torch.testing.assert_close(rank["critic"][0][mask], values[mask], rtol=0, atol=1e-5)
@@ -124,7 +138,7 @@ def test_split_sequences_equal_one_process(tiny_model_path, reference, tmp_path)
         torch.testing.assert_close(sum(r["critic"][1][name] for r in ranks), grad, rtol=1e-4, atol=1e-6)
 
 
-def test_columns_are_padded_to_the_group_and_padding_sees_itself():
+def test_columns_are_padded_to_the_group_and_rows_moved_to_their_first_columns():
     class Rank:
         size, rank = 4, 3
 
@@ -136,6 +150,18 @@ def test_columns_are_padded_to_the_group_and_padding_sees_itself():
     assert (part.start, part.width) == (9, 3) and part.attention_mask.shape == (1, 1, 12, 12)
     assert part.input_ids.tolist() == [[9, 0, 0]]  # the last real column, then two padding columns
     assert part.attention_mask[0, 0, 11].tolist() == [False] * 11 + [True]
+
+    ids, pos = (
+        torch.tensor([[0, 0, 5, 6, 7], [8, 9, 4, 0, 0]]),
+        torch.tensor([[0, 0, 0, 1, 2], [0, 1, 2, 3, 3]]),
+    )
+    padding = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0]])
+    moved = left_aligned(ids, pos, padding)
+    assert [t.tolist() for t in moved] == [
+        [[5, 6, 7, 0, 0], [8, 9, 4, 0, 0]],
+        [[0, 1, 2, 0, 0], [0, 1, 2, 0, 0]],
+    ]
+    assert left_aligned(ids, pos, torch.tensor([[1, 0, 1, 1, 1], [1, 1, 1, 0, 0]])) is None  # a gap
 
 
 def test_heads_that_do_not_divide_are_refused(tiny_model_path):
