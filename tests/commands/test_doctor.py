@@ -157,10 +157,10 @@ def test_config_error_fails_and_skips_what_needs_it(base):
     assert "did you mean 'actor_rollout_ref.actor.optim.lr'" in checks["config"].detail
 
 
-@pytest.mark.filterwarnings("ignore::hybridflow.config.checks.IgnoredKeyWarning")  # lora, fsdp2 (not yet)
-def test_memory_estimate_by_hand():
-    shape = ModelShape(
-        params=10_000_000,
+def small_shape(params: int) -> ModelShape:
+    """A 2-layer, 64-wide model shape with ``params`` parameters, for estimates checked by hand."""
+    return ModelShape(
+        params=params,
         vocab_size=1000,
         hidden_size=64,
         num_layers=2,
@@ -168,6 +168,11 @@ def test_memory_estimate_by_hand():
         kv_dim=32,
         linear_in_out=100_000,
     )
+
+
+@pytest.mark.filterwarnings("ignore::hybridflow.config.checks.IgnoredKeyWarning")  # lora, fsdp2 (not yet)
+def test_memory_estimate_by_hand():
+    shape = small_shape(10_000_000)
     cfg = load_config(
         [
             "data.train_files=x.parquet",
@@ -240,15 +245,7 @@ def test_memory_estimate_by_hand():
 
 
 def test_memory_knob_names_sharded_generation_when_the_gathered_model_does_not_fit():
-    shape = ModelShape(
-        params=1_000_000_000,
-        vocab_size=1000,
-        hidden_size=64,
-        num_layers=2,
-        intermediate_size=128,
-        kv_dim=32,
-        linear_in_out=100_000,
-    )
+    shape = small_shape(1_000_000_000)
     overrides = [
         "data.train_files=x.parquet",
         "algorithm.adv_estimator=grpo",
@@ -350,15 +347,7 @@ def test_dataset_check_counts_prompt_tokens_as_the_dataset_feeds_them(base, data
 
 
 def test_memory_estimate_splits_a_long_sequence_and_names_sequence_parallelism():
-    shape = ModelShape(
-        params=1_000_000,
-        vocab_size=1000,
-        hidden_size=64,
-        num_layers=2,
-        intermediate_size=128,
-        kv_dim=32,
-        linear_in_out=100_000,
-    )
+    shape = small_shape(1_000_000)
     overrides = [
         "data.train_files=x.parquet",
         "algorithm.adv_estimator=grpo",
