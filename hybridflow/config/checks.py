@@ -238,6 +238,7 @@ _RANGES: dict[str, tuple] = {
             "micro_batch_size",
             "tensor_model_parallel_size",
             "partial_rollout_chunk",
+            "weight_sync_bucket_mb",
         )
     },
     f"{_ROLLOUT}.gpu_memory_utilization": _UNIT_NOT_0,

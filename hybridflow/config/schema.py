@@ -265,6 +265,9 @@ class RolloutConfig(SamplingConfig):
     seed: int | None = None
     #: vllm: longest sequence; null = data.max_prompt_length + max_response_length
     max_model_len: int | None = None
+    #: a rollout worker of its own (placement=split, async modes) on Ray is sent the weights over a process
+    #: group of its own in buckets of this many MB, each gathered from the shards while the last one travels
+    weight_sync_bucket_mb: int = 64
     #: sampling for validation (greedy by default)
     val_kwargs: SamplingConfig = field(
         default_factory=lambda: SamplingConfig(temperature=0.0, do_sample=False)

@@ -7,7 +7,8 @@ tokens. The producer generates the batches in order, one at a time, in a thread 
 worker it calls is a worker of its own (its own copy of the model: a second worker object on the local
 backend, the ``rollout`` pool's process with ``trainer.placement=split`` on Ray), so the actor trains
 meanwhile. After each step the trainer posts its weights to that worker as the next version
-(``post_weights``: a copy, returned at once); the producer may start batch ``b`` once version
+(``post_weights``: kept beside the weights it generates with, received while it generates; on Ray straight from
+the actor's rank 0, ``LinkedWeights``); the producer may start batch ``b`` once version
 ``b - max_staleness`` is posted, which is the whole staleness bound (the queue of finished batches never
 holds more than ``max_staleness + 1``).
 
@@ -90,11 +91,62 @@ class Generated:
     rows: int = 0
 
 
-class SyncRollouts:
-    """Lock-step: the trainer generates each batch when it needs it, with its current weights."""
+class InProcessWeights:
+    """The local backend: the actor and its rollout worker live in the driver's own process, so the weights go
+    from one to the other as arrays (``get_weights``), loaded at once or posted as a version."""
 
-    def __init__(self, generator: WorkerGroup, split: bool) -> None:
-        self.generator, self.split = generator, split
+    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup) -> None:
+        self.actor, self.rollout = actor, rollout
+
+    def send(self, version: int, staged: bool) -> dict[str, float]:
+        weights = self.actor.get_weights()[0]
+        if staged:
+            self.rollout.post_weights(weights, version)
+        else:
+            self.rollout.update_weights(weights)
+        return {}
+
+
+class LinkedWeights:
+    """Ray: the actor's rank 0 streams the weights to the rollout workers over a process group of their own
+    (``workers.weight_sync.WeightLink``), formed here when the run starts; the driver only starts both ends of
+    each sync (and gets back what it cost), so the weights never pass through it."""
+
+    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup) -> None:
+        self.actor, self.rollout = actor, rollout
+        address = actor.weight_link_address(rollout.world_size)
+        joining = [actor.join_weight_link(address), rollout.join_weight_link(address)]
+        for future in joining:
+            future.get()
+
+    def send(self, version: int, staged: bool) -> dict[str, float]:
+        """Weight ``version`` to every rollout worker, loaded there at once (lock-step) or kept as a version
+        (``staged``: an asynchronous run generating meanwhile); the sender's and the slowest receiver's times."""
+        sent, received = self.actor.send_weights(), self.rollout.receive_weights(version, staged)
+        sender, receivers = sent.get()[0], received.get()
+        slowest = max(receivers, key=lambda r: r["transfer_s"] + r["load_s"])
+        return {
+            "weight_sync/gather_s": sender["gather_s"],
+            "weight_sync/send_s": sender["transfer_s"],
+            "weight_sync/receive_s": slowest["transfer_s"],
+            "weight_sync/load_s": slowest["load_s"],
+            "weight_sync/mb": sender["bytes"] / 2**20,
+        }
+
+
+def weight_transport(
+    backend: str, actor: WorkerGroup, rollout: WorkerGroup
+) -> InProcessWeights | LinkedWeights:
+    """How the actor's weights reach a rollout worker of its own on ``trainer.backend``."""
+    return LinkedWeights(actor, rollout) if backend == "ray" else InProcessWeights(actor, rollout)
+
+
+class SyncRollouts:
+    """Lock-step: the trainer generates each batch when it needs it, with its current weights; a rollout
+    worker of its own (``placement=split``) is sent them through ``weights`` after each update."""
+
+    def __init__(self, generator: WorkerGroup, weights: InProcessWeights | LinkedWeights | None) -> None:
+        self.generator, self.weights = generator, weights
 
     def start(self, stream: PromptStream, version: int, end: int) -> None:
         self.stream = stream
@@ -109,11 +161,10 @@ class SyncRollouts:
         """A generation outside training (validation) with the trainer's current weights."""
         return self.generator.generate_sequences(prompts)
 
-    def post_weights(self, actor: WorkerGroup, version: int) -> None:
+    def post_weights(self, version: int) -> dict[str, float]:
         """A rollout worker of its own (``placement=split``) is sent the new weights; a rollout in the
-        actor's process samples from the trained module itself."""
-        if self.split:
-            self.generator.update_weights(actor.get_weights()[0])
+        actor's process samples from the trained module itself. Returns what the sync cost."""
+        return self.weights.send(version, staged=False) if self.weights is not None else {}
 
     def stop(self) -> None:
         pass
@@ -134,8 +185,16 @@ class AsyncRollouts:
     ``exact``: batch ``b`` is generated by exactly version ``b - max_staleness`` (one-step-off, or fully
     async without partial rollouts), else by the newest posted, following newer ones in flight."""
 
-    def __init__(self, generator: WorkerGroup, n: int, max_staleness: int, exact: bool) -> None:
-        self.generator, self.n, self.max_staleness, self.exact = generator, n, max_staleness, exact
+    def __init__(
+        self,
+        generator: WorkerGroup,
+        weights: InProcessWeights | LinkedWeights,
+        n: int,
+        max_staleness: int,
+        exact: bool,
+    ) -> None:
+        self.generator, self.weights = generator, weights
+        self.n, self.max_staleness, self.exact = n, max_staleness, exact
         self._cond = threading.Condition()
         self._done: deque[Generated] = deque()
         self._posted = 0
@@ -191,13 +250,15 @@ class AsyncRollouts:
         with self._generating:
             return self.generator.generate_sequences(_with_meta(prompts, weight_version=version))
 
-    def post_weights(self, actor: WorkerGroup, version: int) -> None:
-        """Hand the actor's weights to the rollout worker as ``version``; the producer may then start the
-        batches that this version lets within the bound."""
-        self.generator.post_weights(actor.get_weights()[0], version)
+    def post_weights(self, version: int) -> dict[str, float]:
+        """Hand the actor's weights to the rollout worker as ``version`` (it receives them while it generates:
+        the transfer overlaps generation); the producer may then start the batches that this version lets
+        within the bound. Returns what the sync cost."""
+        stats = self.weights.send(version, staged=True)
         with self._cond:
             self._posted = max(self._posted, version)
             self._cond.notify_all()
+        return stats
 
     def stop(self) -> None:
         """Stop the producer after its current generation (what it made is dropped: regenerated on resume)."""
@@ -291,12 +352,14 @@ def _copy(prompts: DataProto) -> DataProto:
     )
 
 
-def build_rollouts(config: Any, generator: WorkerGroup, split: bool) -> SyncRollouts | AsyncRollouts:
-    """The source of ``async_training.mode``: ``split`` says whether ``generator`` is a rollout worker of its
-    own (which a sync run sends the weights after each update)."""
+def build_rollouts(
+    config: Any, generator: WorkerGroup, weights: InProcessWeights | LinkedWeights | None
+) -> SyncRollouts | AsyncRollouts:
+    """The source of ``async_training.mode``: ``weights`` moves the actor's weights to ``generator`` when it is
+    a rollout worker of its own (None: the rollout shares the actor's module)."""
     run, n = config.async_training, config.actor_rollout_ref.rollout.n
     if run.mode == "sync":
-        return SyncRollouts(generator, split)
+        return SyncRollouts(generator, weights)
     if run.mode == "one_step_off":
-        return AsyncRollouts(generator, n, 1, exact=True)
-    return AsyncRollouts(generator, n, run.max_staleness, exact=not run.partial_rollout)
+        return AsyncRollouts(generator, weights, n, 1, exact=True)
+    return AsyncRollouts(generator, weights, n, run.max_staleness, exact=not run.partial_rollout)

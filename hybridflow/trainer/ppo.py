@@ -25,7 +25,7 @@ from hybridflow.rewards import RewardManager, default_compute_score, load_custom
 from hybridflow.runs.tracking import Tracking
 from hybridflow.serving import SessionRewards
 from hybridflow.tools import load_tools
-from hybridflow.trainer.async_rollout import PromptStream, build_rollouts, stale_tokens
+from hybridflow.trainer.async_rollout import PromptStream, build_rollouts, stale_tokens, weight_transport
 from hybridflow.trainer.loop import RunLoop, endless
 from hybridflow.trainer.metrics import (
     StepTimings,
@@ -142,13 +142,18 @@ class PPOTrainer(RunLoop):
                 reward_fn=None if two_stage else self.reward_fn,
                 overlapping=self.config.async_training.mode != "sync",
             )
-        self.rollouts = build_rollouts(self.config, self.wg.generator, self.wg.rollout is not None)
+        own = self.wg.rollout  # a rollout worker of its own: sent the weights directly by the actor on Ray
+        weights = (
+            None if own is None else weight_transport(self.config.trainer.backend, self.wg.actor_rollout, own)
+        )
+        self.rollouts = build_rollouts(self.config, self.wg.generator, weights)
 
-    def sync_rollout_weights(self, version: int) -> None:
+    def sync_rollout_weights(self, version: int) -> dict[str, float]:
         """Send the actor's weights (``version``: the steps they have trained) to a rollout worker of its own
-        (``trainer.placement=split``, or an asynchronous run), through Ray's object store on Ray; a rollout in
-        the actor's process syncs itself inside ``update_actor``."""
-        self.rollouts.post_weights(self.wg.actor_rollout, version)
+        (``trainer.placement=split``, or an asynchronous run): on Ray from the actor's rank 0 to the rollout
+        workers over a process group of their own, never through the driver; a rollout in the actor's process
+        syncs itself inside ``update_actor``. Returns what the sync cost (``weight_sync/*``)."""
+        return self.rollouts.post_weights(version)
 
     def close(self) -> None:
         if self.rollouts is not None:
@@ -265,7 +270,7 @@ class PPOTrainer(RunLoop):
                         self.replay.update_priorities(wg.actor_rollout, metrics)
             if wg.rollout is not None:
                 with timer("sync_weights", t):
-                    self.sync_rollout_weights(self.global_step + 1)
+                    metrics.update(self.sync_rollout_weights(self.global_step + 1))
         metrics.update(compute_data_metrics(batch, use_critic))
         metrics.update({f"timing_s/{k}": v for k, v in t.items()})
         metrics.update(compute_throughput_metrics(batch, t, wg.actor_rollout.world_size))

@@ -12,7 +12,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from hybridflow.algorithms import (
@@ -44,7 +43,7 @@ from hybridflow.workers.sharding import (
     wrap_model,
 )
 from hybridflow.workers.ulysses import enable_ulysses, gather_rows, own_rows, sequence_parallel
-from hybridflow.workers.weight_sync import WeightMailbox, from_numpy, policy_weights, to_numpy
+from hybridflow.workers.weight_sync import WeightLink, WeightMailbox, WeightSyncEnds, policy_weights
 
 ROLES = ("actor", "rollout", "ref")
 
@@ -65,7 +64,7 @@ def _scalar(value: torch.Tensor | float) -> float:
     return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
 
 
-class ActorRolloutRefWorker(Worker):
+class ActorRolloutRefWorker(WeightSyncEnds, Worker):
     """``config``: the ``actor_rollout_ref`` config section; ``role``: roles joined by ``_``
     (``actor_rollout``, ``actor_rollout_ref``, ``ref``, ``rollout``...); ``device``: ``trainer.device``;
     ``announce``: print one line per generation (``[rollout] generated ...``); ``rollout_mode``: wraps the
@@ -97,6 +96,7 @@ class ActorRolloutRefWorker(Worker):
         self.mailbox: WeightMailbox | None = None  # a rollout-only worker's weight versions (async runs)
         self.rollout_mode = rollout_mode
         self.weights_received = 0  # weight updates a rollout-only worker was sent
+        self.weight_link: WeightLink | None = None  # to or from the actor's rank 0 (split placement on Ray)
 
     def weight_version(self) -> int:
         """How many times the weights the rollout samples from have changed: the actor's optimiser steps, the
@@ -118,7 +118,7 @@ class ActorRolloutRefWorker(Worker):
         if self._is_actor or self._is_rollout:
             # a rollout-only worker (trainer.placement=split) holds a plain copy the actor's full weights load into
             strategy = resolve_strategy(actor.strategy, self.world_size) if self._is_actor else "ddp"
-            lora = model_cfg.lora_rank if self._is_actor else 0
+            lora = model_cfg.lora_rank if self._is_actor or self.sends_adapters() else 0
             module = load_model(
                 model_cfg.path,
                 *load_placement(strategy, model_cfg.dtype, self.device),
@@ -235,40 +235,11 @@ class ActorRolloutRefWorker(Worker):
                 )
             self.mailbox.follow, self.rollout.weights = True, self.mailbox
 
-    def _load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        self.module.load_state_dict(dict(named))
-        if hasattr(self.rollout, "update_weights"):
-            self.rollout.update_weights(named)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def post_weights(self, weights: dict[str, np.ndarray], version: int) -> None:
-        """Keep the actor's weights (``get_weights``) as ``version`` for this rollout worker's next
-        generations, or for the one in flight when it follows new weights; returns at once (a copy is made
-        here, so the actor may train on)."""
-        self._require(self.mailbox, "rollout", "post_weights")
-        self.mailbox.post(version, list(from_numpy(weights, next(self.module.parameters()).dtype)))
-
     def _sync_rollout(self) -> None:
         """After the actor's weights changed: a rollout engine with its own copy (vLLM) takes the new ones
         in memory; the Hugging Face rollout samples from the trained module itself and needs nothing."""
         if self._is_actor and self.rollout is not None and hasattr(self.rollout, "update_weights"):
             self.rollout.update_weights(policy_weights(self.module))
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def get_weights(self) -> dict[str, np.ndarray] | None:
-        """The actor's full weights as numpy arrays on rank 0 (None elsewhere; every rank takes part, since
-        gathering FSDP2 shards is a collective), for a rollout worker in another process
-        (``trainer.placement=split``)."""
-        self._require(self.engine, "actor", "get_weights")
-        weights = to_numpy(policy_weights(self.module))
-        return weights if self.rank == 0 else None
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def update_weights(self, weights: dict[str, np.ndarray]) -> None:
-        """Load the actor's weights (``get_weights``) into this rollout worker's model and engine."""
-        self._require(self.rollout, "rollout", "update_weights")
-        self._load_weights(list(from_numpy(weights, next(self.module.parameters()).dtype)))
-        self.weights_received += 1
 
     # ---------------------------------------------------------------- log-probs
     def _log_probs(
