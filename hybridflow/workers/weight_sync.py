@@ -338,12 +338,12 @@ def _module_name(name: str) -> str:
 
 
 def load_in_place(
-    module: torch.nn.Module, named: Named, version: int, where: str, expected: int | None = None
+    state: dict[str, torch.Tensor], named: Named, version: int, where: str, expected: int | None = None
 ) -> None:
-    """Copy ``named`` into ``module``'s own tensors (no second copy of the model), then read them back:
+    """Copy ``named`` into a module's own tensors (``state``: its ``state_dict()``, whose tensors are the
+    module's; no second copy of the model is made), then read them back:
     ``WeightSyncError`` naming ``version`` unless they hold exactly what was given (``expected``: the sender's
     ``checksum`` of them; None: the given tensors' own). KeyError naming a tensor the module does not have."""
-    state = module.state_dict()
     held = []
     for name, tensor in named:
         target = state[_module_name(name)]
@@ -374,6 +374,7 @@ class WeightSyncEnds:
     rank: int
     device: torch.device
     _is_actor: bool
+    _module_state: dict[str, torch.Tensor] | None = None  # a rollout worker's model's tensors by name
 
     def _require(self, part: object, role: str, method: str) -> None: ...
 
@@ -387,7 +388,9 @@ class WeightSyncEnds:
     def _load_weights(self, named: Named, version: int, expected: int | None = None) -> None:
         """Weight ``version`` into this rollout worker's model, checked (``load_in_place``), and into its
         engine's own copy."""
-        load_in_place(self.module, named, version, self._where(), expected)
+        if self._module_state is None:  # the module's own tensors by name, looked up once
+            self._module_state = self.module.state_dict()
+        load_in_place(self._module_state, named, version, self._where(), expected)
         if hasattr(self.rollout, "update_weights"):
             self.rollout.update_weights(named)
 

@@ -31,11 +31,12 @@ def _member(member, address, path, out, broken):
                 p.add_(torch.randn_like(p) * 0.01)
         stats = link.send(policy_weights(model), bucket_bytes=64 * 1024)
     else:
+        state = model.state_dict()
 
         def load(named, expected):
             if broken and member == 2:  # an engine that ignores what it is given
                 named = [(name, tensor + 1) for name, tensor in named]
-            load_in_place(model, named, 7, f"rollout worker rank {member - 1}", expected)
+            load_in_place(state, named, 7, f"rollout worker rank {member - 1}", expected)
 
         try:
             stats = link.receive(load)
