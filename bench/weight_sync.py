@@ -43,48 +43,57 @@ def _status(field: str) -> int:
 
 
 class MeasuredWorker(ActorRolloutRefWorker):
-    """The policy worker, plus its process's resident memory: ``mark`` resets the peak and returns what it
-    holds now, ``peak`` the highest since."""
+    """The policy worker, plus its memory (resident memory on CPU, allocated GPU memory on CUDA): ``mark``
+    resets the peak and returns what it holds now, ``peak`` the highest since."""
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def mark(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return torch.cuda.memory_allocated(self.device)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         return _status("VmRSS")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def peak(self) -> int:
-        return _status("VmHWM")
+        return (
+            torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else _status("VmHWM")
+        )
 
 
-def memcpy_floor(nbytes: int, repeats: int) -> float:
-    """Seconds of one ``copy_`` of ``nbytes`` between two buffers in one process (the best of ``repeats``)."""
-    src = torch.ones(nbytes // 4)
+def memcpy_floor(nbytes: int, repeats: int, device: str = "cpu") -> float:
+    """Seconds of one ``copy_`` of ``nbytes`` between two buffers in one process (the best of ``repeats``):
+    host memory, or on ``cuda`` one GPU's."""
+    src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # pages touched before timing
     best = float("inf")
     for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
         start = time.perf_counter()
         dst.copy_(src)
+        if device == "cuda":
+            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
     return best
 
 
-def setting(model: str, ranks: int, bucket_mb: int, repeats: int) -> dict:
+def setting(model: str, ranks: int, bucket_mb: int, repeats: int, device: str = "cpu") -> dict:
     cfg = PPOConfig()
+    cfg.trainer.device = device
     arr = cfg.actor_rollout_ref
     arr.model.path, arr.rollout.weight_sync_bucket_mb = model, bucket_mb
     arr.actor.strategy = "fsdp2" if ranks > 1 else "ddp"
     arr = cfg.resolve().actor_rollout_ref
     # 2 cores: the actor's ranks and the rollout worker share them
-    cpus = 2.0 / (ranks + 1)
-    pools = [RayResourcePool([n], cpus_per_process=cpus, name=f"ws{n}") for n in (ranks, 1)]
-    actor = RayWorkerGroup(
-        pools[0], ClassWithInitArgs(MeasuredWorker, arr, role="actor"), name_prefix="ws_actor"
-    )
-    rollout = RayWorkerGroup(
-        pools[1], ClassWithInitArgs(MeasuredWorker, arr, role="rollout"), name_prefix="ws_rollout"
-    )
+    gpu = device == "cuda"  # then each process has a GPU of its own
+    cpus = 1.0 if gpu else 2.0 / (ranks + 1)
+    pools = [RayResourcePool([n], use_gpu=gpu, cpus_per_process=cpus, name=f"ws{n}") for n in (ranks, 1)]
+    init = lambda role: ClassWithInitArgs(MeasuredWorker, arr, role=role, device=device)  # noqa: E731
+    actor = RayWorkerGroup(pools[0], init("actor"), name_prefix="ws_actor")
+    rollout = RayWorkerGroup(pools[1], init("rollout"), name_prefix="ws_rollout")
     try:
         actor.init_model()
         rollout.init_model()
@@ -129,6 +138,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU per process: ranks + 1 GPUs)")
     parser.add_argument("--out", default="bench/results/weight_sync.json")
     args = parser.parse_args()
     models = {"SmolLM2-135M (fp32)": resolve_model_path(args.model)} if args.model else {}
@@ -144,12 +154,12 @@ def main() -> None:
             num_kv_heads=max(1, hidden // 256),
             intermediate_size=3 * hidden,
         )
-    init_ray(num_cpus=2)
+    init_ray(num_cpus=None if args.device == "cuda" else 2)
     rows = []
     for name, path in models.items():
         for ranks in args.ranks:
-            row = {"model": name, **setting(path, ranks, args.bucket_mb, args.repeats)}
-            row["memcpy_s"] = memcpy_floor(int(row["mb"] * MB), 5)
+            row = {"model": name, **setting(path, ranks, args.bucket_mb, args.repeats, args.device)}
+            row["memcpy_s"] = memcpy_floor(int(row["mb"] * MB), 5, args.device)
             row["vs_memcpy"] = row["sync_s"] / row["memcpy_s"]
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
@@ -166,7 +176,9 @@ def main() -> None:
             f"{r['load_s']:.2f} | {actor_rises} | {r['rollout_peak_rise_mb']:.0f} |"
         )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"bucket_mb": args.bucket_mb, "rows": rows}, indent=2))
+    Path(args.out).write_text(
+        json.dumps({"bucket_mb": args.bucket_mb, "device": args.device, "rows": rows}, indent=2)
+    )
     print(f"wrote {args.out}")
 
 
