@@ -328,8 +328,9 @@ def _fsdp_single(out: str) -> int:
 
 
 def _weight_sync_one_gpu(out: str) -> int:
-    """The sender's share of a sync on one GPU: the embedded model's weights cut into 64 MB buckets (each
-    flattened and checksummed, as ``WeightLink.send`` does), against a device memcpy of the same bytes."""
+    """The sender's share of a sync on one GPU: the embedded model's weights copied into 64 MB buckets and
+    checksummed (what ``WeightLink.send`` does before a bucket travels), against a device memcpy of the same
+    bytes."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -337,17 +338,15 @@ def _weight_sync_one_gpu(out: str) -> int:
     from weight_sync import memcpy_floor
 
     from hybridflow.models import resolve_model_path
-    from hybridflow.workers.weight_sync import SyncStats, _buckets, checksum, policy_weights
+    from hybridflow.workers.weight_sync import SyncStats, _buckets, policy_weights
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path("default"), dtype=torch.float32).cuda()
     times, nbytes = [], 0
     for _ in range(3):
         torch.cuda.synchronize()
         start, nbytes = time.perf_counter(), 0
-        for bucket in _buckets(policy_weights(model), 64 * 2**20, SyncStats()):
-            flat = torch.cat([t.reshape(-1) for _, t in bucket])
-            checksum(t for _, t in bucket)
-            nbytes += flat.numel() * flat.element_size()
+        for bucket in _buckets(policy_weights(model), 64 * 2**20, SyncStats()):  # copied and checksummed
+            nbytes += bucket.flat.numel() * bucket.flat.element_size()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     floor = memcpy_floor(nbytes, 5, "cuda")

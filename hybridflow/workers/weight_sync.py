@@ -127,11 +127,12 @@ class WeightSyncError(UserError):
 def checksum(tensors: Iterable[torch.Tensor]) -> int:
     """An exact fingerprint of tensors' bits, in order: the sum of each tensor's raw bits as integers, each
     weighted by its place (a tensor loaded under another name changes it). Cheap: one read of each tensor."""
-    total = 0
-    for place, tensor in enumerate(tensors, 1):
-        bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[tensor.element_size()]
-        total += place * int(tensor.detach().contiguous().view(bits).sum(dtype=torch.int64))
-    return total
+    return sum(place * _bits_sum(tensor) for place, tensor in enumerate(tensors, 1))
+
+
+def _bits_sum(tensor: torch.Tensor) -> int:
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[tensor.element_size()]
+    return int(tensor.detach().contiguous().view(bits).sum(dtype=torch.int64))
 
 
 def verify_loaded(held: Iterable[torch.Tensor], expected: int, version: int, where: str) -> None:
@@ -216,16 +217,13 @@ class WeightLink:
         """Stream ``weights`` (a generator that may gather as it goes) to every receiver."""
         stats, in_flight = SyncStats(), None
         for bucket in _buckets(weights, bucket_bytes, stats):
-            header = _header(bucket)
-            flat = torch.cat([tensor.reshape(-1) for _, tensor in bucket])
-            works = [
-                self._broadcast(t) for t in (_length(len(header), self.device), header.to(self.device), flat)
-            ]
-            stats.bytes += flat.numel() * flat.element_size()
+            header = bucket.header().to(self.device)
+            works = [self._broadcast(t) for t in (_length(len(header), self.device), header, bucket.flat)]
+            stats.bytes += bucket.flat.numel() * bucket.flat.element_size()
             stats.buckets += 1
-            if in_flight is not None:  # the bucket before: done before a third is gathered
+            if in_flight is not None:  # the bucket before: done before a third is filled
                 stats.transfer_s += _wait(in_flight[0])
-            in_flight = (works, flat, header)
+            in_flight = (works, bucket, header)
         if in_flight is not None:
             stats.transfer_s += _wait(in_flight[0])
         stats.transfer_s += _wait([self._broadcast(_length(0, self.device))])
@@ -268,13 +266,37 @@ class WeightLink:
         self.group = None
 
 
+@dataclass
+class Bucket:
+    """Tensors of one dtype laid end to end in ``flat``, with their names and shapes, and their ``checksum``."""
+
+    flat: torch.Tensor
+    names: list[str] = field(default_factory=list)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    checksum: int = 0
+    used: int = 0  # elements of ``flat`` filled
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        count = tensor.numel()
+        self.flat[self.used : self.used + count].copy_(tensor.reshape(-1))
+        self.names.append(name)
+        self.shapes.append(tuple(tensor.shape))
+        self.checksum += len(self.names) * _bits_sum(tensor)
+        self.used += count
+
+    def header(self) -> torch.Tensor:
+        dtype = str(self.flat.dtype).removeprefix("torch.")
+        raw = json.dumps([self.names, self.shapes, dtype, self.checksum]).encode()
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
 def _buckets(
     weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, stats: SyncStats
-) -> Iterator[Named]:
-    """``weights`` in runs of one dtype of about ``bucket_bytes`` (a larger tensor is a bucket alone); the
-    time spent waiting for the next tensor (the gather) goes to ``stats.gather_s``."""
-    bucket: Named = []
-    size = 0
+) -> Iterator[Bucket]:
+    """``weights`` in buckets of one dtype and at most ``bucket_bytes`` (a larger tensor travels alone), each
+    tensor copied into its bucket as it comes, so a gathered tensor is dropped at once; the time spent waiting
+    for the next tensor (the gather from the shards) goes to ``stats.gather_s``."""
+    bucket: Bucket | None = None
     iterator = iter(weights)
     while True:
         start = time.perf_counter()
@@ -283,22 +305,25 @@ def _buckets(
         if item is None:
             break
         name, tensor = item
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and (size + nbytes > bucket_bytes or tensor.dtype != bucket[0][1].dtype):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
+        room = 0 if bucket is None else bucket.flat.numel() - bucket.used
+        if (
+            bucket is not None
+            and bucket.used
+            and (tensor.numel() > room or tensor.dtype != bucket.flat.dtype)
+        ):
+            yield _trimmed(bucket)
+            bucket = None
+        if bucket is None:
+            capacity = max(bucket_bytes // tensor.element_size(), tensor.numel())
+            bucket = Bucket(torch.empty(capacity, dtype=tensor.dtype, device=tensor.device))
+        bucket.add(name, tensor)
+    if bucket is not None and bucket.used:
+        yield _trimmed(bucket)
 
 
-def _header(bucket: Named) -> torch.Tensor:
-    names = [name for name, _ in bucket]
-    shapes = [tuple(tensor.shape) for _, tensor in bucket]
-    dtype = str(bucket[0][1].dtype).removeprefix("torch.")
-    raw = json.dumps([names, shapes, dtype, checksum(t for _, t in bucket)]).encode()
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+def _trimmed(bucket: Bucket) -> Bucket:
+    bucket.flat = bucket.flat[: bucket.used]
+    return bucket
 
 
 def _length(value: int, device: torch.device) -> torch.Tensor:
