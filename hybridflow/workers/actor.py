@@ -42,7 +42,13 @@ from hybridflow.workers.sharding import (
     resolve_strategy,
     wrap_model,
 )
-from hybridflow.workers.ulysses import enable_ulysses, gather_rows, own_rows, sequence_parallel
+from hybridflow.workers.ulysses import (
+    SequenceParallel,
+    enable_ulysses,
+    gather_rows,
+    own_rows,
+    sequence_parallel,
+)
 from hybridflow.workers.weight_sync import WeightLink, WeightMailbox, WeightSyncEnds, policy_weights
 
 ROLES = ("actor", "rollout", "ref")
@@ -92,7 +98,9 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
             announce  # print what this worker did (a role in its own process, as the tutorial logs)
         )
         self.module = self.ref_module = self.engine = self.rollout = None
-        self.actor_sp = self.ref_sp = None  # sequence-parallel groups (ulysses_sequence_parallel_size > 1)
+        # sequence-parallel groups (ulysses_sequence_parallel_size > 1)
+        self.actor_sp: SequenceParallel | None = None
+        self.ref_sp: SequenceParallel | None = None
         self.mailbox: WeightMailbox | None = None  # a rollout-only worker's weight versions (async runs)
         self.rollout_mode = rollout_mode
         self.weights_received = 0  # weight updates a rollout-only worker was sent
@@ -179,7 +187,7 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
         elif self._is_ref:  # LoRA: the reference is the actor's module with the adapter off
             self.ref_sp = self._sequence_parallel(self.module, ref.ulysses_sequence_parallel_size, "ref")
 
-    def _sequence_parallel(self, module: torch.nn.Module, size: int, role: str) -> Any:
+    def _sequence_parallel(self, module: torch.nn.Module, size: int, role: str) -> SequenceParallel | None:
         """This rank's Ulysses group for ``role`` (None for size 1), with ``module`` made able to use it."""
         key = f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size"
         sp = sequence_parallel(size, key)
@@ -249,7 +257,7 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
         with_entropy: bool,
         micro_batch_size: int,
         max_token_len: int | None,
-        sp: Any = None,
+        sp: SequenceParallel | None = None,
     ) -> tuple[torch.Tensor, Any]:
         """Log-probs without gradients: ``micro_batch_size`` rows, or ``max_token_len`` tokens, a forward.
         ``sp``: a Ulysses group, whose ranks score their rows together (a token budget per rank: x its size)."""
