@@ -177,11 +177,12 @@ class SyncStats:
     load_s: float = 0.0
     bytes: int = 0
     buckets: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, float]:
-        fields = ("gather_s", "transfer_s", "load_s", "bytes", "buckets")
-        return {**{name: float(getattr(self, name)) for name in fields}, **self.extra}
+        return {
+            name: float(getattr(self, name))
+            for name in ("gather_s", "transfer_s", "load_s", "bytes", "buckets")
+        }
 
 
 class WeightLink:
@@ -197,7 +198,7 @@ class WeightLink:
 
     def __init__(self, address: LinkAddress, member: int, device: torch.device, timeout_s: float = 600.0):
         timeout = timedelta(seconds=timeout_s)
-        self.member, self.size, self.device = member, address.size, device
+        self.device = device
         store = dist.TCPStore(
             address.host, address.port, address.size, member == 0, timeout=timeout, wait_for_workers=False
         )
@@ -261,9 +262,6 @@ class WeightLink:
             stats.load_s += time.perf_counter() - start
             stats.bytes += flat.numel() * flat.element_size()
             stats.buckets += 1
-
-    def close(self) -> None:
-        self.group = None
 
 
 @dataclass
