@@ -80,6 +80,10 @@ def test_checksums_see_values_and_places():
     assert checksum([a, b]) != checksum([b, a])  # the same tensors under each other's names
     assert checksum([a]) != checksum([a + 1e-7])  # one bit off
     assert checksum([a.bfloat16()]) == checksum([a.bfloat16()])
+    odd = torch.arange(
+        7.0
+    )  # a view that starts mid-word, and one of odd length: the values decide, not the layout
+    assert checksum([odd[1:]]) == checksum([odd[1:].clone()]) and checksum([odd]) == checksum([odd.clone()])
     with pytest.raises(WeightSyncError, match="after loading weight version 3"):
         verify_loaded([a], checksum([a + 1]), 3, "rollout worker rank 0")
 
