@@ -338,14 +338,21 @@ def _weight_sync_one_gpu(out: str) -> int:
     from weight_sync import memcpy_floor
 
     from hybridflow.models import resolve_model_path
-    from hybridflow.workers.weight_sync import SyncStats, _buckets, policy_weights
+    from hybridflow.workers.weight_link import SyncStats, _buckets
+    from hybridflow.workers.weight_sync import policy_weights
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path("default"), dtype=torch.float32).cuda()
+
+    def _new_bucket(index: int, dtype: torch.dtype, count: int) -> torch.Tensor:  # as a link over nccl fills
+        return torch.empty(count, dtype=dtype, device="cuda")
+
     times, nbytes = [], 0
     for _ in range(3):
         torch.cuda.synchronize()
         start, nbytes = time.perf_counter(), 0
-        for bucket in _buckets(policy_weights(model), 64 * 2**20, SyncStats()):  # copied and checksummed
+        for bucket in _buckets(
+            policy_weights(model), 64 * 2**20, SyncStats(), _new_bucket
+        ):  # copied and checksummed
             nbytes += bucket.flat.numel() * bucket.flat.element_size()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)

@@ -2,10 +2,9 @@
 own copy of the model (vLLM in the actor's process, or a rollout worker in another process).
 
 ``WeightMailbox`` is the receiving end of an asynchronous run: versions posted while the rollout generates.
-``WeightLink`` moves them between processes without the driver: a ``torch.distributed`` process group of its
-own between the actor's rank 0 and the rollout workers (gloo on CPU, nccl on GPU), over which the weights
-stream in buckets of ``rollout.weight_sync_bucket_mb``, each gathered from the FSDP2 shards while the one before
-is in flight, and each checked on arrival (``checksum``) and after it is loaded (``verify_loaded``).
+``WeightSyncEnds`` are the worker's methods that move them: over a ``weight_link.WeightLink`` between processes
+on Ray (never through the driver, in buckets of ``rollout.weight_sync_bucket_mb``, each load checked against
+the trainer's checksum), as arrays within one process on the local backend.
 
 Why one small module: every path that moves weights out of the trainer (in-memory sync into vLLM after
 each update, the link to a split rollout worker) reads them through ``policy_weights``, so a
@@ -14,24 +13,24 @@ sharded or adapter-wrapped actor only has to change this one function to gather 
 
 from __future__ import annotations
 
-import json
-import socket
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from datetime import timedelta
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from hybridflow.config import ActorRolloutRefConfig
 from hybridflow.single_controller import Dispatch, register
-from hybridflow.utils.errors import UserError
 from hybridflow.workers.sharding import full_weights, is_lora
-
-Named = list[tuple[str, torch.Tensor]]
+from hybridflow.workers.weight_link import (
+    LinkAddress,
+    Named,
+    WeightLink,
+    WeightSyncError,
+    checksum,
+    link_address,
+    verify_loaded,
+)
 
 
 def policy_weights(module: torch.nn.Module, adapter_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -116,243 +115,6 @@ class WeightMailbox:
         self._load(weights, newest)
         self.version = newest
         return True
-
-
-# ------------------------------------------------------------------------------------------ checks
-class WeightSyncError(UserError):
-    """A rollout engine does not hold the weights the trainer sent: one line naming the version, and the run
-    stops (an engine that silently kept old weights trains on samples of a policy nobody is updating)."""
-
-
-def checksum(tensors: Iterable[torch.Tensor]) -> int:
-    """An exact fingerprint of tensors' bits, in order: the sum of each tensor's raw bits as integers, each
-    weighted by its place (a tensor loaded under another name changes it). Cheap: one read of each tensor."""
-    return sum(place * _bits_sum(tensor) for place, tensor in enumerate(tensors, 1))
-
-
-def _bits_sum(tensor: torch.Tensor) -> int:
-    """The tensor's bytes read as integers and summed with wrap-around (so in any order, exactly): as 8-byte
-    words when its size is a whole number of them (as fast as reading them; widening narrower words as they
-    are summed is 20x slower), else as words of the element's width. Depends on the values only."""
-    flat = tensor.detach().contiguous().reshape(-1)
-    width = flat.element_size()
-    if (flat.numel() * width) % 8 == 0:  # the words line up unless the tensor starts mid-word: then a copy
-        words = flat if (flat.storage_offset() * width) % 8 == 0 else flat.clone()
-        return int(words.view(torch.int64).sum())
-    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[width]
-    return int(flat.view(bits).sum(dtype=bits))
-
-
-def verify_loaded(held: Iterable[torch.Tensor], expected: int, version: int, where: str) -> None:
-    """``WeightSyncError`` unless the tensors the engine holds now (``held``, read back after loading) have the
-    ``checksum`` the trainer computed for weight ``version``."""
-    found = checksum(held)
-    if found != expected:
-        raise WeightSyncError(
-            f"{where}: after loading weight version {version} its model does not hold the weights the trainer "
-            f"sent (checksum {found} where the trainer's is {expected}): the weights did not reach the engine"
-        )
-
-
-# ------------------------------------------------------------------------------------------ the link
-@dataclass(frozen=True)
-class LinkAddress:
-    """Where a ``WeightLink`` meets: the sender's host and a free port there; ``size`` members (the sender
-    and every receiver); ``backend`` gloo or nccl."""
-
-    host: str
-    port: int
-    size: int
-    backend: str
-
-
-def link_address(size: int, device: torch.device) -> LinkAddress:
-    """A meeting point on this machine (the sender's) for a link of ``size`` members."""
-    host = socket.gethostbyname(socket.gethostname())
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        port = sock.getsockname()[1]
-    return LinkAddress(host, port, size, "nccl" if device.type == "cuda" else "gloo")
-
-
-@dataclass
-class SyncStats:
-    """What one sync cost on one member: seconds waiting for tensors (the sender's gather from the shards),
-    in transfers, and loading (a receiver's copies into its model), the bytes moved, the buckets."""
-
-    gather_s: float = 0.0
-    transfer_s: float = 0.0
-    load_s: float = 0.0
-    bytes: int = 0
-    buckets: int = 0
-
-    def as_dict(self) -> dict[str, float]:
-        return {
-            name: float(getattr(self, name))
-            for name in ("gather_s", "transfer_s", "load_s", "bytes", "buckets")
-        }
-
-
-class WeightLink:
-    """A process group of its own between the actor's rank 0 (member 0, the sender) and the rollout workers
-    (members 1..), formed when the run starts (``LinkAddress``: the sender's store; every member must construct
-    it at the same time, which blocks until all have). The driver only tells both ends to run ``send`` and
-    ``receive`` together; the weights never pass through it.
-
-    The stream: for each bucket (tensors of one dtype, about ``bucket_bytes``, a tensor never split), a header
-    (names, shapes, the bucket's ``checksum``) and the bucket flat. The sender's broadcasts are asynchronous,
-    so the next bucket is gathered while this one travels and is loaded; at most two buckets are alive on
-    either side."""
-
-    def __init__(self, address: LinkAddress, member: int, device: torch.device, timeout_s: float = 600.0):
-        timeout = timedelta(seconds=timeout_s)
-        self.device = device
-        store = dist.TCPStore(
-            address.host, address.port, address.size, member == 0, timeout=timeout, wait_for_workers=False
-        )
-        make = dist.ProcessGroupNCCL if address.backend == "nccl" else dist.ProcessGroupGloo
-        self.group = (
-            make(store, member, address.size, timeout)
-            if address.backend == "gloo"
-            else make(store, member, address.size)
-        )
-
-    def _broadcast(self, tensor: torch.Tensor) -> dist.Work:
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        return self.group.broadcast([tensor], options)
-
-    def send(self, weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> SyncStats:
-        """Stream ``weights`` (a generator that may gather as it goes) to every receiver."""
-        stats, in_flight = SyncStats(), None
-        for bucket in _buckets(weights, bucket_bytes, stats):
-            header = bucket.header().to(self.device)
-            works = [self._broadcast(t) for t in (_length(len(header), self.device), header, bucket.flat)]
-            stats.bytes += bucket.flat.numel() * bucket.flat.element_size()
-            stats.buckets += 1
-            if in_flight is not None:  # the bucket before: done before a third is filled
-                stats.transfer_s += _wait(in_flight[0])
-            in_flight = (works, bucket, header)
-        if in_flight is not None:
-            stats.transfer_s += _wait(in_flight[0])
-        stats.transfer_s += _wait([self._broadcast(_length(0, self.device))])
-        return stats
-
-    def receive(self, load: Callable[[Named, int], None]) -> SyncStats:
-        """Take every bucket the sender streams; ``load(named, checksum)`` puts each into the engine (or keeps
-        it) as it arrives, ``checksum`` the sender's for the bucket's tensors (what the engine must end up
-        holding). A ``WeightSyncError`` of ``load`` is raised once the stream has ended (the sender is not left
-        waiting)."""
-        stats, failure = SyncStats(), None
-        while True:
-            start = time.perf_counter()
-            length = _length(0, self.device)
-            self._broadcast(length).wait()
-            if not int(length.item()):
-                stats.transfer_s += time.perf_counter() - start
-                if failure is not None:
-                    raise failure
-                return stats
-            header = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
-            self._broadcast(header).wait()
-            names, shapes, dtype, expected = json.loads(header.cpu().numpy().tobytes())
-            flat = torch.empty(
-                sum(_numel(s) for s in shapes), dtype=getattr(torch, dtype), device=self.device
-            )
-            self._broadcast(flat).wait()
-            stats.transfer_s += time.perf_counter() - start
-            start = time.perf_counter()
-            if failure is None:
-                try:
-                    load(list(zip(names, _views(flat, shapes))), expected)
-                except WeightSyncError as error:
-                    failure = error
-            stats.load_s += time.perf_counter() - start
-            stats.bytes += flat.numel() * flat.element_size()
-            stats.buckets += 1
-
-
-@dataclass
-class Bucket:
-    """Tensors of one dtype laid end to end in ``flat``, with their names and shapes, and their ``checksum``."""
-
-    flat: torch.Tensor
-    names: list[str] = field(default_factory=list)
-    shapes: list[tuple[int, ...]] = field(default_factory=list)
-    checksum: int = 0
-    used: int = 0  # elements of ``flat`` filled
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        count = tensor.numel()
-        self.flat[self.used : self.used + count].copy_(tensor.reshape(-1))
-        self.names.append(name)
-        self.shapes.append(tuple(tensor.shape))
-        self.checksum += len(self.names) * _bits_sum(tensor)
-        self.used += count
-
-    def header(self) -> torch.Tensor:
-        dtype = str(self.flat.dtype).removeprefix("torch.")
-        raw = json.dumps([self.names, self.shapes, dtype, self.checksum]).encode()
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-
-
-def _buckets(
-    weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, stats: SyncStats
-) -> Iterator[Bucket]:
-    """``weights`` in buckets of one dtype and at most ``bucket_bytes`` (a larger tensor travels alone), each
-    tensor copied into its bucket as it comes, so a gathered tensor is dropped at once; the time spent waiting
-    for the next tensor (the gather from the shards) goes to ``stats.gather_s``."""
-    bucket: Bucket | None = None
-    iterator = iter(weights)
-    while True:
-        start = time.perf_counter()
-        item = next(iterator, None)
-        stats.gather_s += time.perf_counter() - start
-        if item is None:
-            break
-        name, tensor = item
-        room = 0 if bucket is None else bucket.flat.numel() - bucket.used
-        if (
-            bucket is not None
-            and bucket.used
-            and (tensor.numel() > room or tensor.dtype != bucket.flat.dtype)
-        ):
-            yield _trimmed(bucket)
-            bucket = None
-        if bucket is None:
-            capacity = max(bucket_bytes // tensor.element_size(), tensor.numel())
-            bucket = Bucket(torch.empty(capacity, dtype=tensor.dtype, device=tensor.device))
-        bucket.add(name, tensor)
-    if bucket is not None and bucket.used:
-        yield _trimmed(bucket)
-
-
-def _trimmed(bucket: Bucket) -> Bucket:
-    bucket.flat = bucket.flat[: bucket.used]
-    return bucket
-
-
-def _length(value: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor([value], dtype=torch.int64, device=device)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return int(np.prod(shape, dtype=np.int64)) if shape else 1
-
-
-def _views(flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> Iterator[torch.Tensor]:
-    offset = 0
-    for shape in shapes:
-        count = _numel(shape)
-        yield flat[offset : offset + count].view(shape)
-        offset += count
-
-
-def _wait(works: list[dist.Work]) -> float:
-    start = time.perf_counter()
-    for work in works:
-        work.wait()
-    return time.perf_counter() - start
 
 
 # ------------------------------------------------------------------------------------------ the workers' ends
@@ -467,7 +229,12 @@ class WeightSyncEnds:
         worker ``r`` as member ``r + 1``; the actor's other ranks only help gather. Blocks until every member
         has joined, so the trainer calls it on both groups at once."""
         member = (0 if self.rank == 0 else None) if self._is_actor else 1 + self.rank
-        self.weight_link = None if member is None else WeightLink(address, member, self.device)
+        if member is None:
+            self.weight_link = None
+            return
+        largest = max(t.numel() * t.element_size() for t in self.module.state_dict().values())
+        bucket = self.config.rollout.weight_sync_bucket_mb * MB
+        self.weight_link = WeightLink(address, member, self.device, bucket, largest if member == 0 else 0)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def send_weights(self) -> dict[str, float] | None:
@@ -479,7 +246,7 @@ class WeightSyncEnds:
             for _ in weights:  # each tensor gathered with rank 0, then dropped
                 pass
             return None
-        return self.weight_link.send(weights, self.config.rollout.weight_sync_bucket_mb * MB).as_dict()
+        return self.weight_link.send(weights).as_dict()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def receive_weights(self, version: int, staged: bool) -> dict[str, float]:
@@ -495,10 +262,12 @@ class WeightSyncEnds:
             return stats.as_dict()
         kept: Named = []
 
-        def keep(named: Named, expected: int) -> None:  # arrived intact: kept until the version is used
+        def keep(
+            named: Named, expected: int
+        ) -> None:  # arrived intact: copied, kept until the version is used
             if checksum(t for _, t in named) != expected:
                 raise WeightSyncError(f"{self._where()}: weight version {version} arrived damaged")
-            kept.extend(named)
+            kept.extend((name, tensor.clone()) for name, tensor in named)
 
         self._require(self.mailbox, "rollout", "receive_weights(staged=True)")
         stats = self.weight_link.receive(keep)

@@ -3,33 +3,29 @@ over a gloo group of their own, in buckets, and land bit for bit in the receiver
 model does not take what arrived stops naming the weight version; checksums tell tensors apart by place."""
 
 import socket
+from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-from hybridflow.workers.weight_sync import (
-    LinkAddress,
-    WeightLink,
-    WeightSyncError,
-    checksum,
-    load_in_place,
-    policy_weights,
-    verify_loaded,
-)
+from hybridflow.workers.weight_link import LinkAddress, WeightLink, WeightSyncError, checksum, verify_loaded
+from hybridflow.workers.weight_sync import load_in_place, policy_weights
 
 
-def _member(member, address, path, out, broken):
+def _member(member, address, path, out, broken, shared):
     torch.set_num_threads(1)
-    link = WeightLink(address, member, torch.device("cpu"), timeout_s=60)
+    link = WeightLink(
+        address, member, torch.device("cpu"), 64 * 1024, 2**20, timeout_s=60, shared_memory=shared
+    )
     torch.manual_seed(member)
     model = AutoModelForCausalLM.from_pretrained(path)
     if member == 0:  # the trainer's weights: the checkpoint's, changed
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.01)
-        stats = link.send(policy_weights(model), bucket_bytes=64 * 1024)
+        stats = link.send(policy_weights(model))
     else:
         state = model.state_dict()
 
@@ -43,21 +39,27 @@ def _member(member, address, path, out, broken):
         except WeightSyncError as error:
             torch.save({"error": str(error)}, f"{out}/{member}.pt")
             return
-    torch.save({"stats": stats.as_dict(), "weights": dict(model.state_dict())}, f"{out}/{member}.pt")
+    record = {"stats": stats.as_dict(), "weights": dict(model.state_dict()), "segments": len(link.segments)}
+    torch.save(record, f"{out}/{member}.pt")
 
 
-def _stream(path, out, broken=False):
+def _stream(path, out, broken=False, shared=True):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     address = LinkAddress("127.0.0.1", port, 3, "gloo")
-    mp.start_processes(_member, args=(address, path, str(out), broken), nprocs=3, start_method="fork")
+    mp.start_processes(_member, args=(address, path, str(out), broken, shared), nprocs=3, start_method="fork")
     return [torch.load(out / f"{m}.pt") for m in range(3)]
 
 
-def test_weights_stream_in_buckets_to_every_receiver(tiny_model_path, tmp_path):
-    sender, *receivers = _stream(tiny_model_path, tmp_path)
+@pytest.mark.parametrize("shared", [True, False], ids=["shared memory", "over gloo"])
+def test_weights_stream_in_buckets_to_every_receiver(tiny_model_path, tmp_path, shared):
+    sender, *receivers = _stream(tiny_model_path, tmp_path, shared=shared)
     sent = sender["weights"]
+    assert sender["segments"] == (
+        2 if shared else 0
+    )  # all three on one machine: shared memory, unless told not
+    assert not list(Path("/dev/shm").glob("hybridflow-weights-*"))  # unlinked once every member mapped them
     assert sender["stats"]["buckets"] > 3  # 64 KiB buckets: the tiny model's ~1 MB goes in several
     assert sender["stats"]["bytes"] == sum(t.numel() * t.element_size() for t in sent.values())
     for receiver in receivers:
