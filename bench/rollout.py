@@ -29,8 +29,9 @@ import torch
 from hybridflow.config.schema import RolloutConfig
 from hybridflow.data import RLHFDataset, collate_fn
 from hybridflow.data.prepare import main as prepare_data
+from hybridflow.rollout import EngineSpec, response_mask_from
 from hybridflow.workers.modeling import load_model, load_tokenizer, model_location
-from hybridflow.workers.rollout import HFRollout, build_rollout, response_mask_from
+from hybridflow.workers.rollout import HFRollout, build_rollout
 from hybridflow.workers.rollout.hf_rollout import common_prefix_length
 
 
@@ -148,7 +149,8 @@ def main() -> None:
     width = ids.shape[1]
     if importlib.util.find_spec("vllm"):
         config = RolloutConfig(name="vllm", n=args.n, temperature=0.7, max_model_len=width + args.new_tokens)
-        engine = build_rollout(config, model, tokenizer, args.new_tokens, model_location(args.model))
+        spec = EngineSpec(config, model, tokenizer, args.new_tokens, model_location(args.model), seed=0)
+        engine = build_rollout(spec)
         engines["hybridflow VLLMRollout (vLLM CPU build)"] = lambda: int(
             engine.generate_sequences(prompts).batch["response_mask"].sum()
         )

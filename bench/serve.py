@@ -31,6 +31,7 @@ from hybridflow.config.schema import RolloutConfig
 from hybridflow.data.dataset import left_pad
 from hybridflow.models import make_tiny_model, resolve_model_path
 from hybridflow.protocol import DataProto
+from hybridflow.rollout import Rollout
 from hybridflow.serving import PolicyServer
 from hybridflow.workers.rollout import HFRollout
 
@@ -46,7 +47,7 @@ def batch_of(rows: list[list[int]], pad: int, tokens: int) -> DataProto:
     )
 
 
-class InstantEngine:
+class InstantEngine(Rollout):
     """The rollout contract with no model: ``response_length`` copies of one token. Served through it, a
     call costs only what the server, HTTP and the client add."""
 

@@ -62,7 +62,9 @@ async def run(client, sample: dict) -> dict:
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     answer = messages[-1].get("content") or ""
     info = {**sample["extra_info"], "tool_calls": [{"calls": calls}]}
-    return compute_score(answer, sample["ground_truth"], info)
+    return compute_score(
+        answer, sample["reward_model"]["ground_truth"], info
+    )  # the row, as the file holds it
 
 
 def main(out_dir: Path, model: str = "tiny", steps: int = 2) -> dict:
@@ -77,6 +79,7 @@ def main(out_dir: Path, model: str = "tiny", steps: int = 2) -> dict:
         f"data.val_files={data / 'test.parquet'}",
         f"actor_rollout_ref.rollout.served_agent.path={Path(__file__).resolve()}",
         "actor_rollout_ref.rollout.served_agent.name=run",
+        "custom_reward_function.path=null",  # the agent's return value is the reward
         "data.max_prompt_length=320",
         "data.max_response_length=256",
         "data.shuffle=false",

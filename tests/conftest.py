@@ -105,3 +105,52 @@ def arithmetic_data(tmp_path_factory) -> Callable[[int, int], Path]:
 def data_dir(arithmetic_data) -> Path:
     """The arithmetic task: 64 training and 8 test prompts (parquet), seeded."""
     return arithmetic_data(64, 8)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory) -> Callable[[str], str]:
+    """``tiny_vlm(family)``: the folder of a tiny random vision-language model of ``family`` (qwen2_vl,
+    qwen2_5_vl, qwen3_vl, llava), built once per session."""
+    from hybridflow.models.tiny import make_tiny_vlm
+
+    built: dict[str, str] = {}
+
+    def make(family: str = "qwen2_vl") -> str:
+        if family not in built:
+            built[family] = make_tiny_vlm(tmp_path_factory.mktemp(family) / "model", family)
+        return built[family]
+
+    return make
+
+
+def _plain_log_probs(model, data: DataProto, grad: bool = False) -> list[torch.Tensor]:
+    """Each row of a rollout-laid-out batch alone through the model's own forward, the model computing its own
+    positions (Qwen's 3-D ones from ``mm_token_type_ids`` and the images): the log-probs of the row's response
+    tokens (image placeholders never written), one tensor per row. What every optimised path (packing,
+    batching, the rollout's cache) must equal."""
+    from hybridflow.models.vision import model_image_inputs, placeholder_token_ids, without_placeholders
+
+    length = data.batch["responses"].shape[1]
+    images = data.non_tensor_batch.get("image_inputs", [()] * len(data))
+    out = []
+    for r in range(len(data)):
+        mask = data.batch["attention_mask"][r].bool()
+        prompt = data.batch["input_ids"][r, :-length][mask[:-length]]
+        response = data.batch["responses"][r][mask[-length:]]
+        ids = torch.cat([prompt, response])[None]
+        kwargs = model_image_inputs(list(images[r]), "cpu")
+        if "image_grid_thw" in kwargs:
+            kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+        with torch.set_grad_enabled(grad):
+            logits = model(input_ids=ids, **kwargs).logits[0].float()
+        logits = without_placeholders(logits, placeholder_token_ids(model.config)).log_softmax(-1)
+        steps = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(response))
+        out.append(logits[steps, response])
+    return out
+
+
+@pytest.fixture(scope="session")
+def plain_log_probs():
+    """``plain_log_probs(model, data, grad=False)``: per row, the response's log-probs from the model's own
+    forward of that row alone (see ``_plain_log_probs``)."""
+    return _plain_log_probs

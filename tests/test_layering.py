@@ -16,10 +16,16 @@ TIERS: list[tuple[str, ...]] = [
     ("algorithms",),
     ("dataflow",),  # generic driver pieces; the config checks ask the replay sampler about its settings
     ("config",),  # the typed sections the workers and trainers read
-    ("single_controller", "rewards", "tools", "runs"),
+    (
+        "single_controller",
+        "rewards",
+        "tools",
+        "runs",
+        "rollout",
+    ),  # rollout: the engine contract, its registry
     ("data",),  # the offline task data judges the model's own samples with the rule scorers
-    ("workers",),
-    ("serving",),  # the OpenAI-compatible endpoint over a rollout engine, the served rollout
+    ("serving",),  # the OpenAI-compatible endpoint over any rollout, the served rollout (a rollout mode)
+    ("workers",),  # build the served rollout over their engine, as the agent loop
     ("trainer",),
     ("commands",),
 ]

@@ -1,4 +1,6 @@
-"""Advantage estimators (GAE, GRPO, RLOO, REINFORCE++, REINFORCE++ with baseline, ReMax) and their registry.
+"""Advantage estimators with a discounted return (GAE, REINFORCE++, ReMax) and ``compute_advantage``, which
+runs any registered estimator (the group-baseline ones are in ``group_advantages``, the registry in
+``estimators``).
 
 Shapes: token tensors are ``(bs, response_length)``; ``response_mask`` is 1 on response tokens (float or
 bool); ``index`` is a numpy array of ``bs`` hashable group ids (the prompt ``uid``: responses to the same
@@ -11,7 +13,10 @@ estimator's parameters are resolved BY NAME, in this order:
 1. the configuration passed to ``compute_advantage``: ``gamma``, ``lam``, ``norm_adv_by_std_in_grpo`` and
    any extra keyword argument (e.g. ``epsilon``); config a function does not name is ignored;
 2. ``data.batch[name]`` (e.g. ``token_level_rewards``, ``response_mask``, ``values``, ``reward_baselines``);
-3. ``data.non_tensor_batch[name]``; the parameter ``index`` reads ``data.non_tensor_batch["uid"]``.
+3. ``data.non_tensor_batch[name]``; the parameter ``index`` reads ``data.non_tensor_batch["uid"]``;
+4. a parameter named ``config`` gets the algorithm config as verl passes it (``config.gamma``,
+   ``config["norm_adv_by_std_in_grpo"]``, its ``get``: a ``ConfigView``), so an estimator written for verl runs
+   unchanged.
 
 A parameter with a default may be absent; a required one that is absent is a KeyError naming the key and
 the estimator. So a new estimator is one decorated function::
@@ -25,34 +30,26 @@ the estimator. So a new estimator is one decorated function::
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
-from hybridflow.algorithms.registry import Registry
+from hybridflow.algorithms.config_view import ConfigView
+from hybridflow.algorithms.estimators import (
+    AdvantageEstimator,
+    AdvEstimatorFn,
+    get_adv_estimator_fn,
+    register_adv_est,
+)
+from hybridflow.algorithms.group_advantages import broadcast_to_tokens
 from hybridflow.algorithms.utils import masked_whiten, sequence_to_token_scores
 
 if TYPE_CHECKING:
     from hybridflow.protocol import DataProto
 
-AdvEstimatorFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
-_ADV_ESTIMATORS: Registry[AdvEstimatorFn] = Registry("advantage estimator")
-
 # Estimator parameter name -> the data key it is read from, where the two differ.
 _PARAM_TO_KEY = {"index": "uid"}
-
-
-def register_adv_est(name: str) -> Callable[[AdvEstimatorFn], AdvEstimatorFn]:
-    """Decorator registering an advantage estimator under ``name`` (see the module docstring)."""
-    return _ADV_ESTIMATORS.register(name)
-
-
-def get_adv_estimator_fn(name: str) -> AdvEstimatorFn:
-    """The estimator registered as ``name``; ValueError listing the known names otherwise."""
-    return _ADV_ESTIMATORS.get(name)
 
 
 def _gae_recursion(
@@ -91,7 +88,7 @@ def _reward_to_go(
     return _gae_recursion(token_level_rewards, no_values, response_mask, gamma, lam=1.0)
 
 
-@register_adv_est("gae")
+@register_adv_est(AdvantageEstimator.GAE)
 def compute_gae_advantage_return(
     token_level_rewards: torch.Tensor,
     values: torch.Tensor,
@@ -111,118 +108,34 @@ def compute_gae_advantage_return(
         return masked_whiten(advantages, mask) * mask, returns
 
 
-def _group_ids(index: Any, bs: int) -> torch.Tensor:
-    """Dense group numbers ``(bs,)`` for arbitrary hashable ids, in order of first appearance."""
-    ids = list(index)  # not np.asarray: tuple ids would become a 2-D array
-    if len(ids) != bs:
-        raise ValueError(f"index has {len(ids)} group ids but the batch has {bs} rows")
-    dense: dict[Any, int] = {}
-    return torch.tensor([dense.setdefault(i, len(dense)) for i in ids], dtype=torch.long)
-
-
-def _sequence_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Outcome score per sequence ``(bs,)``: the sum of its response tokens' rewards."""
-    return (token_level_rewards * response_mask.to(token_level_rewards.dtype)).sum(dim=-1)
-
-
-def _group_stats(scores: torch.Tensor, index: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row ``(group mean, group std, group size)``, each ``(bs,)``, for ``scores`` ``(bs,)``.
-
-    The std is unbiased (like ``torch.std``). A group of one has no baseline to compare with: its mean is
-    reported as 0 and its std as 1, so its advantage is its raw score.
-    """
-    ids = _group_ids(index, scores.shape[0])
-    size = torch.bincount(ids).to(scores.dtype)
-    mean = torch.zeros_like(size).index_add_(0, ids, scores) / size
-    square_dev = torch.zeros_like(size).index_add_(0, ids, (scores - mean[ids]) ** 2)
-    std = (square_dev / (size - 1).clamp_min(1)).sqrt()
-    alone = size == 1
-    mean = torch.where(alone, 0.0, mean)
-    std = torch.where(alone, 1.0, std)
-    return mean[ids], std[ids], size[ids]
-
-
-def _broadcast_to_tokens(per_sequence: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """``(bs,) -> (bs, T)``: the sequence value on every response token, 0 on padding."""
-    return per_sequence.unsqueeze(-1) * response_mask.to(per_sequence.dtype)
-
-
-@register_adv_est("grpo")
-def compute_grpo_outcome_advantage(
+@register_adv_est(AdvantageEstimator.REINFORCE_PLUS_PLUS)
+def compute_reinforce_plus_plus_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
-    index: np.ndarray,
-    epsilon: float = 1e-6,
-    norm_adv_by_std_in_grpo: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO (Shao et al. 2024): each response's score compared with the other responses to its prompt.
-
-    ``A_i = (score_i - mean_group) / (std_group + epsilon)`` on every response token, where ``score_i``
-    is the sum of the token rewards. ``norm_adv_by_std_in_grpo=False`` gives Dr.GRPO (Liu et al. 2025),
-    which drops the std division because it over-weights groups with nearly equal scores.
-    Returns ``(advantages, returns)``, equal, ``(bs, T)``.
-    """
-    with torch.no_grad():
-        scores = _sequence_scores(token_level_rewards, response_mask)
-        mean, std, _ = _group_stats(scores, index)
-        centered = scores - mean
-        normalised = centered / (std + epsilon) if norm_adv_by_std_in_grpo else centered
-        advantages = _broadcast_to_tokens(normalised, response_mask)
-        return advantages, advantages.clone()
-
-
-@register_adv_est("rloo")
-def compute_rloo_outcome_advantage(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: np.ndarray
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """RLOO (Ahmadian et al. 2024): baseline = mean score of the OTHER responses to the same prompt.
-
-    ``A_i = score_i - (sum_group - score_i) / (n - 1)``; a response alone in its group keeps its score.
-    Leaving the response out keeps the baseline independent of it (an unbiased gradient estimate).
-    Returns ``(advantages, returns)``, equal, ``(bs, T)``.
-    """
-    with torch.no_grad():
-        scores = _sequence_scores(token_level_rewards, response_mask)
-        mean, _, size = _group_stats(scores, index)
-        others_mean = (size * mean - scores) / (size - 1).clamp_min(1)
-        baseline = torch.where(size > 1, others_mean, 0.0)
-        advantages = _broadcast_to_tokens(scores - baseline, response_mask)
-        return advantages, advantages.clone()
-
-
-@register_adv_est("reinforce_plus_plus")
-def compute_reinforce_plus_plus_outcome_advantage(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float
+    config: Mapping | None = None,
+    gamma: float | None = None,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025): discounted reward-to-go per token, whitened over the whole batch.
 
+    The discount is ``config.gamma`` as in verl (or ``gamma`` when there is no config).
     Returns ``(whitened advantages, discounted returns)``, both ``(bs, T)``, 0 on padding.
     """
+    gamma = config.gamma if config is not None else gamma
+    if gamma is None:
+        raise ValueError("reinforce_plus_plus needs a discount: pass config (with gamma) or gamma")
     with torch.no_grad():
         returns = _reward_to_go(token_level_rewards, response_mask, gamma)
         return masked_whiten(returns, response_mask) * response_mask.to(returns.dtype), returns
 
 
-@register_adv_est("reinforce_plus_plus_baseline")
-def compute_reinforce_plus_plus_baseline_outcome_advantage(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: np.ndarray
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++ with a group baseline: score minus its group mean, then whitened over the batch.
-
-    Unlike GRPO the scale comes from the whole batch, not from each group's std.
-    Returns ``(advantages, returns)``, equal, ``(bs, T)``.
-    """
-    with torch.no_grad():
-        scores = _sequence_scores(token_level_rewards, response_mask)
-        mean, _, _ = _group_stats(scores, index)
-        centered = _broadcast_to_tokens(scores - mean, response_mask)
-        advantages = masked_whiten(centered, response_mask) * response_mask.to(centered.dtype)
-        return advantages, advantages.clone()
-
-
-@register_adv_est("remax")
+@register_adv_est(AdvantageEstimator.REMAX)
 def compute_remax_outcome_advantage(
-    token_level_rewards: torch.Tensor, reward_baselines: torch.Tensor, response_mask: torch.Tensor
+    token_level_rewards: torch.Tensor,
+    reward_baselines: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: Mapping | None = None,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax (Li et al. 2023): reward-to-go minus the reward of the greedy response, no whitening.
 
@@ -231,12 +144,12 @@ def compute_remax_outcome_advantage(
     """
     with torch.no_grad():
         returns = _reward_to_go(token_level_rewards, response_mask, gamma=1.0)
-        baseline = _broadcast_to_tokens(reward_baselines.reshape(-1).to(returns.dtype), response_mask)
+        baseline = broadcast_to_tokens(reward_baselines.reshape(-1).to(returns.dtype), response_mask)
         return returns - baseline, returns
 
 
 def _estimator_inputs(
-    fn: AdvEstimatorFn, name: str, data: DataProto, config: dict[str, Any]
+    fn: AdvEstimatorFn, name: str, data: DataProto, config: dict[str, Any], view: ConfigView
 ) -> dict[str, Any]:
     """Keyword arguments for estimator ``fn``, resolved by parameter name (see the module docstring)."""
     batch_keys = set(data.batch.keys()) if data.batch is not None else set()
@@ -247,6 +160,8 @@ def _estimator_inputs(
         key = _PARAM_TO_KEY.get(param.name, param.name)
         if param.name in config:
             kwargs[param.name] = config[param.name]
+        elif param.name == "config":
+            kwargs[param.name] = view
         elif key in batch_keys:
             kwargs[param.name] = data.batch[key]
         elif key in data.non_tensor_batch:
@@ -278,28 +193,45 @@ def _place_sequence_rewards(data: DataProto) -> None:
         )
 
 
+def compute_response_mask(data: DataProto) -> torch.Tensor:
+    """``(bs, response_length)``: the part of ``attention_mask`` (prompt + response) over ``responses``."""
+    keys = set(data.batch.keys()) if data.batch is not None else set()
+    if not {"responses", "attention_mask"} <= keys:
+        raise KeyError(
+            f"response_mask is missing and cannot be derived without responses and attention_mask; data.batch has {sorted(keys)}"
+        )
+    return data.batch["attention_mask"][:, -data.batch["responses"].shape[1] :]
+
+
 def compute_advantage(
     data: DataProto,
-    adv_estimator: str,
+    adv_estimator: str | AdvantageEstimator,
     gamma: float = 1.0,
     lam: float = 1.0,
+    num_repeat: int = 1,
     norm_adv_by_std_in_grpo: bool = True,
+    config: Any = None,
     **kw: Any,
 ) -> DataProto:
-    """Run the estimator registered as ``adv_estimator`` on ``data`` and store its outputs.
+    """Run the estimator registered as ``adv_estimator`` on ``data`` and store its outputs (verl's
+    ``ray_trainer.compute_advantage``, same arguments; ``num_repeat`` is accepted and unused, as in verl).
 
     Reads ``token_level_rewards`` ``(bs, T)`` (or one reward per sequence ``(bs,)``, which is placed on each
     row's last response token, the usual rule, and stored back as ``(bs, T)``), ``response_mask`` ``(bs, T)``
-    and whatever else the
-    estimator names (``values``, ``reward_baselines``, ``index`` = ``non_tensor_batch["uid"]``); ``kw`` is
-    extra estimator configuration (e.g. ``epsilon``). Writes ``advantages`` and ``returns`` ``(bs, T)`` into
-    ``data.batch`` and returns ``data``. Raises ValueError for an unknown estimator and KeyError for a
+    (derived from ``attention_mask`` and ``responses`` when absent, as verl does) and whatever else the
+    estimator names (``values``, ``reward_baselines``, ``index`` = ``non_tensor_batch["uid"]``). ``config``
+    (the algorithm section: a dataclass or dict) reaches estimators that take a ``config`` parameter; ``kw``
+    is extra estimator configuration (e.g. ``epsilon``). Writes ``advantages`` and ``returns`` ``(bs, T)``
+    into ``data.batch`` and returns ``data``. Raises ValueError for an unknown estimator and KeyError for a
     missing input.
     """
     fn = get_adv_estimator_fn(adv_estimator)
+    if data.batch is not None and "response_mask" not in data.batch.keys():
+        data.batch["response_mask"] = compute_response_mask(data)
     _place_sequence_rewards(data)
-    config = {"gamma": gamma, "lam": lam, "norm_adv_by_std_in_grpo": norm_adv_by_std_in_grpo, **kw}
-    advantages, returns = fn(**_estimator_inputs(fn, adv_estimator, data, config))
+    settings = {"gamma": gamma, "lam": lam, "norm_adv_by_std_in_grpo": norm_adv_by_std_in_grpo, **kw}
+    view = ConfigView(config) if config is not None else ConfigView(settings)
+    advantages, returns = fn(**_estimator_inputs(fn, str(adv_estimator), data, settings, view))
     data.batch["advantages"] = advantages
     data.batch["returns"] = returns
     return data

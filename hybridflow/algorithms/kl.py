@@ -46,14 +46,34 @@ def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
     return (ref_over_policy.exp() - ref_over_policy - 1).clamp(-10.0, 10.0)
 
 
-def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
+def kl_penalty_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
     """Per-token KL estimate between policy and reference: ``(bs, T), (bs, T) -> (bs, T)``.
 
     ``kl_penalty`` is one of "k1"/"kl" (``logprob - ref_logprob``), "abs", "k2"/"mse"
     (``0.5 * (logprob - ref_logprob)^2``), "k3"/"low_var_kl" (``exp(ref - logprob) - (ref - logprob) - 1``,
-    clamped to [-10, 10]); anything else is a ValueError listing them.
+    clamped to [-10, 10]); anything else is a ValueError listing them (verl's "full", which needs the whole
+    vocabulary's log-probabilities, is not provided: verl does not implement it either).
     """
     return _KL_ESTIMATORS.get(kl_penalty)(logprob - ref_logprob)
+
+
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
+    """``kl_penalty_forward``, plus verl's straight-through variants: a name ending in "+" ("k1+", "k3+", ...)
+    has the value of its estimator and the gradient of k2, ``0.5 * (logprob - ref_logprob)^2``, whose
+    expected gradient is the true KL's (k1's and k3's are not, though their values are unbiased)."""
+    base = kl_penalty.removesuffix("+")
+    forward = kl_penalty_forward(logprob, ref_logprob, base)
+    if base == kl_penalty or base in ("k2", "mse"):
+        return forward
+    backward = 0.5 * (logprob - ref_logprob).square()
+    return backward - backward.detach() + forward.detach()
+
+
+def compute_rewards(
+    token_level_scores: torch.Tensor, old_log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_ratio: float
+) -> torch.Tensor:
+    """Token rewards with a k1 KL penalty: ``scores - kl_ratio * (old_log_prob - ref_log_prob)``, ``(bs, T)``."""
+    return token_level_scores - kl_ratio * (old_log_prob - ref_log_prob)
 
 
 class KLController(Protocol):
@@ -96,10 +116,30 @@ class AdaptiveKLController:
         self.value *= 1 + proportional_error * n_steps / self.horizon
 
 
+class KLControlSettings(Protocol):
+    """What verl's ``get_kl_controller`` reads from ``algorithm.kl_ctrl``."""
+
+    type: str
+    kl_coef: float
+    target_kl: float
+    horizon: float
+
+
 def get_kl_controller(
-    kl_ctrl_type: str, kl_coef: float, target_kl: float | None = None, horizon: float | None = None
+    kl_ctrl_type: str | KLControlSettings,
+    kl_coef: float | None = None,
+    target_kl: float | None = None,
+    horizon: float | None = None,
 ) -> KLController:
-    """Build the controller named ``kl_ctrl_type``: "fixed" or "adaptive" (which needs target_kl, horizon)."""
+    """Build the controller named ``kl_ctrl_type``: "fixed" or "adaptive" (which needs target_kl, horizon).
+    verl's call, ``get_kl_controller(config.algorithm.kl_ctrl)``, passes the section itself: its ``type``,
+    ``kl_coef``, ``target_kl`` and ``horizon`` are read from it."""
+    if not isinstance(kl_ctrl_type, str):
+        section = kl_ctrl_type
+        kl_ctrl_type, kl_coef = section.type, section.kl_coef
+        target_kl, horizon = section.target_kl, section.horizon
+    if kl_coef is None:
+        raise ValueError(f"{kl_ctrl_type} KL controller needs kl_coef")
     if kl_ctrl_type == "fixed":
         return FixedKLController(kl_coef)
     if kl_ctrl_type == "adaptive":

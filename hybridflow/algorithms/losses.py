@@ -1,55 +1,145 @@
 """Losses of the actor (policy gradient, supervised NLL) and the critic, and how token losses are averaged.
 
 Token tensors are ``(bs, response_length)``; ``response_mask`` is 1 on response tokens (float or bool).
-Policy losses are chosen by name through ``get_policy_loss_fn``; every registered one accepts the same
-keyword arguments so the actor can call any of them the same way::
+Policy losses are chosen by name through ``get_policy_loss_fn`` and are called as verl calls them::
 
-    pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = get_policy_loss_fn(name)(
+    pg_loss, pg_metrics = get_policy_loss_fn(name)(
         old_log_prob=..., log_prob=..., advantages=..., response_mask=..., loss_agg_mode=...,
-        cliprange=..., cliprange_low=..., cliprange_high=..., clip_ratio_c=...)
+        config=actor_config, rollout_is_weights=None)
+
+``config`` is the actor section (read as ``config.clip_ratio``, ``config.clip_ratio_c``,
+``config.global_batch_info``: the actor passes a ``ConfigView``), ``pg_metrics`` a dict of floats
+(``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``). ``register_policy_loss`` also takes
+a function in hybridflow's keyword form, ``fn(old_log_prob, log_prob, advantages, response_mask,
+loss_agg_mode, cliprange, cliprange_low, cliprange_high, clip_ratio_c) -> (pg_loss, pg_clipfrac, ppo_kl,
+pg_clipfrac_lower)`` (a function without a ``config`` parameter; ``compute_policy_loss`` is one), and
+registers it wrapped into the form above.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
+from hybridflow.algorithms.config_view import ConfigView
 from hybridflow.algorithms.registry import Registry
-from hybridflow.algorithms.utils import masked_mean
+from hybridflow.algorithms.utils import entropy_from_logits, masked_mean
 
-PolicyLossFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+KeywordPolicyLossFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
-_POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+_POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", on_conflict="replace")
+
+#: verl's name for the registry: a live dict, name -> policy loss in verl's form.
+POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = _POLICY_LOSSES.entries
 
 # Log-ratios beyond this are numerically meaningless and would overflow exp().
 _MAX_LOG_RATIO = 20.0
+_AGG_MODES = ["seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-mean"]
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator registering a policy loss under ``name``; it must accept the module's common keywords."""
-    return _POLICY_LOSSES.register(name)
+    """Decorator registering a policy loss under ``name`` (verl's form, or hybridflow's keyword form: see the
+    module docstring). A different function under a taken name replaces it, as in verl, with a warning."""
+    return _POLICY_LOSSES.register(name, adapt=_verl_form)
 
 
 def get_policy_loss_fn(name: str) -> PolicyLossFn:
-    """The policy loss registered as ``name``; ValueError listing the known names otherwise."""
+    """The policy loss registered as ``name`` (in verl's form); ValueError listing the known names otherwise."""
     return _POLICY_LOSSES.get(name)
 
 
-def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+def _verl_form(fn: Callable) -> PolicyLossFn:
+    """``fn`` itself when it takes ``config`` (verl's form), else ``fn`` (keyword form) wrapped into it."""
+    if "config" in inspect.signature(fn).parameters:
+        return fn
+
+    @functools.wraps(fn)
+    def wrapped(
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = "token-mean",
+        config: Mapping | None = None,
+        rollout_is_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        config = _required(config, fn.__name__)
+        low, high = _clip_bounds(config)
+        if rollout_is_weights is not None:  # positive weights scale each token's clipped loss alike
+            advantages = advantages * rollout_is_weights
+        pg_loss, clipfrac, ppo_kl, clipfrac_lower = fn(
+            old_log_prob=old_log_prob,
+            log_prob=log_prob,
+            advantages=advantages,
+            response_mask=response_mask,
+            loss_agg_mode=loss_agg_mode,
+            cliprange=config.clip_ratio,
+            cliprange_low=low,
+            cliprange_high=high,
+            clip_ratio_c=config.clip_ratio_c,
+        )
+        return pg_loss, _pg_metrics(clipfrac, ppo_kl, clipfrac_lower)
+
+    return wrapped
+
+
+def _required(config: Any, loss: str) -> ConfigView:
+    """``config`` readable both ways (``config.clip_ratio``, ``config["clip_ratio"]``), with verl's
+    ``global_batch_info`` (whole-batch counts; none: this micro-batch's own) when it has none; None is an error."""
+    if config is None:
+        raise ValueError(f"policy loss {loss!r} needs config (the actor section: clip_ratio, ...), got None")
+    view = config if isinstance(config, ConfigView) else ConfigView(config)
+    return view if "global_batch_info" in view else ConfigView(view, global_batch_info={})
+
+
+def _clip_bounds(config: Mapping) -> tuple[float, float]:
+    """``(low, high)`` clip epsilons: ``clip_ratio_low``/``clip_ratio_high``, each defaulting to ``clip_ratio``."""
+    low, high = config.clip_ratio_low, config.clip_ratio_high
+    return (config.clip_ratio if low is None else low), (config.clip_ratio if high is None else high)
+
+
+def _pg_metrics(clipfrac: Any, ppo_kl: Any, clipfrac_lower: Any) -> dict[str, float]:
+    def number(value: Any) -> float:
+        return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+
+    return {
+        "actor/pg_clipfrac": number(clipfrac),
+        "actor/ppo_kl": number(ppo_kl),
+        "actor/pg_clipfrac_lower": number(clipfrac_lower),
+    }
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str,
+    dp_size: int = 1,
+    batch_num_tokens: int | torch.Tensor | None = None,
+    global_batch_size: int | torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
+) -> torch.Tensor:
     """Reduce a token loss ``(bs, T)`` to a scalar; the mode decides how long responses are weighted.
 
     - "token-mean": mean over all response tokens of the batch (long responses weigh more).
     - "seq-mean-token-sum": each response's token sum, averaged over responses.
     - "seq-mean-token-mean": each response's token mean, averaged over responses (GRPO paper).
-    - "seq-mean-token-sum-norm": each response's token sum divided by the constant horizon ``T``
-      (``loss_mat.shape[-1]``), averaged over responses (Dr.GRPO: no length bias).
+    - "seq-mean-token-sum-norm": each response's token sum divided by a constant ``loss_scale_factor``
+      (default the horizon ``T = loss_mat.shape[-1]``), averaged over responses (Dr.GRPO: no length bias).
 
-    The "seq-mean" modes average over responses that have at least one token.
+    The "seq-mean" modes average over responses that have at least one token. verl's global normalisation
+    is there too: given ``batch_num_tokens`` (token-mean) or ``global_batch_size`` (seq-mean modes), the sum
+    over this micro-batch is divided by that count of the whole batch and multiplied by ``dp_size``.
     """
     mask = loss_mask.to(loss_mat.dtype)
     if loss_agg_mode == "token-mean":
-        return masked_mean(loss_mat, mask)
+        if batch_num_tokens is None:
+            return masked_mean(loss_mat, mask)
+        return (loss_mat * mask).sum() / batch_num_tokens * dp_size
     token_sums = (loss_mat * mask).sum(dim=-1)
     lengths = mask.sum(dim=-1)
     if loss_agg_mode == "seq-mean-token-sum":
@@ -57,13 +147,12 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     elif loss_agg_mode == "seq-mean-token-mean":
         seq_losses = token_sums / lengths.clamp_min(1e-8)
     elif loss_agg_mode == "seq-mean-token-sum-norm":
-        seq_losses = token_sums / loss_mat.shape[-1]
+        seq_losses = token_sums / (loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor)
     else:
-        raise ValueError(
-            f"unknown loss_agg_mode {loss_agg_mode!r}; known: ['seq-mean-token-mean', 'seq-mean-token-sum', "
-            "'seq-mean-token-sum-norm', 'token-mean']"
-        )
-    return masked_mean(seq_losses, lengths > 0)
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; known: {_AGG_MODES}")
+    if global_batch_size is None:
+        return masked_mean(seq_losses, lengths > 0)
+    return (seq_losses * (lengths > 0)).sum() / global_batch_size * dp_size
 
 
 def _clipped_surrogate(
@@ -96,7 +185,6 @@ def _clipped_surrogate(
     return torch.where(negative, torch.minimum(losses, cap), losses), clipfrac, clipfrac_lower
 
 
-@register_policy_loss("vanilla")
 def compute_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -108,7 +196,8 @@ def compute_policy_loss(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO clipped policy loss with token-level ratios ``pi / pi_old``, all inputs ``(bs, T)``.
+    """PPO clipped policy loss with token-level ratios ``pi / pi_old``, all inputs ``(bs, T)``, in the keyword
+    form (verl's ``compute_policy_loss``; ``compute_policy_loss_vanilla`` is the registered form).
 
     The ratio is clipped to ``[1 - cliprange_low, 1 + cliprange_high]`` (each defaults to ``cliprange``;
     a larger high bound is DAPO's clip-higher, which keeps exploring low-probability tokens), and for
@@ -116,17 +205,61 @@ def compute_policy_loss(
     Returns scalars ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``, where ``ppo_kl`` is the masked
     mean of ``old_log_prob - log_prob``.
     """
-    log_ratio = log_prob - old_log_prob
-    ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
-    losses, clipfrac, clipfrac_lower = _clipped_surrogate(
-        ratio,
+    losses, clipfrac, ppo_kl, clipfrac_lower = _ppo_token_losses(
+        old_log_prob,
+        log_prob,
         advantages,
         response_mask,
-        *_clip_bounds(cliprange, cliprange_low, cliprange_high),
+        cliprange_low,
+        cliprange_high,
         clip_ratio_c,
+        cliprange,
     )
-    ppo_kl = masked_mean(-log_ratio, response_mask)
     return agg_loss(losses, response_mask, loss_agg_mode), clipfrac, ppo_kl, clipfrac_lower
+
+
+def _ppo_token_losses(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_low: float | None,
+    cliprange_high: float | None,
+    clip_ratio_c: float | None,
+    cliprange: float = 0.2,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's token losses ``(bs, T)`` and their ``(clipfrac, ppo_kl, clipfrac_lower)``."""
+    log_ratio = log_prob - old_log_prob
+    ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+    low = cliprange if cliprange_low is None else cliprange_low
+    high = cliprange if cliprange_high is None else cliprange_high
+    losses, clipfrac, clipfrac_lower = _clipped_surrogate(
+        ratio, advantages, response_mask, low, high, clip_ratio_c
+    )
+    return losses, clipfrac, masked_mean(-log_ratio, response_mask), clipfrac_lower
+
+
+@register_policy_loss("vanilla")
+def compute_policy_loss_vanilla(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Mapping | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's clipped, dual-clipped loss (``compute_policy_loss``) in verl's registered form: the clip
+    epsilons from ``config.clip_ratio`` / ``clip_ratio_low`` / ``clip_ratio_high``, the dual-clip bound from
+    ``config.clip_ratio_c``; ``rollout_is_weights`` ``(bs, T)`` scale each token's loss."""
+    config = _required(config, "vanilla")
+    low, high = _clip_bounds(config)
+    losses, clipfrac, ppo_kl, clipfrac_lower = _ppo_token_losses(
+        old_log_prob, log_prob, advantages, response_mask, low, high, config.clip_ratio_c
+    )
+    losses = losses if rollout_is_weights is None else losses * rollout_is_weights
+    pg_loss = agg_loss(losses, response_mask, loss_agg_mode, **config.global_batch_info)
+    return pg_loss, _pg_metrics(clipfrac, ppo_kl, clipfrac_lower)
 
 
 @register_policy_loss("gspo")
@@ -135,38 +268,110 @@ def compute_policy_loss_gspo(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    cliprange: float = 3e-4,
-    cliprange_low: float | None = None,
-    cliprange_high: float | None = 4e-4,
-    clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "seq-mean-token-mean",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    config: Mapping | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO (Zheng et al. 2025): PPO clipping on a sequence-level importance ratio, inputs ``(bs, T)``.
 
     ``s_i = exp(mean_t log(pi / pi_old))`` over the response (a length-normalised sequence ratio);
     token ``t`` uses ``sg[s_i] * pi_t / sg[pi_t]``, equal to ``s_i`` in value but with the gradient of
     its own token. Clipping whole sequences suits MoE and long responses where token ratios are noisy;
-    the ranges are therefore tiny (the paper uses 3e-4 / 4e-4). No dual clip (``clip_ratio_c`` is
-    accepted for the common signature), so ``pg_clipfrac_lower`` is 0. The paper averages with
-    "seq-mean-token-mean". Returns ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``.
+    the ranges are therefore tiny (the paper uses clip_ratio_low 3e-4, clip_ratio_high 4e-4). No dual
+    clip. Always averaged "seq-mean-token-mean", the paper's sequence-level mean, whatever
+    ``loss_agg_mode`` says (as in verl).
     """
+    config = _required(config, "gspo")
+    low, high = _clip_bounds(config)
     log_ratio = log_prob - old_log_prob
     seq_log_ratio = masked_mean(log_ratio, response_mask, axis=-1).unsqueeze(-1)
     token_log_ratio = seq_log_ratio.detach() + log_prob - log_prob.detach()
-    ratio = token_log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
-    losses, clipfrac, clipfrac_lower = _clipped_surrogate(
-        ratio, advantages, response_mask, *_clip_bounds(cliprange, cliprange_low, cliprange_high), None
+    ratio = token_log_ratio.clamp(max=10.0).exp()  # verl's bound on the sequence ratio
+    losses, clipfrac, clipfrac_lower = _clipped_surrogate(ratio, advantages, response_mask, low, high, None)
+    losses = losses if rollout_is_weights is None else losses * rollout_is_weights
+    pg_loss = agg_loss(losses, response_mask, "seq-mean-token-mean", **config.global_batch_info)
+    return pg_loss, _pg_metrics(clipfrac, masked_mean(-log_ratio, response_mask), clipfrac_lower)
+
+
+@register_policy_loss("gpg")
+def compute_policy_loss_gpg(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Mapping | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GPG (Chu et al. 2025): the plain policy gradient ``-A * log pi`` per token, no ratio and no clip
+    (pair it with the ``gpg`` estimator). Returns no metrics, as in verl."""
+    losses = -advantages * log_prob
+    losses = losses if rollout_is_weights is None else losses * rollout_is_weights
+    return agg_loss(losses, response_mask, loss_agg_mode, **_required(config, "gpg").global_batch_info), {}
+
+
+@register_policy_loss("geo_mean")
+def compute_policy_loss_geo_mean(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Mapping | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GMPO (Zhao et al. 2025): the sequence ratio is the geometric mean of the token ratios, each token's
+    log-ratio first clipped to ``[-clip_ratio_low, clip_ratio_high]`` on the side its advantage's sign
+    makes pessimistic; ``loss = mean_i(-A_i * ratio_i)`` with ``A_i`` the sequence's mean token advantage
+    (``loss_agg_mode`` unused, as in verl). ``rollout_is_weights`` enter as their geometric mean."""
+    low, high = _clip_bounds(_required(config, "geo_mean"))
+    log_ratio = log_prob - old_log_prob
+    sign = torch.sign(advantages)
+    clamped = log_ratio.clamp(-low, high)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clamped)
+    mask = response_mask.to(log_ratio.dtype)
+    lengths = mask.sum(dim=-1) + 1e-8
+    ratio = ((pessimistic * mask).sum(dim=-1) / lengths).exp()
+    losses = -(advantages * mask).sum(dim=-1) / lengths * ratio
+    if rollout_is_weights is not None:
+        losses = losses * ((rollout_is_weights + 1e-10).log() * mask).sum(dim=-1).div(lengths).exp()
+    clipped = (log_ratio != clamped).float()
+    clipfrac, clipfrac_lower = (
+        masked_mean(clipped * (cond).float(), response_mask) for cond in (advantages > 0, advantages < 0)
     )
-    ppo_kl = masked_mean(-log_ratio, response_mask)
-    return agg_loss(losses, response_mask, loss_agg_mode), clipfrac, ppo_kl, clipfrac_lower
+    return losses.mean(), _pg_metrics(clipfrac, masked_mean(-log_ratio, response_mask), clipfrac_lower)
 
 
-def _clip_bounds(
-    cliprange: float, cliprange_low: float | None, cliprange_high: float | None
-) -> tuple[float, float]:
-    low = cliprange if cliprange_low is None else cliprange_low
-    high = cliprange if cliprange_high is None else cliprange_high
-    return low, high
+@register_policy_loss("cispo")
+def compute_policy_loss_cispo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Mapping | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO (MiniMax 2025): ``-sg[clip(ratio, 1 - low, 1 + high)] * A * log pi``: the clipped ratio only
+    weights the token (no gradient through it), so a clipped token still gets a gradient, unlike PPO."""
+    config = _required(config, "cispo")
+    low, high = _clip_bounds(config)
+    log_ratio = log_prob - old_log_prob
+    ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+    clipped = ratio.clamp(1 - low, 1 + high)
+    losses = -clipped.detach() * advantages * log_prob
+    losses = losses if rollout_is_weights is None else losses * rollout_is_weights
+    pg_loss = agg_loss(losses, response_mask, loss_agg_mode, **config.global_batch_info)
+    clipfrac = masked_mean((ratio != clipped).float(), response_mask)
+    return pg_loss, _pg_metrics(clipfrac, masked_mean(-log_ratio, response_mask), 0.0)
+
+
+def compute_entropy_loss(
+    logits: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str = "token-mean"
+) -> torch.Tensor:
+    """Mean entropy of the token distributions ``logits`` ``(bs, T, vocab)`` over the response, as one
+    number (``agg_loss``); the actor subtracts ``entropy_coeff`` times it."""
+    return agg_loss(entropy_from_logits(logits), response_mask, loss_agg_mode)
 
 
 def compute_value_loss(

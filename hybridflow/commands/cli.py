@@ -6,7 +6,6 @@ status 2; ``--debug`` (any command) or ``HYBRIDFLOW_DEBUG=1`` shows its tracebac
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 
@@ -14,30 +13,15 @@ from hybridflow.utils.errors import run_cli
 
 
 def _generate(argv: list[str]) -> int:
-    from hybridflow.runs.trained_model import chat, load_trained_actor
+    from hybridflow.commands.generate import main
 
-    parser = argparse.ArgumentParser(
-        prog="hybridflow generate", description="Answer prompts with a trained actor (or any HF model)."
-    )
-    parser.add_argument(
-        "--model", required=True, help="run folder, global_step_N folder, model folder or 'default'"
-    )
-    parser.add_argument("--prompt", action="append", required=True, help="a user message (repeatable)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    args = parser.parse_args(argv)
-    model, tokenizer = load_trained_actor(args.model)
-    for prompt in args.prompt:
-        print(f">>> {prompt}\n{chat(model, tokenizer, prompt, args.max_new_tokens, args.temperature)}")
-    return 0
+    return main(argv)
 
 
 def _serve(argv: list[str]) -> int:
-    from hybridflow.config.schema import RolloutConfig
-    from hybridflow.runs.trained_model import load_trained_actor
-    from hybridflow.serving.command import main
+    from hybridflow.commands.serve import main
 
-    return main(argv, load_trained_actor, RolloutConfig())
+    return main(argv)
 
 
 def _report(argv: list[str]) -> int:
@@ -108,7 +92,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "make-tiny-model": (_make_tiny_model, "save a tiny random model + tokenizer for tests and examples"),
     "generate": (
         _generate,
-        "answer prompts with a checkpoint: hybridflow generate --model PATH --prompt ...",
+        "answer prompts with a checkpoint: hybridflow generate --model PATH [--image FILE] --prompt ...",
     ),
     "serve": (_serve, "an OpenAI-compatible endpoint over a checkpoint: hybridflow serve --model PATH"),
     "report": (

@@ -66,6 +66,7 @@ class Context:
 
     cfg: PPOConfig | None = None
     tokenizer: Any = None
+    processor: Any = None  # a vision-language model's image processing (ImagePrompts), None for a text model
     shape: ModelShape | None = None
     rows: list[Any] = field(default_factory=list)  # parsed PromptRows of the training files' first rows
     train_rows: int | None = None  # training prompts left after filtering (None: files longer than read)
@@ -162,12 +163,13 @@ def check_paths(ctx: Context) -> Check:
 def check_model(ctx: Context) -> Check:
     from transformers import AutoConfig
 
-    from hybridflow.workers.modeling import load_tokenizer, model_location
+    from hybridflow.workers.modeling import load_image_prompts, load_tokenizer, model_location
 
     model = ctx.cfg.actor_rollout_ref.model
     try:
         folder = model_location(model.path)
         tokenizer = load_tokenizer(model.path, model.trust_remote_code)
+        ctx.processor = load_image_prompts(model.path, tokenizer, model.trust_remote_code)
         hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=model.trust_remote_code)
         ctx.shape = model_shape(hf_config)
     except Exception as err:  # noqa: BLE001 - any loading failure is the verdict, with its reason
@@ -230,15 +232,18 @@ def _not_append_only(tokenizer: Any) -> str:
 def check_dataset(ctx: Context) -> Check:
     import numpy as np
 
-    from hybridflow.data.dataset import parse_row, read_rows, tokenize_prompts
+    from hybridflow.data.dataset import encode_rows, parse_row, read_rows
 
     data = ctx.cfg.data
-    lengths, first_text, partial = [], "", False
+    lengths, image_tokens, first_text, partial = [], [], "", False
     for path in data.train_files or []:
         try:
             raw = read_rows(path)
-            rows = [parse_row(r, path, i, i, data.prompt_key) for i, r in enumerate(raw[:DATASET_ROWS])]
-            texts, ids = tokenize_prompts(ctx.tokenizer, [r.messages for r in rows], data.apply_chat_template)
+            rows = [
+                parse_row(r, path, i, i, data.prompt_key, data.image_key)
+                for i, r in enumerate(raw[:DATASET_ROWS])
+            ]
+            texts, ids, images = encode_rows(ctx.tokenizer, ctx.processor, rows, data.apply_chat_template)
         except Exception as err:  # noqa: BLE001 - a bad row or a template error is the verdict
             return Check(
                 "dataset",
@@ -250,6 +255,7 @@ def check_dataset(ctx: Context) -> Check:
         ctx.rows += rows
         first_text = first_text or texts[0] if texts else first_text
         lengths += [len(prompt) for prompt in ids]
+        image_tokens += [sum(image.num_tokens for image in row) for row in images]
     if not lengths:
         return Check(
             "dataset", "fail", "no rows in data.train_files", "point data.train_files at prompt files"
@@ -262,9 +268,14 @@ def check_dataset(ctx: Context) -> Check:
         f"{what}; prompt tokens p50 {p50}, p90 {p90}, p99 {p99}, max {max(lengths)} vs "
         f"data.max_prompt_length {limit}; first prompt {first_text[-120:]!r}"
     )
+    image_info = _image_tokens(image_tokens)
+    if image_info:  # counted in the prompt tokens above, as the model sees them
+        detail += "; image tokens " + ", ".join(f"{k} {v}" for k, v in image_info.items())
     if not partial:  # the whole training set was read: the prompts a run would have
         ctx.train_rows = len(lengths) - (over if data.filter_overlong_prompts else 0)
     info = {"rows": len(lengths), "p50": p50, "p90": p90, "p99": p99, "max": max(lengths), "over": over}
+    if image_info:
+        info["image_tokens"] = image_info
     raise_to = f"raise data.max_prompt_length to {max(lengths)}"
     if over and not data.filter_overlong_prompts and data.truncation == "error":
         return Check(
@@ -292,6 +303,15 @@ def check_dataset(ctx: Context) -> Check:
             info,
         )
     return Check("dataset", "ok", detail + "; none too long", data=info)
+
+
+def _image_tokens(counts: list[int]) -> dict[str, int]:
+    """p50, p90 and max of the image tokens per prompt; {} when no prompt has an image."""
+    import numpy as np
+
+    if not any(counts):
+        return {}
+    return {"p50": int(np.percentile(counts, 50)), "p90": int(np.percentile(counts, 90)), "max": max(counts)}
 
 
 def check_batches(ctx: Context) -> Check:

@@ -55,11 +55,15 @@ class ModelShape:
 
 
 def model_shape(hf_config: Any) -> ModelShape:
-    """Count a model's parameters without allocating them: the architecture built on the meta device."""
-    from transformers import AutoModelForCausalLM
+    """Count a model's parameters without allocating them: the architecture built on the meta device (a
+    vision-language model's with its vision tower)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from hybridflow.models.vision import vision_family
+
+    auto = AutoModelForImageTextToText if vision_family(hf_config) is not None else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
+        model = auto.from_config(hf_config)
     params = sum(p.numel() for p in model.parameters())  # tied embeddings are one tensor, counted once
     output = model.get_output_embeddings()
     linear = sum(

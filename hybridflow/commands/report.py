@@ -384,6 +384,7 @@ def generation_pairs(run: Run) -> tuple[int, int, list[dict[str, Any]]] | None:
         rows.append(
             {
                 "prompt": before.get("prompt"),
+                "images": before.get("images", []),
                 "before": before.get("response"),
                 "before_score": before.get("score"),
                 "after": after.get("response"),
@@ -401,9 +402,24 @@ text-align:left;vertical-align:top}th{background:#f3f3f3}img{max-width:100%}deta
 pre{white-space:pre-wrap;margin:0}"""
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """A sample's prompt in a table: its text, and thumbnails of its images (``data:`` URLs) beside it."""
+
+    text: str | None
+    images: tuple[str, ...] = ()
+
+
 def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
+    if isinstance(value, Prompt):
+        pictures = "".join(
+            f"<img src='{html.escape(url)}' alt='image {i}' style='width:64px;margin-right:4px'>"
+            for i, url in enumerate(value.images)
+            if url.startswith("data:image/")
+        )
+        return pictures + _cell(value.text)
     return html.escape("" if value is None else str(value))
 
 
@@ -532,13 +548,22 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
         if first == last:  # one validation so far
             table = _table(
                 ["prompt", f"step {first}", "score"],
-                [[r["prompt"], r["before"], r["before_score"]] for r in rows],
+                [[Prompt(r["prompt"], tuple(r["images"])), r["before"], r["before_score"]] for r in rows],
             )
             title = f"Validation samples at step {first} (none later yet)"
         else:
             table = _table(
                 ["prompt", f"step {first}", "score", f"step {last}", "score"],
-                [[r["prompt"], r["before"], r["before_score"], r["after"], r["after_score"]] for r in rows],
+                [
+                    [
+                        Prompt(r["prompt"], tuple(r["images"])),
+                        r["before"],
+                        r["before_score"],
+                        r["after"],
+                        r["after_score"],
+                    ]
+                    for r in rows
+                ],
             )
             title = "Validation samples before and after"
         sections.append(f"<h2>{title}: {html.escape(run.name)}</h2>{table}")

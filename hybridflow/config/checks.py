@@ -347,6 +347,13 @@ def check_cross_fields(cfg: Any) -> None:
             "agent runs its own tool loop; turn one of them off",
         ),
         (
+            cfg.actor_rollout_ref.rollout.served_agent.path is not None
+            and (rm.enable or cfg.custom_reward_function.path is not None),
+            f"{_ROLLOUT}.served_agent.path: the agent's return value is the reward, so "
+            f"{'reward_model.enable' if rm.enable else 'custom_reward_function.path'} would never be used; "
+            "unset it, or score inside the agent",
+        ),
+        (
             cfg.algorithm.adv_estimator == "gae" and not cfg.critic.enable,
             "algorithm.adv_estimator 'gae' needs a value model, but critic.enable is false",
         ),

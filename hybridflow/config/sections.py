@@ -25,6 +25,9 @@ class DataFilesConfig:
     train_files: list[str] | None = None
     val_files: list[str] | None = None  #: held-out file(s) for validation; null = no validation
     prompt_key: str = "prompt"  #: column holding the prompt (a chat message list or a plain string)
+    #: column holding each row's images (a list of {"bytes": ...} / {"path": ...}, bytes or paths), one per
+    #: <image> placeholder in the prompt; read with a vision-language model only
+    image_key: str = "images"
     #: render prompts (and offline completions) with the tokenizer's chat template (a string prompt is one user
     #: turn); false = strings fed as they are (pre-rendered text, base models without a template): prompt ids
     #: are the tokenizer's plain output (RL chat messages: their contents joined by newlines; offline
@@ -64,6 +67,15 @@ class LoRAConfig:
     #: which linear layers get adapters: ["all-linear"] (all but the output layer) or module names,
     #: e.g. [q_proj, v_proj]
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+
+
+@dataclass
+class VisionTrainingConfig:
+    """What a vision-language model trains (a text model has no vision tower: the key then does nothing)."""
+
+    #: keep the vision tower's weights fixed: the language model and the projector (Qwen's merger, LLaVA's
+    #: multi_modal_projector) train
+    freeze_vision_tower: bool = False
 
 
 @dataclass

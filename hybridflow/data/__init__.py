@@ -1,4 +1,5 @@
-"""Prompt data: verl-format datasets, DataProto batching with a resumable loader, demo task generators.
+"""Prompt data: verl-format datasets (images included: ``images.py``), DataProto batching with a resumable
+loader, demo task generators (the visual one: ``visual_task.py``).
 
 May import: ``utils``, ``protocol``, ``models``, ``algorithms``, ``config``, and the rooms of the tier before it
 (``rewards``: the offline task data judges the model's own samples with the rule scorers).

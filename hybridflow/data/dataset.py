@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,8 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import Dataset
 
+from hybridflow.data.images import IMAGE_MARKER, ImagePrompts, content_text, decode_image, row_images
+from hybridflow.models.vision import IMAGES, ImageInput
 from hybridflow.utils.errors import InputError, MissingInputError
 
 logger = logging.getLogger(__name__)
@@ -31,7 +33,8 @@ TRUNCATION_MODES = ("error", "left", "right")
 @dataclass
 class PromptRow:
     """One validated row. `row` is its 0-based position in `file` (blank JSONL lines not counted);
-    `position` its position over all the dataset's files, before filtering."""
+    `position` its position over all the dataset's files, before filtering; `raw` the row as the file holds
+    it (every column, nested as written)."""
 
     file: str
     row: int
@@ -40,6 +43,10 @@ class PromptRow:
     data_source: str | None
     ground_truth: Any
     extra_info: dict
+    raw: dict
+    images: list[Any] = field(
+        default_factory=list
+    )  # as the row gives them (bytes, paths, dicts), marker order
 
 
 def read_rows(path: str | Path) -> list[dict]:
@@ -70,28 +77,49 @@ def read_rows(path: str | Path) -> list[dict]:
     raise InputError(f"{path}: unknown data file type {suffix!r}; expected .parquet or .jsonl")
 
 
-def as_messages(value: Any, where: str) -> list[dict[str, str]]:
-    """The prompt as chat messages; a plain string becomes one user message."""
+def as_messages(value: Any, where: str, images: list[Any] | None = None) -> list[dict[str, str]]:
+    """The prompt as chat messages; a plain string becomes one user message. A message's content may be a
+    list of OpenAI/TRL content parts, which becomes text with an ``<image>`` marker per image part. With
+    ``images``, it gets one entry per marker in order (``content_text``): the image a part carries, or None
+    (the row's next image); without, a part that carries an image is refused."""
+    collected: list[Any] = []
     if isinstance(value, str):
-        return [{"role": "user", "content": value}]
+        value = [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise InputError(
             f"{where}: must be a string or a non-empty list of chat messages, got {value!r:.200}"
         )
+    messages = []
     for i, message in enumerate(value):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            content = content_text(content, f"{where}[{i}].content", collected)
+        elif isinstance(content, str):
+            collected += [None] * content.count(IMAGE_MARKER)
         if (
             not isinstance(message, dict)
             or not isinstance(message.get("role"), str)
-            or not isinstance(message.get("content"), str)
+            or not isinstance(content, str)
         ):
             raise InputError(
-                f"{where}[{i}]: a chat message needs string 'role' and 'content', got {message!r:.200}"
+                f"{where}[{i}]: a chat message needs string 'role' and 'content' (or content parts), got "
+                f"{message!r:.200}"
             )
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+        messages.append({"role": message["role"], "content": content})
+    if images is not None:
+        images += collected
+    elif any(image is not None for image in collected):
+        raise InputError(
+            f"{where}: images inside content parts are not read here; give them in the images column"
+        )
+    return messages
 
 
-def parse_row(raw: Any, file: str, row: int, position: int, prompt_key: str = "prompt") -> PromptRow:
-    """Validate one raw row; every error names the file, the row and the field."""
+def parse_row(
+    raw: Any, file: str, row: int, position: int, prompt_key: str = "prompt", image_key: str = "images"
+) -> PromptRow:
+    """Validate one raw row; every error names the file, the row and the field. The prompt's images (in
+    marker order): those its content parts carry, and the ``image_key`` column's (``row_images``)."""
     where = f"{file}: row {row}"
     if not isinstance(raw, dict):
         raise InputError(f"{where}: a row must be an object, got {type(raw).__name__}")
@@ -100,7 +128,9 @@ def parse_row(raw: Any, file: str, row: int, position: int, prompt_key: str = "p
             f"{where}: field {prompt_key!r} is missing or null; every row needs a prompt "
             "(or set data.prompt_key to the field that holds it)"
         )
-    messages = as_messages(raw[prompt_key], f"{where}: field {prompt_key!r}")
+    inline: list[Any] = []
+    messages = as_messages(raw[prompt_key], f"{where}: field {prompt_key!r}", inline)
+    images = row_images(inline, raw.get(image_key), where, image_key) if inline or raw.get(image_key) else []
     data_source = raw.get("data_source")
     if data_source is not None and not isinstance(data_source, str):
         raise InputError(f"{where}: field 'data_source' must be a string, got {data_source!r:.200}")
@@ -112,7 +142,8 @@ def parse_row(raw: Any, file: str, row: int, position: int, prompt_key: str = "p
     extra_info = raw.get("extra_info") or {}
     if not isinstance(extra_info, dict):
         raise InputError(f"{where}: field 'extra_info' must be an object, got {extra_info!r:.200}")
-    return PromptRow(file, row, position, messages, data_source, reward_model.get("ground_truth"), extra_info)
+    ground_truth = reward_model.get("ground_truth")
+    return PromptRow(file, row, position, messages, data_source, ground_truth, extra_info, raw, images)
 
 
 def render_prompt(
@@ -144,6 +175,46 @@ def tokenize_prompts(
     return texts, ids
 
 
+def encode_rows(
+    tokenizer: Any,
+    processor: ImagePrompts | None,
+    rows: Sequence[PromptRow],
+    apply_chat_template: bool,
+    chat_template_kwargs: dict | None = None,
+) -> tuple[list[str], list[list[int]], list[list[ImageInput]]]:
+    """``(texts, token ids, images)`` of rows as the model sees them: with a vision-language model's
+    ``processor`` each image is decoded (an error names the file, row and image) and its placeholder expanded
+    to the tokens it takes; a text model refuses rows with images. The dataset and ``hybridflow doctor`` both
+    count prompt tokens with it."""
+    with_images = next((r for r in rows if r.images), None)
+    if with_images is None or processor is None:
+        if with_images is not None:
+            raise InputError(
+                f"{with_images.file}: row {with_images.row}: the row has {len(with_images.images)} image(s) but the "
+                "model is a text model (no registered vision-language family); use a vision-language model"
+            )
+        texts, ids = tokenize_prompts(
+            tokenizer, [r.messages for r in rows], apply_chat_template, chat_template_kwargs
+        )
+        return texts, ids, [[] for _ in rows]
+    if not apply_chat_template:
+        raise InputError(
+            f"{with_images.file}: row {with_images.row}: prompts with images need data.apply_chat_template=true "
+            "(the chat template places each image)"
+        )
+    texts, ids, images = [], [], []
+    for r in rows:
+        where = f"{r.file}: row {r.row}"
+        inputs = [
+            processor.image_input(*decode_image(value, f"{where}: image {k}", Path(r.file).parent))
+            for k, value in enumerate(r.images)
+        ]
+        texts.append(processor.render(r.messages, inputs, where, chat_template_kwargs))
+        ids.append(tokenizer(texts[-1], add_special_tokens=False)["input_ids"])
+        images.append(inputs)
+    return texts, ids, images
+
+
 def left_pad(ids: Sequence[int], length: int, pad_id: int) -> dict[str, torch.Tensor]:
     """Left-pad one prompt to `length`: input_ids, attention_mask and position_ids, each `(length,)`.
 
@@ -170,6 +241,13 @@ class RLHFDataset(Dataset):
     `filter_overlong_prompts` (their number is `num_filtered`), otherwise handled by `truncation`:
     "error" raises naming the file and row, "left" keeps the last tokens, "right" the first.
     `chat_template_kwargs` go to `apply_chat_template` (e.g. a model's `enable_thinking`).
+
+    Images (verl's format): `<image>` markers in the messages (or content parts), the images in the row's
+    `image_key` column (a list of `{"bytes": ...}`, `{"path": ...}`, bytes or paths; relative paths from the
+    data file's folder). With a vision-language model's `processor` every image is decoded and counted when
+    the dataset is built (its tokens count against `max_prompt_length`; truncation never cuts into an image),
+    and each item carries its images as `image_inputs` (`ImageInput`s, processed again from the encoded bytes
+    kept here, so the dataset holds no pixel arrays).
     """
 
     def __init__(
@@ -182,6 +260,8 @@ class RLHFDataset(Dataset):
         filter_overlong_prompts: bool = True,
         apply_chat_template: bool = True,
         chat_template_kwargs: dict | None = None,
+        processor: ImagePrompts | None = None,
+        image_key: str = "images",
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation={truncation!r}; expected one of {TRUNCATION_MODES}")
@@ -196,6 +276,7 @@ class RLHFDataset(Dataset):
         self.truncation = truncation
         self.apply_chat_template = apply_chat_template
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.processor = processor
         files = [data_files] if isinstance(data_files, str | Path) else list(data_files)
         if not files:
             raise ValueError("RLHFDataset needs at least one data file")
@@ -205,19 +286,20 @@ class RLHFDataset(Dataset):
             if not rows_of_file:
                 raise InputError(f"{path}: the file has no rows; give a file with prompts in it")
             raw_rows += [(str(path), i, raw) for i, raw in enumerate(rows_of_file)]
-        rows = [parse_row(raw, path, i, pos, prompt_key) for pos, (path, i, raw) in enumerate(raw_rows)]
-        token_ids = self._tokenize([r.messages for r in rows])
+        rows = [
+            parse_row(raw, path, i, pos, prompt_key, image_key) for pos, (path, i, raw) in enumerate(raw_rows)
+        ]
+        _, token_ids, images = encode_rows(
+            tokenizer, processor, rows, apply_chat_template, self.chat_template_kwargs
+        )
+        for row, inputs in zip(rows, images):  # the encoded bytes, decoded again per item
+            row.images = [image.data for image in inputs]
         self.rows, self.prompt_ids, self.num_filtered = self._fit(rows, token_ids, filter_overlong_prompts)
         if not self.rows:
             raise InputError(
                 f"no prompts left in {files}: all {len(rows)} are longer than {max_prompt_length} tokens; "
                 "raise data.max_prompt_length or set data.filter_overlong_prompts=false with a truncation"
             )
-
-    def _tokenize(self, all_messages: list[list[dict[str, str]]]) -> list[list[int]]:
-        return tokenize_prompts(
-            self.tokenizer, all_messages, self.apply_chat_template, self.chat_template_kwargs
-        )[1]
 
     def _fit(
         self, rows: list[PromptRow], token_ids: list[list[int]], filter_overlong: bool
@@ -236,7 +318,16 @@ class RLHFDataset(Dataset):
                         f"max_prompt_length={limit}; raise it, set truncation to 'left'/'right' "
                         f"or filter_overlong_prompts=True"
                     )
-                ids = ids[-limit:] if self.truncation == "left" else ids[:limit]
+                kept = ids[-limit:] if self.truncation == "left" else ids[:limit]
+                if row.images and kept.count(self.processor.image_token_id) < ids.count(
+                    self.processor.image_token_id
+                ):
+                    raise InputError(
+                        f"{row.file}: row {row.row}: prompt has {len(ids)} tokens (images included), more than "
+                        f"max_prompt_length={limit}, and truncation would cut into an image; raise "
+                        "data.max_prompt_length or set filter_overlong_prompts=True"
+                    )
+                ids = kept
             kept_rows.append(row)
             kept_ids.append(ids)
         if dropped:
@@ -255,8 +346,10 @@ class RLHFDataset(Dataset):
 
     def __getitem__(self, idx: int) -> dict[str, Any]:
         """One prompt: `input_ids`, `attention_mask`, `position_ids` (each `(max_prompt_length,)`, left
-        padded) plus `raw_prompt` (the messages), `data_source`, `ground_truth`, `extra_info` and `index`
-        (extra_info["index"] when the row has one, else the row's position over all files)."""
+        padded) plus `raw_prompt` (the messages, `<image>` markers in place), `data_source`, `ground_truth`,
+        `extra_info`, `index` (extra_info["index"] when the row has one, else the row's position over all files)
+        and `data_row` (the row as the file holds it: what a served agent gets as its sample); with a
+        vision-language processor, `image_inputs` (the row's images, maybe none)."""
         row = self.rows[idx]
         item: dict[str, Any] = left_pad(
             self.prompt_ids[idx], self.max_prompt_length, self.tokenizer.pad_token_id
@@ -267,5 +360,12 @@ class RLHFDataset(Dataset):
             ground_truth=row.ground_truth,
             extra_info=row.extra_info,
             index=row.extra_info.get("index", row.position),
+            data_row=row.raw,
         )
+        if self.processor is not None:
+            where = f"{row.file}: row {row.row}"
+            item[IMAGES] = tuple(
+                self.processor.image_input(*decode_image(data, f"{where}: image {k}"))
+                for k, data in enumerate(row.images)
+            )
         return item

@@ -27,7 +27,17 @@ import torch
 from torch.utils.data import Dataset
 
 from hybridflow.data.dataset import TRUNCATION_MODES, as_messages, read_rows
+from hybridflow.data.images import (
+    IMAGE_MARKER,
+    ImagePrompts,
+    as_parts,
+    decode_image,
+    marker_count,
+    row_images,
+)
+from hybridflow.models.vision import IMAGES, ImageInput
 from hybridflow.protocol import DataProto
+from hybridflow.utils.errors import InputError
 
 
 @dataclass
@@ -38,6 +48,7 @@ class Sample:
     response: list[int]
     loss_mask: list[int]
     label: int = 0
+    images: tuple[ImageInput, ...] = ()  # the prompt's images, in the order of their tokens
 
 
 class Conversations:
@@ -48,7 +59,13 @@ class Conversations:
     answers), and each later turn is the difference between consecutive renderings. A template whose
     renderings are not prefixes of each other cannot be split this way and is refused."""
 
-    def __init__(self, tokenizer: Any, max_length: int, truncation: str = "error") -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_length: int,
+        truncation: str = "error",
+        processor: ImagePrompts | None = None,
+    ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation={truncation!r}; expected one of {TRUNCATION_MODES}")
         if tokenizer.pad_token_id is None:
@@ -56,21 +73,31 @@ class Conversations:
                 "the tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos token)"
             )
         self.tokenizer, self.max_length, self.truncation = tokenizer, max_length, truncation
+        self.processor = processor  # a vision-language model's: <image> markers become its image parts
         self.eos = tokenizer.eos_token or ""
 
     def _render(self, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt
+            as_parts(messages) if self.processor is not None else messages,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
         )
 
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
-    def encode(self, messages: list[dict[str, str]], where: str, prompt_turns: int | None = None) -> Sample:
+    def encode(
+        self,
+        messages: list[dict[str, str]],
+        where: str,
+        prompt_turns: int | None = None,
+        images: tuple[ImageInput, ...] = (),
+    ) -> Sample:
         """Prompt = the first ``prompt_turns`` messages (default: those before the first assistant turn; a
         prompt may hold assistant turns, e.g. a one-shot example, that are context, not targets); response =
         the rest up to the last assistant turn, loss on its assistant turns' tokens (their end-of-turn token
-        included, what follows it not)."""
+        included, what follows it not). ``images``: the prompt's, one per ``<image>`` marker in it (TRL's
+        vision formats put every image in the prompt)."""
         assistant = [
             i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= (prompt_turns or 0)
         ]
@@ -80,6 +107,12 @@ class Conversations:
                 f"one assistant turn; roles are {[m['role'] for m in messages]}"
             )
         first = assistant[0] if prompt_turns is None else prompt_turns
+        if marker_count(messages[first:]) or marker_count(messages[:first]) != len(images):
+            raise InputError(
+                f"{where}: the prompt has {marker_count(messages[:first])} {IMAGE_MARKER} placeholder(s) and the "
+                f"completion {marker_count(messages[first:])} for {len(images)} image(s); put one {IMAGE_MARKER} "
+                "in the prompt where each image goes"
+            )
         prompt_text = previous = self._render(messages[:first], generation_prompt=True)
         pieces: list[tuple[str, int]] = []
         for j in range(first, assistant[-1] + 1):
@@ -95,12 +128,14 @@ class Conversations:
             else:
                 pieces.append((piece, int(messages[j]["role"] == "assistant")))
             previous = text
+        if images:
+            prompt_text = self.processor.expand(prompt_text, images, where)
         prompt, response, mask = self._ids(prompt_text), [], []
         for text, trained in pieces:
             ids = self._ids(text)
             response += ids
             mask += [trained] * len(ids)
-        return self._fit(Sample(prompt, response, mask), where)
+        return self._fit(Sample(prompt, response, mask, images=tuple(images)), where)
 
     def encode_text(self, prompt: str, completion: str, where: str) -> Sample:
         """Strings fed as they are (``data.apply_chat_template=false``: pre-rendered text, base models): the
@@ -131,6 +166,12 @@ class Conversations:
                 "'left' or 'right'"
             )
         if self.truncation == "left" and excess < len(sample.prompt):
+            if sample.images:
+                raise ValueError(
+                    f"{where}: {len(sample.prompt)} prompt tokens (images included) + {len(sample.response)} "
+                    f"response tokens exceed max_length={self.max_length}, and truncation 'left' would cut into an "
+                    "image; raise data.max_length"
+                )
             sample.prompt = sample.prompt[excess:]
         else:
             keep = max(self.max_length - len(sample.prompt), 1)
@@ -141,7 +182,8 @@ class Conversations:
 def collate_samples(samples: Sequence[Sample], pad_id: int) -> DataProto:
     """Samples -> a DataProto as the rollout produces it: prompts left-padded to the batch's longest,
     responses right-padded to the longest: ``input_ids``/``attention_mask``/``position_ids`` ``(bs, P + R)``,
-    ``responses``/``response_mask`` ``(bs, R)``, ``label`` ``(bs,)``."""
+    ``responses``/``response_mask`` ``(bs, R)``, ``label`` ``(bs,)``, and ``image_inputs`` (each row's
+    images) when a sample has images."""
     width_p = max(len(s.prompt) for s in samples)
     width_r = max(max(len(s.response) for s in samples), 1)
     size = len(samples)
@@ -159,6 +201,7 @@ def collate_samples(samples: Sequence[Sample], pad_id: int) -> DataProto:
             response_attention[i, : len(s.response)] = 1
             response_mask[i, : len(s.response)] = torch.tensor(s.loss_mask)
     attention = torch.cat([prompt_mask, response_attention], dim=1)
+    images = {IMAGES: [s.images for s in samples]} if any(s.images for s in samples) else {}
     return DataProto.from_dict(
         {
             "input_ids": torch.cat([prompts, responses], dim=1),
@@ -167,7 +210,8 @@ def collate_samples(samples: Sequence[Sample], pad_id: int) -> DataProto:
             "responses": responses,
             "response_mask": response_mask,
             "label": torch.tensor([s.label for s in samples], dtype=torch.long),
-        }
+        },
+        images,
     )
 
 
@@ -189,15 +233,19 @@ class OfflineDataset(Dataset):
         truncation: str = "error",
         prompt_key: str = "prompt",
         apply_chat_template: bool = True,
+        processor: ImagePrompts | None = None,
+        image_key: str = "images",
     ) -> None:
-        self.conversations = Conversations(tokenizer, max_length, truncation)
+        self.conversations = Conversations(tokenizer, max_length, truncation, processor)
         self.pad_id = tokenizer.pad_token_id
         self.prompt_key, self.apply_chat_template = prompt_key, apply_chat_template
+        self.processor, self.image_key = processor, image_key
         files = [data_files] if isinstance(data_files, str | Path) else list(data_files)
         if not files:
             raise ValueError(f"{type(self).__name__} needs at least one data file")
         self.items: list[list[Sample]] = []
         for path in files:
+            self.base_dir = Path(path).parent  # relative image paths start here
             for i, row in enumerate(read_rows(path)):
                 where = f"{path}: row {i}"
                 if not isinstance(row, dict):
@@ -211,11 +259,33 @@ class OfflineDataset(Dataset):
             raise ValueError(f"{where}: field {key!r} is missing (present: {sorted(row)})")
         return row[key]
 
-    def _prompt(self, row: dict, where: str) -> Text:
-        value = self._field(row, self.prompt_key, where)
+    def _prompt(self, row: dict, where: str, key: str | None = None) -> Text:
+        key = key or self.prompt_key
+        value = self._field(row, key, where)
         if not self.apply_chat_template:
-            return self._raw(value, self.prompt_key, where)
-        return as_messages(value, f"{where}: field {self.prompt_key!r}")
+            return self._raw(value, key, where)
+        return as_messages(value, f"{where}: field {key!r}", [])
+
+    def _images(self, row: dict, where: str, key: str | None = None) -> tuple[ImageInput, ...]:
+        """The images of the row's prompt (field ``key``): those its content parts carry and the
+        ``image_key`` column's, in marker order, decoded; a text model refuses them."""
+        key = key or self.prompt_key
+        inline: list[Any] = []
+        if self.apply_chat_template and not isinstance(row.get(key), str | None):
+            as_messages(row[key], f"{where}: field {key!r}", inline)
+        elif isinstance(row.get(key), str):
+            inline = [None] * row[key].count(IMAGE_MARKER)
+        if not inline and not row.get(self.image_key):
+            return ()
+        values = row_images(inline, row.get(self.image_key), where, self.image_key)
+        if self.processor is None:
+            raise ValueError(f"{where}: the row has {len(values)} image(s) but the model is a text model")
+        if not self.apply_chat_template:
+            raise ValueError(f"{where}: prompts with images need data.apply_chat_template=true")
+        return tuple(
+            self.processor.image_input(*decode_image(v, f"{where}: image {k}", self.base_dir))
+            for k, v in enumerate(values)
+        )
 
     def _completion(self, row: dict, key: str, where: str) -> Text:
         """A completion: a string (one assistant turn) or chat messages."""
@@ -235,11 +305,13 @@ class OfflineDataset(Dataset):
             )
         return value
 
-    def _encode(self, prompt: Text, completion: Text, where: str) -> Sample:
-        """One prompt and completion: chat-templated turn by turn, or strings as they are."""
+    def _encode(
+        self, prompt: Text, completion: Text, where: str, images: tuple[ImageInput, ...] = ()
+    ) -> Sample:
+        """One prompt (with its images) and completion: chat-templated turn by turn, or strings as they are."""
         if isinstance(prompt, str):
             return self.conversations.encode_text(prompt, completion, where)
-        return self.conversations.encode(prompt + completion, where, len(prompt))
+        return self.conversations.encode(prompt + completion, where, len(prompt), images)
 
     def encode_row(self, row: dict, where: str) -> list[Sample]:
         raise NotImplementedError
@@ -268,19 +340,31 @@ class SFTConversationDataset(OfflineDataset):
         response_key: str = "response",
         messages_key: str = "messages",
         apply_chat_template: bool = True,
+        processor: ImagePrompts | None = None,
+        image_key: str = "images",
     ) -> None:
         self.response_key, self.messages_key = response_key, messages_key
-        super().__init__(data_files, tokenizer, max_length, truncation, prompt_key, apply_chat_template)
+        super().__init__(
+            data_files,
+            tokenizer,
+            max_length,
+            truncation,
+            prompt_key,
+            apply_chat_template,
+            processor,
+            image_key,
+        )
 
     def encode_row(self, row: dict, where: str) -> list[Sample]:
         if row.get(self.messages_key) is not None:
             if not self.apply_chat_template:
                 self._raw(row[self.messages_key], self.messages_key, where)  # a conversation is not a string
-            messages = as_messages(row[self.messages_key], f"{where}: field {self.messages_key!r}")
-            return [self.conversations.encode(messages, where)]
-        return [
-            self._encode(self._prompt(row, where), self._completion(row, self.response_key, where), where)
-        ]
+            messages = as_messages(row[self.messages_key], f"{where}: field {self.messages_key!r}", [])
+            return [
+                self.conversations.encode(messages, where, images=self._images(row, where, self.messages_key))
+            ]
+        prompt, images = self._prompt(row, where), self._images(row, where)
+        return [self._encode(prompt, self._completion(row, self.response_key, where), where, images)]
 
 
 class PreferenceDataset(OfflineDataset):
@@ -296,14 +380,25 @@ class PreferenceDataset(OfflineDataset):
         chosen_key: str = "chosen",
         rejected_key: str = "rejected",
         apply_chat_template: bool = True,
+        processor: ImagePrompts | None = None,
+        image_key: str = "images",
     ) -> None:
         self.chosen_key, self.rejected_key = chosen_key, rejected_key
-        super().__init__(data_files, tokenizer, max_length, truncation, prompt_key, apply_chat_template)
+        super().__init__(
+            data_files,
+            tokenizer,
+            max_length,
+            truncation,
+            prompt_key,
+            apply_chat_template,
+            processor,
+            image_key,
+        )
 
     def encode_row(self, row: dict, where: str) -> list[Sample]:
-        prompt = self._prompt(row, where)
+        prompt, images = self._prompt(row, where), self._images(row, where)
         return [
-            self._encode(prompt, self._completion(row, key, where), f"{where} ({key})")
+            self._encode(prompt, self._completion(row, key, where), f"{where} ({key})", images)
             for key in (self.chosen_key, self.rejected_key)
         ]
 
@@ -321,19 +416,32 @@ class KTODataset(OfflineDataset):
         completion_key: str = "completion",
         label_key: str = "label",
         apply_chat_template: bool = True,
+        processor: ImagePrompts | None = None,
+        image_key: str = "images",
     ) -> None:
         self.completion_key, self.label_key = completion_key, label_key
         self.prompts: list[Text] = []
+        self.prompt_images: list[tuple[ImageInput, ...]] = []
         self.completions: list[Text] = []
-        super().__init__(data_files, tokenizer, max_length, truncation, prompt_key, apply_chat_template)
+        super().__init__(
+            data_files,
+            tokenizer,
+            max_length,
+            truncation,
+            prompt_key,
+            apply_chat_template,
+            processor,
+            image_key,
+        )
 
     def encode_row(self, row: dict, where: str) -> list[Sample]:
         label = self._field(row, self.label_key, where)
         if not isinstance(label, bool):
             raise ValueError(f"{where}: field {self.label_key!r} must be true or false, got {label!r}")
         self.prompts.append(self._prompt(row, where))
+        self.prompt_images.append(self._images(row, where))
         self.completions.append(self._completion(row, self.completion_key, where))
-        sample = self._encode(self.prompts[-1], self.completions[-1], where)
+        sample = self._encode(self.prompts[-1], self.completions[-1], where, self.prompt_images[-1])
         sample.label = int(label)
         return [sample]
 
@@ -351,7 +459,10 @@ class KTODataset(OfflineDataset):
             )
         mismatched = [
             self._encode(
-                self.prompts[i], self.completions[indices[(k + 1) % len(rows)]], "a mismatched KTO pair"
+                self.prompts[i],
+                self.completions[indices[(k + 1) % len(rows)]],
+                "a mismatched KTO pair",
+                self.prompt_images[i],
             )
             for k, i in enumerate(indices)
         ]

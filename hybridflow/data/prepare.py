@@ -11,6 +11,8 @@ Tasks:
   `actor_rollout_ref.rollout.multi_turn.enable=true` and a tool config listing `calculator`).
 - `countdown`: reach a target from a few numbers with + - * /; every target is reachable.
 - `gsm8k`: from a local JSONL copy with `question` and `answer` (ending in `#### N`); no download.
+- `shapes`: a visual task for vision-language models, pictures of coloured squares drawn with PIL (colour,
+  count or compare; `hybridflow.data.visual_task`), with `--format sft|dpo` for the offline trainers.
 
 Generation is deterministic for a seed, and no problem appears in both splits.
 """
@@ -306,6 +308,23 @@ def _parser() -> argparse.ArgumentParser:
     count.add_argument("--max-number", type=int, default=30)
     count.add_argument("--max-target", type=int, default=100)
 
+    shapes = tasks.add_parser(
+        "shapes", parents=[common], help="pictures of coloured squares (vision-language)"
+    )
+    shapes.add_argument("--train-size", type=int, default=1000)
+    shapes.add_argument("--test-size", type=int, default=100)
+    shapes.add_argument("--question", choices=["colour", "count", "compare"], default="colour")
+    shapes.add_argument("--image-size", type=int, default=56, help="picture side in pixels")
+    shapes.add_argument(
+        "--colours", default="red,green,blue", help="comma-separated colours the squares are drawn in"
+    )
+    shapes.add_argument(
+        "--format",
+        choices=["rl", "sft", "dpo", "form"],
+        default="rl",
+        help="rl: prompts + ground truth; sft/dpo: TRL's formats; form: SFT on blank pictures, random answers",
+    )
+
     gsm = tasks.add_parser("gsm8k", parents=[common], help="grade-school math from a local JSONL copy")
     gsm.add_argument("--source", required=True, help="JSONL with 'question' and 'answer' ('... #### N')")
     gsm.add_argument("--test-source", help="a second JSONL file for the test split (else --test-fraction)")
@@ -344,12 +363,25 @@ def _arithmetic(args: argparse.Namespace) -> tuple[list[Row], list[Row]]:
     return out[0], out[1]
 
 
+def _shapes(args: argparse.Namespace) -> tuple[list[Row], list[Row]]:
+    from hybridflow.data import visual_task
+
+    colours = [c.strip() for c in args.colours.split(",") if c.strip()]
+    splits = visual_task.shapes_splits(
+        args.train_size, args.test_size, args.seed, args.question, args.image_size, colours
+    )
+    if args.format == "rl":
+        return splits
+    return tuple(visual_task.offline_rows(rows, args.format, args.seed, args.image_size) for rows in splits)
+
+
 _BUILDERS: dict[str, Callable[[argparse.Namespace], tuple[list[Row], list[Row]]]] = {
     "arithmetic": _arithmetic,
     "calculator": lambda a: calculator_splits(a.train_size, a.test_size, a.seed),
     "countdown": lambda a: countdown_splits(
         a.train_size, a.test_size, a.seed, a.num_numbers, a.max_number, a.max_target
     ),
+    "shapes": _shapes,
     "gsm8k": lambda a: gsm8k_splits(
         a.source, a.test_source, a.test_fraction, a.seed, a.train_size, a.test_size
     ),

@@ -1,4 +1,5 @@
-"""Models hybridflow can run without downloads: tiny random test models and the embedded SmolLM2.
+"""Models hybridflow can run without downloads: tiny random test models (text and vision-language) and the
+embedded SmolLM2; the vision-language families and what their forward passes take (``vision.py``).
 
 May import: ``utils`` only (it sits in the first tier, beside ``protocol``).
 """

@@ -6,6 +6,20 @@ is a byte-level BPE trained offline on a built-in corpus (English, arithmetic, t
 it encodes any text, round-trips it exactly and needs no download. Its chat template, special
 tokens and eos/pad convention copy SmolLM2's, so code written against the tiny model runs unchanged
 on the default model.
+
+Vision-language models (``make_tiny_vlm``, ``hybridflow make-tiny-model --vlm FAMILY``), because the real
+checkpoints (Qwen2-VL-2B and up) take minutes per operation on a CPU and cannot be downloaded
+here. A tiny model of the real architecture (the family's own ``*ForConditionalGeneration`` class, vision
+tower and projector included, a 2-layer language model of width 64, a 2-block vision tower half as wide) runs each forward in milliseconds, so
+every path (rollout, scoring, packing, update, checkpoint) is tested on the very code a real checkpoint runs.
+
+Each folder holds the model, the tiny BPE tokenizer above with the family's image tokens added, a
+ChatML chat template that writes the family's image placeholder for ``{"type": "image"}`` content parts,
+and the image processor's config (``preprocessor_config.json``) with ``processor_config.json``, so
+``AutoModelForImageTextToText`` loads the model and ``AutoProcessor`` the processor: for LLaVA here; for the
+Qwen families ``AutoProcessor`` also builds a video processor, which needs torchvision, which does not load
+beside the local torch build, so hybridflow reads the image processor alone (``hybridflow.data.images.ImagePrompts``).
+The image processors run on their PIL backend (transformers falls back to it without torchvision).
 """
 
 from __future__ import annotations
@@ -13,13 +27,22 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import json
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
 
 IM_START, IM_END, END_OF_TEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 SPECIAL_TOKENS = [END_OF_TEXT, IM_START, IM_END]
@@ -79,14 +102,27 @@ def _countdown_lines(rng: random.Random, count: int) -> list[str]:
     return lines
 
 
-def training_corpus() -> list[str]:
-    """The built-in text the tokenizer is trained on (deterministic, about 20 kB)."""
+# the visual task's words (``prepare-data shapes``), which the vision-language tokenizer also learns, so that a
+# one-word answer is one token: "blue" is 4 byte-pieces to the text tokenizer
+_VISION_LINES = [
+    "What colour is the shape? Reply with one word: red, green or blue. red green blue",
+    "How many shapes are in the picture? Reply with a number from 1 to 4. 1 2 3 4",
+    "Are there more red or more blue shapes? Reply with one word: red or blue. red blue",
+    "Which colour is it? The picture shows a square. Look at the image and answer.",
+    *["red", "green", "blue"],  # replies, which start a line: no leading space
+]
+
+
+def training_corpus(vision: bool = False) -> list[str]:
+    """The built-in text the tokenizer is trained on (deterministic, about 20 kB); ``vision``: with the
+    visual task's words."""
     rng = random.Random(0)
-    return _ENGLISH.splitlines() + _arithmetic_lines(rng, 150) + _countdown_lines(rng, 60)
+    lines = _ENGLISH.splitlines() + _arithmetic_lines(rng, 150) + _countdown_lines(rng, 60)
+    return lines + _VISION_LINES * 100 if vision else lines
 
 
 @functools.lru_cache(maxsize=4)
-def _trained_tokenizer_json(vocab_size: int) -> str:
+def _trained_tokenizer_json(vocab_size: int, vision: bool = False) -> str:
     """Train the byte-level BPE once per process and vocabulary size (training takes seconds)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -97,23 +133,24 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(training_corpus(), trainer=trainer)
+    tokenizer.train_from_iterator(training_corpus(vision), trainer=trainer)
     return tokenizer.to_str()
 
 
-def make_tiny_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast:
+def make_tiny_tokenizer(vocab_size: int = 1024, vision: bool = False) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer of at most `vocab_size` tokens with SmolLM2's special tokens.
 
     eos = pad = `<|im_end|>` (the end of an assistant turn), bos = `<|im_start|>`, unk =
     `<|endoftext|>`, as in SmolLM2-Instruct. The corpus bounds the number of merges, so the
-    vocabulary may come out a little smaller than asked; `len(tokenizer)` is the true size.
+    vocabulary may come out a little smaller than asked; `len(tokenizer)` is the true size. `vision`: trained
+    on the visual task's words too (the tiny vision-language models' tokenizer).
     """
     if vocab_size < 300:
         raise ValueError(
             f"vocab_size={vocab_size} is too small: 256 byte tokens and 3 special tokens come first"
         )
     return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json(vocab_size)),
+        tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json(vocab_size, vision)),
         bos_token=IM_START,
         eos_token=IM_END,
         pad_token=IM_END,
@@ -257,25 +294,245 @@ def teach_conversations(
         optimizer.zero_grad()
 
 
+# ------------------------------------------------------------------------------------ vision-language models
+QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def vision_chat_template(placeholder: str) -> str:
+    """ChatML (as the tiny text model's) where a message's content may be a list of parts: ``text`` parts
+    are written as they are, each ``image`` part as ``placeholder`` (what the family's processor expands)."""
+    return (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+        "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+        "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '" + placeholder + "' }}"
+        "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+        "{{ '<|im_end|>' + '\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+
+
+def _text_config(tokenizer: PreTrainedTokenizerFast, hidden: int, layers: int, **extra: Any) -> dict:
+    eos = tokenizer.convert_tokens_to_ids(IM_END)
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.convert_tokens_to_ids(IM_START),
+        eos_token_id=eos,
+        pad_token_id=eos,
+        **extra,
+    )
+
+
+def _mrope(hidden: int) -> dict:
+    """Qwen's rotary settings for a head of ``hidden / 4``: the (t, h, w) sections split its half-dimension."""
+    half = hidden // 4 // 2
+    return {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [half - 2 * (half // 3)] + [half // 3] * 2,
+    }
+
+
+def _qwen_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, int]:
+    names = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
+    return {name: tokenizer.convert_tokens_to_ids(token) for name, token in zip(names, QWEN_VISION_TOKENS)}
+
+
+def _qwen2_vl(tokenizer: PreTrainedTokenizerFast, hidden: int, layers: int) -> tuple[PreTrainedModel, Any]:
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    config = Qwen2VLConfig(
+        text_config=_text_config(tokenizer, hidden, layers, rope_parameters=_mrope(hidden)),
+        vision_config=dict(depth=2, embed_dim=hidden // 2, hidden_size=hidden, num_heads=2, mlp_ratio=2),
+        tie_word_embeddings=True,
+        **_qwen_ids(tokenizer),
+    )
+    return Qwen2VLForConditionalGeneration(config), Qwen2VLImageProcessorPil(
+        min_pixels=28 * 28, max_pixels=112 * 112
+    )
+
+
+def _qwen2_5_vl(tokenizer: PreTrainedTokenizerFast, hidden: int, layers: int) -> tuple[PreTrainedModel, Any]:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    vision = dict(
+        depth=2,
+        hidden_size=hidden // 2,
+        intermediate_size=hidden,
+        num_heads=2,
+        out_hidden_size=hidden,
+        window_size=56,
+        fullatt_block_indexes=[1],
+    )
+    config = Qwen2_5_VLConfig(
+        text_config=_text_config(tokenizer, hidden, layers, rope_parameters=_mrope(hidden)),
+        vision_config=vision,
+        tie_word_embeddings=True,
+        **_qwen_ids(tokenizer),
+    )
+    return Qwen2_5_VLForConditionalGeneration(config), Qwen2VLImageProcessorPil(
+        min_pixels=28 * 28, max_pixels=112 * 112
+    )
+
+
+def _qwen3_vl(tokenizer: PreTrainedTokenizerFast, hidden: int, layers: int) -> tuple[PreTrainedModel, Any]:
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    rope = {**_mrope(hidden), "mrope_interleaved": True}
+    vision = dict(
+        depth=2,
+        hidden_size=hidden // 2,
+        intermediate_size=hidden,
+        num_heads=2,
+        out_hidden_size=hidden,
+        patch_size=16,
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[0],
+    )
+    config = Qwen3VLConfig(
+        text_config=_text_config(tokenizer, hidden, layers, rope_parameters=rope, head_dim=hidden // 4),
+        vision_config=vision,
+        tie_word_embeddings=True,
+        **_qwen_ids(tokenizer),
+    )
+    processor = Qwen2VLImageProcessorPil(patch_size=16, min_pixels=32 * 32, max_pixels=128 * 128)
+    return Qwen3VLForConditionalGeneration(config), processor
+
+
+def _llava(tokenizer: PreTrainedTokenizerFast, hidden: int, layers: int) -> tuple[PreTrainedModel, Any]:
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    vision = dict(
+        model_type="clip_vision_model",
+        hidden_size=hidden // 2,
+        intermediate_size=hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=dict(model_type="llama", **_text_config(tokenizer, hidden, layers)),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        tie_word_embeddings=True,
+    )
+    processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    return LlavaForConditionalGeneration(config), processor
+
+
+_LLAVA_PROCESSOR = {
+    "processor_class": "LlavaProcessor",
+    "patch_size": 8,
+    "vision_feature_select_strategy": "default",
+    "num_additional_image_tokens": 1,
+}
+
+# family -> (builder, image tokens the tokenizer needs, what the chat template writes per image, the processor's
+# processor_config.json or its class)
+TINY_VLMS: dict[str, tuple[Callable[..., tuple[PreTrainedModel, Any]], list[str], str, str | dict]] = {
+    "qwen2_vl": (
+        _qwen2_vl,
+        QWEN_VISION_TOKENS,
+        "<|vision_start|><|image_pad|><|vision_end|>",
+        "Qwen2VLProcessor",
+    ),
+    "qwen2_5_vl": (
+        _qwen2_5_vl,
+        QWEN_VISION_TOKENS,
+        "<|vision_start|><|image_pad|><|vision_end|>",
+        "Qwen2_5_VLProcessor",
+    ),
+    "qwen3_vl": (
+        _qwen3_vl,
+        QWEN_VISION_TOKENS,
+        "<|vision_start|><|image_pad|><|vision_end|>",
+        "Qwen3VLProcessor",
+    ),
+    "llava": (_llava, ["<image>"], "<image>", _LLAVA_PROCESSOR),
+}
+
+
+def make_tiny_vlm(
+    out_dir: str | Path, family: str = "qwen2_vl", hidden_size: int = 64, num_layers: int = 2, seed: int = 0
+) -> str:
+    """Write a randomly initialised tiny vision-language model of ``family`` (``TINY_VLMS``), its tokenizer
+    (with the image tokens), chat template and image processor to ``out_dir``; returns the folder."""
+    if family not in TINY_VLMS:
+        raise ValueError(f"unknown tiny VLM family {family!r}; known: {', '.join(TINY_VLMS)}")
+    build, image_tokens, placeholder, processor_class = TINY_VLMS[family]
+    tokenizer = make_tiny_tokenizer(vision=True)
+    tokenizer.add_special_tokens({"additional_special_tokens": image_tokens})
+    tokenizer.chat_template = vision_chat_template(placeholder)
+    torch.manual_seed(seed)
+    model, image_processor = build(tokenizer, hidden_size, num_layers)
+    eos = tokenizer.convert_tokens_to_ids(IM_END)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.convert_tokens_to_ids(IM_START), eos_token_id=eos, pad_token_id=eos
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    image_processor.save_pretrained(out)
+    _name_processor(out, processor_class, tokenizer.chat_template)
+    return str(out)
+
+
+def _name_processor(folder: Path, processor: str | dict, chat_template: str) -> None:
+    """``processor_config.json`` and the template as ``chat_template.jinja``, laid out as a saved processor is;
+    ``preprocessor_config.json`` names the default image processor class (the PIL one is a fallback)."""
+    processor = {"processor_class": processor} if isinstance(processor, str) else processor
+    processor_class = processor["processor_class"]
+    (folder / "processor_config.json").write_text(json.dumps(processor, indent=2))
+    (folder / "chat_template.jinja").write_text(chat_template)
+    config_path = folder / "preprocessor_config.json"
+    config = json.loads(config_path.read_text())
+    config["image_processor_type"] = config["image_processor_type"].removesuffix("Pil")
+    config["processor_class"] = processor_class
+    config_path.write_text(json.dumps(config, indent=2))
+
+
 def main(argv: list[str] | None = None) -> int:
     """`hybridflow make-tiny-model OUT_DIR [...]`: write a tiny model folder and print its path."""
     parser = argparse.ArgumentParser(
         prog="hybridflow make-tiny-model",
-        description="Write a small random Llama model and a ~1k-token BPE tokenizer (tests, smoke runs).",
+        description="Write a small random Llama model (or with --vlm a vision-language one) and a ~1k-token BPE "
+        "tokenizer (tests, smoke runs).",
     )
     parser.add_argument("out_dir", help="folder to write the model and tokenizer to")
     parser.add_argument("--vocab-size", type=int, default=1024)
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--vlm",
+        choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"],
+        help="a tiny vision-language model of this family instead (vision tower, image tokens, image processor)",
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    path = make_tiny_model(
-        args.out_dir,
-        vocab_size=args.vocab_size,
-        hidden_size=args.hidden_size,
-        num_layers=args.num_layers,
-        seed=args.seed,
-    )
-    print(f"wrote tiny model to {path} in {time.perf_counter() - start:.1f} s")
+    if args.vlm:
+        path = make_tiny_vlm(args.out_dir, args.vlm, args.hidden_size, args.num_layers, args.seed)
+    else:
+        path = make_tiny_model(
+            args.out_dir,
+            vocab_size=args.vocab_size,
+            hidden_size=args.hidden_size,
+            num_layers=args.num_layers,
+            seed=args.seed,
+        )
+    print(f"wrote tiny {args.vlm or 'llama'} model to {path} in {time.perf_counter() - start:.1f} s")
     return 0

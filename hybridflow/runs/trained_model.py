@@ -5,10 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.utils import logging as hf_logging
 
 from hybridflow.models import resolve_model_path
+from hybridflow.models.vision import vision_family
 from hybridflow.runs.checkpoint import find_latest_checkpoint
 from hybridflow.utils.errors import MissingInputError
 
@@ -35,20 +43,27 @@ def actor_folder(path: str | Path) -> Path:
     )
 
 
+def _auto_class(folder: str | Path) -> type:
+    """``AutoModelForImageTextToText`` for a vision-language model (a registered family), else
+    ``AutoModelForCausalLM``."""
+    config = AutoConfig.from_pretrained(folder)
+    return AutoModelForImageTextToText if vision_family(config) is not None else AutoModelForCausalLM
+
+
 def load_trained_actor(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``(model, tokenizer)`` of a trained actor, loaded by plain transformers (an adapter folder: by
-    ``peft``, on the base model its ``adapter_config.json`` names, with the adapter merged in)."""
+    ``peft``, on the base model its ``adapter_config.json`` names, with the adapter merged in); a
+    vision-language model as ``AutoModelForImageTextToText``."""
     folder = actor_folder(path)
     hf_logging.disable_progress_bar()  # a per-tensor loading bar would bury the answers
     if (folder / ADAPTER_CONFIG).exists():
         from peft import PeftConfig, PeftModel
 
-        base = AutoModelForCausalLM.from_pretrained(
-            PeftConfig.from_pretrained(folder).base_model_name_or_path
-        )
+        base_path = PeftConfig.from_pretrained(folder).base_model_name_or_path
+        base = _auto_class(base_path).from_pretrained(base_path)
         model = PeftModel.from_pretrained(base, folder).merge_and_unload()
         return model.eval(), AutoTokenizer.from_pretrained(folder)
-    return AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+    return _auto_class(folder).from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
 
 
 @torch.no_grad()

@@ -1,18 +1,20 @@
-"""Serving the policy over an OpenAI-compatible HTTP endpoint, and rollouts by agents that call it.
+"""Serving a rollout engine over an OpenAI-compatible HTTP endpoint, and the rollout mode in which agents call it.
 
 Holds the server (``PolicyServer``: aiohttp; chat and text completions, a token-in/token-out route, tool
-calls, streaming, bearer-token auth), the batching of calls from many sessions into engine calls
-(``batcher``), the per-session records of exactly what was sampled and the training rows built from
-them (``sessions``), the served rollout mode (``ServedRollout``, ``SessionRewards``) and the
-``hybridflow serve`` command (``command``).
+calls, streaming, bearer-token auth), OpenAI's wire format (``openai_format``), the batching of calls from
+many sessions into engine calls (``batcher``), the per-session records of exactly what was sampled and the
+training rows built from them (``sessions``), and the served rollout (``ServedRollout``: a ``Rollout`` whose
+samples an ``openai``-SDK agent makes, scored by the agent's own return value).
 
-Layering: above ``workers`` (it drives a rollout engine and reuses the chat-template check) and below
-``trainer``, which wires the served rollout into a run; it imports ``utils``, ``protocol``, ``data``,
-``rewards``, ``tools`` and ``workers`` only.
+Layering: it speaks only the rollout contract (``hybridflow.rollout``), so it sits below ``workers``, which
+build the served rollout over their engine like any other rollout mode (``build_rollout``); ``hybridflow
+serve`` (``commands/serve.py``) loads a checkpoint and hands its engine in. It imports ``utils``,
+``protocol``, ``config``, ``rollout``, ``rewards`` (the one rule for scores), ``tools`` (the tool-call parser)
+and ``data`` only.
 """
 
 from hybridflow.serving.batcher import Batcher, GenerationRequest
-from hybridflow.serving.rollout import ServedRollout, SessionRewards
+from hybridflow.serving.rollout import ServedRollout, agent_sample
 from hybridflow.serving.server import PolicyServer
 from hybridflow.serving.sessions import CallRecord, sequences
 
@@ -22,6 +24,6 @@ __all__ = [
     "GenerationRequest",
     "PolicyServer",
     "ServedRollout",
-    "SessionRewards",
+    "agent_sample",
     "sequences",
 ]

@@ -6,7 +6,7 @@ held at most ``MAX_WAIT_S``), and all that arrive while the engine is busy, go t
 rows; rows sampled with different settings (temperature, top-p) go in separate calls of the same round. A
 request with a ``seed`` is generated alone under that seed, so it is reproducible.
 
-The engine is any object with the rollout contract (``hybridflow.workers.rollout``): left-padded prompts
+The engine is any ``Rollout`` (the rollout contract, ``hybridflow.rollout``): left-padded prompts
 in, ``responses``, ``response_mask`` (through the first EOS) and ``rollout_log_probs`` out, ``meta_info``
 overriding ``n``, ``response_length`` and the sampling keys. It runs in one worker thread, never on the
 event loop, so requests keep arriving while it generates.
@@ -19,12 +19,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from hybridflow.data.dataset import left_pad
+from hybridflow.models.vision import IMAGES, ImageInput
 from hybridflow.protocol import DataProto
+from hybridflow.rollout import Rollout
+from hybridflow.serving.token_text import TokenText
 
 MAX_WAIT_S = 0.05  # the longest a burst of arrivals holds the first of them back
 
@@ -41,6 +43,7 @@ class GenerationRequest:
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    images: tuple[ImageInput, ...] = ()  # the prompt's images, in the order of their tokens
 
     def sampling_key(self) -> tuple:
         """Requests with the same key can share one engine call."""
@@ -77,21 +80,21 @@ class _Pending:
 class Batcher:
     """``await batcher.generate(request)`` from any coroutine on one event loop.
 
-    ``engine``: the rollout engine; ``decode``: token ids -> text; ``eos_token_ids``; ``pad_token_id``;
+    ``engine``: the rollout engine; ``text``: the tokenizer's text of token ids; ``eos_token_ids``; ``pad_token_id``;
     ``weight_version``: read at each engine call; ``window_s``: how long the first waiting request waits
     for others; ``on_batch(rows, requests)``: told the size of every engine call (metrics, logs)."""
 
     def __init__(
         self,
-        engine: Any,
-        decode: Callable[[list[int]], str],
+        engine: Rollout,
+        text: TokenText,
         eos_token_ids: list[int],
         pad_token_id: int,
-        weight_version: Callable[[], int] = lambda: 0,
-        window_s: float = 0.002,
+        weight_version: Callable[[], int],
+        window_s: float,
         on_batch: Callable[[int, int], None] | None = None,
     ) -> None:
-        self.engine, self.decode = engine, decode
+        self.engine, self.text = engine, text
         self.eos_token_ids, self.pad_token_id = set(eos_token_ids), pad_token_id
         self.weight_version, self.window_s, self.on_batch = weight_version, window_s, on_batch
         self._queue: list[_Pending] = []
@@ -101,6 +104,7 @@ class Batcher:
         self.batch_sizes: list[int] = []  # rows of every engine call, in order
 
     async def generate(self, request: GenerationRequest) -> Generation:
+        """The request's samples, generated in the next engine call that has room for it."""
         if self._worker is None:
             self._wake = asyncio.Event()
             self._worker = asyncio.get_running_loop().create_task(self._run())
@@ -110,6 +114,7 @@ class Batcher:
         return await future
 
     async def close(self) -> None:
+        """Stop taking requests and let the engine's thread go."""
         if self._worker is not None:
             self._worker.cancel()
             self._worker = None
@@ -150,8 +155,13 @@ class Batcher:
             meta["do_sample"] = False
         else:
             meta.update(do_sample=True, temperature=first.temperature, top_p=first.top_p)
+        images = (
+            {IMAGES: [r.images for r in requests for _ in range(r.n)]}
+            if any(r.images for r in requests)
+            else {}
+        )
         batch = DataProto.from_dict(
-            {k: torch.stack([p[k] for p in padded]) for k in padded[0]}, meta_info=meta
+            {k: torch.stack([p[k] for p in padded]) for k in padded[0]}, images, meta_info=meta
         )
         version = self.weight_version()
         start = time.perf_counter()
@@ -179,11 +189,11 @@ class Batcher:
 
     def _sample(self, ids: list[int], log_probs: list[float], stop: list[str]) -> Sample:
         ended = bool(ids) and ids[-1] in self.eos_token_ids
-        text = self.decode(ids[:-1] if ended else ids)
+        text = self.text.decode(ids[:-1] if ended else ids)
         if stop:
             cut = _stop_cut(text, stop)
-            if cut is not None:
-                keep = _tokens_for(ids, cut[1], self.decode)
+            if cut is not None:  # keep the tokens up to the stop string's end (as vLLM does); cut the text
+                keep = self.text.tokens_for(ids, cut[1])
                 return Sample(ids[:keep], log_probs[:keep], text[: cut[0]], "stop", False)
         return Sample(ids, log_probs, text, "stop" if ended else "length", ended)
 
@@ -204,12 +214,3 @@ def _stop_cut(text: str, stop: list[str]) -> tuple[int, int] | None:
     """Where the earliest stop string starts and ends in ``text``, or None."""
     found = [(i, i + len(s)) for s in stop if s and (i := text.find(s)) >= 0]
     return min(found) if found else None
-
-
-def _tokens_for(ids: list[int], chars: int, decode: Callable[[list[int]], str]) -> int:
-    """The fewest leading tokens of ``ids`` whose text reaches ``chars`` characters: the sample keeps the
-    tokens it sampled up to the end of the stop string (as vLLM does), and its text stops before it."""
-    for k in range(1, len(ids) + 1):
-        if len(decode(ids[:k])) >= chars:
-            return k
-    return len(ids)

@@ -1,7 +1,10 @@
-"""OpenAI's request and response shapes, and the mapping between its messages and the chat template's.
+"""OpenAI's wire format: request and response shapes, stream events, errors, and the mapping between its
+messages and the chat template's. The server (``server.py``) keeps HTTP, auth, sessions and batching; what
+goes over the wire is built here.
 
 Requests are checked field by field; a bad one raises ``RequestError`` (HTTP 400, OpenAI's error JSON, the
-message naming the field). Tools come in OpenAI's function-calling form and go to the chat template as
+message naming the field; 404 ``model_not_found`` for a model the server does not serve). Log-probs carry
+each token's raw bytes (``token_text``), so joined they give the completion back byte for byte. Tools come in OpenAI's function-calling form and go to the chat template as
 ``tools=[{"type": "function", "function": {...}}]``, the form Hugging Face templates that know tools read
 (Qwen2.5's); a template that ignores them (ChatML without tools, the tiny model's, SmolLM2's) gets the
 same schemas in a system message in the Hermes format the model is asked to call them in. What the model
@@ -18,9 +21,11 @@ import time
 import uuid
 from typing import Any
 
+from hybridflow.data.images import content_text
+from hybridflow.serving.token_text import TokenText
 from hybridflow.tools import parse_tool_calls
 from hybridflow.tools.parsing import CLOSE, OPEN
-from hybridflow.utils.errors import UserError
+from hybridflow.utils.errors import InputError, UserError
 
 Messages = list[dict[str, Any]]
 
@@ -41,6 +46,7 @@ class RequestError(UserError):
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object: what went wrong, its kind, the field at fault and a machine-readable code."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -67,8 +73,6 @@ def sampling(
 ) -> dict[str, Any]:
     """``n``, ``temperature``, ``top_p``, ``max_tokens`` (or ``max_completion_tokens``), ``stop``, ``seed``;
     ``defaults`` gives the temperature and top-p of a request that sets none."""
-    if not isinstance(body.get("model"), str):
-        raise RequestError("'model' is required and must be a string", "model")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop or []
@@ -82,6 +86,26 @@ def sampling(
         "stop": stop,
         "seed": _integer(body, "seed", None, -(2**63)),
     }
+
+
+def requested_model(body: dict, names: list[str], required: bool = True) -> str:
+    """The model a request names, which must be one of ``names`` (the served model and its aliases): any other
+    name is a 404 ``model_not_found``, as from OpenAI. Without ``required`` (the token route) a request that
+    names none gets the first."""
+    model = body.get("model")
+    if model is None and not required:
+        return names[0]
+    if not isinstance(model, str):
+        raise RequestError("'model' is required and must be a string", "model")
+    if model not in names:
+        raise RequestError(
+            f"the model {model!r} does not exist: this server serves {', '.join(map(repr, names))} "
+            "(GET /v1/models lists them)",
+            "model",
+            status=404,
+            code="model_not_found",
+        )
+    return model
 
 
 def check_logprobs(body: dict, chat: bool) -> bool:
@@ -125,25 +149,38 @@ def tool_schemas(body: dict) -> list[dict[str, Any]]:
     return [] if choice == "none" else tools
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any, where: str, images: list[bytes] | None, media: str | None) -> str:
+    """A message's content as text; ``image_url`` parts become ``<image>`` markers, their images (``data:``
+    URLs, or files inside ``media``, the server's ``--allowed-local-media-path``) appended to ``images``
+    (None: the model is a text model, and image parts are refused)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
         return "".join(str(p.get("text", "")) for p in content)
-    raise RequestError(f"{where}.content must be a string or a list of text parts", f"{where}.content")
+    if isinstance(content, list) and images is not None:
+        try:
+            return content_text(content, f"{where}.content", images, media)
+        except InputError as err:
+            raise RequestError(str(err), f"{where}.content") from err
+    what = "text parts" if images is None else "text and image_url parts"
+    raise RequestError(f"{where}.content must be a string or a list of {what}", f"{where}.content")
 
 
 def hermes_call(name: str, arguments: Any) -> str:
+    """A tool call as the Hermes text a model writes (for calls this server did not issue)."""
     arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
     return f"{OPEN}{json.dumps({'name': name, 'arguments': arguments})}{CLOSE}"
 
 
-def template_messages(messages: Any, raw_replies: dict[str, str]) -> Messages:
+def template_messages(
+    messages: Any, raw_replies: dict[str, str], images: list[bytes] | None = None, media: str | None = None
+) -> Messages:
     """OpenAI messages as the chat template takes them: every content a string; an assistant turn with
     ``tool_calls`` as the text the model wrote (``raw_replies``: call id -> text) or, for calls this server
-    did not issue, Hermes tool-call text."""
+    did not issue, Hermes tool-call text. ``images`` (a vision-language model's server): gets each
+    ``image_url`` part's image, the part an ``<image>`` marker (``_content_text``)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", "messages")
     out = []
@@ -160,7 +197,7 @@ def template_messages(messages: Any, raw_replies: dict[str, str]) -> Messages:
                 f"{where} must be an object with a role of system, developer, user, assistant or tool", where
             )
         role = "system" if message["role"] == "developer" else message["role"]
-        text = _content_text(message.get("content"), where)
+        text = _content_text(message.get("content"), where, images, media)
         calls = message.get("tool_calls") or []
         if role == "assistant" and calls:
             ids = [c.get("id") for c in calls if isinstance(c, dict)]
@@ -220,8 +257,96 @@ def envelope(kind: str, model: str, choices: list[dict], usage: dict, version: i
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The token counts of a response."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def model_list(names: list[str]) -> dict[str, Any]:
+    """``GET /v1/models``: every name the server answers to."""
+    created = int(time.time())
+    return {
+        "object": "list",
+        "data": [{"id": n, "object": "model", "created": created, "owned_by": "hybridflow"} for n in names],
+    }
+
+
+def token_logprobs(text: TokenText, token_ids: list[int], log_probs: list[float]) -> list[dict[str, Any]]:
+    """A chat choice's ``logprobs.content``: each sampled token's string, log-prob and raw UTF-8 ``bytes``
+    (joined, the completion's bytes, also where a character spans tokens); no alternatives."""
+    return [
+        {"token": text.token_string(t), "logprob": lp, "bytes": list(text.token_bytes(t)), "top_logprobs": []}
+        for t, lp in zip(token_ids, log_probs)
+    ]
+
+
+def legacy_logprobs(text: TokenText, token_ids: list[int], log_probs: list[float]) -> dict[str, Any]:
+    """A text completion's ``logprobs``: token strings, their log-probs and ``text_offset``, the character
+    where each token starts in the text (a token that starts inside a character: that character's)."""
+    ends = text.char_ends(token_ids)
+    return {
+        "tokens": [text.token_string(t) for t in token_ids],
+        "token_logprobs": log_probs,
+        "top_logprobs": None,
+        "text_offset": [0, *ends[:-1]] if ends else [],
+    }
+
+
+def chat_chunks(out: dict[str, Any], pieces: list[list[str]], include_usage: bool) -> list[dict[str, Any]]:
+    """A finished chat answer as ``chat.completion.chunk`` events: per choice the role, the content in
+    ``pieces`` (one list per choice), the tool calls and the finish reason; then the usage if asked for."""
+    head = {k: out[k] for k in ("id", "created", "model", "weight_version")} | {
+        "object": "chat.completion.chunk"
+    }
+
+    def chunk(index: int, delta: dict, finish: str | None = None) -> dict[str, Any]:
+        """One event: choice ``index``'s ``delta``."""
+        return {**head, "choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
+
+    events = []
+    for choice, texts in zip(out["choices"], pieces):
+        i, message = choice["index"], choice["message"]
+        events.append(chunk(i, {"role": "assistant", "content": ""}))
+        events += [chunk(i, {"content": piece}) for piece in texts]
+        if message.get("tool_calls"):
+            events.append(
+                chunk(i, {"tool_calls": [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]})
+            )
+        events.append(chunk(i, {}, choice["finish_reason"]))
+    if include_usage:
+        events.append({**head, "choices": [], "usage": out["usage"]})
+    return events
+
+
+def completion_chunks(out: dict[str, Any]) -> list[dict[str, Any]]:
+    """A finished text completion as events, one per choice."""
+    head = {k: out[k] for k in ("id", "object", "created", "model", "weight_version")}
+    return [
+        {
+            **head,
+            "choices": [
+                {
+                    "index": c["index"],
+                    "text": c["text"],
+                    "finish_reason": c["finish_reason"],
+                    "logprobs": None,
+                }
+            ],
+        }
+        for c in out["choices"]
+    ]
+
+
+def generation_body(model: str, prompt_ids: list[int], choices: list[dict], version: int) -> dict[str, Any]:
+    """``POST /v1/generate``'s answer: the prompt ids and, per sample, its ids, log-probs, text and finish."""
+    return {
+        "id": f"gen-{uuid.uuid4().hex}",
+        "object": "generation",
+        "model": model,
+        "prompt_ids": prompt_ids,
+        "choices": choices,
+        "weight_version": version,
     }

@@ -20,8 +20,9 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from hybridflow.models.vision import ImageInput
+from hybridflow.rollout.chat_template import Messages, TemplateDelta
 from hybridflow.utils.errors import UserError
-from hybridflow.workers.rollout.chat_template import Messages, TemplateDelta
 
 
 @dataclass
@@ -32,6 +33,7 @@ class CallRecord:
     token_ids: list[int]
     log_probs: list[float]
     weight_version: int
+    images: tuple[ImageInput, ...] = ()  # the prompt's images
 
 
 @dataclass
@@ -48,6 +50,8 @@ class ChatTurn:
 
 @dataclass
 class Session:
+    """One session's calls: what each sampled (``records``) and the chat turns it may continue."""
+
     records: list[CallRecord] = field(default_factory=list)
     turns: list[ChatTurn] = field(default_factory=list)
 
@@ -64,16 +68,20 @@ class ChatPrompter:
             self.turn_end = None
 
     def render(self, messages: Messages, tools: list[dict[str, Any]], generation_prompt: bool) -> str:
+        """The chat template's text of ``messages`` (with ``tools``)."""
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=generation_prompt, tools=tools or None
         )
 
     def encode(self, text: str) -> list[int]:
+        """``text``'s token ids, no special tokens added (the template wrote them)."""
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def prompt_ids(
         self, messages: Messages, tools: list[dict[str, Any]], session: Session | None
     ) -> list[int]:
+        """The call's prompt ids: an earlier turn of ``session`` continued token for token when the call
+        extends it (see the module's docstring), else the rendering of ``messages`` encoded afresh."""
         for turn in reversed(session.turns if session and self.turn_end is not None else []):
             ids = self._continued(turn, messages, tools)
             if ids is not None:
@@ -103,9 +111,11 @@ class Sequence:
     mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     calls: int = 0
+    images: tuple[ImageInput, ...] = ()  # the prompt's images: a later call joins only with the same images
 
     @property
     def all_ids(self) -> list[int]:
+        """The prompt and every token after it."""
         return self.prompt_ids + self.ids
 
     def add(self, record: CallRecord) -> None:
@@ -122,10 +132,12 @@ def sequences(records: list[CallRecord]) -> list[Sequence]:
     starts with, token for token, else starts a sample of its own."""
     out: list[Sequence] = []
     for record in records:
-        fits = [s for s in out if record.prompt_ids[: len(s.all_ids)] == s.all_ids]
+        fits = [
+            s for s in out if record.prompt_ids[: len(s.all_ids)] == s.all_ids and s.images == record.images
+        ]
         target = max(fits, key=lambda s: len(s.all_ids)) if fits else None
         if target is None:
-            target = Sequence(list(record.prompt_ids))
+            target = Sequence(list(record.prompt_ids), images=record.images)
             out.append(target)
         target.add(record)
     return out

@@ -12,7 +12,6 @@ The YAML file (``actor_rollout_ref.rollout.multi_turn.tool_config_path``)::
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from hybridflow.tools.base import BaseTool
 from hybridflow.tools.calculator import CalculatorTool
 from hybridflow.tools.python_tool import PythonTool
 from hybridflow.utils.errors import UserError
+from hybridflow.utils.user_code import load_user_module
 
 
 def builtin_tools() -> dict[str, type[BaseTool]]:
@@ -36,12 +36,7 @@ def _tool_class(spec: str, where: str) -> type[BaseTool]:
         return builtins[spec]
     if ":" in spec:
         path, _, name = spec.rpartition(":")
-        file = Path(path)
-        if not file.is_file():
-            raise UserError(f"{where}: tool file {path} not found")
-        module_spec = importlib.util.spec_from_file_location(f"hybridflow_tool_{file.stem}", file)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+        module = load_user_module(path, where, "tool file")
     else:
         module_name, _, name = spec.rpartition(".")
         try:

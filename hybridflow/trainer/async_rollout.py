@@ -36,15 +36,17 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from hybridflow.data import PromptLoader
 from hybridflow.protocol import DataProto
+from hybridflow.rollout import tag_weight_versions
 from hybridflow.single_controller import WorkerGroup
 from hybridflow.trainer.loop import endless
+from hybridflow.utils.errors import UserError
 
 
 class PromptStream:
@@ -91,6 +93,17 @@ class Generated:
     rows: int = 0
 
 
+class WeightTransport(Protocol):
+    """How the actor's weights reach a rollout worker of its own: ``send(version, staged)`` loads weight
+    ``version`` there at once (lock-step) or, with ``staged``, keeps it as a version the rollout takes between
+    generations or decoding steps (the worker's ``WeightFeed``); returns what the sync cost
+    (``weight_sync/*`` metrics)."""
+
+    def send(self, version: int, staged: bool) -> dict[str, float]:
+        """Weight ``version`` to the rollout workers."""
+        ...
+
+
 class InProcessWeights:
     """The local backend: the actor and its rollout worker live in the driver's own process, so the weights go
     from one to the other as arrays (``get_weights``), loaded at once or posted as a version."""
@@ -134,9 +147,7 @@ class LinkedWeights:
         }
 
 
-def weight_transport(
-    backend: str, actor: WorkerGroup, rollout: WorkerGroup
-) -> InProcessWeights | LinkedWeights:
+def weight_transport(backend: str, actor: WorkerGroup, rollout: WorkerGroup) -> WeightTransport:
     """How the actor's weights reach a rollout worker of its own on ``trainer.backend``."""
     return LinkedWeights(actor, rollout) if backend == "ray" else InProcessWeights(actor, rollout)
 
@@ -145,7 +156,7 @@ class SyncRollouts:
     """Lock-step: the trainer generates each batch when it needs it, with its current weights; a rollout
     worker of its own (``placement=split``) is sent them through ``weights`` after each update."""
 
-    def __init__(self, generator: WorkerGroup, weights: InProcessWeights | LinkedWeights | None) -> None:
+    def __init__(self, generator: WorkerGroup, weights: WeightTransport | None) -> None:
         self.generator, self.weights = generator, weights
 
     def start(self, stream: PromptStream, version: int, end: int) -> None:
@@ -153,9 +164,7 @@ class SyncRollouts:
 
     def take(self, index: int, prompts: DataProto, metrics: dict[str, float], timings: Any) -> DataProto:
         batch = self.generator.generate_sequences(_with_meta(prompts, global_step=index))
-        mask = batch.batch["response_mask"]
-        batch.batch["rollout_weight_versions"] = torch.full_like(mask, index).masked_fill(mask == 0, -1)
-        return batch
+        return tag_weight_versions(batch, index)
 
     def generate_now(self, prompts: DataProto, version: int) -> DataProto:
         """A generation outside training (validation) with the trainer's current weights."""
@@ -188,7 +197,7 @@ class AsyncRollouts:
     def __init__(
         self,
         generator: WorkerGroup,
-        weights: InProcessWeights | LinkedWeights,
+        weights: WeightTransport,
         n: int,
         max_staleness: int,
         exact: bool,
@@ -224,6 +233,8 @@ class AsyncRollouts:
         with self._cond:
             while not self._done and self._error is None:
                 self._cond.wait()
+            if isinstance(self._error, UserError):  # as a worker's own: one line at the command line
+                raise self._error
             if self._error is not None:
                 raise RuntimeError("the rollout producer failed") from self._error
             done = self._done.popleft()
@@ -353,7 +364,7 @@ def _copy(prompts: DataProto) -> DataProto:
 
 
 def build_rollouts(
-    config: Any, generator: WorkerGroup, weights: InProcessWeights | LinkedWeights | None
+    config: Any, generator: WorkerGroup, weights: WeightTransport | None
 ) -> SyncRollouts | AsyncRollouts:
     """The source of ``async_training.mode``: ``weights`` moves the actor's weights to ``generator`` when it is
     a rollout worker of its own (None: the rollout shares the actor's module)."""

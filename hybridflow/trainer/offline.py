@@ -35,7 +35,7 @@ from hybridflow.trainer.loop import RunLoop
 from hybridflow.trainer.metrics import StepTimings, reduce_metrics, timer
 from hybridflow.trainer.worker_groups import WorkerGroups, build_worker_groups
 from hybridflow.workers import ActorRolloutRefWorker
-from hybridflow.workers.modeling import load_tokenizer
+from hybridflow.workers.modeling import load_image_prompts, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,9 @@ class OfflineTrainer(RunLoop):
         self.name = config.kind
         self.objective = get_offline_objective(config.kind)
         self.tokenizer = load_tokenizer(config.model.partial_pretrain, config.model.trust_remote_code)
+        self.processor = load_image_prompts(
+            config.model.partial_pretrain, self.tokenizer, config.model.trust_remote_code
+        )  # a vision-language model's image processing (TRL's vision formats: an images column)
         d = config.data
         self.train_loader = self._loader(d.train_files, d.train_batch_size, d.shuffle)
         self.val_loader = self._loader(d.val_files, d.train_batch_size, False) if d.val_files else None
@@ -81,6 +84,8 @@ class OfflineTrainer(RunLoop):
             "truncation": d.truncation,
             "prompt_key": d.prompt_key,
             "apply_chat_template": d.apply_chat_template,
+            "processor": self.processor,
+            "image_key": d.image_key,
         }
         if isinstance(self.config, DPOConfig):
             return PreferenceDataset(
@@ -109,7 +114,12 @@ class OfflineTrainer(RunLoop):
         temperature 1 for log-probs."""
         cfg, m = self.config, self.config.model
         rows = cfg.data.micro_batch_size_per_gpu * (2 if cfg.kind == "dpo" else 1)
-        actor = ActorConfig(ppo_micro_batch_size_per_gpu=rows, grad_clip=cfg.optim.clip_grad, optim=cfg.optim)
+        actor = ActorConfig(
+            ppo_micro_batch_size_per_gpu=rows,
+            grad_clip=cfg.optim.clip_grad,
+            optim=cfg.optim,
+            freeze_vision_tower=m.freeze_vision_tower,
+        )
         if isinstance(cfg, SFTConfig):  # SFT rows are independent; a DPO pair must stay in one micro-batch
             actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu = (
                 cfg.data.use_dynamic_bsz,

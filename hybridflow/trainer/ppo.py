@@ -19,11 +19,13 @@ from tqdm.auto import tqdm
 from hybridflow.algorithms import apply_kl_penalty, compute_advantage, get_kl_controller
 from hybridflow.config.schema import PPOConfig
 from hybridflow.data import PromptLoader, RLHFDataset
+from hybridflow.data.images import thumbnail
 from hybridflow.data.sft import SFTDataset
+from hybridflow.models.vision import IMAGES
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import RewardManager, default_compute_score, load_custom_reward_function
+from hybridflow.rollout import rollout_scores
 from hybridflow.runs.tracking import Tracking
-from hybridflow.serving import SessionRewards
 from hybridflow.tools import load_tools
 from hybridflow.trainer.async_rollout import PromptStream, build_rollouts, stale_tokens, weight_transport
 from hybridflow.trainer.loop import RunLoop, endless
@@ -38,7 +40,7 @@ from hybridflow.trainer.metrics import (
 from hybridflow.trainer.replay import ActorReplay
 from hybridflow.trainer.two_stage_reward import TwoStageRewardFn
 from hybridflow.trainer.worker_groups import WorkerGroups, build_worker_groups
-from hybridflow.workers.modeling import load_tokenizer
+from hybridflow.workers.modeling import load_image_prompts, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +62,10 @@ class PPOTrainer(RunLoop):
     ) -> None:
         self.config = config = config.validate()  # resolved and checked
         super().__init__(config.trainer, config.to_dict(), worker_groups)
-        self.tokenizer = load_tokenizer(
-            config.actor_rollout_ref.model.path, config.actor_rollout_ref.model.trust_remote_code
-        )
+        model = config.actor_rollout_ref.model
+        self.tokenizer = load_tokenizer(model.path, model.trust_remote_code)
+        # a vision-language model's image processing (None for a text model): the datasets read images with it
+        self.processor = load_image_prompts(model.path, self.tokenizer, model.trust_remote_code)
         data = config.data
         self.train_loader = PromptLoader(
             self._dataset(data.train_files), data.train_batch_size, shuffle=data.shuffle, seed=data.seed
@@ -78,10 +81,7 @@ class PPOTrainer(RunLoop):
             score_fn = load_custom_reward_function(
                 config.custom_reward_function.path, config.custom_reward_function.name
             )
-        default_reward = RewardManager(self.tokenizer, score_fn)
-        if config.actor_rollout_ref.rollout.served_agent.path:
-            default_reward = SessionRewards()  # the agent's own return value is the reward
-        self.reward_fn = reward_fn or default_reward
+        self.reward_fn = reward_fn or RewardManager(self.tokenizer, score_fn)
         self.val_reward_fn = val_reward_fn or self.reward_fn
         if (
             config.reward_model.two_stage.enable
@@ -119,6 +119,8 @@ class PPOTrainer(RunLoop):
             filter_overlong_prompts=d.filter_overlong_prompts,
             apply_chat_template=d.apply_chat_template,
             chat_template_kwargs=kwargs,
+            processor=self.processor,
+            image_key=d.image_key,
         )
 
     def _sft_loader(self, data: Any) -> PromptLoader:
@@ -180,12 +182,13 @@ class PPOTrainer(RunLoop):
 
     # ------------------------------------------------------------------ one step, stage by stage
     def compute_reward(self, batch: DataProto, metrics: dict[str, float] | None = None) -> DataProto:
-        """``token_level_scores``: the reward model's when there is one, else the rule/custom scorer's
-        (with ``reward_model.two_stage``, the reward model's only on each group's best rows). The
-        ``metrics`` a ``reward_fn`` returns (e.g. ``reward/stage2_calls``) go into ``metrics``."""
+        """``token_level_scores``: the reward model's when there is one, the rollout's own when it scored its
+        samples (a served agent's return values), else the rule/custom scorer's (with
+        ``reward_model.two_stage``, the reward model's only on each group's best rows). The ``metrics`` a
+        ``reward_fn`` returns (e.g. ``reward/stage2_calls``) go into ``metrics``."""
         if self.wg.reward_model is not None and not self.config.reward_model.two_stage.enable:
             batch = batch.union(self.wg.reward_model.compute_rm_score(batch))
-        if "rm_scores" in batch.batch.keys():
+        if "rm_scores" in batch.batch.keys():  # the reward model's, or the rollout's (extras: its columns)
             scores, extra = batch.batch["rm_scores"], {}
         else:
             reward_worker = self.wg.reward
@@ -254,6 +257,7 @@ class PPOTrainer(RunLoop):
                     gamma=cfg.algorithm.gamma,
                     lam=cfg.algorithm.lam,
                     norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+                    config=cfg.algorithm,  # what an estimator written for verl reads as its config
                 )
             self.hooks.emit("after_advantage", self, self.global_step, metrics, batch)
             if use_critic:
@@ -307,7 +311,7 @@ class PPOTrainer(RunLoop):
             )
             out = self.rollouts.generate_now(batch, self.global_step)
             agent.append(reduce_metrics(out.meta_info.pop("metrics", {})))
-            result = self.val_reward_fn(out, return_dict=True)
+            result = rollout_scores(out) or self.val_reward_fn(out, return_dict=True)
             rows.append((out, result))
         metrics = validation_metrics(rows, kw.n)
         metrics.update({f"val/{k}": reduce_metrics({k: [m[k] for m in agent]})[k] for k in agent[0]})
@@ -321,7 +325,8 @@ class PPOTrainer(RunLoop):
     def _show_generations(self, batch: DataProto, rewards: torch.Tensor, count: int) -> list[dict[str, Any]]:
         """Print the first ``count`` validation samples (question, answer, score): a look at what the
         numbers mean (``trainer.log_val_generations``). Returns them as ``{"index", "prompt", "response",
-        "score"}`` records."""
+        "score"}`` records, with ``images`` (thumbnails as ``data:`` URLs, for the report) when the prompt has
+        some."""
         samples = []
         for i in range(min(count, len(batch))):
             question = batch.non_tensor_batch["raw_prompt"][i][-1]["content"]
@@ -329,7 +334,10 @@ class PPOTrainer(RunLoop):
             answer = self.tokenizer.decode(batch.batch["responses"][i, :length], skip_special_tokens=True)
             score = rewards[i].sum().item()
             tqdm.write(f"[val step {self.global_step}] score {score:.3g} | {question!r} -> {answer!r}")
-            samples.append({"index": i, "prompt": question, "response": answer, "score": score})
+            sample = {"index": i, "prompt": question, "response": answer, "score": score}
+            if IMAGES in batch.non_tensor_batch and len(batch.non_tensor_batch[IMAGES][i]):
+                sample["images"] = [thumbnail(image) for image in batch.non_tensor_batch[IMAGES][i]]
+            samples.append(sample)
         return samples
 
     # ------------------------------------------------------------------ checkpoints

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from hybridflow.dataflow import ReplayBuffer, ScheduledSampler
 from hybridflow.dataflow.replay_buffer import IS_WEIGHTS_KEY
 from hybridflow.protocol import DataProto
+from hybridflow.utils.errors import UserError
+from hybridflow.workers.modeling import row_images
 
 __all__ = [
     "ActorReplay",
@@ -175,6 +177,11 @@ class ActorReplay:
             raise KeyError(
                 f"replay needs {missing} in the batch: replayed rows must carry the log-probs of "
                 "the policy that generated them (compute_log_prob every step)"
+            )
+        if row_images(batch) is not None:
+            raise UserError(
+                "replay_buffer.enable: the replay buffer keeps token rows only, not their images; turn it off "
+                "for image data"
             )
         keys = [k for k in ROW_KEYS if k in batch.batch.keys()]
         fresh = set_prompt_width(

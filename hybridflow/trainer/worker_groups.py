@@ -25,7 +25,7 @@ from typing import Any
 from hybridflow.config import PPOConfig, TrainerConfig
 from hybridflow.config.checks import ConfigError
 from hybridflow.config.offline import OfflineConfig
-from hybridflow.serving import ServedRollout
+from hybridflow.rollout import RolloutEngine, rollout_class
 from hybridflow.single_controller import (
     ClassWithInitArgs,
     LocalWorkerGroup,
@@ -176,6 +176,20 @@ def pool_resources(trainer: TrainerConfig, pools: dict[str, list[int]]) -> dict[
     return {name: {key: float(v) for key, v in res.items()} for name, res in given.items()}
 
 
+def rollout_engine(config: PPOConfig) -> type[RolloutEngine]:
+    """The engine class ``rollout.name`` registers, checked on the driver before any worker starts: a
+    registered name, and an engine that follows weights when a partial rollout will ask it to."""
+    engine = rollout_class(config.actor_rollout_ref.rollout.name)
+    run = config.async_training
+    if run.mode == "fully_async" and run.partial_rollout and not engine.capabilities.follows_weights:
+        raise ConfigError(
+            "async_training.partial_rollout=true swaps weights between decoding steps, which the rollout "
+            f"engine {config.actor_rollout_ref.rollout.name!r} does not declare (Capabilities.follows_weights): "
+            "set async_training.partial_rollout=false"
+        )
+    return engine
+
+
 def role_inits(
     config: PPOConfig, roles: dict[str, str] | None = None, reward_fn: Callable[..., dict] | None = None
 ) -> dict[str, ClassWithInitArgs]:
@@ -186,22 +200,25 @@ def role_inits(
     arr = config.actor_rollout_ref
     device = config.trainer.device
     kw = {"response_length": config.data.max_response_length, "seed": config.trainer.seed, "device": device}
-    # a served agent generates through the rollout engine of whichever worker holds the rollout role
-    mode = {"rollout_mode": ServedRollout} if arr.rollout.served_agent.path else {}
+    # the engine class, checked here on the driver, goes to whichever worker holds the rollout role, and to a
+    # split actor (what the engine declares decides which weights it sends: LoRA adapters alone or merged)
+    rollout_kw = {"rollout_engine": rollout_engine(config)}
     # With LoRA the reference is the actor's module with the adapter off: the actor worker takes the role
     ref_in_actor = needs_ref(config) and arr.model.lora_rank > 0
     with_ref = "_ref" if ref_in_actor else ""
     if roles.get("actor") == roles.get("rollout"):
         inits = {
             str(Role.ACTOR_ROLLOUT): ClassWithInitArgs(
-                ActorRolloutRefWorker, arr, role=f"actor_rollout{with_ref}", **kw, **mode
+                ActorRolloutRefWorker, arr, role=f"actor_rollout{with_ref}", **kw, **rollout_kw
             )
         }
     else:
         inits = {
-            "actor": ClassWithInitArgs(ActorRolloutRefWorker, arr, role=f"actor{with_ref}", **kw),
+            "actor": ClassWithInitArgs(
+                ActorRolloutRefWorker, arr, role=f"actor{with_ref}", **kw, **rollout_kw
+            ),
             "rollout": ClassWithInitArgs(
-                ActorRolloutRefWorker, arr, role="rollout", announce=True, **kw, **mode
+                ActorRolloutRefWorker, arr, role="rollout", announce=True, **kw, **rollout_kw
             ),
         }
     if needs_ref(config) and not ref_in_actor:

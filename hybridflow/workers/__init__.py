@@ -5,8 +5,9 @@
 ``RewardWorker`` (the rule-based or custom reward function, in its own process).
 
 May import: every room before it (``config`` for their typed sections: ``ActorRolloutRefConfig``,
-``CriticConfig``, ``RolloutConfig``...; ``single_controller``, ``tools``, ``data``, ``rewards``...); never the
-trainers or commands.
+``CriticConfig``, ``RolloutConfig``...; ``single_controller``, ``tools``, ``data``, ``rewards``...; ``rollout``,
+the contract their engines implement; ``serving``, whose served rollout they build over their engine); never
+the trainers or commands.
 """
 
 from hybridflow.workers.actor import ActorRolloutRefWorker

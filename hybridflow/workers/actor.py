@@ -9,12 +9,12 @@ sharded again after it). The reference policy is a second, frozen copy, loaded o
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from hybridflow.algorithms import (
+    ConfigView,
     agg_loss,
     compute_sft_loss,
     get_offline_objective,
@@ -25,13 +25,29 @@ from hybridflow.algorithms import (
     truncated_importance_weights,
 )
 from hybridflow.config import ActorRolloutRefConfig
+from hybridflow.models.vision import freeze_vision_tower
 from hybridflow.protocol import DataProto
+from hybridflow.rollout import (
+    EngineSpec,
+    Rollout,
+    RolloutEngine,
+    check_generation_batch,
+    is_tagged,
+    tag_weight_versions,
+)
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.checkpointing import load_worker_state, save_worker_state
 from hybridflow.workers.engine import DivergedError, TrainingEngine
-from hybridflow.workers.modeling import load_model, load_tokenizer, model_location, response_log_probs
+from hybridflow.workers.modeling import (
+    image_column,
+    load_image_prompts,
+    load_model,
+    load_tokenizer,
+    model_location,
+    response_log_probs,
+)
 from hybridflow.workers.packing import MicroBatching, batched
-from hybridflow.workers.rollout import build_rollout, check_generation_batch
+from hybridflow.workers.rollout import build_rollout
 from hybridflow.workers.sharding import (
     agreed_count,
     gathered,
@@ -66,16 +82,13 @@ def logprob_diff_metrics(
     }
 
 
-def _scalar(value: torch.Tensor | float) -> float:
-    return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
-
-
 class ActorRolloutRefWorker(WeightSyncEnds, Worker):
     """``config``: the ``actor_rollout_ref`` config section; ``role``: roles joined by ``_``
     (``actor_rollout``, ``actor_rollout_ref``, ``ref``, ``rollout``...); ``device``: ``trainer.device``;
-    ``announce``: print one line per generation (``[rollout] generated ...``); ``rollout_mode``: wraps the
-    rollout engine, called as ``rollout_mode(engine, tokenizer, rollout_config, response_length,
-    weight_version)`` (a mode from a later layer, e.g. ``hybridflow.serving.ServedRollout``)."""
+    ``announce``: print one line per generation (``[rollout] generated ...``); ``rollout_engine``: the
+    rollout engine's class (default: the one registered as ``rollout.name`` in this process; the trainer
+    hands it over, so an engine registered in the driver is built in Ray's workers too). The rollout mode
+    (the agent loop, a served agent) follows from the rollout config (``build_rollout``)."""
 
     def __init__(
         self,
@@ -85,7 +98,7 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
         seed: int = 42,
         device: str = "auto",
         announce: bool = False,
-        rollout_mode: Callable[..., Any] | None = None,
+        rollout_engine: type[RolloutEngine] | None = None,
     ) -> None:
         super().__init__(device)
         unknown = [r for r in role.split("_") if r not in ROLES]
@@ -97,12 +110,13 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
         self.announce = (
             announce  # print what this worker did (a role in its own process, as the tutorial logs)
         )
-        self.module = self.ref_module = self.engine = self.rollout = None
+        self.module = self.ref_module = self.engine = None
+        self.rollout: Rollout | None = None
+        self.rollout_engine = rollout_engine
         # sequence-parallel groups (ulysses_sequence_parallel_size > 1)
         self.actor_sp: SequenceParallel | None = None
         self.ref_sp: SequenceParallel | None = None
         self.mailbox: WeightMailbox | None = None  # a rollout-only worker's weight versions (async runs)
-        self.rollout_mode = rollout_mode
         self.weights_received = 0  # weight updates a rollout-only worker was sent
         self.weight_link: WeightLink | None = None  # to or from the actor's rank 0 (split placement on Ray)
 
@@ -123,6 +137,7 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
         self.init_process_group()
         model_cfg, actor, ref = self.config.model, self.config.actor, self.config.ref
         self.tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
+        self.processor = load_image_prompts(model_cfg.path, self.tokenizer, model_cfg.trust_remote_code)
         if self._is_actor or self._is_rollout:
             # a rollout-only worker (trainer.placement=split) holds a plain copy the actor's full weights load into
             strategy = resolve_strategy(actor.strategy, self.world_size) if self._is_actor else "ddp"
@@ -137,6 +152,8 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
             )
             if self._is_actor:
                 self.actor_sp = self._sequence_parallel(module, actor.ulysses_sequence_parallel_size, "actor")
+            if self._is_actor and actor.freeze_vision_tower:
+                freeze_vision_tower(module)
             self.module = wrap_model(
                 module,
                 strategy,
@@ -158,7 +175,7 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
             )
         if self._is_rollout:
             rollout = self.config.rollout
-            self.rollout = build_rollout(
+            spec = EngineSpec(
                 rollout,
                 self.module,
                 self.tokenizer,
@@ -166,12 +183,9 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
                 model_location(model_cfg.path),
                 (self.seed if rollout.seed is None else rollout.seed) + self.rank,
             )
+            self.rollout = build_rollout(spec, self.rollout_engine, self.weight_version)
             if not self._is_actor:
                 self.mailbox = WeightMailbox(self._load_weights)
-            if self.rollout_mode is not None:
-                self.rollout = self.rollout_mode(
-                    self.rollout, self.tokenizer, rollout, self.response_length, self.weight_version
-                )
         if self._is_ref and not (self.module is not None and is_lora(self.module)):
             strategy = resolve_strategy(ref.strategy, self.world_size, "actor_rollout_ref.ref.strategy")
             module = load_model(
@@ -200,7 +214,7 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         self._require(self.rollout, "rollout", "generate_sequences")
         check_generation_batch(prompts)
-        if "global_step" in prompts.meta_info and hasattr(self.rollout, "reseed"):
+        if "global_step" in prompts.meta_info:
             self.rollout.reseed(prompts.meta_info["global_step"])
         versioned = self.mailbox is not None and "weight_version" in prompts.meta_info
         if versioned:
@@ -219,12 +233,10 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
             ) from e
         finally:
             if versioned and self.mailbox.follow:
-                self.mailbox.follow, self.rollout.weights = False, None
-        if versioned and "rollout_weight_versions" not in out.batch.keys():
-            mask = out.batch["response_mask"]
-            out.batch["rollout_weight_versions"] = torch.full_like(mask, self.mailbox.version).masked_fill(
-                mask == 0, -1
-            )
+                self.mailbox.follow = False
+                self.rollout.follow_weights(None)
+        if versioned and not is_tagged(out):  # generated by one version from start to end
+            tag_weight_versions(out, self.mailbox.version)
         if self.announce:
             print(f"[rollout] generated {len(out)} responses for {len(prompts)} prompts", flush=True)
         return out
@@ -236,17 +248,18 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
         the engine take newer versions between decoding steps."""
         self.mailbox.use(meta["weight_version"], meta.get("keep_from"))
         if meta.get("follow_weights"):
-            if not hasattr(self.rollout, "weights"):
+            if not self.rollout.capabilities.follows_weights:
                 raise ValueError(
-                    f"a partial rollout needs an engine that swaps weights between decoding steps (hf, vllm); "
-                    f"{type(self.rollout).__name__} does not"
+                    "a partial rollout needs a rollout that takes new weights between decoding steps "
+                    f"(Capabilities.follows_weights: hf, vllm); {type(self.rollout).__name__} does not"
                 )
-            self.mailbox.follow, self.rollout.weights = True, self.mailbox
+            self.mailbox.follow = True
+            self.rollout.follow_weights(self.mailbox)
 
     def _sync_rollout(self) -> None:
         """After the actor's weights changed: a rollout engine with its own copy (vLLM) takes the new ones
         in memory; the Hugging Face rollout samples from the trained module itself and needs nothing."""
-        if self._is_actor and self.rollout is not None and hasattr(self.rollout, "update_weights"):
+        if self._is_actor and self.rollout is not None and self.rollout.capabilities.own_weights:
             self.rollout.update_weights(policy_weights(self.module))
 
     # ---------------------------------------------------------------- log-probs
@@ -334,24 +347,22 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
         # driver may skip the extra forward pass and let the ratio start at exactly 1.
         old = micro.batch["old_log_probs"] if "old_log_probs" in micro.batch.keys() else log_prob.detach()
         advantages, tis_metrics = self._off_policy_corrected(micro, old, log_prob.detach(), mask)
-        pg_loss, clipfrac, ppo_kl, clipfrac_lower = get_policy_loss_fn(actor.policy_loss.loss_mode)(
+        # verl's calling convention, so a loss registered for verl runs unchanged; the engine weighs the
+        # micro-batches itself, hence no whole-batch counts in global_batch_info
+        pg_loss, pg_metrics = get_policy_loss_fn(actor.policy_loss.loss_mode)(
             old_log_prob=old,
             log_prob=log_prob,
             advantages=advantages,
             response_mask=mask,
             loss_agg_mode=actor.loss_agg_mode,
-            cliprange=actor.clip_ratio,
-            cliprange_low=actor.clip_ratio_low,
-            cliprange_high=actor.clip_ratio_high,
-            clip_ratio_c=actor.clip_ratio_c,
+            config=ConfigView(actor, global_batch_info={}),
+            rollout_is_weights=None,
         )
         entropy_loss = agg_loss(entropy, mask, actor.loss_agg_mode)
         loss = pg_loss - entropy_coeff * entropy_loss
         metrics = {
             "actor/pg_loss": pg_loss.item(),
-            "actor/pg_clipfrac": _scalar(clipfrac),
-            "actor/ppo_kl": _scalar(ppo_kl),
-            "actor/pg_clipfrac_lower": _scalar(clipfrac_lower),
+            **pg_metrics,
             "actor/entropy": entropy_loss.item(),
             **tis_metrics,
         }
@@ -435,7 +446,8 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
             )
             if k in data.batch.keys()
         ]
-        data = gather_rows(data.select(batch_keys=keys, non_tensor_batch_keys=[], meta_info_keys=[]), sp)
+        selected = data.select(batch_keys=keys, non_tensor_batch_keys=image_column(data), meta_info_keys=[])
+        data = gather_rows(selected, sp)
         self.module.train()
         extra = []
         if sft_data is not None and len(sft_data):
@@ -541,6 +553,7 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
             self.engine,
             self.rank,
             self.config.actor.checkpoint.save_lora_only,
+            self.processor,
         )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

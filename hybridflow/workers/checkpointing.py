@@ -6,6 +6,9 @@ rank's random state. The optimiser takes one of two forms:
 
 - full replicas (``ddp``/``single``): ``<path>/optim.pt`` (identical on every rank, so rank 0 writes it);
   the model is read back from ``huggingface/``.
+A vision-language model's folder also holds its processor's files (image processor, processor config, chat
+template), so ``AutoModelForImageTextToText`` and ``AutoProcessor`` load it.
+
 - sharded (``fsdp2``) or LoRA models: ``<path>/dcp/``, a torch.distributed.checkpoint of model and optimiser
   that every rank writes its own shards of, plus ``<path>/schedule.pt``. DCP reshards on load, so a run
   saved on 2 ranks resumes on 1 or 2 (or 4) ranks, sharded or not. A LoRA model also gets
@@ -24,6 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from hybridflow.data.images import ImagePrompts
 from hybridflow.utils.errors import InputError, MissingInputError, UserError
 from hybridflow.utils.rng import get_rng_state, set_rng_state
 from hybridflow.workers.engine import TrainingEngine
@@ -41,8 +45,10 @@ def save_worker_state(
     engine: TrainingEngine,
     rank: int,
     save_lora_only: bool = False,
+    processor: ImagePrompts | None = None,
 ) -> None:
-    """Every rank calls it (a sharded model's weights are gathered collectively)."""
+    """Every rank calls it (a sharded model's weights are gathered collectively). ``processor``: a
+    vision-language model's, saved beside the tokenizer."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     lora = is_lora(module)
@@ -70,6 +76,8 @@ def save_worker_state(
         for folder in (HF_DIR, ADAPTER_DIR):
             if (path / folder).is_dir():
                 tokenizer.save_pretrained(path / folder)
+                if processor is not None:
+                    processor.save_pretrained(path / folder)
     torch.save(get_rng_state(), path / f"rng_rank{rank}.pt")
 
 

@@ -11,11 +11,12 @@ from transformers import AutoModelForTokenClassification
 
 from hybridflow.algorithms import compute_value_loss, masked_mean
 from hybridflow.config import CriticConfig
+from hybridflow.models.vision import freeze_vision_tower
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.checkpointing import load_worker_state, save_worker_state
 from hybridflow.workers.engine import TrainingEngine
-from hybridflow.workers.modeling import load_model, load_tokenizer, response_values
+from hybridflow.workers.modeling import image_column, load_model, load_tokenizer, response_values
 from hybridflow.workers.packing import MicroBatching, batched
 from hybridflow.workers.sharding import (
     agreed_count,
@@ -69,6 +70,8 @@ class CriticWorker(Worker):
                 part, torch.nn.Dropout
             ):  # noisy values, not those compute_values returned (eval mode)
                 part.p = 0.0
+        if model_cfg.freeze_vision_tower:
+            freeze_vision_tower(module)
         self.module = wrap_model(module, strategy, model_cfg.fsdp_config, self.device)
         self.engine = TrainingEngine(
             self.module,
@@ -136,7 +139,8 @@ class CriticWorker(Worker):
             "values",
             "returns",
         ]
-        data = gather_rows(data.select(batch_keys=keys, non_tensor_batch_keys=[], meta_info_keys=[]), self.sp)
+        selected = data.select(batch_keys=keys, non_tensor_batch_keys=image_column(data), meta_info_keys=[])
+        data = gather_rows(selected, self.sp)
         self.module.train()
         metrics = self.engine.update(
             data,

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoModelForTokenClassification,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -30,10 +33,21 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
+from hybridflow.data.images import ImagePrompts
 from hybridflow.models import resolve_model_path
+from hybridflow.models.vision import (
+    IMAGES,
+    ImageInput,
+    image_token_keys,
+    model_image_inputs,
+    placeholder_token_ids,
+    vision_family,
+    vision_positions,
+    without_placeholders,
+)
 from hybridflow.protocol import DataProto
 from hybridflow.utils.errors import MissingInputError
-from hybridflow.workers.packing import pack_prefix_tree
+from hybridflow.workers.packing import TokenInputs, pack_prefix_tree
 from hybridflow.workers.ulysses import (
     SequenceParallel,
     causal_mask,
@@ -87,6 +101,29 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
     return tokenizer
 
 
+def load_image_prompts(
+    path: str, tokenizer: PreTrainedTokenizerBase, trust_remote_code: bool = False
+) -> ImagePrompts | None:
+    """A vision-language model's image processing (``ImagePrompts``), or None for a text model."""
+    return ImagePrompts.from_pretrained(model_location(path), tokenizer, trust_remote_code)
+
+
+def is_vision_language(path: str, trust_remote_code: bool = False) -> bool:
+    """Whether the model at ``path`` is of a registered vision-language family."""
+    config = AutoConfig.from_pretrained(model_location(path), trust_remote_code=trust_remote_code)
+    return vision_family(config) is not None
+
+
+def _vision_class(path: str, auto_cls: Any, trust_remote_code: bool) -> tuple[Any, bool]:
+    """The auto class to load ``path`` with, and whether it then needs a value head: a vision-language model
+    asked for as a causal LM or a one-label token classifier loads as ``AutoModelForImageTextToText``."""
+    if auto_cls not in (AutoModelForCausalLM, AutoModelForTokenClassification):
+        return auto_cls, False
+    if not is_vision_language(path, trust_remote_code):
+        return auto_cls, False
+    return AutoModelForImageTextToText, auto_cls is AutoModelForTokenClassification
+
+
 def load_model(
     path: str,
     device: torch.device,
@@ -107,7 +144,15 @@ def load_model(
     like an error; any *other* missing weight is still reported as a warning.
 
     ``on_meta``: build the model from its config on the meta device, reading no weights (a sharded rank
-    that receives its shards from rank 0, ``sharding.shard_module``); it stays there, ``device`` unused."""
+    that receives its shards from rank 0, ``sharding.shard_module``); it stays there, ``device`` unused.
+
+    A vision-language checkpoint (a registered family, ``hybridflow.models.vision``) asked for as a causal LM
+    loads as ``AutoModelForImageTextToText``: the same next-token logits, with its vision tower; asked for as
+    a one-label token classifier (the critic), as that with a value head for output layer (``value_head``)."""
+    auto_cls, value_head = _vision_class(path, auto_cls, trust_remote_code)
+    if auto_cls is AutoModelForImageTextToText:
+        new_head = None  # a value head is put in place of the output layer below, not loaded
+        kwargs.pop("num_labels", None)
     if on_meta:
         config = AutoConfig.from_pretrained(
             model_location(path), trust_remote_code=trust_remote_code, **kwargs
@@ -137,12 +182,31 @@ def load_model(
         finally:
             hf_logging.set_verbosity(verbosity)
         _report_new_head(model, sorted(info.get("missing_keys", [])), new_head, path)
+    if value_head:
+        model = with_value_head(model)
     if not on_meta:
         model = model.to(device)
     if disable_dropout:
         without_dropout(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def with_value_head(model: PreTrainedModel) -> PreTrainedModel:
+    """A vision-language model whose output layer is a fresh one-output linear head: its "logits" ``(bs, T,
+    1)`` are values, as a token classifier's are (transformers has no token-classification class for these
+    families). The head is initialised as transformers initialises a classifier head, and untied from the
+    embeddings."""
+    text = model.config.get_text_config()
+    old = model.lm_head.weight
+    head = torch.nn.Linear(text.hidden_size, 1, bias=True, device=old.device, dtype=old.dtype)
+    if old.device.type != "meta":
+        torch.nn.init.normal_(head.weight, std=getattr(text, "initializer_range", 0.02))
+        torch.nn.init.zeros_(head.bias)
+    model.lm_head = head
+    model.config.tie_word_embeddings = text.tie_word_embeddings = False
+    logger.info("the critic's value head starts from scratch (a linear layer in place of the output layer)")
     return model
 
 
@@ -182,15 +246,55 @@ def _report_new_head(model: PreTrainedModel, missing: list[str], new_head: str, 
 
 
 def trimmed(data: DataProto) -> DataProto:
-    """``data``'s ``input_ids``, ``attention_mask``, ``position_ids`` and ``responses`` without the response
-    columns that no row attends to (the right padding past its longest response)."""
+    """``data``'s ``input_ids``, ``attention_mask``, ``position_ids`` and ``responses`` (and its images)
+    without the response columns that no row attends to (the right padding past its longest response)."""
     length = data.batch["responses"].shape[1]
     attended = data.batch["attention_mask"][:, -length:].any(dim=0).nonzero()
     cut = length - (int(attended.max()) + 1 if len(attended) else 1)
+    images = {IMAGES: data.non_tensor_batch[IMAGES]} if IMAGES in data.non_tensor_batch else {}
     if cut == 0:
         return data
     tensors = {k: data.batch[k][..., :-cut] for k in ("input_ids", "attention_mask", "position_ids")}
-    return DataProto.from_dict({**tensors, "responses": data.batch["responses"][:, :-cut]})
+    return DataProto.from_dict({**tensors, "responses": data.batch["responses"][:, :-cut]}, images)
+
+
+def row_images(data: DataProto) -> list[Sequence[ImageInput]] | None:
+    """Each row's images (``non_tensor_batch["image_inputs"]``), or None when no row has one."""
+    column = data.non_tensor_batch.get(IMAGES)
+    return list(column) if column is not None and any(len(images) for images in column) else None
+
+
+def image_column(data: DataProto) -> list[str]:
+    """``["image_inputs"]`` when ``data`` has the images column, else ``[]``: what a pass that selects its
+    columns keeps of the non-tensor ones."""
+    return [IMAGES] if IMAGES in data.non_tensor_batch else []
+
+
+def image_inputs(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, images: list
+) -> TokenInputs:
+    """Rows' images as the packing sees them: 3-D positions (Qwen) and each token's image key."""
+    flat = [im for row in images for im in row]
+    config = model.config
+    return TokenInputs(
+        vision_positions(model, input_ids, attention_mask, flat),
+        image_token_keys(input_ids, images, config.image_token_id),
+        images,
+    )
+
+
+def _forward(
+    model: PreTrainedModel, inputs: dict[str, torch.Tensor], images: list, keep: Any, keeps_logits: bool
+):
+    """The model's outputs over ``inputs`` (ids, mask, positions) with ``images`` (in token order) fed to
+    its vision tower; ``keep``: ``logits_to_keep`` for models that take it."""
+    device = inputs["input_ids"].device
+    return model(
+        **inputs,
+        **model_image_inputs(images, device),
+        use_cache=False,
+        **({"logits_to_keep": keep} if keeps_logits else {}),
+    ).logits
 
 
 def response_outputs(
@@ -201,9 +305,11 @@ def response_outputs(
     per-token results back in place).
 
     ``data.batch``: ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, T)`` and ``responses``
-    ``(bs, L)``. With ``share_prompt`` and rows that begin alike (a group's prompt, a system prompt), each
-    shared run of tokens is computed once (``hybridflow.workers.packing``; eager and SDPA attention, which
-    take a 4-D mask); otherwise every row is run as it is, without the columns past its longest response
+    ``(bs, L)``; ``data.non_tensor_batch["image_inputs"]``: each row's images, if any (fed to the vision
+    tower, with Qwen's 3-D positions computed from them). With ``share_prompt`` and rows that begin alike
+    (a group's prompt, a system prompt, the same image), each shared run of tokens is computed once, an
+    image's encoder pass included (``hybridflow.workers.packing``; eager and SDPA attention, which take a
+    4-D mask); otherwise every row is run as it is, without the columns past its longest response
     (``trimmed``). ``keeps_logits``: the model takes ``logits_to_keep`` (causal LMs do; token-classification
     models do not)."""
     outputs, _, real = _outputs(model, data, share_prompt, keeps_logits, None)
@@ -223,43 +329,60 @@ def _outputs(
     device = next(model.parameters()).device
     length = data.batch["responses"].shape[1]
     real = data.batch["attention_mask"][:, -length:].bool()
+    images = row_images(data)
+    if sp is not None and images is not None:
+        raise ValueError(
+            "sequence parallelism (ulysses_sequence_parallel_size > 1) does not cover rows with images"
+        )
     # flash-attention kernels take no 4-D mask: those models score row by row
     share_prompt = share_prompt and takes_4d_mask(model)
-    packed = pack_prefix_tree(data, next(model.parameters()).dtype) if share_prompt else None
-    if packed is not None:
-        if sp is not None:
+    if share_prompt:
+        extra = None
+        if images is not None:
+            extra = image_inputs(model, data.batch["input_ids"], data.batch["attention_mask"], images)
+        packed = pack_prefix_tree(data, next(model.parameters()).dtype, extra=extra)
+        if packed is not None and sp is not None:
             rows, cols = packed.predictors(real)
             allowed = packed.attention_mask == 0
             outputs = _split_outputs(model, packed.input_ids, packed.position_ids, allowed, packed.keep, sp)
             return (*outputs(rows, cols, keeps_logits), real)
-        keep = packed.keep.to(device)
-        outputs = model(
-            input_ids=packed.input_ids.to(device),
-            attention_mask=packed.attention_mask.to(device),
-            position_ids=packed.position_ids.to(device),
-            use_cache=False,
-            **({"logits_to_keep": keep} if keeps_logits else {}),
-        ).logits
-        return packed.gather(outputs if keeps_logits else outputs[:, keep], real), None, real
+        if packed is not None:
+            keep = packed.keep.to(device)
+            inputs = {
+                "input_ids": packed.input_ids.to(device),
+                "attention_mask": packed.attention_mask.to(device),
+                "position_ids": packed.position_ids.to(device),
+            }
+            outputs = _forward(model, inputs, packed.images, keep, keeps_logits)
+            return packed.gather(outputs if keeps_logits else outputs[:, keep], real), None, real
     data = trimmed(data)
     width = data.batch["responses"].shape[1]
     if sp is not None:
-        ids, pos, mask = (data.batch[k] for k in ("input_ids", "position_ids", "attention_mask"))
-        rows, step = real[:, :width].nonzero(as_tuple=True)  # row-major: the order of real's True entries
-        aligned = left_aligned(ids, pos, mask)
-        if aligned is None:  # gaps in some row: its own mask
-            allowed, predictor = causal_mask(mask), ids.shape[1] - width - 1 + step
-        else:  # response token t of row r is predicted by column prompt_r - 1 + t
-            (ids, pos), allowed = aligned, None
-            predictor = mask[:, :-width].sum(1)[rows] - 1 + step
-        keep, cols = torch.unique(predictor, return_inverse=True)
-        outputs = _split_outputs(model, ids, pos, allowed, keep, sp)
-        return (*outputs(rows, cols, keeps_logits), real)
+        return (*_rows_split_outputs(model, data, real[:, :width], keeps_logits, sp), real)
     inputs = {k: data.batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")}
-    outputs = model(
-        **inputs, use_cache=False, **({"logits_to_keep": width + 1} if keeps_logits else {})
-    ).logits
+    flat = [im for row in images or [] for im in row]
+    positions = vision_positions(model, inputs["input_ids"], inputs["attention_mask"], flat) if flat else None
+    if positions is not None:
+        inputs["position_ids"] = positions
+    outputs = _forward(model, inputs, flat, width + 1, keeps_logits)
     return outputs[:, -width - 1 : -1][real[:, :width].to(device)], None, real
+
+
+def _rows_split_outputs(
+    model: PreTrainedModel, data: DataProto, real: torch.Tensor, keeps_logits: bool, sp: SequenceParallel
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_outputs`` of plain (unpacked, ``trimmed``) rows under ``sp``; ``real`` ``(bs, width)``."""
+    width = real.shape[1]
+    ids, pos, mask = (data.batch[k] for k in ("input_ids", "position_ids", "attention_mask"))
+    rows, step = real.nonzero(as_tuple=True)  # row-major: the order of real's True entries
+    aligned = left_aligned(ids, pos, mask)
+    if aligned is None:  # gaps in some row: its own mask
+        allowed, predictor = causal_mask(mask), ids.shape[1] - width - 1 + step
+    else:  # response token t of row r is predicted by column prompt_r - 1 + t
+        (ids, pos), allowed = aligned, None
+        predictor = mask[:, :-width].sum(1)[rows] - 1 + step
+    keep, cols = torch.unique(predictor, return_inverse=True)
+    return _split_outputs(model, ids, pos, allowed, keep, sp)(rows, cols, keeps_logits)
 
 
 def _split_outputs(
@@ -323,7 +446,7 @@ def response_log_probs(
     ``sp``: a sequence-parallel group whose ranks all hold ``data`` (``workers.ulysses``): each computes its
     columns' part, and all of them return the whole."""
     logits, index, real = _outputs(model, data, share_prompt, True, sp)
-    logits = logits.float()
+    logits = without_placeholders(logits.float(), placeholder_token_ids(model.config))
     if temperature != 1.0:
         logits = logits / temperature
     labels = data.batch["responses"][real].to(logits.device)

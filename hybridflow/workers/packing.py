@@ -25,7 +25,7 @@ shard is cut into exactly that many micro-batches, balanced by tokens (``MicroBa
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -54,10 +54,12 @@ class PackedBatch:
     """Rows packed as prefix trees, one tree per packed row; the model's outputs at columns ``keep`` are
     gathered back into per-response positions with ``rows`` and ``cols``.
 
-    ``input_ids``, ``position_ids`` ``(G, W)``; ``attention_mask`` ``(G, 1, W, W)`` additive (0 or the dtype's
-    minimum); ``keep`` ``(K,)`` the columns whose outputs predict a response token (in some packed row);
-    ``rows`` ``(bs,)`` the packed row of each original row; ``cols`` ``(bs, L)`` the index into ``keep`` of
-    the output that predicts each response token (0 where the row has no token there)."""
+    ``input_ids`` ``(G, W)``; ``position_ids`` ``(G, W)``, or ``(3, G, W)`` for 3-D rotary positions;
+    ``attention_mask`` ``(G, 1, W, W)`` additive (0 or the dtype's minimum); ``keep`` ``(K,)`` the columns
+    whose outputs predict a response token (in some packed row); ``rows`` ``(bs,)`` the packed row of each
+    original row; ``cols`` ``(bs, L)`` the index into ``keep`` of the output that predicts each response
+    token (0 where the row has no token there); ``images``: the images of the packed rows in the order
+    their tokens appear (each shared image once)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -65,6 +67,7 @@ class PackedBatch:
     keep: torch.Tensor
     rows: torch.Tensor
     cols: torch.Tensor
+    images: list[Any] = field(default_factory=list)
 
     def gather(self, outputs: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """``outputs`` ``(G, K, ...)`` (the model's outputs at columns ``keep``) -> ``(M, ...)``: the output
@@ -80,26 +83,32 @@ class PackedBatch:
 
 
 class _Tree:
-    """A prefix tree of ``(token, position)`` nodes, numbered in insertion order (a parent precedes its
-    children)."""
+    """A prefix tree of ``(token, position, key)`` nodes, numbered in insertion order (a parent precedes its
+    children); ``key`` tells apart tokens that are equal as ids but not as inputs (an image's tokens).
+    ``images`` maps the node of each image's first token to the image."""
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
-        self.positions: list[int] = []
+        self.positions: list[Any] = []
         self.parents: list[int] = []
-        self.children: dict[tuple[int, int, int], int] = {}  # (parent, token, position) -> node
+        self.children: dict[tuple[int, int, Any, int], int] = {}  # (parent, token, position, key) -> node
+        self.images: dict[int, Any] = {}
 
-    def walk(self, tokens: list[int], positions: list[int]) -> list[int]:
-        """Insert one row's real tokens; returns the node of each."""
+    def walk(
+        self, tokens: list[int], positions: list[Any], keys: list[int], firsts: dict[int, Any]
+    ) -> list[int]:
+        """Insert one row's real tokens (``firsts``: the index of each image's first token -> the image);
+        returns the node of each."""
         nodes, node = [], -1
-        for token, position in zip(tokens, positions):
-            key = (node, token, position)
-            child = self.children.get(key)
+        for i, (token, position, key) in enumerate(zip(tokens, positions, keys)):
+            child = self.children.get((node, token, position, key))
             if child is None:
-                child = self.children[key] = len(self.tokens)
+                child = self.children[(node, token, position, key)] = len(self.tokens)
                 self.tokens.append(token)
                 self.positions.append(position)
                 self.parents.append(node)
+                if i in firsts:  # an image is shared whole or not at all: its first token decides
+                    self.images[child] = firsts[i]
             nodes.append(child)
             node = child
         return nodes
@@ -114,7 +123,33 @@ class _Tree:
         return allowed
 
 
-def pack_prefix_tree(data: DataProto, dtype: torch.dtype, max_width: int = 1024) -> PackedBatch | None:
+@dataclass
+class TokenInputs:
+    """What a row's tokens are besides their ids, for rows with images: ``positions`` ``(3, bs, T)`` 3-D
+    rotary positions (None: the batch's ``position_ids``), ``keys`` ``(bs, T)`` (0 at text tokens, the
+    image's number at image tokens), ``images`` each row's images in order."""
+
+    positions: torch.Tensor | None
+    keys: torch.Tensor
+    images: list[Any]
+
+
+def _row_images(extra: TokenInputs | None, r: int, keys: list[int]) -> dict[int, Any]:
+    """Index (among the row's real tokens) of each image's first token -> the image: the row's image tokens
+    in order, ``num_tokens`` per image."""
+    if extra is None:
+        return {}
+    columns = [i for i, key in enumerate(keys) if key]
+    firsts, offset = {}, 0
+    for image in extra.images[r]:
+        firsts[columns[offset]] = image
+        offset += image.num_tokens
+    return firsts
+
+
+def pack_prefix_tree(
+    data: DataProto, dtype: torch.dtype, max_width: int = 1024, extra: TokenInputs | None = None
+) -> PackedBatch | None:
     """Pack rows into prefix trees: a run of tokens (with their positions) that several rows begin with is
     one set of columns, computed once, and each token attends to exactly the tokens before it in its row(s),
     so outputs and gradients are those of the rows run one by one. Rows fill a packed row in order until it
@@ -123,8 +158,10 @@ def pack_prefix_tree(data: DataProto, dtype: torch.dtype, max_width: int = 1024)
 
     ``data.batch``: ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, P + L)`` (left-padded prompt,
     right-padded response) and ``responses`` ``(bs, L)``. Tokens with attention mask 0 are left out: no token
-    attends to them and no response token is predicted from them. ``None`` when no two rows begin with the
-    same token: packing would then only trade padding for a wider mask."""
+    attends to them and no response token is predicted from them. ``extra`` (rows with images): tokens are
+    shared only when their positions (3-D where given) and image keys agree too, so an image's tokens and
+    its encoder pass are shared exactly when the image and everything before it are. ``None`` when no two
+    rows begin with the same token: packing would then only trade padding for a wider mask."""
     ids, mask, pos = (data.batch[k] for k in ("input_ids", "attention_mask", "position_ids"))
     length = data.batch["responses"].shape[1]
     width = ids.shape[1] - length
@@ -134,24 +171,51 @@ def pack_prefix_tree(data: DataProto, dtype: torch.dtype, max_width: int = 1024)
         if len(trees[-1].tokens) >= max_width:
             trees.append(_Tree())
         real = mask[r].bool()
-        nodes = trees[-1].walk(ids[r][real].tolist(), pos[r][real].tolist())
+        tokens = ids[r][real].tolist()
+        if extra is not None and extra.positions is not None:
+            positions = [tuple(p) for p in extra.positions[:, r][:, real].T.tolist()]
+        else:
+            positions = pos[r][real].tolist()
+        keys = extra.keys[r][real].tolist() if extra is not None else [0] * len(tokens)
+        nodes = trees[-1].walk(tokens, positions, keys, _row_images(extra, r, keys))
         prompt_len, response_len = int(real[:width].sum()), int(real[width:].sum())
         # response token t is predicted by the node of the token before it (the last prompt token for t = 0)
         before = ([-1] + nodes)[prompt_len : prompt_len + response_len]
         predictors.append((len(trees) - 1, before))
     if sum(len(tree.tokens) for tree in trees) == int(mask.sum()):
         return None
+    return _layout(trees, predictors, len(data), length, ids.dtype, pos.dtype, dtype)
+
+
+def _layout(
+    trees: list[_Tree],
+    predictors: list[tuple[int, list[int]]],
+    rows: int,
+    length: int,
+    id_dtype: torch.dtype,
+    pos_dtype: torch.dtype,
+    dtype: torch.dtype,
+) -> PackedBatch:
+    """The trees as packed rows: their tokens, positions, ancestor masks and images, and where each original
+    row's response predictions are."""
     packed_width = max(len(tree.tokens) for tree in trees)
-    packed_ids = torch.zeros(len(trees), packed_width, dtype=ids.dtype)
-    packed_pos = torch.zeros(len(trees), packed_width, dtype=pos.dtype)
+    packed_ids = torch.zeros(len(trees), packed_width, dtype=id_dtype)
+    three_d = isinstance(trees[0].positions[0], tuple)
+    packed_pos = torch.zeros((3,) * three_d + (len(trees), packed_width), dtype=pos_dtype)
     allowed = torch.zeros(len(trees), packed_width, packed_width, dtype=torch.bool)
+    images = []
     for g, tree in enumerate(trees):
-        packed_ids[g, : len(tree.tokens)] = torch.tensor(tree.tokens, dtype=ids.dtype)
-        packed_pos[g, : len(tree.tokens)] = torch.tensor(tree.positions, dtype=pos.dtype)
+        packed_ids[g, : len(tree.tokens)] = torch.tensor(tree.tokens, dtype=id_dtype)
+        positions = torch.tensor(tree.positions, dtype=pos_dtype)
+        if three_d:
+            packed_pos[:, g, : len(tree.tokens)] = positions.T
+        else:
+            packed_pos[g, : len(tree.tokens)] = positions
         allowed[g] = tree.ancestors(packed_width)
+        images += [tree.images[node] for node in sorted(tree.images)]
     keep = sorted({node for _, before in predictors for node in before if node >= 0}) or [0]
     index = {node: k for k, node in enumerate(keep)}
-    cols = torch.zeros(len(data), length, dtype=torch.long)
+    cols = torch.zeros(rows, length, dtype=torch.long)
     for r, (_, before) in enumerate(predictors):
         cols[r, : len(before)] = torch.tensor([index.get(node, 0) for node in before], dtype=torch.long)
     additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
@@ -162,6 +226,7 @@ def pack_prefix_tree(data: DataProto, dtype: torch.dtype, max_width: int = 1024)
         torch.tensor(keep, dtype=torch.long),
         torch.tensor([g for g, _ in predictors], dtype=torch.long),
         cols,
+        images,
     )
 
 

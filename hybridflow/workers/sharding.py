@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridflow.config import FSDPConfig
+from hybridflow.models.vision import lora_targets
 from hybridflow.protocol import DataProto
 from hybridflow.workers.packing import MicroBatching
 
@@ -83,7 +84,8 @@ def wrap_model(
 def apply_lora(module: nn.Module, rank: int, alpha: int, target_modules: list[str] | str) -> nn.Module:
     """``module`` wrapped in a ``peft`` LoRA model (base weights frozen); ``rank`` 0 returns it unchanged.
 
-    ``target_modules``: ``["all-linear"]`` (every linear layer but the output layer) or module names."""
+    ``target_modules``: ``["all-linear"]`` (every linear layer but the output layer; of a vision-language
+    model, every linear layer of its language model) or module names."""
     if rank <= 0:
         return module
     from peft import LoraConfig, get_peft_model
@@ -91,6 +93,7 @@ def apply_lora(module: nn.Module, rank: int, alpha: int, target_modules: list[st
     targets = target_modules
     if isinstance(targets, (list, tuple)) and list(targets) == ["all-linear"]:
         targets = "all-linear"
+    targets = lora_targets(module, targets)  # a vision-language model: its language model's layers
     return get_peft_model(
         module,
         LoraConfig(
@@ -131,10 +134,18 @@ def _broadcast(tensors: Iterable[torch.Tensor]) -> None:
 
 def _decoder_layers(module: nn.Module) -> list[nn.Module]:
     """Every transformer block: the children of the model's ``layers`` ``ModuleList`` (Llama, Qwen,
-    Mistral...; GPT-2 calls it ``h``)."""
+    Mistral...; GPT-2 calls it ``h``), and a vision-language model's vision blocks too (Qwen's ``blocks``,
+    CLIP's ``layers``), each list found once."""
+    blocks: list[nn.Module] = []
+    found: list[str] = []  # the lists taken, whose own sub-lists are parts of their blocks
     for name, child in module.named_modules():
-        if isinstance(child, nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "h") and len(child):
-            return list(child)
+        if not isinstance(child, nn.ModuleList) or name.rsplit(".", 1)[-1] not in ("layers", "h", "blocks"):
+            continue
+        if len(child) and not any(name.startswith(f"{outer}.") for outer in found):
+            found.append(name)
+            blocks += list(child)
+    if blocks:
+        return blocks
     raise ValueError(
         f"cannot shard {type(module).__name__}: no decoder-layer list (a ModuleList named "
         "'layers' or 'h') was found; use strategy ddp for this model"

@@ -306,13 +306,14 @@ def enable_ulysses(model: nn.Module, size: int, key: str) -> None:
     """Let ``model``'s forwards run sequence-parallel over groups of ``size`` when called with ``ulysses=``
     (they behave as before otherwise). A ``UserError`` naming ``key`` for a model whose attention heads do not
     divide by ``size``, or whose attention is not plain softmax attention over the sequence."""
-    shape = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    shape = model.config.get_text_config()
     impl = model.config._attn_implementation
     if impl.startswith(ATTENTION_PREFIX):
         return
     heads = shape.num_attention_heads
     problems = [
         (impl not in ("sdpa", "eager"), f"attention implementation {impl!r} (needs sdpa or eager)"),
+        (shape is not model.config, "a vision tower (sequence parallelism covers text models only)"),
         (heads % size != 0, f"{heads} attention heads, which {size} ranks cannot share evenly"),
         (
             getattr(shape, "sliding_window", None) is not None and getattr(shape, "use_sliding_window", True),

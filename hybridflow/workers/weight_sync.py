@@ -20,7 +20,9 @@ import numpy as np
 import torch
 
 from hybridflow.config import ActorRolloutRefConfig
+from hybridflow.rollout import Rollout, RolloutEngine, rollout_class
 from hybridflow.single_controller import Dispatch, register
+from hybridflow.workers.engine import TrainingEngine
 from hybridflow.workers.sharding import full_weights, is_lora
 from hybridflow.workers.weight_link import (
     LinkAddress,
@@ -154,13 +156,20 @@ class WeightSyncEnds:
     called together: the driver only orders it. In one process (the local backend) the driver is the workers'
     own process, and ``get_weights`` / ``update_weights`` / ``post_weights`` hand the tensors over as arrays.
 
-    LoRA with the hf rollout: the rollout worker's model carries the adapters too, so only they travel;
-    another engine (vLLM) takes the merged weights."""
+    Every path ends in ``_load_weights``, which meets the rollout contract (``hybridflow.rollout``) by what the
+    engine declares: the worker's module takes the weights in place (an engine that samples from it, hf, needs
+    nothing more) and an engine with ``Capabilities.own_weights`` (vLLM) is handed them (``update_weights``),
+    and must say it took every tensor. A version received while the rollout generates goes to the mailbox,
+    the ``WeightFeed`` a rollout that ``follows_weights`` takes new weights from between decoding steps.
+
+    LoRA with an engine that samples from the worker's module (no ``own_weights``: hf): that module carries
+    the adapters too, so only they travel; an engine with weights of its own takes the merged weights."""
 
     config: ActorRolloutRefConfig
     module: torch.nn.Module | None
-    engine: object | None
-    rollout: object | None
+    engine: TrainingEngine | None
+    rollout: Rollout | None
+    rollout_engine: type[RolloutEngine] | None
     mailbox: WeightMailbox | None
     weight_link: WeightLink | None
     weights_received: int
@@ -172,8 +181,10 @@ class WeightSyncEnds:
     def _require(self, part: object, role: str, method: str) -> None: ...
 
     def sends_adapters(self) -> bool:
-        """Whether the weights that travel are LoRA adapters alone (lora with the hf rollout)."""
-        return self.config.model.lora_rank > 0 and self.config.rollout.name == "hf"
+        """Whether the weights that travel are LoRA adapters alone: LoRA, and a rollout engine that samples
+        from its worker's module (which then carries the adapters) rather than from weights of its own."""
+        engine = self.rollout_engine or rollout_class(self.config.rollout.name)
+        return self.config.model.lora_rank > 0 and not engine.capabilities.own_weights
 
     def _where(self) -> str:
         return f"rollout worker rank {self.rank}"
@@ -184,8 +195,13 @@ class WeightSyncEnds:
         if self._module_state is None:  # the module's own tensors by name, looked up once
             self._module_state = self.module.state_dict()
         load_in_place(self._module_state, named, version, self._where(), expected)
-        if hasattr(self.rollout, "update_weights"):
-            self.rollout.update_weights(named)
+        if self.rollout.capabilities.own_weights:
+            taken = self.rollout.update_weights(named)
+            if taken != len(named):
+                raise WeightSyncError(
+                    f"{self._where()}: the rollout engine {type(self.rollout).__name__} took {taken} of the "
+                    f"{len(named)} tensors of weight version {version}: the weights did not reach the engine"
+                )
 
     def _sent(self) -> Iterator[tuple[str, torch.Tensor]]:
         return policy_weights(self.module, adapter_only=self.sends_adapters() and is_lora(self.module))

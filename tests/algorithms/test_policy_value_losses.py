@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hybridflow.algorithms import (
+    ConfigView,
     agg_loss,
     compute_policy_loss,
     compute_sft_loss,
@@ -28,7 +29,8 @@ MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
 TOKEN_LOSSES = torch.tensor([[-1.2, -0.5, 0.8], [3.0, -2.2, 0.0]])
 
 
-def ppo_call(loss_agg_mode="token-mean", name="vanilla", **overrides):
+def ppo_call(loss_agg_mode="token-mean", **overrides):
+    """The keyword form, ``compute_policy_loss``."""
     old = torch.zeros(2, 3)
     log_prob = RATIOS.log().requires_grad_(True)
     kwargs = dict(
@@ -43,7 +45,7 @@ def ppo_call(loss_agg_mode="token-mean", name="vanilla", **overrides):
         clip_ratio_c=3.0,
     )
     kwargs.update(overrides)
-    return get_policy_loss_fn(name)(**kwargs), log_prob
+    return compute_policy_loss(**kwargs), log_prob
 
 
 @pytest.mark.parametrize(
@@ -75,7 +77,30 @@ def test_vanilla_ppo_loss_hand_values():
     assert clipfrac_lower.item() == pytest.approx(1 / 5)  # token 3
     # ppo_kl = mean(old - new) = -mean(ln r) = -ln(1.5 * 0.5 * 0.5 * 5 * 1.1) / 5 = -ln(2.0625) / 5
     assert ppo_kl.item() == pytest.approx(-math.log(2.0625) / 5, abs=1e-6)
-    assert compute_policy_loss is get_policy_loss_fn("vanilla")
+
+
+def test_registered_vanilla_is_the_same_loss_in_verls_form():
+    log_prob = RATIOS.log()
+    config = ConfigView(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0)
+    pg_loss, metrics = get_policy_loss_fn("vanilla")(
+        old_log_prob=torch.zeros(2, 3),
+        log_prob=log_prob,
+        advantages=ADVANTAGES,
+        response_mask=MASK,
+        loss_agg_mode="token-mean",
+        config=config,
+    )
+    assert pg_loss.item() == pytest.approx(-0.02, abs=1e-6)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(2 / 5)
+    assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(1 / 5)
+    assert metrics["actor/ppo_kl"] == pytest.approx(-math.log(2.0625) / 5, abs=1e-6)
+    # rollout_is_weights scale each token's loss: doubling token 4 (-2.2) adds -2.2 to the sum
+    weights = torch.ones(2, 3)
+    weights[1, 1] = 2.0
+    weighted, _ = get_policy_loss_fn("vanilla")(
+        torch.zeros(2, 3), log_prob, ADVANTAGES, MASK, "token-mean", config, rollout_is_weights=weights
+    )
+    assert weighted.item() == pytest.approx((-0.1 - 2.2) / 5, abs=1e-6)
 
 
 def test_clip_higher_uses_its_own_upper_bound():
@@ -113,28 +138,29 @@ def test_extreme_log_ratio_stays_finite():
     assert loss.item() == pytest.approx(-0.6, abs=1e-6)
 
 
+def gspo(log_prob, mask, clip, **kwargs):
+    return get_policy_loss_fn("gspo")(
+        old_log_prob=torch.zeros_like(log_prob),
+        log_prob=log_prob,
+        advantages=torch.ones_like(log_prob),
+        response_mask=mask,
+        config=ConfigView(clip_ratio=clip, clip_ratio_low=None, clip_ratio_high=None),
+        **kwargs,
+    )
+
+
 def test_gspo_sequence_ratio_hand_values():
     # row 0 log-ratios [0.2, 0.0] -> s = e^0.1 = 1.1051709; row 1 [-0.1, pad] -> s = e^-0.1 = 0.9048374
-    old = torch.zeros(2, 2)
     log_prob = torch.tensor([[0.2, 0.0], [-0.1, 5.0]], requires_grad=True)
     mask = torch.tensor([[1, 1], [1, 0]])
-    pg_loss, clipfrac, ppo_kl, lower = get_policy_loss_fn("gspo")(
-        old_log_prob=old,
-        log_prob=log_prob,
-        advantages=torch.ones(2, 2),
-        response_mask=mask,
-        loss_agg_mode="seq-mean-token-mean",
-        cliprange=0.05,
-        cliprange_low=None,
-        cliprange_high=None,
-        clip_ratio_c=3.0,
-    )
+    # loss_agg_mode is ignored as in verl: GSPO always takes the sequence-level mean
+    pg_loss, metrics = gspo(log_prob, mask, clip=0.05, loss_agg_mode="token-mean")
     # A = 1, clip range [0.95, 1.05]: row 0 -> max(-1.1051709, -1.05) = -1.05 (clipped, both tokens);
     # row 1 -> max(-0.9048374, -0.95) = -0.9048374. Sequence mean: (-1.05 - 0.9048374) / 2
     assert pg_loss.item() == pytest.approx((-1.05 - 0.9048374) / 2, abs=1e-6)
-    assert clipfrac.item() == pytest.approx(2 / 3)
-    assert lower.item() == 0.0
-    assert ppo_kl.item() == pytest.approx(-(0.2 + 0.0 - 0.1) / 3, abs=1e-6)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(2 / 3)
+    assert metrics["actor/pg_clipfrac_lower"] == 0.0
+    assert metrics["actor/ppo_kl"] == pytest.approx(-(0.2 + 0.0 - 0.1) / 3, abs=1e-6)
     (grad,) = torch.autograd.grad(pg_loss, log_prob)
     # token gradient is -A * s_i (the sequence ratio) times the 1/2 of the sequence mean; row 0 clipped
     expected = torch.tensor([[0.0, 0.0], [-0.9048374 / 2, 0.0]])
@@ -144,39 +170,34 @@ def test_gspo_sequence_ratio_hand_values():
 def test_gspo_token_gradient_uses_the_sequence_ratio():
     # unclipped: s = exp((0.3 + 0.1) / 2) = e^0.2; every token's gradient is -A * s / 2 (token mean of 2)
     log_prob = torch.tensor([[0.3, 0.1]], requires_grad=True)
-    pg_loss, *_ = get_policy_loss_fn("gspo")(
-        old_log_prob=torch.zeros(1, 2),
-        log_prob=log_prob,
-        advantages=torch.ones(1, 2),
-        response_mask=torch.ones(1, 2),
-        loss_agg_mode="seq-mean-token-mean",
-        cliprange=0.5,
-        cliprange_low=None,
-        cliprange_high=None,
-        clip_ratio_c=3.0,
-    )
+    pg_loss, _ = gspo(log_prob, torch.ones(1, 2), clip=0.5)
     assert pg_loss.item() == pytest.approx(-math.exp(0.2))
     (grad,) = torch.autograd.grad(pg_loss, log_prob)
     assert grad.tolist()[0] == pytest.approx([-math.exp(0.2) / 2] * 2)
 
 
 def test_policy_loss_registry():
-    with pytest.raises(ValueError, match=r"unknown policy loss 'ppo'; known: \['gspo', 'vanilla'.*\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown policy loss 'ppo'; known: \['cispo', 'geo_mean', 'gpg', 'gspo', 'vanilla'.*\]",
+    ):
         get_policy_loss_fn("ppo")
-    register_policy_loss("vanilla")(compute_policy_loss)  # re-registering the same function is harmless
-    with pytest.raises(ValueError, match="policy loss 'vanilla' is already registered"):
-        register_policy_loss("vanilla")(compute_sft_loss)
 
     @register_policy_loss("test_plain_pg")
     def plain_pg(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", **_clip_args):
-        """REINFORCE-style -A * log pi, to show a user loss plugs into the common call."""
+        """REINFORCE-style -A * log pi in the keyword form: registered wrapped into verl's form."""
         loss = agg_loss(-advantages * log_prob, response_mask, loss_agg_mode)
         zero = torch.zeros(())
         return loss, zero, zero, zero
 
-    (loss, *_), _ = ppo_call(name="test_plain_pg")
+    config = ConfigView(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0)
+    loss, metrics = get_policy_loss_fn("test_plain_pg")(
+        torch.zeros(2, 3), RATIOS.log(), ADVANTAGES, MASK, config=config
+    )
     # -A * ln r over the 5 tokens: -(ln 1.5 + ln 0.5) + (ln 0.5) + (ln 5) - 2 ln 1.1 = ln(5 / (1.5 * 1.21))
     assert loss.item() == pytest.approx(math.log(5 / (1.5 * 1.21)) / 5, abs=1e-6)
+    assert metrics == {"actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0, "actor/pg_clipfrac_lower": 0.0}
+    register_policy_loss("test_plain_pg")(plain_pg)  # re-registering the same function is harmless
 
 
 def test_value_loss_hand_values():

@@ -26,6 +26,7 @@ NOT_CONFIG_VALUES = {
     ("data/offline_tasks.py", "model_wrong_replies", "batch_size"): "prepare-data's generation batch",
     ("data/offline_tasks.py", "model_wrong_replies", "seed"): "prepare-data's --seed",
     ("models/tiny.py", "make_tiny_model", "seed"): "the tiny test model's init seed",
+    ("models/tiny.py", "make_tiny_vlm", "seed"): "the tiny vision-language model's init seed",
     ("models/tiny.py", "teach_conversations", "seed"): "the tiny test model's teaching seed",
     ("models/tiny.py", "teach_conversations", "lr"): "the tiny test model's teaching rate",
     # GSPO's own settings (the paper's) for direct calls; the actor always passes the config's

@@ -164,7 +164,16 @@ def test_collate_builds_dataproto(tmp_path, tok):
     assert batch.batch["attention_mask"].any(dim=0).all()  # no column is padding in every row
     assert torch.equal(batch.batch["position_ids"][1], ds[0]["position_ids"][-longest:])
     nt = batch.non_tensor_batch
-    assert sorted(nt) == ["data_source", "extra_info", "ground_truth", "index", "raw_prompt", "uid"]
+    assert sorted(nt) == [
+        "data_row",
+        "data_source",
+        "extra_info",
+        "ground_truth",
+        "index",
+        "raw_prompt",
+        "uid",
+    ]
+    assert nt["data_row"][0] == row("q2", "2", a=2)  # the row as the file holds it (a served agent's sample)
     assert all(v.dtype == object and v.shape == (2,) for v in nt.values())
     assert nt["ground_truth"].tolist() == ["2", "0"]
     assert nt["raw_prompt"][0] == [{"role": "user", "content": "q2"}]

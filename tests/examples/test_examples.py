@@ -212,8 +212,8 @@ def test_an_openai_sdk_agent_trains_on_the_served_tokens(tmp_path):
         rows[0]["served/joined_calls"] > 0.3
     )  # the taught model calls the tool, and the answer continues it
     for batch in result["batches"]:
-        rewards = list(batch.non_tensor_batch["agent_reward"])
+        rewards = batch.batch["rm_scores"].sum(-1).tolist()  # the agent's returns, attached by the rollout
         assert batch.batch["token_level_scores"].sum(-1).tolist() == pytest.approx(rewards)
         tool_tokens = batch.batch["attention_mask"][:, -256:].bool() & ~batch.batch["response_mask"].bool()
         assert tool_tokens.any()  # the tool results are in the rows, seen but not trained on
-    assert max(e["tool_call_ok"] for b in result["batches"] for e in b.non_tensor_batch["agent_extra"]) == 1.0
+    assert max(ok for b in result["batches"] for ok in b.non_tensor_batch["reward_extra/tool_call_ok"]) == 1.0

@@ -98,8 +98,16 @@ def test_chunk_split_and_non_dividing_length():
     d = make(6)
     assert [c.batch["y"].tolist() for c in d.chunk(3)] == [[0, 1], [2, 3], [4, 5]]
     assert [len(p) for p in d.split(4)] == [4, 2]
-    with pytest.raises(ValueError, match="cannot chunk a DataProto of length 6 into 4 equal parts"):
-        d.chunk(4)
+    # 6 rows in 4 chunks: the first two one longer, every row once, in order
+    assert [c.batch["y"].tolist() for c in d.chunk(4)] == [[0, 1], [2, 3], [4], [5]]
+    assert [c.non_tensor_batch["uid"].tolist() for c in d.chunk(4)] == [
+        ["u0", "u1"],
+        ["u0", "u1"],
+        ["u0"],
+        ["u1"],
+    ]
+    with pytest.raises(ValueError, match="number of chunks must be positive, got 0"):
+        d.chunk(0)
 
 
 def test_repeat_interleave_and_tile():
@@ -161,7 +169,7 @@ def test_pickle_carries_tensors_as_numpy(tmp_path):
     d = make(3)
     d.batch["h"] = torch.tensor([1.5, 2.5, 3.5], dtype=torch.bfloat16)
     state = d.__getstate__()
-    assert all(isinstance(arr, np.ndarray) for arr, _ in state["tensors"].values())
+    assert all(isinstance(buffer, np.ndarray) for _, _, buffer in state["batch"][2].values())
     back = pickle.loads(pickle.dumps(d))
     assert torch.equal(back.batch["x"], d.batch["x"]) and back.batch["h"].dtype == torch.bfloat16
     assert back.batch["h"].tolist() == [1.5, 2.5, 3.5]
@@ -179,8 +187,8 @@ def test_pickle_carries_tensors_as_numpy(tmp_path):
 def test_read_only_buffers_become_writable_tensors():
     d = make(2)
     state = d.__getstate__()
-    for arr, _ in state["tensors"].values():
-        arr.flags.writeable = False
+    for _, _, buffer in state["batch"][2].values():
+        buffer.flags.writeable = False
     back = DataProto.__new__(DataProto)
     back.__setstate__(state)
     back.batch["y"] += 1  # would fail or corrupt a shared read-only buffer without the copy

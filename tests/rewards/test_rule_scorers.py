@@ -7,20 +7,22 @@ from hybridflow.utils.errors import UserError
 
 
 @pytest.mark.parametrize(
-    "reply, truth, expected",
+    "reply, truth, strict, flexible",
     [
-        ("She has 3 + 4 = 7 apples, times 2 is 14.\n#### 14", "14", 1.0),
-        ("Total: 1,000 + 250.\n#### $1,250.", "1250", 1.0),
-        ("#### 72.0", "72", 1.0),
-        ("so the answer is 18.", "18", 1.0),  # no '####': the last number counts
-        ("I think 18, no wait, 19", "18", 0.0),
-        ("#### 15 (I double checked 14)", "14", 0.0),  # the number right after '####' counts
-        ("#### -3", "-3", 1.0),
-        ("no idea", "5", 0.0),
+        ("She has 3 + 4 = 7 apples, times 2 is 14.\n#### 14", "14", 1.0, 1.0),
+        ("Total: 1,000 + 250.\n#### $1,250.", "1250", 1.0, 1.0),  # compared as numbers
+        ("#### 72.0", "72", 1.0, 1.0),
+        ("so the answer is 18.", "18", 0.0, 1.0),  # no '####': only the flexible rule finds it
+        ("I think 18, no wait, 19", "18", 0.0, 0.0),
+        ("#### 15 (I double checked 14)", "14", 0.0, 1.0),  # strict: after '####'; flexible: the last number
+        ("#### -3", "-3", 1.0, 1.0),
+        ("no idea", "5", 0.0, 0.0),
+        ("#### 5" + " filler" * 60, "5", 0.0, 0.0),  # only the last 300 characters are read
     ],
 )
-def test_gsm8k(reply, truth, expected):
-    assert gsm8k.compute_score(reply, truth) == expected
+def test_gsm8k(reply, truth, strict, flexible):
+    assert gsm8k.compute_score(reply, truth) == strict  # verl's default: method="strict"
+    assert gsm8k.compute_score(reply, truth, method="flexible") == flexible
 
 
 @pytest.mark.parametrize(

@@ -83,13 +83,17 @@ def client(server):
     return openai.OpenAI(base_url=server, api_key="unused", max_retries=0, timeout=120)
 
 
-def post(url: str, body: bytes | dict, token: str | None = None) -> tuple[int, dict, dict]:
-    """(status, JSON body, headers) of a raw POST, for requests the SDK would refuse to send."""
+def post(
+    url: str, body: bytes | dict, token: str | None = None, headers: dict | None = None
+) -> tuple[int, dict, dict]:
+    """(status, JSON body, headers) of a raw POST, for requests the SDK would refuse to send; ``headers``
+    replace or add to the JSON content type (and the token's authorization)."""
     import urllib.error
     import urllib.request
 
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    auth = {"Authorization": f"Bearer {token}"} if token else {}
+    headers = {"Content-Type": "application/json", **auth, **(headers or {})}
     request = urllib.request.Request(url, data=data, headers=headers, method="POST")
     start = time.time()
     try:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from hybridflow.config.schema import ConfigError, load_config
 from hybridflow.trainer import PPOTrainer
@@ -52,9 +53,10 @@ def test_grpo_trains_an_sdk_agent(data_dir, tiny_model_path, tmp_path):
     first = batches[0]
     assert len(first) == 64  # 8 prompts x 8 sessions, one row each: the second call continues the first
     sampled = first.batch["response_mask"].sum(-1).tolist()
-    assert sampled == [e["sampled_tokens"] for e in first.non_tensor_batch["agent_extra"]]
-    scores = first.batch["token_level_scores"].sum(-1).tolist()
-    assert scores == list(first.non_tensor_batch["agent_reward"])
+    assert sampled == list(first.non_tensor_batch["reward_extra/sampled_tokens"])  # the agent's extra value
+    scores = first.batch["token_level_scores"]
+    assert torch.equal(scores, first.batch["rm_scores"])  # the agent's return values, no reward function
+    assert set(scores.sum(-1).tolist()) <= {0.0, 1.0}
     rows = [json.loads(line) for line in Path(tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "served/joined_calls" in row]
     assert len(steps) == 25 and all(row["served/joined_calls"] == 0.5 for row in steps)

@@ -110,6 +110,10 @@ def test_malformed_requests_get_400_with_a_message(client, server):
     assert status == 400 and body["error"]["param"] == "messages"
     status, body, _ = post(f"{server}/nothing", {})
     assert status == 404 and body["error"]["type"] == "invalid_request_error"
+    status, body, _ = post(f"{server}/chat/completions", {"model": "gpt-4o", "messages": QUESTION})
+    assert status == 404 and body["error"]["code"] == "model_not_found"  # /v1/models lists only MODEL
+    status, body, _ = post(f"{server}/chat/completions", b"{}", headers={"Content-Type": "text/plain"})
+    assert status == 415
 
 
 def test_token_in_token_out(client, server):

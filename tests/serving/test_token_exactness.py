@@ -78,13 +78,15 @@ def test_trained_ids_are_the_served_ids(name, taught_model, chat_prompts, tmp_pa
     assert metrics["served/joined_calls"] == pytest.approx(2 / 3 if append_only else 0.0)
     sessions = {}
     for r in range(len(out)):
-        calls = out.non_tensor_batch["agent_extra"][r]["calls"]
+        calls = out.non_tensor_batch["reward_extra/calls"][r]  # what the agent returned beside its score
         sessions.setdefault(id(calls), []).append(r)
         attended = out.batch["attention_mask"][r].bool()
         ids = out.batch["input_ids"][r][attended].tolist()
         trained = out.batch["responses"][r][out.batch["response_mask"][r].bool()].tolist()
         lps = out.batch["rollout_log_probs"][r][out.batch["response_mask"][r].bool()]
-        assert out.non_tensor_batch["agent_reward"][r] == 0.5
+        last = int(out.batch["response_mask"][r].nonzero().max())  # the session's reward on its last token
+        assert out.batch["rm_scores"][r].nonzero().flatten().tolist() == [last]
+        assert out.batch["rm_scores"][r, last] == 0.5
         if append_only:
             last_prompt, last_ids = calls[-1]
             assert ids == last_prompt + last_ids  # the row is the last call's prompt and sample, exactly

@@ -16,6 +16,7 @@ from hybridflow.config.schema import PPOConfig
 from hybridflow.data.prepare import main as prepare_data
 from hybridflow.models import make_tiny_model
 from hybridflow.protocol import DataProto
+from hybridflow.rollout import EngineSpec
 from hybridflow.trainer import PPOTrainer, load_config
 from hybridflow.workers import ActorRolloutRefWorker
 from hybridflow.workers.modeling import load_model, load_tokenizer, response_log_probs
@@ -135,7 +136,8 @@ def test_partial_rollout_takes_new_weights_between_chunks(worker, chat_prompts):
     prompts = _greedy(chat_prompts(worker.tokenizer, QUESTIONS))
     whole = worker.rollout.generate_sequences(prompts)
     mailbox = WeightMailbox(worker._load_weights)
-    mailbox.follow, worker.rollout.weights = True, mailbox
+    mailbox.follow = True
+    worker.rollout.follow_weights(mailbox)
     worker.rollout.config.partial_rollout_chunk = 3
     try:
         chunked = worker.rollout.generate_sequences(prompts)
@@ -149,7 +151,8 @@ def test_partial_rollout_takes_new_weights_between_chunks(worker, chat_prompts):
         worker.module.load_state_dict(current)
         out = worker.rollout.generate_sequences(prompts)
     finally:
-        worker.rollout.weights, worker.rollout.config.partial_rollout_chunk = None, 16
+        worker.rollout.follow_weights(None)
+        worker.rollout.config.partial_rollout_chunk = 16
     assert mailbox.version == 1
     responses, mask = out.batch["responses"], out.batch["response_mask"].bool()
     versions = out.batch["rollout_weight_versions"]
@@ -222,7 +225,7 @@ def test_greedy_vllm_equals_greedy_generate_on_the_embedded_model(chat_prompts):
     tokenizer = load_tokenizer(path)
     module = load_model(path, DEVICE, "fp32").eval()
     config = _config(path).rollout
-    engine = build_rollout(config, module, tokenizer, 16, path, seed=0)
+    engine = build_rollout(EngineSpec(config, module, tokenizer, 16, path, seed=0))
     prompts = _greedy(
         chat_prompts(
             tokenizer, ["What is 12+7?", "Compute 14+27. Reply in the form 14+27=<answer>.", "Name a colour."]

@@ -5,9 +5,9 @@ from transformers import AutoModelForCausalLM
 from hybridflow import DataProto, generation_batch
 from hybridflow.algorithms import compute_advantage
 from hybridflow.config.schema import PPOConfig
+from hybridflow.rollout import response_mask_from
 from hybridflow.single_controller import ClassWithInitArgs, LocalWorkerGroup, WorkerError
 from hybridflow.workers import ActorRolloutRefWorker
-from hybridflow.workers.rollout import response_mask_from
 
 
 def actor_config(path: str, **actor_overrides):

@@ -11,11 +11,12 @@ from hybridflow.config.schema import MultiTurnConfig, RolloutConfig
 from hybridflow.models.default import default_model_path
 from hybridflow.models.tiny import make_tiny_model, make_tiny_tokenizer, teach_conversations
 from hybridflow.protocol import DataProto
+from hybridflow.rollout import Rollout
+from hybridflow.rollout.chat_template import TemplateDelta
 from hybridflow.tools import CalculatorTool, PythonTool
 from hybridflow.utils.errors import UserError
 from hybridflow.workers.modeling import response_log_probs
 from hybridflow.workers.rollout import AgentLoop, HFRollout
-from hybridflow.workers.rollout.chat_template import TemplateDelta
 
 
 def call(expression: str, name: str = "calculator") -> str:
@@ -61,7 +62,7 @@ def prompts(tokenizer, chats: list[list[dict]], width: int = 48, **meta) -> Data
     )
 
 
-class ScriptedEngine:
+class ScriptedEngine(Rollout):
     """The rollout contract with replies given as text, turn by turn, for masks checked by hand (a model
     cannot be made to write a chosen text otherwise). Log-prob of the j-th token of a reply: -(j+1)/100."""
 

@@ -9,9 +9,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hybridflow.config.schema import RolloutConfig
+from hybridflow.rollout import SamplingParams
 from hybridflow.workers.modeling import load_tokenizer
 from hybridflow.workers.rollout import HFRollout
-from hybridflow.workers.rollout.hf_rollout import SamplingParams, common_prefix_length, draw, sample_tokens
+from hybridflow.workers.rollout.hf_rollout import common_prefix_length, draw, sample_tokens
 
 
 def params(**kw) -> SamplingParams:

@@ -59,7 +59,7 @@ def test_weights_switched_in_flight_decode_from_a_recomputed_cache(tiny_model_pa
     ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
     module = copy.deepcopy(old)
     rollout = HFRollout(module, tokenizer, RolloutConfig(n=2, do_sample=False), LENGTH)
-    rollout.weights = SwitchOnce(module, new.state_dict(), at=SWITCH)
+    rollout.follow_weights(SwitchOnce(module, new.state_dict(), at=SWITCH))
     out = rollout.generate_sequences(prompts)
 
     head = greedy(old, ids, mask, SWITCH)

@@ -168,3 +168,15 @@ def test_heads_that_do_not_divide_are_refused(tiny_model_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)  # 4 heads
     with pytest.raises(UserError, match=r"critic.ulysses_sequence_parallel_size=3: .*4 attention heads"):
         enable_ulysses(model, 3, "critic.ulysses_sequence_parallel_size")
+
+
+def test_a_vision_language_model_is_refused(tiny_vlm):
+    """Under sequence parallelism a batch's images would not follow its columns (nor would Qwen's 3-D
+    positions): a VLM is refused naming the key, not trained without its pictures."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm("qwen2_vl"))
+    with pytest.raises(
+        UserError, match=r"actor_rollout_ref.actor.ulysses_sequence_parallel_size=2: .*vision tower"
+    ):
+        enable_ulysses(model, 2, "actor_rollout_ref.actor.ulysses_sequence_parallel_size")

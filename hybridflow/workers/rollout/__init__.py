@@ -1,97 +1,54 @@
-"""Rollout engines: ``hf`` (a decoding loop over the Hugging Face model, runs anywhere torch does) and ``vllm`` (vLLM in the
-actor's process, CUDA or CPU build; imported only when asked for), either optionally driven by the
-multi-turn agent loop (``rollout.multi_turn.enable``)."""
+"""Rollout engines and the rollout modes of the workers: ``hf`` (a decoding loop over the Hugging Face model,
+runs anywhere torch does) and ``vllm`` (vLLM in the actor's process, CUDA or CPU build; ``vllm`` itself is
+imported only when that engine is built), both registered by name in the rollout registry
+(``hybridflow.rollout``); the multi-turn agent loop over any engine (``rollout.multi_turn.enable``); the
+served rollout (``rollout.served_agent.path``: an ``openai``-SDK agent over ``hybridflow.serving``'s server).
+
+``build_rollout`` is the one place that turns a worker's rollout config into what it generates with: the
+registered engine, wrapped by the mode the config asks for."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-from hybridflow.config import RolloutConfig
-from hybridflow.protocol import DataProto
+import hybridflow.workers.rollout.vllm_rollout  # noqa: F401 - registers "vllm" (vllm is imported when built)
+from hybridflow import rollout as contract
+from hybridflow.rollout import EngineSpec, Rollout, RolloutEngine, rollout_class
+from hybridflow.serving import ServedRollout
 from hybridflow.tools import load_tools
-from hybridflow.workers.modeling import resolve_dtype
+from hybridflow.utils.deprecation import moved_names
+from hybridflow.workers.modeling import load_image_prompts
 from hybridflow.workers.rollout.agent_loop import AgentLoop, agent_metrics
-from hybridflow.workers.rollout.hf_rollout import (
-    HFRollout,
-    SamplingParams,
-    assemble_rollout,
-    response_mask_from,
+from hybridflow.workers.rollout.hf_rollout import HFRollout
+
+__all__ = ["AgentLoop", "HFRollout", "agent_metrics", "build_rollout"]
+
+# engine-neutral names this package exported before the rollout contract got a room of its own
+__getattr__ = moved_names(
+    __name__,
+    contract,
+    ["SamplingParams", "assemble_rollout", "check_generation_batch", "response_mask_from"],
 )
-
-__all__ = [
-    "AgentLoop",
-    "HFRollout",
-    "SamplingParams",
-    "agent_metrics",
-    "assemble_rollout",
-    "build_rollout",
-    "check_generation_batch",
-    "response_mask_from",
-]
-
-_HOW = "build it with hybridflow.generation_batch(prompts, tokenizer) (strings or chat messages)"
-
-
-def check_generation_batch(prompts: DataProto) -> None:
-    """A ValueError saying what to do when ``prompts`` is not a generation batch: ``input_ids``,
-    ``attention_mask``, ``position_ids`` ``(bs, P)``, left-padded (every prompt ends at the last column)."""
-    keys = prompts.batch.keys() if prompts.batch is not None else []
-    missing = [k for k in ("input_ids", "attention_mask", "position_ids") if k not in keys]
-    if missing:
-        raise ValueError(
-            f"generate_sequences: the batch has no {', '.join(missing)}; it needs left-padded "
-            f"input_ids, attention_mask and position_ids (bs, P): {_HOW}"
-        )
-    mask = prompts.batch["attention_mask"]
-    ends_in_padding = (mask[:, -1] == 0).nonzero().flatten().tolist()
-    if ends_in_padding:
-        raise ValueError(
-            f"generate_sequences: prompt row(s) {ends_in_padding[:5]} end in padding (attention_mask "
-            "0 in the last column): the batch is right-padded, and the model would continue after "
-            f"the padding; prompts must be left-padded: {_HOW}, or tokenizer.padding_side='left'"
-        )
 
 
 def build_rollout(
-    rollout: RolloutConfig,
-    module: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    response_length: int,
-    model_path: str | None,
-    seed: int,
-) -> Any:
-    """The engine named by ``rollout.name`` (``rollout``: a ``RolloutConfig``). ``hf`` samples from ``module``
-    itself (shared with the actor); ``vllm`` loads its own copy from ``model_path`` (in ``rollout.dtype``) and
-    must be sent the weights after each change (``update_weights``), with ``seed`` its engine's seed
-    (``rollout.seed``, null = ``trainer.seed``; the worker adds its rank). ``hf`` seeds each sample from
-    ``rollout.seed``, the step and the prompt, the same on every worker (``HFRollout``). Wrapped in the agent
-    loop when ``rollout.multi_turn.enable``."""
-    name = rollout.name
-    if name == "hf":
-        engine = HFRollout(module, tokenizer, rollout, response_length, rollout.seed)
-    elif name == "vllm":
-        from hybridflow.workers.rollout.vllm_rollout import VLLMRollout
-
-        if model_path is None:
-            raise ValueError("rollout.name=vllm needs model_path: vLLM loads the model from its folder")
-        device = next(module.parameters()).device
-        engine = VLLMRollout(
-            model_path,
-            tokenizer,
-            rollout,
-            response_length,
-            rollout.max_model_len,
-            resolve_dtype(rollout.dtype, device),
-            device,
-            seed,
+    spec: EngineSpec,
+    engine: type[RolloutEngine] | None = None,
+    weight_version: Callable[[], int] = lambda: 0,
+) -> Rollout:
+    """The engine ``engine`` (default: the one registered as ``spec.config.name``) built from ``spec``; in the
+    agent loop when ``rollout.multi_turn.enable``, behind the served agent's endpoint when
+    ``rollout.served_agent.path`` (``weight_version``: the version its answers report)."""
+    built = (engine or rollout_class(spec.config.name)).from_spec(spec)
+    multi_turn = spec.config.multi_turn
+    if spec.config.served_agent.path is not None:
+        # a vision-language policy's agents may send pictures: the server reads them with the model's processor
+        processor = load_image_prompts(spec.model_path, spec.tokenizer) if spec.model_path else None
+        return ServedRollout(
+            built, spec.tokenizer, spec.config, spec.response_length, weight_version, processor=processor
         )
-    else:
-        raise ValueError(f"unknown rollout engine {name!r}; known: hf, vllm")
-    multi_turn = rollout.multi_turn
     if not multi_turn.enable:
-        return engine
+        return built
     unsafe = multi_turn.unsafe_python_tool_without_isolation
     tools = load_tools(multi_turn.tool_config_path, unsafe) if multi_turn.tool_config_path else {}
-    return AgentLoop(engine, tokenizer, multi_turn, response_length, tools)
+    return AgentLoop(built, spec.tokenizer, multi_turn, spec.response_length, tools)

@@ -8,6 +8,9 @@ response-length budget is spent. The engine needs only the single-turn contract 
 EOS and ``rollout_log_probs`` out; ``meta_info`` ``n`` and ``response_length`` honoured), so the
 Hugging Face and vLLM engines both drive it.
 
+A prompt's images (``image_inputs``) go with every turn's generation call: each turn's context is the
+prompt (its image tokens included) and everything since, and the engine runs the vision tower on them again.
+
 The batch that comes back looks like a single-turn one to the rest of the pipeline: ``responses`` hold
 every token after the prompt (model turns and tool results), ``response_mask`` is 1 on the model's
 tokens only, so losses, KL, entropy and advantages skip the tool output while the model still attends
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import uuid
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,10 +32,11 @@ from transformers import PreTrainedTokenizerBase
 
 from hybridflow.config import MultiTurnConfig
 from hybridflow.data.dataset import left_pad
+from hybridflow.models.vision import IMAGES, ImageInput
 from hybridflow.protocol import DataProto
+from hybridflow.rollout import Capabilities, Rollout, attach_responses
+from hybridflow.rollout.chat_template import Messages, TemplateDelta
 from hybridflow.tools import BaseTool, ToolCall, ToolError, parse_tool_calls
-from hybridflow.workers.rollout.chat_template import Messages, TemplateDelta
-from hybridflow.workers.rollout.hf_rollout import attach_responses
 
 SAMPLING_OVERRIDES = ("do_sample", "temperature", "top_p", "top_k")
 
@@ -42,6 +47,7 @@ class Conversation:
 
     prompt_ids: list[int]
     messages: Messages
+    images: tuple[ImageInput, ...] = ()  # the prompt's images, shown to the model in every turn
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
@@ -56,21 +62,27 @@ class Conversation:
     truncated: bool = False
 
     def append(self, ids: list[int], from_model: bool, log_probs: list[float] | None = None) -> None:
+        """Tokens after the ones so far: the model's (trained on) or a tool's and the template's."""
         self.ids += ids
         self.mask += [int(from_model)] * len(ids)
         self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
 
     def finish(self, truncated: bool = False) -> None:
+        """End the conversation (``truncated``: a limit ended it, not the model)."""
         self.done, self.truncated = True, truncated
 
 
-class AgentLoop:
+class AgentLoop(Rollout):
     """``generate_sequences`` with tools; ``config`` is ``rollout.multi_turn`` (``max_assistant_turns``,
-    ``max_user_turns``, ``format``), ``tools`` maps the names the model calls to tool objects."""
+    ``max_user_turns``, ``format``), ``tools`` maps the names the model calls to tool objects.
+
+    A rollout mode over ``engine``: reseeding and the weights go to the engine (an engine with weights of its
+    own still gets every update); it does not follow weights while it generates (a turn's tools run between
+    engine calls, so a partial rollout has no step to swap them at)."""
 
     def __init__(
         self,
-        engine: Any,
+        engine: Rollout,
         tokenizer: PreTrainedTokenizerBase,
         config: MultiTurnConfig,
         response_length: int,
@@ -78,14 +90,19 @@ class AgentLoop:
     ) -> None:
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.response_length, self.tools = response_length, tools
-        self.eos_token_ids = set(engine.eos_token_ids)  # both engines say which ids end a turn
+        self.eos_token_ids = list(engine.eos_token_ids)  # the ids that end a turn
+        self.capabilities = Capabilities(own_weights=engine.capabilities.own_weights)
         self.template = TemplateDelta(tokenizer, [t.schema for t in tools.values()], tokenizer.eos_token_id)
 
-    # ------------------------------------------------------------------ the loop
     def reseed(self, step: int) -> None:
-        """The engine's ``reseed``, where it has one (``HFRollout``); the turns of a step draw on from it."""
-        if hasattr(self.engine, "reseed"):
-            self.engine.reseed(step)
+        """The engine's: the turns of a step draw on from it."""
+        self.engine.reseed(step)
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """The engine's (an engine with weights of its own still gets every update)."""
+        return self.engine.update_weights(weights)
+
+    # ------------------------------------------------------------------ the loop
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """In: as the engine's (``raw_prompt`` messages needed too); ``meta_info`` ``n`` and sampling keys.
@@ -99,9 +116,12 @@ class AgentLoop:
             )
         rows = prompts.repeat(int(prompts.meta_info.get("n", 1)), interleave=True)
         mask = rows.batch["attention_mask"].bool()
+        images = rows.non_tensor_batch.get(IMAGES, [()] * len(rows))
         conversations = [
-            Conversation(ids[m].tolist(), copy.deepcopy(list(messages)))
-            for ids, m, messages in zip(rows.batch["input_ids"], mask, rows.non_tensor_batch["raw_prompt"])
+            Conversation(ids[m].tolist(), copy.deepcopy(list(messages)), tuple(pictures))
+            for ids, m, messages, pictures in zip(
+                rows.batch["input_ids"], mask, rows.non_tensor_batch["raw_prompt"], images
+            )
         ]
         sampling = {k: prompts.meta_info[k] for k in SAMPLING_OVERRIDES if k in prompts.meta_info}
         for tool in self.tools.values():
@@ -123,8 +143,10 @@ class AgentLoop:
         contexts = [c.prompt_ids + c.ids for c in live]
         width = max(map(len, contexts))
         padded = [left_pad(ids, width, self.tokenizer.pad_token_id) for ids in contexts]
+        images = {IMAGES: [c.images for c in live]} if any(c.images for c in live) else {}
         batch = DataProto.from_dict(
             {k: torch.stack([p[k] for p in padded]) for k in padded[0]},
+            images,
             meta_info={**sampling, "n": 1, "response_length": budget},
         )
         out = self.engine.generate_sequences(batch)

@@ -9,56 +9,41 @@ from __future__ import annotations
 
 import inspect
 import zlib
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hybridflow.config import RolloutConfig, SamplingConfig
+from hybridflow import rollout as contract
+from hybridflow.config import RolloutConfig
+from hybridflow.models.vision import (
+    ImageInput,
+    model_image_inputs,
+    placeholder_token_ids,
+    vision_positions,
+    without_placeholders,
+)
 from hybridflow.protocol import DataProto
+from hybridflow.rollout import Capabilities, EngineSpec, Rollout, register_rollout
+from hybridflow.utils.deprecation import moved_names
 from hybridflow.workers.engine import DivergedError
+from hybridflow.workers.modeling import row_images
 
-SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "n", "response_length")
-
-
-@dataclass
-class SamplingParams:
-    """How to sample; the rollout config (a ``SamplingConfig``) gives the values, ``meta_info`` may override
-    any of them. No defaults here: the schema holds them."""
-
-    response_length: int
-    n: int
-    do_sample: bool
-    temperature: float
-    top_p: float
-    top_k: int
-
-    @classmethod
-    def from_config(
-        cls, config: SamplingConfig, response_length: int, overrides: dict | None = None
-    ) -> SamplingParams:
-        values = {
-            "n": config.n,
-            "do_sample": config.do_sample,
-            "temperature": config.temperature,
-            "top_p": config.top_p,
-            "top_k": config.top_k,
-            "response_length": response_length,
-        }
-        values.update({k: v for k, v in (overrides or {}).items() if k in SAMPLING_KEYS and v is not None})
-        params = cls(**values)
-        if params.temperature <= 0:  # temperature 0 means greedy, as in vLLM
-            params.do_sample, params.temperature = False, 1.0
-        return params
-
-
-def response_mask_from(responses: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
-    """1 on every response token up to and including the first EOS, 0 after it. ``(bs, L)`` int64."""
-    is_eos = torch.isin(responses, torch.tensor(eos_token_ids, device=responses.device))
-    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
-    return (eos_before == 0).long()
+# the engine-neutral pieces that lived here until the rollout contract got a room of its own
+__getattr__ = moved_names(
+    __name__,
+    contract,
+    [
+        "SAMPLING_KEYS",
+        "SamplingParams",
+        "WeightFeed",
+        "assemble_rollout",
+        "attach_responses",
+        "response_mask_from",
+    ],
+)
 
 
 def check_finite(logits: torch.Tensor) -> None:
@@ -72,7 +57,7 @@ Generators = torch.Generator | list[torch.Generator] | None
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: Generators = None
+    logits: torch.Tensor, params: contract.SamplingParams, generator: Generators = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the next token of each row from ``logits`` ``(rows, V)``: argmax when greedy, else a draw at
     ``temperature`` from the ``top_k`` most likely tokens and the smallest set of them holding ``top_p`` of the
@@ -137,59 +122,8 @@ def common_prefix_length(ids: torch.Tensor, mask: torch.Tensor, positions: torch
     return max(0, min(same, shortest - 1))
 
 
-def assemble_rollout(
-    expanded: DataProto,
-    responses: torch.Tensor,
-    rollout_log_probs: torch.Tensor,
-    eos_token_ids: list[int],
-    pad_token_id: int,
-) -> DataProto:
-    """The rollout contract every engine returns, from its raw samples.
-
-    ``expanded``: the prompts repeated ``n`` times (interleaved), ``(bs*n, P)`` left-padded;
-    ``responses`` ``(bs*n, L)`` sampled tokens (anything after the first EOS is replaced by pad);
-    ``rollout_log_probs`` ``(bs*n, L)`` the engine's log-prob of each sampled token (zero when greedy).
-    See ``attach_responses`` for the columns added."""
-    response_mask = response_mask_from(responses, eos_token_ids)
-    responses = torch.where(response_mask.bool(), responses, pad_token_id)
-    return attach_responses(expanded, responses, response_mask, rollout_log_probs)
-
-
-def attach_responses(
-    rows: DataProto,
-    responses: torch.Tensor,
-    response_mask: torch.Tensor,
-    rollout_log_probs: torch.Tensor,
-    attended: torch.Tensor | None = None,
-) -> DataProto:
-    """Add ``prompts``, ``responses``, ``response_mask``, ``rollout_log_probs`` (masked) and the whole
-    sequence's ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, P + L)`` to left-padded prompt
-    ``rows``. ``attended`` ``(bs, L)`` marks the response tokens the model sees (default: ``response_mask``);
-    a multi-turn rollout's tool output is seen but not trained on."""
-    attended = response_mask if attended is None else attended
-    prompt_ids, prompt_positions = rows.batch["input_ids"], rows.batch["position_ids"]
-    response_positions = prompt_positions[:, -1:] + torch.arange(1, responses.shape[1] + 1)
-    rows.batch["prompts"] = prompt_ids
-    rows.batch["responses"] = responses
-    rows.batch["response_mask"] = response_mask
-    rows.batch["rollout_log_probs"] = rollout_log_probs * response_mask
-    rows.batch["input_ids"] = torch.cat([prompt_ids, responses], dim=1)
-    rows.batch["attention_mask"] = torch.cat([rows.batch["attention_mask"], attended], dim=1)
-    rows.batch["position_ids"] = torch.cat([prompt_positions, response_positions], dim=1)
-    return rows
-
-
-class WeightFeed(Protocol):
-    """Where a rollout's weights come from while it generates (an asynchronous run's rollout worker):
-    ``version`` is the weight version the module holds now; ``refresh()`` loads a newer one that arrived
-    since, if any, into the module and says whether it did."""
-
-    version: int
-
-    def refresh(self) -> bool: ...
-
-
-class HFRollout:
+@register_rollout("hf")
+class HFRollout(Rollout):
     """``generate_sequences`` over left-padded prompts with the model's own forward and KV cache.
 
     A decoding loop of its own rather than ``generate(num_return_sequences=n)``, because at RL's shapes (a
@@ -197,16 +131,21 @@ class HFRollout:
     of ``generate``'s work is repeated or wasted: the prefix every prompt shares is run once, each prompt's
     remainder once for its ``n`` samples (their caches are copies), rows that ended leave the batch instead of
     decoding padding until the longest one ends, and no per-step logits processors run. Sampling is
-    temperature, top-k and top-p, as vLLM's; the result is the rollout contract (``assemble_rollout``).
+    temperature, top-k and top-p, as vLLM's; the result is the rollout contract's batch (``assemble_rollout``).
 
     ``seed`` (None: torch's global generator): each sample draws from a generator of its own, seeded by
     ``(seed, step, its prompt's tokens, its number among the prompt's n)`` (``reseed(step)`` sets the training
     step). A sample then depends on the seed, the step, its prompt and the weights only: not on what else in
     the process draws random numbers, or when (a trainer in another thread), not on which other prompts share
-    its batch or its worker (another worker count, a resumed run). ``weights`` (a ``WeightFeed``, set by an asynchronous run's rollout worker) is asked between
-    decoding steps for newer weights: when they came, the unfinished rows' KV cache is recomputed under them
-    (never reused stale), and ``rollout_weight_versions`` ``(bs*n, L)`` records per token the version that
-    sampled it."""
+    its batch or its worker (another worker count, a resumed run).
+
+    It samples from the module it is given (in the hybrid engine, the one the actor trains), so it has no
+    weights of its own to be sent. It follows weights: a ``WeightFeed`` (``follow_weights``, set by an
+    asynchronous run's rollout worker) is asked between decoding steps for newer weights; when they came, the
+    unfinished rows' KV cache is recomputed under them (never reused stale), and ``rollout_weight_versions``
+    ``(bs*n, L)`` records per token the version that sampled it."""
+
+    capabilities = Capabilities(own_weights=False, follows_weights=True)
 
     def __init__(
         self,
@@ -218,7 +157,7 @@ class HFRollout:
     ) -> None:
         self.model = model
         self.seed, self.step = seed, 0
-        self.weights: WeightFeed | None = None
+        self.weights: contract.WeightFeed | None = None
         self.tokenizer = tokenizer
         self.config = config
         self.response_length = response_length
@@ -229,6 +168,16 @@ class HFRollout:
         # transformers renamed `past_key_values` to `cache` (5.2x); use whichever this version takes
         forward_params = inspect.signature(type(model).forward).parameters
         self._cache_key = "cache" if "cache" in forward_params else "past_key_values"
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec) -> HFRollout:
+        """Over the worker's module itself; each sample seeded from ``rollout.seed`` (the same on every
+        worker, so a sample does not depend on which worker drew it)."""
+        return cls(spec.module, spec.tokenizer, spec.config, spec.response_length, spec.config.seed)
+
+    def follow_weights(self, feed: contract.WeightFeed | None) -> None:
+        """Ask ``feed`` for newer weights after every decoding step (None: stop)."""
+        self.weights = feed
 
     def reseed(self, step: int) -> None:
         """The next generations draw the samples of training step ``step`` (see the class docstring): a
@@ -241,8 +190,11 @@ class HFRollout:
         if self.seed is None:
             return None
         device, generators, seen = next(self.model.parameters()).device, [], {}
-        for ids, mask in zip(prompts.batch["input_ids"], prompts.batch["attention_mask"]):
-            key = zlib.crc32(ids[mask.bool()].cpu().numpy().tobytes())
+        images = row_images(prompts) or [()] * len(prompts)
+        for ids, mask, pictures in zip(prompts.batch["input_ids"], prompts.batch["attention_mask"], images):
+            key = zlib.crc32(
+                ids[mask.bool()].cpu().numpy().tobytes() + "".join(im.key for im in pictures).encode()
+            )
             seen[key] = seen.get(key, -1) + 1  # the same prompt twice in a batch: other samples
             for j in range(n):
                 entropy = [self.seed, self.step, key, seen[key], j]
@@ -258,7 +210,7 @@ class HFRollout:
         rows (every input column repeated, interleaved) plus ``prompts (bs*n, P)``, ``responses``,
         ``response_mask``, ``rollout_log_probs`` ``(bs*n, L)`` (zero when greedy), and ``input_ids``,
         ``attention_mask``, ``position_ids`` ``(bs*n, P + L)`` for the whole sequence."""
-        params = SamplingParams.from_config(self.config, self.response_length, prompts.meta_info)
+        params = contract.SamplingParams.from_config(self.config, self.response_length, prompts.meta_info)
         micro = self.config.micro_batch_size or len(prompts)  # null: all prompts in one call
         was_training = self.model.training
         self.model.eval()
@@ -269,34 +221,58 @@ class HFRollout:
         return DataProto.concat(parts) if len(parts) > 1 else parts[0]
 
     def _forward(
-        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any = None
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Any = None,
+        images: Sequence[ImageInput] = (),
     ) -> tuple[torch.Tensor, Any]:
-        """The next-token logits after the last column ``(rows, V)``, and the cache extended by ``ids``."""
+        """The next-token logits after the last column ``(rows, V)``, and the cache extended by ``ids``;
+        ``images``: those whose tokens are in ``ids`` (row order), for the vision tower."""
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
             logits_to_keep=1,
+            **model_image_inputs(images, ids.device),
             **({self._cache_key: cache} if cache is not None else {}),
         )
         return out.logits[:, -1], out[self._cache_key]
 
+    def _positions(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, images: list | None
+    ) -> torch.Tensor:
+        """The positions a forward over left-padded rows takes: ``positions`` ``(bs, T)``, or with images
+        Qwen's 3-D ones ``(3, bs, T)`` (``vision_positions``, as the trainer computes them)."""
+        if images is None:
+            return positions
+        rope = vision_positions(self.model, ids, mask, [im for row in images for im in row])
+        return positions if rope is None else rope
+
     def _prefill(
-        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, images: list | None = None
     ) -> tuple[torch.Tensor, Any, torch.Tensor]:
         """Run the prompts ``(bs, P)`` through the model once: the prefix they all share at batch size one,
         then each prompt's remainder, left-padded to the longest, after it. Returns the logits that sample
-        the first response token ``(bs, V)``, the cache, and its attention mask ``(bs, C)``."""
+        the first response token ``(bs, V)``, the cache, and its attention mask ``(bs, C)``. ``images``: each
+        prompt's; the shared prefix stops before the first image, so each prompt's images go through the
+        vision tower once, in its remainder (its ``n`` samples then share the cache)."""
         shared = common_prefix_length(ids, mask, positions) if len(ids) > 1 else 0
-        if shared == 0:
-            logits, cache = self._forward(ids, mask, positions)
-            return logits, cache, mask
         start = ids.shape[1] - int(mask[0].sum())
+        if images is not None and shared:
+            pictures = (ids[0, start : start + shared] == self.model.config.image_token_id).nonzero()
+            shared = int(pictures[0]) if len(pictures) else shared
+        flat = [im for row in images or [] for im in row]
+        positions = self._positions(ids, mask, positions, images)
+        if shared == 0:
+            logits, cache = self._forward(ids, mask, positions, images=flat)
+            return logits, cache, mask
         _, cache = self._forward(
             ids[:1, start : start + shared],
             mask[:1, start : start + shared],
-            positions[:1, start : start + shared],
+            positions[..., :1, start : start + shared],
         )
         cache.batch_repeat_interleave(len(ids))
         lengths, width = mask.sum(dim=1), ids.shape[1]
@@ -308,16 +284,16 @@ class HFRollout:
             [torch.ones(len(ids), shared, dtype=mask.dtype, device=mask.device), remainder.to(mask.dtype)],
             dim=1,
         )
-        logits, cache = self._forward(ids[:, -rest:], mask, positions[:, -rest:], cache)
+        logits, cache = self._forward(ids[:, -rest:], mask, positions[..., -rest:], cache, flat)
         return logits, cache, mask
 
-    def _generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
+    def _generate(self, prompts: DataProto, params: contract.SamplingParams) -> DataProto:
         device = next(self.model.parameters()).device
         ids, mask, positions = (
             prompts.batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")
         )
-        prompt_mask = mask
-        logits, cache, mask = self._prefill(ids, mask, positions)
+        prompt_mask, images = mask, row_images(prompts)
+        logits, cache, mask = self._prefill(ids, mask, positions, images)
         n, length = params.n, params.response_length
         if n > 1:
             cache.batch_repeat_interleave(n)
@@ -328,10 +304,15 @@ class HFRollout:
         log_probs = torch.zeros(rows, length, device=device)
         versions = torch.full((rows, length), -1, dtype=torch.long, device=device)
         live = torch.arange(rows, device=device)  # the rows still decoding, in cache order
-        next_position = positions[:, -1].repeat_interleave(n) + 1
+        # after the prompt, one position per token (the same in Qwen's 3 dimensions: from its largest + 1)
+        last = self._positions(ids, prompt_mask, positions, images)
+        next_position = (last.amax(dim=0) if last.dim() == 3 else last)[:, -1].repeat_interleave(n) + 1
+        three_d = last.dim() == 3
         eos = torch.tensor(self.eos_token_ids, device=device)
+        placeholders = placeholder_token_ids(self.model.config)  # never sampled (the trainer scores so too)
         for step in range(length):
             check_finite(logits)
+            logits = without_placeholders(logits, placeholders)
             live_generators = [generators[row] for row in live.tolist()] if generators else None
             tokens, token_log_probs = sample_tokens(logits, params, live_generators)
             responses[live, step], log_probs[live, step] = tokens, token_log_probs
@@ -345,20 +326,21 @@ class HFRollout:
                 cache.batch_select_indices(keep)
                 live, tokens, mask, next_position = live[keep], tokens[keep], mask[keep], next_position[keep]
             if self.weights is not None and self.weights.refresh():
-                logits, cache, mask = self._recompute(ids, prompt_mask, positions, responses, live, n, step)
+                logits, cache, mask = self._recompute(
+                    ids, prompt_mask, positions, responses, live, n, step, images
+                )
             else:
                 mask = torch.cat([mask, torch.ones(len(live), 1, dtype=mask.dtype, device=device)], dim=1)
-                logits, cache = self._forward(tokens[:, None], mask, next_position[:, None], cache)
+                step_positions = (
+                    next_position[:, None].expand(3, -1, 1) if three_d else next_position[:, None]
+                )
+                logits, cache = self._forward(tokens[:, None], mask, step_positions, cache)
             next_position = next_position + 1
         expanded = prompts.repeat(n, interleave=True)
-        out = assemble_rollout(
+        out = contract.assemble_rollout(
             expanded, responses.cpu(), log_probs.cpu(), self.eos_token_ids, self.pad_token_id
         )
-        if self.weights is not None:
-            out.batch["rollout_weight_versions"] = versions.cpu().masked_fill(
-                out.batch["response_mask"] == 0, -1
-            )
-        return out
+        return out if self.weights is None else contract.tag_weight_versions(out, versions)
 
     def _recompute(
         self,
@@ -369,6 +351,7 @@ class HFRollout:
         live: torch.Tensor,
         n: int,
         step: int,
+        images: list | None = None,
     ) -> tuple[torch.Tensor, Any, torch.Tensor]:
         """After a weight update in flight: run the ``live`` rows' prompts and their responses so far (tokens
         ``0..step``) through the new weights in one pass. Returns the logits that sample token ``step + 1``,
@@ -383,5 +366,8 @@ class HFRollout:
         full_mask = torch.cat(
             [prompt_mask, torch.ones(done.shape, dtype=prompt_mask.dtype, device=ids.device)], dim=1
         )
-        logits, cache = self._forward(full_ids, full_mask, full_positions)
+        rows_images = None if images is None else [images[r] for r in prompt_rows.tolist()]
+        flat = [im for row in rows_images or [] for im in row]
+        full_positions = self._positions(full_ids, full_mask, full_positions, rows_images)
+        logits, cache = self._forward(full_ids, full_mask, full_positions, images=flat)
         return logits, cache, full_mask

@@ -26,11 +26,23 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from hybridflow.config import RolloutConfig
+from hybridflow.models.vision import vision_family
 from hybridflow.protocol import DataProto
-from hybridflow.workers.rollout.hf_rollout import SamplingParams, WeightFeed, assemble_rollout
+from hybridflow.rollout import (
+    Capabilities,
+    EngineSpec,
+    Rollout,
+    SamplingParams,
+    WeightFeed,
+    assemble_rollout,
+    register_rollout,
+    tag_weight_versions,
+)
+from hybridflow.utils.errors import UserError
+from hybridflow.workers.modeling import resolve_dtype
 
 # GiB of KV cache on CPU when the user sets none: a tiny or 135M-parameter model needs far less.
 DEFAULT_CPU_KVCACHE_GIB = "1"
@@ -64,11 +76,15 @@ def _load_weights(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> int:
     return len(weights)
 
 
-class VLLMRollout:
+@register_rollout("vllm")
+class VLLMRollout(Rollout):
     """``generate_sequences`` with a ``vllm.LLM`` built from ``model_path``; same contract as ``HFRollout``.
 
     ``config``: the rollout section (sampling defaults, engine keys); ``max_model_len``: the longest
-    prompt + response; ``device``: where the actor trains (``cuda`` enables sleep mode)."""
+    prompt + response; ``device``: where the actor trains (``cuda`` enables sleep mode). It holds its own
+    copy of the weights (sent by the worker after every change) and follows weights in chunks."""
+
+    capabilities = Capabilities(own_weights=True, follows_weights=True)
 
     def __init__(
         self,
@@ -81,6 +97,12 @@ class VLLMRollout:
         device: torch.device,
         seed: int,
     ) -> None:
+        if vision_family(AutoConfig.from_pretrained(model_path)) is not None:
+            raise UserError(
+                f"rollout.name=vllm does not take vision-language models here ({model_path}): image prompts go "
+                "through rollout.name=hf (vLLM's CPU build cannot import its vision models without torchvision, "
+                "and passing multi_modal_data is not written yet)"
+            )
         vllm = _import_vllm()
         self.config, self.response_length, self.dtype = config, response_length, dtype
         self.weights: WeightFeed | None = None  # set for a partial rollout: looked at between chunks
@@ -115,6 +137,29 @@ class VLLMRollout:
         )
         self._asleep: set[str] = set()  # what sleep mode has moved out of GPU memory: weights, kv_cache
         self._sleep()
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec) -> VLLMRollout:
+        """A copy loaded from ``spec.model_path`` in ``rollout.dtype`` (auto: the actor's), on the actor's
+        device, seeded with this worker's engine seed."""
+        if spec.model_path is None:
+            raise ValueError("rollout.name=vllm needs model_path: vLLM loads the model from its folder")
+        device, rollout = next(spec.module.parameters()).device, spec.config
+        dtype = resolve_dtype(rollout.dtype, device)
+        return cls(
+            spec.model_path,
+            spec.tokenizer,
+            rollout,
+            spec.response_length,
+            rollout.max_model_len,
+            dtype,
+            device,
+            spec.seed,
+        )
+
+    def follow_weights(self, feed: WeightFeed | None) -> None:
+        """Decode in chunks and take ``feed``'s newer weights between them (None: whole samples again)."""
+        self.weights = feed
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -185,9 +230,8 @@ class VLLMRollout:
         expanded = prompts.repeat(params.n, interleave=True)
         out = assemble_rollout(expanded, responses, log_probs, self.eos_token_ids, self.pad_token_id)
         if versions is not None:
-            out.batch["rollout_weight_versions"] = torch.tensor(
-                [v + [-1] * (params.response_length - len(v)) for v in versions]
-            ).masked_fill(out.batch["response_mask"] == 0, -1)
+            per_token = torch.tensor([v + [-1] * (params.response_length - len(v)) for v in versions])
+            tag_weight_versions(out, per_token)
         return out
 
     def _generate_following(
