@@ -31,7 +31,7 @@ from hybridflow.config.schema import PPOConfig
 from hybridflow.models import make_tiny_model, resolve_model_path
 from hybridflow.single_controller import ClassWithInitArgs, Dispatch, register
 from hybridflow.single_controller.ray import RayResourcePool, RayWorkerGroup, init_ray
-from hybridflow.trainer.async_rollout import LinkedWeights
+from hybridflow.trainer.weight_transport import LinkedWeights
 from hybridflow.workers import ActorRolloutRefWorker
 
 MB = 2**20

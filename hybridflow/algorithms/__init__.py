@@ -62,6 +62,7 @@ from hybridflow.algorithms.losses import (
 )
 from hybridflow.algorithms.off_policy import MASK_LEVELS, off_policy_mask
 from hybridflow.algorithms.preference import (
+    bradley_terry_loss,
     dpo_loss,
     get_offline_objective,
     get_preference_loss_fn,
@@ -118,6 +119,7 @@ __all__ = [
     "get_offline_objective",
     "get_policy_loss_fn",
     "get_preference_loss_fn",
+    "bradley_terry_loss",
     "kl_penalty",
     "kl_penalty_forward",
     "KLController",

@@ -118,6 +118,25 @@ def kto_loss(
     return weights * (1 - value), beta * ratio.detach()
 
 
+def bradley_terry_loss(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    margin: torch.Tensor | None = None,
+    center_rewards_coefficient: float | None = None,
+) -> torch.Tensor:
+    """A reward model's per-pair loss ``(B,)`` (Bradley-Terry, as TRL's ``RewardTrainer``):
+    ``-log sigmoid(r_chosen - r_rejected - margin)``, plus ``c (r_chosen + r_rejected)^2`` with
+    ``center_rewards_coefficient`` c, which pulls the rewards towards mean 0 (Eisenstein et al. 2023); its
+    mean over pairs is TRL's loss. ``chosen``, ``rejected``, ``margin``: ``(B,)`` scalar rewards."""
+    difference = chosen - rejected
+    if margin is not None:
+        difference = difference - margin.to(difference.dtype)
+    losses = -F.logsigmoid(difference)
+    if center_rewards_coefficient:
+        losses = losses + center_rewards_coefficient * (chosen + rejected) ** 2
+    return losses
+
+
 # ----------------------------------------------------------------------------- objectives over a batch
 Batch = Mapping[str, torch.Tensor]
 ObjectiveFn = Callable[[torch.Tensor, Batch, dict], tuple[torch.Tensor, dict[str, float]]]
@@ -191,15 +210,36 @@ def _kto_objective(log_prob: torch.Tensor, batch: Batch, spec: dict) -> tuple[to
     }
 
 
+def _rm_objective(rewards: torch.Tensor, batch: Batch, spec: dict) -> tuple[torch.Tensor, dict[str, float]]:
+    """``rewards`` ``(2B,)``: the reward model's scalar for each interleaved chosen/rejected row."""
+    if len(rewards) % 2:
+        raise ValueError(
+            f"a reward model needs interleaved chosen/rejected rows, got an odd micro-batch of {len(rewards)}"
+        )
+    chosen, rejected = rewards[0::2], rewards[1::2]
+    margin = batch["margin"][0::2] if "margin" in batch else None
+    loss = bradley_terry_loss(chosen, rejected, margin, spec.get("center_rewards_coefficient")).mean()
+    chosen, rejected = chosen.detach(), rejected.detach()
+    return loss, {
+        "loss": loss.item(),
+        "rewards/chosen": chosen.mean().item(),
+        "rewards/rejected": rejected.mean().item(),
+        "rewards/margins": (chosen - rejected).mean().item(),
+        "rewards/accuracies": (chosen > rejected).float().mean().item(),
+    }
+
+
 OFFLINE_OBJECTIVES: dict[str, OfflineObjective] = {
     "sft": OfflineObjective(_sft_objective, "token-mean", needs_ref=False),
     "dpo": OfflineObjective(_dpo_objective, "seq-mean-token-sum", needs_ref=True),
     "kto": OfflineObjective(_kto_objective, "seq-mean-token-sum", needs_ref=True),
+    # the first argument is the reward model's scalar per row, not log-probs
+    "rm": OfflineObjective(_rm_objective, "seq-mean-token-sum", needs_ref=False),
 }
 
 
 def get_offline_objective(name: str) -> OfflineObjective:
-    """The objective ``sft``, ``dpo`` or ``kto``; ValueError naming the choices otherwise."""
+    """The objective ``sft``, ``dpo``, ``kto`` or ``rm``; ValueError naming the choices otherwise."""
     if name not in OFFLINE_OBJECTIVES:
         raise ValueError(f"unknown offline objective {name!r}; known: {sorted(OFFLINE_OBJECTIVES)}")
     return OFFLINE_OBJECTIVES[name]

@@ -1,4 +1,4 @@
-"""The ``hybridflow`` command: ``train``, ``sft``, ``dpo``, ``kto``, ``config``, ``prepare-data``,
+"""The ``hybridflow`` command: ``train``, ``sft``, ``dpo``, ``kto``, ``rm``, ``config``, ``prepare-data``,
 ``make-tiny-model``, ``generate``, ``serve``, ``report``, ``doctor``.
 
 Every command prints an input error (``UserError``) as one ``hybridflow <cmd>: error: ...`` line with exit
@@ -50,9 +50,9 @@ def _config(argv: list[str]) -> int:
 
 def _offline(kind: str) -> Callable[[list[str]], int]:
     def command(argv: list[str]) -> int:
-        from hybridflow.trainer.main_sft import run
+        from hybridflow.trainer.main_sft import offline_command
 
-        return run(kind, argv)
+        return offline_command(kind, argv)
 
     return command
 
@@ -85,6 +85,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "sft": (_offline("sft"), "supervised fine-tuning: hybridflow sft data.train_files=... key=value ..."),
     "dpo": (_offline("dpo"), "preference optimisation (DPO/IPO/hinge): hybridflow dpo data.train_files=..."),
     "kto": (_offline("kto"), "KTO on good/bad completions: hybridflow kto data.train_files=..."),
+    "rm": (_offline("rm"), "train a reward model on preference pairs: hybridflow rm data.train_files=..."),
     "prepare-data": (
         _prepare_data,
         "write train/test parquet for a task: hybridflow prepare-data TASK OUT_DIR",
@@ -104,6 +105,8 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``hybridflow COMMAND [ARGS]``: the command's exit status (2 for an input error, printed as one line);
+    no command, or ``--help``, lists them."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         lines = "\n".join(f"  {name:<16} {help_}" for name, (_, help_) in COMMANDS.items())

@@ -54,6 +54,8 @@ def _accuracy_by_step(metrics_file: Path) -> list[tuple[int, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``make demo``: write the task, train, validate before and after, print where everything went; ``argv``
+    holds dotted overrides of the demo's settings."""
     overrides = sys.argv[1:] if argv is None else argv
     start = time.perf_counter()
     data_dir = RUN_DIR / "data"

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hybridflow.commands.memory_estimate import GB, ModelShape, estimate_memory, knob, model_shape
+from hybridflow.commands.reward_probes import probes
 from hybridflow.config.checks import (
     IgnoredKeyWarning,
     check_batch_sizes,
@@ -31,6 +32,7 @@ from hybridflow.config.checks import (
     check_cross_fields,
     check_ranges,
 )
+from hybridflow.config.key_pairs import UnusedKeyWarning, check_key_pairs
 from hybridflow.config.schema import ConfigError, PPOConfig, load_unvalidated
 from hybridflow.utils.errors import InputError
 
@@ -56,6 +58,7 @@ class Check:
     data: dict[str, Any] = field(default_factory=dict)
 
     def line(self) -> str:
+        """``ok    name        detail  -> fix: ...``: the check as the report prints it."""
         text = f"{LABELS[self.verdict]}  {self.name:<11} {self.detail}"
         return f"{text}  -> fix: {self.fix}" if self.fix else text
 
@@ -70,15 +73,20 @@ class Context:
     shape: ModelShape | None = None
     rows: list[Any] = field(default_factory=list)  # parsed PromptRows of the training files' first rows
     train_rows: int | None = None  # training prompts left after filtering (None: files longer than read)
+    prompt_tokens: int | None = None  # the longest prompt read, at most data.max_prompt_length (memory)
 
 
 def check_config(ctx: Context, overrides: list[str], config_path: str | None) -> Check:
+    """The config resolves and is consistent; the keys set but ignored on this backend, and those set that
+    have no effect without another key (``KEY_PAIRS``), are listed."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", IgnoredKeyWarning)
+        warnings.simplefilter("always", UnusedKeyWarning)
         try:
             cfg = load_unvalidated(overrides, config_path)
             for check in (check_ranges, check_choices, check_cross_fields):
                 check(cfg)
+            check_key_pairs(cfg, PPOConfig())
         except ConfigError as err:
             return Check(
                 "config", "fail", str(err), "correct the key named above (hybridflow train would stop there)"
@@ -94,24 +102,31 @@ def check_config(ctx: Context, overrides: list[str], config_path: str | None) ->
         f"resolves ({len(overrides)} overrides): {cfg.algorithm.adv_estimator}, device {tr.device}, "
         f"backend {tr.backend}, {tr.n_workers} worker(s)"
     )
-    ignored = list(
-        dict.fromkeys(
-            str(w.message).removeprefix("ignored on this backend: ")
-            for w in caught
-            if issubclass(w.category, IgnoredKeyWarning)
-        )
+    ignored = _warned(caught, IgnoredKeyWarning, "ignored on this backend: ")
+    unused = _warned(caught, UnusedKeyWarning)
+    if not (ignored or unused):
+        return Check("config", "ok", detail)
+    found = [f"set but ignored here: {'; '.join(ignored)}"] if ignored else []
+    found += [f"set but without effect: {'; '.join(unused)}"] if unused else []
+    return Check(
+        "config",
+        "warn",
+        f"{detail}; {'; '.join(found)}",
+        "drop those keys, set what they need, or use a backend that implements them",
+        {"ignored": ignored, "unused": unused},
     )
-    if ignored:
-        return Check(
-            "config",
-            "warn",
-            f"{detail}; set but ignored here: {'; '.join(ignored)}",
-            "drop those keys or use a backend that implements them",
-        )
-    return Check("config", "ok", detail)
+
+
+def _warned(caught: list[warnings.WarningMessage], category: type[Warning], prefix: str = "") -> list[str]:
+    """The messages of the warnings of ``category``, once each, in order, without ``prefix``."""
+    return list(
+        dict.fromkeys(str(w.message).removeprefix(prefix) for w in caught if issubclass(w.category, category))
+    )
 
 
 def check_paths(ctx: Context) -> Check:
+    """Every file and model folder the config names exists (or is taken for a hub id), and the run folder is
+    writable."""
     from hybridflow.models.default import DEFAULT_MODEL_NAMES
 
     cfg = ctx.cfg
@@ -161,6 +176,8 @@ def check_paths(ctx: Context) -> Check:
 
 
 def check_model(ctx: Context) -> Check:
+    """The tokenizer and the model's config load (never the weights); eos, pad and an append-only chat
+    template are there; the model's shape is kept for the memory check."""
     from transformers import AutoConfig
 
     from hybridflow.workers.modeling import load_image_prompts, load_tokenizer, model_location
@@ -171,7 +188,7 @@ def check_model(ctx: Context) -> Check:
         tokenizer = load_tokenizer(model.path, model.trust_remote_code)
         ctx.processor = load_image_prompts(model.path, tokenizer, model.trust_remote_code)
         hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=model.trust_remote_code)
-        ctx.shape = model_shape(hf_config)
+        ctx.shape = model_shape(hf_config, folder)
     except Exception as err:  # noqa: BLE001 - any loading failure is the verdict, with its reason
         return Check(
             "model",
@@ -230,6 +247,8 @@ def _not_append_only(tokenizer: Any) -> str:
 
 
 def check_dataset(ctx: Context) -> Check:
+    """The first ``DATASET_ROWS`` rows of each training file parse and tokenize as the dataset feeds them; their
+    prompt lengths against ``data.max_prompt_length``, and what would be dropped or truncated."""
     import numpy as np
 
     from hybridflow.data.dataset import encode_rows, parse_row, read_rows
@@ -262,6 +281,7 @@ def check_dataset(ctx: Context) -> Check:
         )
     limit = data.max_prompt_length
     over = sum(n > limit for n in lengths)
+    ctx.prompt_tokens = min(max(lengths), limit)  # batches are trimmed to their longest prompt
     p50, p90, p99 = (int(np.percentile(lengths, q)) for q in (50, 90, 99))
     what = f"first {len(lengths)} rows" if partial else f"{len(lengths)} rows"
     detail = (
@@ -315,6 +335,8 @@ def _image_tokens(counts: list[int]) -> dict[str, int]:
 
 
 def check_batches(ctx: Context) -> Check:
+    """The batch arithmetic over the workers (prompts, sequences, mini- and micro-batches or token budgets),
+    and at least one full batch of training prompts."""
     cfg = ctx.cfg
     data, actor, n = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n
     workers = cfg.trainer.n_workers
@@ -355,11 +377,11 @@ def check_batches(ctx: Context) -> Check:
 
 
 def check_reward(ctx: Context) -> Check:
+    """The reward function on each data source's first row: a right answer (in the task's own form where the
+    scorer's form is known, else the ground truth in the usual answer forms) and a wrong one."""
     from hybridflow.rewards import default_compute_score, load_custom_reward_function
-    from hybridflow.rewards.manager import checked_score
 
-    cfg = ctx.cfg
-    custom = cfg.custom_reward_function
+    custom = ctx.cfg.custom_reward_function
     where = f"{custom.path}:{custom.name}" if custom.path else "the built-in rule scorers (by data_source)"
     try:
         score_fn = (
@@ -377,56 +399,48 @@ def check_reward(ctx: Context) -> Check:
         return Check("reward", "skip", "no dataset rows to score")
     shown, all_zero = [], True
     for source, row in sorted(by_source.items(), key=lambda kv: str(kv[0])):
-        scores = {}
-        for label, candidates in _synthetic_responses(row.ground_truth).items():
-            on = f"on a {label} response for data_source {source!r} ({row.file} row {row.row})"
-            try:
-                results = [score_fn(source, text, row.ground_truth, row.extra_info) for text in candidates]
-            except Exception as err:  # noqa: BLE001 - the point of the check
-                return Check(
-                    "reward",
-                    "fail",
-                    f"{where} raised {on}: {type(err).__name__}: {err}",
-                    "make the reward function return a number for any text (0 for unparsable)",
-                )
-            try:  # the rule training applies to what a scorer returns
-                values = [checked_score(result, "it")["score"] for result in results]
-            except InputError as err:
-                return Check(
-                    "reward",
-                    "fail",
-                    f"{where} {on}: {err}",
-                    "return a number, or a dict with a numeric 'score'",
-                )
-            scores[label] = max(values)
+        scores: dict[str, float] = {}
+        for kind, label, candidates in probes(row, generic_too=bool(custom.path)):
+            on = f"on a {kind} response for data_source {source!r} ({row.file} row {row.row})"
+            score = _score_probe(score_fn, where, on, row, candidates)
+            if isinstance(score, Check):
+                return score
+            scores[label] = score
         all_zero &= all(v == 0 for v in scores.values())
         shown.append(f"{source}: " + ", ".join(f"{k} {v:.3g}" for k, v in scores.items()))
     detail = f"{where}: " + "; ".join(shown)
-    if cfg.reward_model.enable:
+    if ctx.cfg.reward_model.enable:
         detail += " (the reward model itself is not run by doctor)"
     if all_zero:
         return Check(
             "reward",
             "warn",
-            detail + ": 0 for the ground truth too",
+            detail + ": 0 for the right answer too",
             "check the reward credits a right answer in your answer format",
         )
     return Check("reward", "ok", detail)
 
 
-def _synthetic_responses(ground_truth: Any) -> dict[str, list[str]]:
-    """A response with the ground truth in the usual answer formats (best score kept), and a wrong one."""
-    truth = str(ground_truth)
-    return {
-        "ground-truth": [
-            truth,
-            f"={truth}",
-            f"#### {truth}",
-            f"\\boxed{{{truth}}}",
-            f"<answer>{truth}</answer>",
-        ],
-        "wrong": ["I do not know."],
-    }
+def _score_probe(score_fn: Any, where: str, on: str, row: Any, candidates: list[str]) -> float | Check:
+    """The best score of ``candidates`` on ``row``; a failing Check when the function raises or returns what
+    training refuses."""
+    from hybridflow.rewards.manager import checked_score
+
+    try:
+        results = [score_fn(row.data_source, text, row.ground_truth, row.extra_info) for text in candidates]
+    except Exception as err:  # noqa: BLE001 - the point of the check
+        return Check(
+            "reward",
+            "fail",
+            f"{where} raised {on}: {type(err).__name__}: {err}",
+            "make the reward function return a number for any text (0 for unparsable)",
+        )
+    try:  # the rule training applies to what a scorer returns
+        return max(checked_score(result, "it")["score"] for result in results)
+    except InputError as err:
+        return Check(
+            "reward", "fail", f"{where} {on}: {err}", "return a number, or a dict with a numeric 'score'"
+        )
 
 
 def machine_memory(cfg: PPOConfig, memory_gb: float | None) -> tuple[float, str]:
@@ -451,9 +465,11 @@ def machine_memory(cfg: PPOConfig, memory_gb: float | None) -> tuple[float, str]
 
 
 def check_memory(ctx: Context, memory_gb: float | None) -> Check:
+    """The estimated peak memory (``memory_estimate``) against what a machine offers, naming the knob to turn
+    when it does not fit."""
     cfg = ctx.cfg
     workers = cfg.trainer.n_workers if cfg.trainer.backend == "ray" else 1  # local: one rank in this process
-    est = estimate_memory(cfg, ctx.shape, workers)
+    est = estimate_memory(cfg, ctx.shape, workers, ctx.prompt_tokens)
     available, source = machine_memory(cfg, memory_gb)
     # CPU workers share one machine's memory; GPU workers each have their own device
     per_machine = 1 if cfg.trainer.device == "cuda" else workers
@@ -475,6 +491,7 @@ def check_memory(ctx: Context, memory_gb: float | None) -> Check:
 
 
 def check_environment(cfg: PPOConfig | None) -> Check:
+    """Versions and devices; with ``rollout.name=vllm``, whether vLLM imports (in a child process)."""
     import torch
 
     versions = {name: _version(name) for name in ("torch", "transformers", "ray", "vllm")}
@@ -552,6 +569,7 @@ def run_checks(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``hybridflow doctor [--json] [--memory-gb N] [--config FILE] key=value ...``: 0 when no check failed."""
     parser = argparse.ArgumentParser(
         prog="hybridflow doctor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

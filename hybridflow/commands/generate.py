@@ -63,6 +63,8 @@ def answer_with_images(
 
 
 def main(argv: list[str]) -> int:
+    """``hybridflow generate``: answer ``--prompt`` (with ``--image``s on a vision-language model) with a
+    trained actor and print the answer."""
     args = _parser().parse_args(argv)
     model, tokenizer = load_trained_actor(args.model)
     processor = None

@@ -10,8 +10,8 @@ scoring), and a trial run costs as much. The arithmetic below follows what the w
 - plus the largest of the passes that come and go: the policy update's activations for one micro-batch
   (``ppo_micro_batch_size_per_gpu`` sequences, or ``ppo_max_token_len_per_gpu`` tokens with
   ``use_dynamic_bsz``), a log-prob pass, generation (its KV cache, and under ``fsdp2`` the whole model
-  gathered on every rank unless ``rollout.sharded_generation``), and under ``fsdp2`` rank 0 reading the
-  checkpoint (the full weights, before the gradients and moments exist).
+  gathered on every rank unless ``rollout.sharded_generation``), and under ``fsdp2`` rank 0 reading a
+  checkpoint it cannot stream tensor by tensor (the full weights, before the gradients and moments exist).
 
 With Ulysses sequence parallelism (``ulysses_sequence_parallel_size`` > 1) a group of ranks shares each
 micro-batch, every rank holding ``1 / size`` of its tokens' activations and logits (a micro-batch holds at least
@@ -27,6 +27,7 @@ peak RSS: an estimate to tell "fits easily" from "will not fit", not a promise t
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,22 +49,26 @@ class ModelShape:
     intermediate_size: int
     kv_dim: int  # key/value width per layer: num_key_value_heads * head_dim
     linear_in_out: int  # sum of in + out features over the linear layers LoRA adapts (not the output layer)
+    streams_checkpoint: bool = False  # its safetensors hold every parameter as it is: rank 0 streams them
 
     def lora_params(self, rank: int) -> int:
         """Trainable parameters of rank-``rank`` adapters on every linear layer: ``rank * (in + out)`` each."""
         return rank * self.linear_in_out
 
 
-def model_shape(hf_config: Any) -> ModelShape:
+def model_shape(hf_config: Any, folder: str | None = None) -> ModelShape:
     """Count a model's parameters without allocating them: the architecture built on the meta device (a
-    vision-language model's with its vision tower)."""
+    vision-language model's with its vision tower); and whether the checkpoint in ``folder`` is one a sharded
+    rank 0 sends tensor by tensor (``modeling.weights_source``) instead of loading it whole."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from hybridflow.models.vision import vision_family
+    from hybridflow.workers.weight_files import SafetensorsFolder
 
     auto = AutoModelForImageTextToText if vision_family(hf_config) is not None else AutoModelForCausalLM
     with torch.device("meta"):
         model = auto.from_config(hf_config)
+    files = SafetensorsFolder.open(folder) if folder and os.path.isdir(folder) else None
     params = sum(p.numel() for p in model.parameters())  # tied embeddings are one tensor, counted once
     output = model.get_output_embeddings()
     linear = sum(
@@ -83,6 +88,7 @@ def model_shape(hf_config: Any) -> ModelShape:
         intermediate_size=getattr(text, "intermediate_size", 4 * text.hidden_size),
         kv_dim=kv_heads * head_dim,
         linear_in_out=linear,
+        streams_checkpoint=files is not None and files.holds(model),
     )
 
 
@@ -100,13 +106,16 @@ class MemoryEstimate:
 
     @property
     def largest_pass(self) -> str:
+        """The name of the pass that needs the most memory."""
         return max(self.passes, key=self.passes.get)
 
     @property
     def device(self) -> float:
+        """Bytes on the device at the peak: the static state, the largest pass and the runtime."""
         return sum(self.static.values()) + max(self.passes.values()) + RUNTIME_BYTES
 
     def summary(self) -> str:
+        """What makes up the peak, for doctor's line: each static part, the largest pass, the runtime."""
         parts = [f"{name} {_gb(b)}" for name, b in self.static.items() if b]
         split = f", each sequence over {self.sequence_parallel} ranks" if self.sequence_parallel > 1 else ""
         parts.append(f"+ largest pass ({self.largest_pass}{split}) {_gb(self.passes[self.largest_pass])}")
@@ -131,9 +140,13 @@ def _activations(
     return logits + tokens * shape.num_layers * per_layer * act_bytes
 
 
-def estimate_memory(cfg: Any, shape: ModelShape, world_size: int) -> MemoryEstimate:
+def estimate_memory(
+    cfg: Any, shape: ModelShape, world_size: int, prompt_tokens: int | None = None
+) -> MemoryEstimate:
     """Peak bytes of one worker for the resolved ``PPOConfig`` ``cfg`` and the actor's ``shape``; the critic
-    is taken to have the actor's shape (a value head instead of the output layer)."""
+    is taken to have the actor's shape (a value head instead of the output layer). ``prompt_tokens``: the
+    longest prompt of the data when it is known (each batch is trimmed to its longest prompt), else
+    ``data.max_prompt_length``."""
     arr, data = cfg.actor_rollout_ref, cfg.data
     actor, rollout, model = arr.actor, arr.rollout, arr.model
     on_gpu = cfg.trainer.device == "cuda"
@@ -159,7 +172,7 @@ def estimate_memory(cfg: Any, shape: ModelShape, world_size: int) -> MemoryEstim
     if cfg.critic.enable:
         critic_width = DTYPE_BYTES[cfg.critic.model.dtype]
         est.static["critic weights+grads+AdamW"] = 4 * shape.params * critic_width / shards
-    sequence = data.max_prompt_length + data.max_response_length
+    sequence = (data.max_prompt_length if prompt_tokens is None else prompt_tokens) + data.max_response_length
     sp = est.sequence_parallel = actor.ulysses_sequence_parallel_size
     if actor.use_dynamic_bsz:  # the group's budget, but never less than one whole sequence
         tokens = max(actor.ppo_max_token_len_per_gpu * sp, sequence)
@@ -193,7 +206,8 @@ def estimate_memory(cfg: Any, shape: ModelShape, world_size: int) -> MemoryEstim
     sharded = actor.strategy == "fsdp2" and shards > 1
     gathered = weights * (shards - 1) if sharded and not rollout.sharded_generation else 0.0
     est.passes["generation"] = kv_cache + generating * shape.vocab_size * 4 + gathered
-    if sharded:  # rank 0 holds the checkpoint it reads while gradients and moments do not exist yet
+    if sharded and not shape.streams_checkpoint:
+        # rank 0 loads the checkpoint whole (transformers converts it) before gradients and moments exist
         est.passes["checkpoint read by rank 0"] = max(0.0, shape.params * width - grads - optimizer)
     return est
 

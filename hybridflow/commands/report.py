@@ -1,9 +1,10 @@
 """``hybridflow report RUN_DIR [RUN_B ...]``: a run's curves, time budget and samples in one HTML file.
 
 An RL run is judged by a handful of curves (reward, held-out accuracy, KL to the reference, entropy,
-response length) and by where its time goes. This module reads what the trainer's ``file`` logger wrote in
+response length) and by where its time goes. ``report_data`` reads what the trainer's ``file`` logger wrote in
 the run folder (``metrics.jsonl``, ``timeline.jsonl``, ``val_generations.jsonl``, the ``global_step_N``
-checkpoints), draws PNG figures with matplotlib and writes ``RUN_DIR/report.html``: self-contained (the
+checkpoints); this module draws one PNG per figure of its table (``REPORT_FIGURES``) with matplotlib, in the
+stages' one order and colours (``runs.stages``), and writes ``RUN_DIR/report.html``: self-contained (the
 PNGs are embedded as base64, no network needed to open it), with the plotted numbers embedded as JSON and
 as tables, so the file is also the data. It works on a run in progress (a line being written when the
 file was read is skipped) and overlays several runs (the first run's folder receives the report).
@@ -16,196 +17,34 @@ import html
 import io
 import json
 import math
-import re
 import sys
 from collections import defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from hybridflow.runs.checkpoint import list_checkpoints
-
-TIMELINE_STEPS = 3  # steps drawn in the Gantt chart: the last few
-LINESTYLES = ("-", "--", ":", "-.")
-# Stages in the order a step runs them: one color each, the same in the stacked chart and the timeline.
-STAGE_ORDER = (
-    "gen",
-    "reward",
-    "old_log_prob",
-    "ref",
-    "values",
-    "adv",
-    "update_critic",
-    "update_actor",
-    "replay_priorities",
-    "validate",
-    "checkpoint",
+from hybridflow.commands.report_data import (
+    CURVE_FIGURES,
+    CurveFigure,
+    Run,
+    curve_data,
+    generation_pairs,
+    load_run,
+    stage_times,
+    staleness_histogram,
+    timeline_spans,
 )
+from hybridflow.runs.stages import STAGE_ORDER
 
-
-@dataclass
-class Run:
-    """What one run folder holds: per-step metrics (one merged dict per step), stage spans, samples."""
-
-    path: Path
-    name: str
-    metrics: dict[int, dict[str, float]]
-    timeline: list[dict[str, Any]] = field(default_factory=list)
-    generations: list[dict[str, Any]] = field(default_factory=list)
-    checkpoints: list[int] = field(default_factory=list)
-
-    def series(self, key: str) -> list[tuple[int, float]]:
-        """``(step, value)`` for every step that logged ``key`` with a finite value."""
-        return [
-            (step, row[key])
-            for step, row in sorted(self.metrics.items())
-            if isinstance(row.get(key), int | float) and math.isfinite(row[key])
-        ]
-
-    def keys(self, pattern: str) -> list[str]:
-        """Logged metric names that fully match the regular expression ``pattern``, sorted."""
-        return sorted({k for row in self.metrics.values() for k in row if re.fullmatch(pattern, k)})
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of ``path``; a line that does not parse (the one a live run is writing, or one a
-    killed run left half-written) is skipped. A missing file is an empty list."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            rows.append(row)
-    return rows
-
-
-def load_run(path: str | Path) -> Run:
-    """Read a run folder (``trainer.default_local_dir``); FileNotFoundError names what is missing."""
-    path = Path(path)
-    metrics_file = path / "metrics.jsonl"
-    if not metrics_file.exists():
-        what = "folder" if path.is_dir() else "run folder"
-        raise FileNotFoundError(
-            f"no metrics.jsonl in {what} {path}: report reads the files the trainer's "
-            "'file' logger writes (trainer.logger must include file)"
-        )
-    metrics: dict[int, dict[str, float]] = defaultdict(dict)
-    for row in read_jsonl(metrics_file):  # validation and training of one step may come as separate lines
-        metrics[row.pop("step")].update(row)
-    return Run(
-        path,
-        path.resolve().name,
-        dict(metrics),
-        read_jsonl(path / "timeline.jsonl"),
-        read_jsonl(path / "val_generations.jsonl"),
-        [step for step, _ in list_checkpoints(path)],
-    )
+LINESTYLES = ("-", "--", ":", "-.")
 
 
 # ------------------------------------------------------------------------------------------ the curves
-
-
-@dataclass
-class Curve:
-    """One line of a figure: ``label`` and the metric keys (regular expressions) it draws, first found wins
-    per run; ``right`` puts it on a second y axis (a ratio next to token counts)."""
-
-    label: str
-    patterns: tuple[str, ...]
-    right: bool = False
-
-
-@dataclass
-class CurveFigure:
-    name: str
-    title: str
-    ylabel: str
-    curves: tuple[Curve, ...]
-    right_label: str = ""
-
-
-CURVE_FIGURES: tuple[CurveFigure, ...] = (
-    CurveFigure(
-        "reward",
-        "Reward (training batch) and held-out accuracy",
-        "score / accuracy",
-        (
-            Curve("train reward", ("critic/score/mean",)),
-            Curve("held-out acc", (r"val/.+/acc/mean@\d+",)),
-            Curve("held-out reward", (r"val/.+/reward/mean@\d+",)),
-        ),
-    ),
-    CurveFigure(
-        "kl",
-        "KL divergence",
-        "KL",
-        (
-            Curve("KL to reference (loss)", ("actor/kl_loss",)),
-            Curve("KL to reference (in reward)", ("actor/reward_kl_penalty",)),
-            Curve("KL to old policy", ("actor/ppo_kl",)),
-        ),
-    ),
-    CurveFigure("entropy", "Policy entropy", "nats / token", (Curve("entropy", ("actor/entropy",)),)),
-    CurveFigure(
-        "response_length",
-        "Response length",
-        "tokens",
-        (
-            Curve("mean", ("response_length/mean",)),
-            Curve("max", ("response_length/max",)),
-            Curve("clip ratio", ("response_length/clip_ratio",), right=True),
-        ),
-        right_label="share hitting max_response_length",
-    ),
-    CurveFigure(
-        "grad_norm",
-        "Gradient norm (before clipping)",
-        "norm",
-        (Curve("actor", ("actor/grad_norm",)), Curve("critic", ("critic/grad_norm",))),
-    ),
-    CurveFigure(
-        "lr", "Learning rate", "lr", (Curve("actor", ("actor/lr",)), Curve("critic", ("critic/lr",)))
-    ),
-    CurveFigure(
-        "async",
-        "Asynchronous training: staleness of the trained samples, idle time",
-        "weight versions behind",
-        (
-            Curve("staleness mean", ("async/staleness_mean",)),
-            Curve("staleness max", ("async/staleness_max",)),
-            Curve("rollout idle", ("async/rollout_idle_frac",), right=True),
-            Curve("trainer idle", ("async/trainer_idle_frac",), right=True),
-        ),
-        right_label="share of the step's time",
-    ),
-)
-
-
-def curve_data(runs: list[Run], spec: CurveFigure) -> dict[str, dict[str, list[tuple[int, float]]]]:
-    """``{run name: {line label: [(step, value), ...]}}``; a pattern matching several keys (one held-out
-    accuracy per data source) gives one line per key."""
-    data: dict[str, dict[str, list[tuple[int, float]]]] = {}
-    for run in runs:
-        lines = {}
-        for curve in spec.curves:
-            for pattern in curve.patterns:
-                keys = run.keys(pattern)
-                for key in keys:
-                    label = curve.label if len(keys) == 1 else f"{curve.label} {key.split('/')[1]}"
-                    if run.series(key):
-                        lines[label] = run.series(key)
-                if keys:
-                    break
-        data[run.name] = lines
-    return data
 
 
 def _png(fig: Figure, path: Path) -> bytes:
@@ -216,6 +55,7 @@ def _png(fig: Figure, path: Path) -> bytes:
 
 
 def draw_curves(spec: CurveFigure, data: dict[str, dict[str, list[tuple[int, float]]]], path: Path) -> bytes:
+    """One curve figure (``spec``) of ``curve_data``'s lines, one line style per run, written to ``path``."""
     fig = Figure(figsize=(7, 3.6), layout="constrained")
     ax = fig.subplots()
     right = ax.twinx() if any(c.right for c in spec.curves) else None
@@ -250,15 +90,6 @@ def draw_curves(spec: CurveFigure, data: dict[str, dict[str, list[tuple[int, flo
 # ------------------------------------------------------------------------------------------ where time goes
 
 
-def stage_times(run: Run) -> dict[str, list[tuple[int, float]]]:
-    """``{stage: [(step, seconds), ...]}`` from the ``timing_s/*`` metrics, the total ``step`` left out."""
-    return {
-        key.removeprefix("timing_s/"): run.series(key)
-        for key in run.keys(r"timing_s/.+")
-        if key != "timing_s/step"
-    }
-
-
 def _stage_colors(stages: list[str]) -> dict[str, str]:
     """A color per stage, in ``STAGE_ORDER`` (stages it does not know come after)."""
     ordered = [s for s in STAGE_ORDER if s in stages] + sorted(s for s in stages if s not in STAGE_ORDER)
@@ -285,13 +116,6 @@ def draw_stage_times(runs: list[Run], path: Path) -> bytes:
     return _png(fig, path)
 
 
-def staleness_histogram(run: Run) -> dict[int, float]:
-    """``{k: samples trained k weight versions after they were sampled}`` over the whole run (an asynchronous
-    run's ``async/staleness_count/<k>``)."""
-    keys = run.keys(r"async/staleness_count/\d+")
-    return {int(key.rpartition("/")[2]): sum(v for _, v in run.series(key)) for key in keys}
-
-
 def draw_staleness(hists: dict[str, dict[int, float]], path: Path) -> bytes:
     """Side-by-side bars per run: how many trained samples were how many weight versions old."""
     fig = Figure(figsize=(7, 3.2), layout="constrained")
@@ -309,25 +133,6 @@ def draw_staleness(hists: dict[str, dict[int, float]], path: Path) -> bytes:
     if len(hists) > 1:
         ax.legend(fontsize=8)
     return _png(fig, path)
-
-
-def timeline_spans(run: Run, last: int = TIMELINE_STEPS) -> list[dict[str, Any]]:
-    """The stage spans of the ``last`` steps logged, times in seconds from the first one's start."""
-    steps = sorted({span["step"] for span in run.timeline})[-last:]
-    spans = [s for s in run.timeline if s["step"] in steps and s["stage"] != "step"]
-    if not spans:
-        return []
-    origin = min(s["start"] for s in spans)
-    return [
-        {
-            "step": s["step"],
-            "stage": s["stage"],
-            "group": s["group"],
-            "start": round(s["start"] - origin, 4),
-            "end": round(s["end"] - origin, 4),
-        }
-        for s in spans
-    ]
 
 
 def draw_timeline(runs: list[Run], path: Path) -> bytes:
@@ -364,34 +169,6 @@ def draw_timeline(runs: list[Run], path: Path) -> bytes:
             bbox_to_anchor=(1.0, 1.0),
         )
     return _png(fig, path)
-
-
-# ------------------------------------------------------------------------------------------ samples
-
-
-def generation_pairs(run: Run) -> tuple[int, int, list[dict[str, Any]]] | None:
-    """The validation samples of the first and the last validation that logged some, side by side by
-    sample index: ``(first step, last step, [{"prompt", "before", "before_score", "after", ...}])``."""
-    by_step: dict[int, dict[int, dict[str, Any]]] = defaultdict(dict)
-    for sample in run.generations:
-        by_step[sample["step"]][sample.get("index", len(by_step[sample["step"]]))] = sample
-    if not by_step:
-        return None
-    first, last = min(by_step), max(by_step)
-    rows = []
-    for index, before in sorted(by_step[first].items()):
-        after = by_step[last].get(index, {})
-        rows.append(
-            {
-                "prompt": before.get("prompt"),
-                "images": before.get("images", []),
-                "before": before.get("response"),
-                "before_score": before.get("score"),
-                "after": after.get("response"),
-                "after_score": after.get("score"),
-            }
-        )
-    return first, last, rows
 
 
 # ------------------------------------------------------------------------------------------ HTML
@@ -478,6 +255,104 @@ def _finite(value: Any) -> Any:
     return value
 
 
+class ReportFigure(NamedTuple):
+    """One figure of the report: what it plots of each run (``{run name: data}``; a run without any gives
+    nothing), how it is drawn to a PNG and which table holds its numbers; ``missing``, when set, is said under
+    "Not logged" for runs that logged none of it."""
+
+    name: str  # its key in the embedded JSON, and its PNG's name unless ``png`` says otherwise
+    title: str
+    collect: Callable[[list[Run]], dict[str, Any]]
+    draw: Callable[[list[Run], dict[str, Any], Path], bytes]
+    numbers: Callable[[dict[str, Any]], str]
+    missing: str | None = None
+    png: str = ""
+
+
+def _curve_figure(spec: CurveFigure) -> ReportFigure:
+    return ReportFigure(
+        spec.name,
+        spec.title,
+        lambda runs: curve_data(runs, spec),
+        lambda runs, lines, path: draw_curves(spec, lines, path),
+        _series_table,
+        missing=spec.title,
+    )
+
+
+def _per_run(series: Callable[[Run], Any]) -> Callable[[list[Run]], dict[str, Any]]:
+    """A figure's ``collect`` that takes ``series`` of each run alone: ``{run name: series(run)}``."""
+    return lambda runs: {run.name: series(run) for run in runs}
+
+
+def _staleness_table(hists: dict[str, dict[int, float]]) -> str:
+    rows = [[name, k, count] for name, hist in hists.items() for k, count in sorted(hist.items())]
+    return _table(["run", "versions behind", "samples"], rows)
+
+
+def _timeline_table(spans: dict[str, list[dict[str, Any]]]) -> str:
+    rows = [
+        [name, s["step"], s["group"], s["stage"], s["start"], s["end"]]
+        for name, run in spans.items()
+        for s in run
+    ]
+    return _table(["run", "step", "group", "stage", "start s", "end s"], rows)
+
+
+#: The report's figures, in the page's order: the curves, then where the time went.
+REPORT_FIGURES: tuple[ReportFigure, ...] = (
+    *(_curve_figure(spec) for spec in CURVE_FIGURES),
+    ReportFigure(
+        "stage_times",
+        "Time per stage per step (seconds)",
+        _per_run(stage_times),
+        lambda runs, times, path: draw_stage_times(runs, path),
+        _series_table,
+    ),
+    ReportFigure(
+        "staleness_histogram",
+        "Staleness of the trained samples",
+        _per_run(staleness_histogram),
+        lambda runs, hists, path: draw_staleness({name: h for name, h in hists.items() if h}, path),
+        _staleness_table,
+        png="staleness",
+    ),
+    ReportFigure(
+        "timeline",
+        "Stage timeline (which worker group ran what, when)",
+        _per_run(timeline_spans),
+        lambda runs, spans, path: draw_timeline(runs, path),
+        _timeline_table,
+        missing="stage timeline (timeline.jsonl)",
+    ),
+)
+
+
+def _generation_sections(runs: list[Run], data: dict[str, Any]) -> list[str]:
+    """Each run's validation samples, before and after (``data["generations"]`` gets them too)."""
+    sections = []
+    for run in runs:
+        pairs = generation_pairs(run)
+        if pairs is None:
+            continue
+        first, last, rows = pairs
+        data.setdefault("generations", {})[run.name] = {
+            "before_step": first,
+            "after_step": last,
+            "rows": rows,
+        }
+        header, title = (
+            ["prompt", f"step {first}", "score"],
+            f"Validation samples at step {first} (none later yet)",
+        )
+        cells = [[Prompt(r["prompt"], tuple(r["images"])), r["before"], r["before_score"]] for r in rows]
+        if first != last:
+            header, title = [*header, f"step {last}", "score"], "Validation samples before and after"
+            cells = [[*c, r["after"], r["after_score"]] for c, r in zip(cells, rows)]
+        sections.append(f"<h2>{title}: {html.escape(run.name)}</h2>{_table(header, cells)}")
+    return sections
+
+
 def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:
     """Read the runs, write the PNG figures into ``<out>/report/`` and ``<out>/report.html``; ``out``
     defaults to the first run's folder. Returns the HTML file's path."""
@@ -494,94 +369,34 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
         "figures": {},
     }
     sections, missing = [], []
-    for spec in CURVE_FIGURES:
-        lines = curve_data(runs, spec)
-        if not any(lines.values()):
-            missing.append(spec.title)
+    for figure in REPORT_FIGURES:
+        collected = figure.collect(runs)
+        if not any(collected.values()):
+            missing += [figure.missing] if figure.missing else []
             continue
-        data["figures"][spec.name] = lines
-        png = draw_curves(spec, lines, figures_dir / f"{spec.name}.png")
-        sections.append(_section(spec.title, png, _series_table(lines)))
-    times = {run.name: stage_times(run) for run in runs}
-    if any(times.values()):
-        data["figures"]["stage_times"] = times
-        png = draw_stage_times(runs, figures_dir / "stage_times.png")
-        sections.append(_section("Time per stage per step (seconds)", png, _series_table(times)))
-    hists = {run.name: staleness_histogram(run) for run in runs}
-    if any(hists.values()):
-        data["figures"]["staleness_histogram"] = hists
-        png = draw_staleness({name: h for name, h in hists.items() if h}, figures_dir / "staleness.png")
-        rows = [[name, k, count] for name, hist in hists.items() for k, count in sorted(hist.items())]
-        sections.append(
-            _section(
-                "Staleness of the trained samples", png, _table(["run", "versions behind", "samples"], rows)
-            )
-        )
-    spans = {run.name: timeline_spans(run) for run in runs}
-    if any(spans.values()):
-        data["figures"]["timeline"] = spans
-        png = draw_timeline(runs, figures_dir / "timeline.png")
-        rows = [
-            [name, s["step"], s["group"], s["stage"], s["start"], s["end"]]
-            for name, run_spans in spans.items()
-            for s in run_spans
-        ]
-        sections.append(
-            _section(
-                "Stage timeline (which worker group ran what, when)",
-                png,
-                _table(["run", "step", "group", "stage", "start s", "end s"], rows),
-            )
-        )
-    else:
-        missing.append("stage timeline (timeline.jsonl)")
-    for run in runs:
-        pairs = generation_pairs(run)
-        if pairs is None:
-            continue
-        first, last, rows = pairs
-        data.setdefault("generations", {})[run.name] = {
-            "before_step": first,
-            "after_step": last,
-            "rows": rows,
-        }
-        if first == last:  # one validation so far
-            table = _table(
-                ["prompt", f"step {first}", "score"],
-                [[Prompt(r["prompt"], tuple(r["images"])), r["before"], r["before_score"]] for r in rows],
-            )
-            title = f"Validation samples at step {first} (none later yet)"
-        else:
-            table = _table(
-                ["prompt", f"step {first}", "score", f"step {last}", "score"],
-                [
-                    [
-                        Prompt(r["prompt"], tuple(r["images"])),
-                        r["before"],
-                        r["before_score"],
-                        r["after"],
-                        r["after_score"],
-                    ]
-                    for r in rows
-                ],
-            )
-            title = "Validation samples before and after"
-        sections.append(f"<h2>{title}: {html.escape(run.name)}</h2>{table}")
+        data["figures"][figure.name] = collected
+        png = figure.draw(runs, collected, figures_dir / f"{figure.png or figure.name}.png")
+        sections.append(_section(figure.title, png, figure.numbers(collected)))
+    sections += _generation_sections(runs, data)
+    path = out_dir / "report.html"
+    path.write_text(_page(runs, data, sections, missing), encoding="utf-8")
+    return path
+
+
+def _page(runs: list[Run], data: dict[str, Any], sections: list[str], missing: list[str]) -> str:
+    """The self-contained HTML page: the summary table, the sections, the plotted numbers as JSON."""
     summary = _table(
         ["run", "folder", "last step", "median s/step", "held-out acc (last)", "checkpoints"],
         [_summary(run) for run in runs],
     )
     note = f"<p>Not logged: {html.escape('; '.join(missing))}.</p>" if missing else ""
     payload = json.dumps(_finite(data)).replace("</", "<\\/")
-    page = (
+    return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>hybridflow report: "
         f"{html.escape(', '.join(r.name for r in runs))}</title><style>{_STYLE}</style></head><body>"
         f"<h1>hybridflow run report</h1>{summary}{note}{''.join(sections)}"
         f"<script type='application/json' id='report-data'>{payload}</script></body></html>"
     )
-    path = out_dir / "report.html"
-    path.write_text(page, encoding="utf-8")
-    return path
 
 
 def main(argv: list[str] | None = None) -> int:

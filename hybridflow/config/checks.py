@@ -1,5 +1,5 @@
 """Checks of the trainer config: value ranges, batch-size arithmetic, names, cross-field rules, and the
-table of verl keys that have no effect here.
+table of verl keys that have no effect here (the keys that have no effect without another one: ``key_pairs``).
 
 They read a resolved ``PPOConfig`` by attribute only (``cfg.actor_rollout_ref.actor.optim.lr``), so this
 module comes before the schema (``schema.py``) and imports none of it; ``PPOConfig.validate`` runs them.
@@ -21,6 +21,12 @@ class ConfigError(UserError, ValueError):
 
 class IgnoredKeyWarning(UserWarning):
     """A verl key with no effect on this backend was set: dropped, or (a schema key) kept but unused."""
+
+
+class DeprecatedKeyWarning(FutureWarning):
+    """A key that moved was set by its old name, which works for one release (the message names the new one).
+    A ``FutureWarning``, Python's deprecation warning for end users: shown by default, unlike a
+    ``DeprecationWarning``, which would hide it from a command line."""
 
 
 # ------------------------------------------------------------------------------- verl keys ignored here
@@ -223,6 +229,13 @@ _RANGES: dict[str, tuple] = {
     },
     **{key: _POSITIVE for key in _SEQUENCE_PARALLEL_KEYS},
     "actor_rollout_ref.model.lora_rank": _NON_NEGATIVE,
+    **{f"reward_model.code.{k}": _POSITIVE for k in ("max_concurrent", "memory_limit_mb")},
+    **{f"reward_model.code.{k}": _GREATER_THAN_0 for k in ("sample_timeout_s", "test_timeout_s")},
+    **{
+        f"reward_model.judge.{k}": _POSITIVE
+        for k in ("max_tokens", "micro_batch_size_per_gpu", "max_concurrent")
+    },
+    "reward_model.judge.request_timeout_s": _GREATER_THAN_0,
     "actor_rollout_ref.model.lora_alpha": _GREATER_THAN_0,
     **{
         f"{r}.fsdp_config.fsdp_size": (lambda v: v == -1 or v >= 1, "-1 (all ranks) or >= 1")
@@ -358,8 +371,38 @@ def check_cross_fields(cfg: Any) -> None:
             "algorithm.adv_estimator 'gae' needs a value model, but critic.enable is false",
         ),
         (
-            rm.enable and not rm.dummy and not rm.model.path,
-            "reward_model.enable=true needs reward_model.model.path (or reward_model.dummy=true)",
+            rm.enable
+            and not rm.dummy
+            and not rm.model.path
+            and not (rm.style == "generative" and rm.judge.base_url),
+            "reward_model.enable=true needs reward_model.model.path (or reward_model.dummy=true; a generative "
+            "judge: reward_model.judge.base_url)",
+        ),
+        (
+            rm.judge.base_url is not None and rm.style != "generative",
+            "reward_model.judge.base_url is set but reward_model.style is 'discriminative': the judge only "
+            "scores with reward_model.style=generative",
+        ),
+        (
+            rm.style == "generative" and "{response}" not in rm.judge.prompt_template,
+            "reward_model.judge.prompt_template must contain {response} (and may use {prompt}, {ground_truth})",
+        ),
+        (
+            len(rm.judge.score_range) != 2 or rm.judge.score_range[0] >= rm.judge.score_range[1],
+            f"reward_model.judge.score_range must be [low, high] with low < high, got {rm.judge.score_range}",
+        ),
+        (
+            not rm.judge.yes_words or not rm.judge.no_words,
+            "reward_model.judge.yes_words and no_words each need at least one word",
+        ),
+        (
+            rm.rule_weight != 0 and not rm.enable,
+            "reward_model.rule_weight adds the rule score to a reward model's: it needs reward_model.enable=true",
+        ),
+        (
+            rm.rule_weight != 0 and rm.two_stage.enable,
+            "reward_model.rule_weight (a weighted sum) and reward_model.two_stage (the rule ranks, the model "
+            "re-scores the best) are two ways to combine them: choose one",
         ),
         (
             rm.two_stage.enable and not rm.enable,

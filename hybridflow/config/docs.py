@@ -40,12 +40,9 @@ YAML_HEADER = """\
 
 def shipped_configs() -> dict[Path, type]:
     """Every shipped YAML and the root dataclass it is generated from: PPO's and the offline trainers'."""
-    from hybridflow.config.offline import DPOConfig, KTOConfig, SFTConfig, default_config_path
+    from hybridflow.config.offline import CONFIGS, default_config_path
 
-    return {
-        DEFAULT_CONFIG_PATH: PPOConfig,
-        **{default_config_path(c): c for c in (SFTConfig, DPOConfig, KTOConfig)},
-    }
+    return {DEFAULT_CONFIG_PATH: PPOConfig, **{default_config_path(c): c for c in CONFIGS.values()}}
 
 
 @cache
@@ -188,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser(
         "yaml",
         help="print (or --write) the shipped ppo_trainer.yaml (with --write also the "
-        "sft/dpo/kto ones), generated from the schema",
+        "sft/dpo/kto/rm ones), generated from the schema",
     )
     gen.add_argument("--write", action="store_true", help=f"write them to {DEFAULT_CONFIG_PATH.parent}")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

@@ -15,6 +15,7 @@ import difflib
 import os
 import re
 import types
+import warnings
 from functools import cache
 from typing import Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -22,7 +23,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from hybridflow.config.checks import ConfigError, IgnoredKey, get_key, warn_ignored
+from hybridflow.config.checks import ConfigError, DeprecatedKeyWarning, IgnoredKey, get_key, warn_ignored
 
 __all__ = [
     "Schema",
@@ -44,6 +45,9 @@ class Schema:
 
     #: Names users bring from other libraries (TRL, OpenRLHF, ``TrainingArguments``) -> this schema's key.
     ALIASES: ClassVar[dict[str, str]] = {}
+    #: Keys that moved, old dotted key -> new one: the old one keeps working for one release, with a
+    #: ``DeprecatedKeyWarning`` naming the new one.
+    RENAMED: ClassVar[dict[str, str]] = {}
 
     @classmethod
     def ignored_rule(cls, key: str) -> IgnoredKey | None:
@@ -185,11 +189,14 @@ def unknown_key_error(
 
 def merge(tree: dict[str, Any], updates: Any, prefix: list[str], source: str, root: type[Schema]) -> None:
     """Merge the nested dict ``updates`` into ``tree`` in place, checking every key against the schema
-    ``root`` (keys the schema ignores are accepted with a warning: ``root.ignored_rule``)."""
+    ``root`` (keys the schema ignores are accepted with a warning: ``root.ignored_rule``; keys that moved go
+    to their new place: ``root.RENAMED``)."""
     if not isinstance(updates, dict):
         raise ConfigError(
             f"{'.'.join(prefix) or 'the config'} in {source} must be a mapping, got {updates!r}"
         )
+    if not prefix:
+        updates = _moved_to_new_keys(updates, source, root)
     for name, value in updates.items():
         path = [*prefix, str(name)]
         key = ".".join(path)
@@ -203,6 +210,30 @@ def merge(tree: dict[str, Any], updates: Any, prefix: list[str], source: str, ro
             merge(tree[name], value, path, source, root)
         else:
             tree[name] = copy.deepcopy(value)
+
+
+def _moved_to_new_keys(updates: dict[str, Any], source: str, root: type[Schema]) -> dict[str, Any]:
+    """``updates`` (a whole tree) with each key of ``root.RENAMED`` it holds moved to the new key, warning
+    (``DeprecatedKeyWarning``) for each; ``updates`` itself is left as it was."""
+    for old, new in root.RENAMED.items():
+        *parents, leaf = old.split(".")
+        holder = _lookup(updates, parents)
+        if not isinstance(holder, dict) or leaf not in holder:
+            continue
+        updates = copy.deepcopy(updates)
+        value = _lookup(updates, parents).pop(leaf)
+        *sections, name = new.split(".")
+        target = updates
+        for section in sections:
+            target = target.setdefault(section, {})
+        target[name] = value
+        warnings.warn(
+            f"{old} (in {source}) is deprecated: it moved to {new}, which it sets; the old name works for "
+            "one release",
+            DeprecatedKeyWarning,
+            stacklevel=4,
+        )
+    return updates
 
 
 def _leaves(key: str, value: Any) -> list[tuple[str, Any]]:

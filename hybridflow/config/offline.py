@@ -1,4 +1,4 @@
-"""Configurations of the offline trainers: ``SFTConfig``, ``DPOConfig``, ``KTOConfig``.
+"""Configurations of the offline trainers: ``SFTConfig``, ``DPOConfig``, ``KTOConfig``, ``RMConfig``.
 
 verl's SFT key names where they exist (``data.train_files``, ``data.micro_batch_size_per_gpu``,
 ``data.max_length``, ``data.truncation``, ``model.partial_pretrain``, ``optim.lr``, ``optim.clip_grad``,
@@ -14,13 +14,15 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from hybridflow.config.checks import ConfigError
+from hybridflow.config.key_pairs import OFFLINE_KEY_PAIRS, check_key_pairs
 from hybridflow.config.loader import Schema, load
 from hybridflow.config.sections import (
     YAML_DIR,
     DataFilesConfig,
+    FSDPConfig,
     LoRAConfig,
     ModelLoadingConfig,
     OptimConfig,
@@ -59,6 +61,17 @@ class PreferenceDataConfig(OfflineDataConfig):
 
 
 @dataclass
+class RewardPairDataConfig(PreferenceDataConfig):
+    """Preference pairs for a reward model: ``{prompt, chosen, rejected}`` and TRL's optional ``margin``."""
+
+    margin_key: str = "margin"  #: column with each pair's margin (TRL's); a file without it uses 0
+    #: micro-batches filled to max_token_len_per_gpu real tokens (whole pairs, similar lengths together)
+    #: instead of micro_batch_size_per_gpu pairs; the update is the same, the cost follows the tokens
+    use_dynamic_bsz: bool = False
+    max_token_len_per_gpu: int = 8192  #: real tokens per micro-batch when use_dynamic_bsz (>= a whole pair)
+
+
+@dataclass
 class KTODataConfig(OfflineDataConfig):
     """Unpaired completions ``{prompt, completion, label}`` (TRL's format)."""
 
@@ -78,6 +91,15 @@ class _StartingModel(ModelLoadingConfig):
 class OfflineModelConfig(VisionTrainingConfig, LoRAConfig, _StartingModel):
     """The starting model, optionally trained through LoRA adapters (verl SFT's ``model.lora_rank`` ...); DPO
     and KTO then take their reference log-probs from the same module with the adapter off."""
+
+
+@dataclass
+class RewardModelStartConfig(OfflineModelConfig):
+    """The reward model's starting point: any causal LM (a fresh one-output score head is added) or a
+    sequence-classification checkpoint; trained in full, or through LoRA adapters (the head always trains)."""
+
+    strategy: Literal["ddp", "fsdp2"] = "ddp"  #: full replicas (ddp) or FSDP2 shards over trainer.n_workers
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  #: FSDP2 settings when strategy is fsdp2
 
 
 @dataclass
@@ -104,6 +126,14 @@ class KTOLossConfig:
     beta: float = 0.1  #: strength of the implicit KL to the reference
     desirable_weight: float = 1.0  #: weight of desirable rows' losses (raise it when they are rarer)
     undesirable_weight: float = 1.0  #: weight of undesirable rows' losses
+
+
+@dataclass
+class RewardLossConfig:
+    """The Bradley-Terry loss (TRL's names)."""
+
+    #: adds coefficient x mean((r_chosen + r_rejected)^2), centring rewards on 0; null = off
+    center_rewards_coefficient: float | None = None
 
 
 C = TypeVar("C", bound="_OfflineConfig")
@@ -172,6 +202,7 @@ class _OfflineConfig(Schema):
                 f"{tr.total_epochs}"
             )
         self._validate_loss(cfg)
+        check_key_pairs(cfg, type(self)(), OFFLINE_KEY_PAIRS)
         return cfg
 
     def _validate_loss(self, cfg: Any) -> None:
@@ -248,13 +279,44 @@ class KTOConfig(_OfflineConfig):
         return {"loss": "kto", **dataclasses.asdict(self.kto)}
 
 
-OfflineConfig = SFTConfig | DPOConfig | KTOConfig
+@dataclass
+class RMConfig(_OfflineConfig):
+    """Reward-model training on preference pairs (Bradley-Terry): ``hybridflow rm``. The checkpoint's
+    ``reward_model/huggingface`` folder is an ``AutoModelForSequenceClassification`` that PPO's
+    ``reward_model.model.path`` loads as it is."""
 
-CONFIGS: dict[str, type[_OfflineConfig]] = {"sft": SFTConfig, "dpo": DPOConfig, "kto": KTOConfig}
+    data: RewardPairDataConfig = field(default_factory=RewardPairDataConfig)  #: preference pairs, batch sizes
+    model: RewardModelStartConfig = field(default_factory=RewardModelStartConfig)  #: the model trained
+    rm: RewardLossConfig = field(default_factory=RewardLossConfig)  #: the reward model's loss
+
+    kind = "rm"
+
+    def _validate_loss(self, cfg: Any) -> None:
+        coefficient = cfg.rm.center_rewards_coefficient
+        if coefficient is not None and coefficient < 0:
+            raise ConfigError(f"rm.center_rewards_coefficient must be >= 0 (or null), got {coefficient}")
+        if cfg.data.use_dynamic_bsz and cfg.data.max_token_len_per_gpu < 2 * cfg.data.max_length:
+            raise ConfigError(
+                f"data.max_token_len_per_gpu ({cfg.data.max_token_len_per_gpu}) must hold a whole pair: at least "
+                f"2 x data.max_length = {2 * cfg.data.max_length}"
+            )
+
+    def loss_spec(self) -> dict[str, Any]:
+        return {"loss": "rm", **dataclasses.asdict(self.rm)}
+
+
+OfflineConfig = SFTConfig | DPOConfig | KTOConfig | RMConfig
+
+CONFIGS: dict[str, type[_OfflineConfig]] = {
+    "sft": SFTConfig,
+    "dpo": DPOConfig,
+    "kto": KTOConfig,
+    "rm": RMConfig,
+}
 
 
 def default_config_path(cls: type[_OfflineConfig]) -> Path:
-    """The packaged YAML of a trainer: ``config/{sft,dpo,kto}_trainer.yaml``."""
+    """The packaged YAML of a trainer: ``config/{sft,dpo,kto,rm}_trainer.yaml``."""
     return YAML_DIR / f"{cls.kind}_trainer.yaml"
 
 

@@ -5,15 +5,17 @@ mistake (an unknown key, a wrong type, batch sizes that do not divide) fails at 
 that names the key, instead of deep inside a training step.
 
 One definition per key: its type, its default and its one-line doc (the ``#:`` comment beside or above the
-field) live here and nowhere else. The shipped ``config/ppo_trainer.yaml`` is generated from them
-(``hybridflow config yaml --write``; a test fails when it is stale), ``hybridflow config keys`` lists them,
-and the workers read these typed fields without defaults of their own.
+field) live here and nowhere else (the sections every trainer shares: ``sections.py``). The shipped
+``config/yaml/ppo_trainer.yaml`` is generated from them (``hybridflow config yaml --write``, ``docs.py``; a test
+fails when it is stale), ``hybridflow config keys`` lists them, and the workers read these typed fields
+without defaults of their own.
 
-The machinery (YAML files, ``a.b=c`` overrides, typing a nested dict, unknown-key suggestions) is in
-``config_loader.py``; the consistency checks and the table of verl keys accepted with a warning are in
-``config_checks.py``. Three ways in, one mechanism: ``load_config(overrides, config_path)`` for the
-command line, ``PPOConfig.from_dict`` for Python dicts, and the constructor, which takes the nested
-sections or the flat convenience form ``PPOConfig(train_files=[...], adv_estimator="grpo", n=4)``.
+The machinery (YAML files, ``a.b=c`` overrides, typing a nested dict, unknown-key suggestions, keys that moved)
+is in ``loader.py``; the consistency checks and the table of verl keys accepted with a warning are in
+``checks.py``, the table of keys that have no effect without another one in ``key_pairs.py``. Three ways in,
+one mechanism: ``load_config(overrides, config_path)`` for the command line, ``PPOConfig.from_dict`` for Python
+dicts, and the constructor, which takes the nested sections or the flat convenience form
+``PPOConfig(train_files=[...], adv_estimator="grpo", n=4)``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from hybridflow.config.checks import (
     IGNORED_KEYS,
     VLLM_GPU_ONLY_KEYS,
     ConfigError,
+    DeprecatedKeyWarning,
     IgnoredKey,
     IgnoredKeyWarning,
     check_batch_sizes,
@@ -39,6 +42,7 @@ from hybridflow.config.checks import (
     path_fields,
     warn_ignored,
 )
+from hybridflow.config.key_pairs import UnusedKeyWarning, check_key_pairs
 from hybridflow.config.loader import Schema, apply_flat_keywords, known_keys, load
 from hybridflow.config.sections import (
     YAML_DIR,
@@ -58,9 +62,11 @@ __all__ = [
     "IGNORED_KEYS",
     "SECTION_CLASSES",
     "ConfigError",
+    "DeprecatedKeyWarning",
     "IgnoredKey",
     "IgnoredKeyWarning",
     "PPOConfig",
+    "UnusedKeyWarning",
     "load_config",
 ]
 
@@ -217,10 +223,6 @@ class MultiTurnConfig:
     tool_config_path: str | None = None
     #: tool-call syntax: hermes = <tool_call>{"name", "arguments"}</tool_call>
     format: Literal["hermes"] = "hermes"
-    #: run the python tool with limits only where this machine can create no sandbox (no root, no
-    #: unprivileged user namespaces, no bubblewrap): the code then runs as your own user and can read your
-    #: files and kill your processes; false = refuse to start with a line saying how to enable a sandbox
-    unsafe_python_tool_without_isolation: bool = False
 
 
 @dataclass
@@ -344,10 +346,63 @@ class TwoStageRewardConfig:
 
 
 @dataclass
+class CodeRewardConfig:
+    """Code scored by running it against its tests (data_source code, humaneval, mbpp, apps, taco...), one
+    sandbox per sample (the python tool's; hybridflow extension, verl's sandbox_fusion names where they fit)."""
+
+    #: sandboxes running at once; null = 4 per CPU core (a sandbox mostly waits on process start and teardown)
+    max_concurrent: int | None = None
+    memory_limit_mb: int = 1024  #: address-space limit of a sample's sandbox, in MB
+    sample_timeout_s: float = (
+        10.0  #: wall-clock limit of one sample, all its tests together (the rest then fail)
+    )
+    test_timeout_s: float = 3.0  #: wall-clock (and, rounded up, CPU) limit of one test
+    #: all_or_nothing = 1 only when every test passes; fraction = the share of tests passed
+    score: Literal["all_or_nothing", "fraction"] = "all_or_nothing"
+
+
+DEFAULT_JUDGE_TEMPLATE = (
+    "Grade the answer to the question. Question: {prompt} Reference answer: {ground_truth} Answer: {response} "
+    "How correct is the answer, from 0 (wrong) to 10 (fully correct)? Reply with the number only."
+)
+
+
+@dataclass
+class JudgeConfig:
+    """A judge model that scores responses (reward_model.style=generative): the causal LM at
+    reward_model.model.path in the reward model's worker, or an OpenAI-compatible endpoint (hybridflow extension)."""
+
+    #: an OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (hybridflow serve's default, on loopback);
+    #: null = the causal LM at reward_model.model.path, in the reward model's worker
+    base_url: str | None = None
+    model: str | None = None  #: the model name sent to the endpoint; null = the first its /models lists
+    api_key_env: str = "OPENAI_API_KEY"  #: environment variable with the endpoint's key (sent when set)
+    #: the judge's user message; {prompt} (the last user message), {response} and {ground_truth} are filled in
+    prompt_template: str = DEFAULT_JUDGE_TEMPLATE
+    #: number (the first number, on score_range) | verdict (yes_words 1, no_words 0) | yes_probability (of the
+    #: first yes word's token as the reply's first token)
+    parser: Literal["number", "verdict", "yes_probability"] = "number"
+    score_range: list[float] = field(default_factory=lambda: [0.0, 10.0])  #: number: [low, high] -> [0, 1]
+    yes_words: list[str] = field(default_factory=lambda: ["yes", "correct"])  #: verdict words that score 1
+    no_words: list[str] = field(
+        default_factory=lambda: ["no", "incorrect", "wrong"]
+    )  #: verdict words that score 0
+    max_tokens: int = 16  #: tokens the judge may write (yes_probability reads only the first)
+    micro_batch_size_per_gpu: int = 8  #: prompts per generation of the worker's judge
+    max_concurrent: int = 8  #: endpoint calls in flight at once
+    request_timeout_s: float = 60.0  #: seconds per endpoint call
+    failure_score: float = (
+        0.0  #: the score of a failed call or an unparsable verdict (counted in reward/judge/failures)
+    )
+
+
+@dataclass
 class RewardModelConfig:
     """A learned reward model (off by default: rule-based rewards come from the reward manager)."""
 
     enable: bool = False  #: score responses with a learned reward model
+    #: discriminative = a sequence classifier's scalar; generative = a judge model's parsed verdict (judge.*)
+    style: Literal["discriminative", "generative"] = "discriminative"
     model: RewardModelPathConfig = field(default_factory=RewardModelPathConfig)  #: the reward model
     micro_batch_size_per_gpu: int = 8  #: sequences per reward-model forward on one worker
     #: what the reward model reads: chat (the conversation in its tokenizer's chat template), plain (the prompt
@@ -358,6 +413,14 @@ class RewardModelConfig:
     dummy: bool = False
     #: cheap reward for all, reward model only for the best share (hybridflow extension)
     two_stage: TwoStageRewardConfig = field(default_factory=TwoStageRewardConfig)
+    #: how code rows are run and scored (the rule scorer of the code data sources)
+    code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  #: the judge of style generative
+    #: the reward is model_weight x the reward model's (or judge's) score + rule_weight x the rule scorer's
+    model_weight: float = 1.0
+    #: weight of the rule (or custom) scorer in that sum; 0 = the model's score alone (reward_model.two_stage
+    #: instead: the rule ranks, the model re-scores the best)
+    rule_weight: float = 0.0
 
 
 @dataclass
@@ -481,6 +544,17 @@ class AsyncTrainingConfig:
     partial_rollout: bool = True
 
 
+@dataclass
+class SandboxConfig:
+    """The sandbox model-written code runs in (``hybridflow.tools.sandbox``): the python tool's, and any reward
+    that executes code."""
+
+    #: run code with limits only where this machine can create no sandbox (no root, no unprivileged user
+    #: namespaces, no bubblewrap): the code then runs as your own user and can read your files and kill your
+    #: processes; false = refuse to start with a line saying how to enable a sandbox
+    unsafe_without_isolation: bool = False
+
+
 @dataclass(init=False)
 class PPOConfig(Schema):
     """The whole configuration; every section has defaults, so ``PPOConfig()`` is complete.
@@ -504,8 +578,13 @@ class PPOConfig(Schema):
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  #: the run
     #: rollout and training overlapping: sync, one-step-off-policy, fully async (hybridflow extension)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    #: where model-written code runs: the python tool, code-executing rewards
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     ALIASES: ClassVar[dict[str, str]] = ALIASES
+    RENAMED: ClassVar[dict[str, str]] = {
+        "actor_rollout_ref.rollout.multi_turn.unsafe_python_tool_without_isolation": "sandbox.unsafe_without_isolation",
+    }
 
     def __init__(self, **kwargs: Any) -> None:
         for f in dataclasses.fields(self):
@@ -559,13 +638,15 @@ class PPOConfig(Schema):
     def validate(self) -> PPOConfig:
         """Check the resolved config for consistency and return it; a ConfigError explains the first problem.
 
-        Also warns (IgnoredKeyWarning) for GPU-only keys set away from their default.
+        Also warns (IgnoredKeyWarning) for GPU-only keys set away from their default, and (UnusedKeyWarning)
+        for keys set that have no effect without another one (``KEY_PAIRS``).
         """
         cfg = self.resolve()
         check_ranges(cfg)
         check_batch_sizes(cfg)
         check_choices(cfg)
         check_cross_fields(cfg)
+        check_key_pairs(cfg, PPOConfig())
         warn_ignored_schema_keys(cfg)
         return cfg
 

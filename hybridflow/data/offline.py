@@ -11,6 +11,8 @@ Row formats (parquet or JSONL; prompts and completions are strings or chat messa
   only: everything up to the first assistant turn is the prompt, and later user/system/tool turns sit in
   the response with mask 0.
 - Preferences (DPO): ``{prompt, chosen, rejected}``; a batch interleaves ``chosen_0, rejected_0, ...``.
+- Reward model: ``{prompt, chosen, rejected}`` and an optional ``margin`` (``RewardPairDataset``: each side is
+  one whole sequence, what the reward model reads).
 - KTO: ``{prompt, completion, label}`` (``label`` true for a desirable completion); a batch of ``B`` rows
   carries ``2B`` samples: the rows, then each prompt with the next row's completion (the mismatched pairs
   whose log-ratio estimates KTO's KL reference point).
@@ -401,6 +403,92 @@ class PreferenceDataset(OfflineDataset):
             self._encode(prompt, self._completion(row, key, where), f"{where} ({key})", images)
             for key in (self.chosen_key, self.rejected_key)
         ]
+
+
+def reward_model_tokens(tokenizer: Any, prompt: Text, completion: Text) -> list[int]:
+    """The tokens a reward model reads for a prompt and a completion, in its training (``hybridflow rm``) and
+    when it scores a policy's responses alike: the whole conversation rendered by the chat template and
+    tokenized as one text, or for strings (no template) the prompt, a newline and the completion, with the
+    tokenizer's special tokens (what a plain classifier expects)."""
+    if isinstance(prompt, str):
+        return tokenizer(f"{prompt}\n{completion}")["input_ids"]
+    text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+class RewardPairDataset(OfflineDataset):
+    """Preference pairs for a reward model: ``{prompt, chosen, rejected}`` (strings or chat messages, TRL's
+    explicit-prompt format) and TRL's optional ``margin_key`` (how much more the chosen one is preferred; 0
+    when a row has none). Each side is one sequence (``reward_model_tokens``; laid out as a response with an
+    empty prompt); a batch interleaves ``chosen_0, rejected_0, ...`` and carries ``margin`` ``(2B,)``, each
+    pair's on both its rows. Over ``max_length``: ``truncation`` left drops a sequence's first tokens (the
+    reward is read at its end), right its last ones."""
+
+    def __init__(
+        self,
+        data_files: str | Path | Sequence[str | Path],
+        tokenizer: Any,
+        max_length: int = 1024,
+        truncation: str = "error",
+        prompt_key: str = "prompt",
+        chosen_key: str = "chosen",
+        rejected_key: str = "rejected",
+        apply_chat_template: bool = True,
+        margin_key: str = "margin",
+        processor: ImagePrompts | None = None,
+        image_key: str = "images",
+    ) -> None:
+        self.tokenizer, self.max_length, self.truncation = tokenizer, max_length, truncation
+        self.chosen_key, self.rejected_key, self.margin_key = chosen_key, rejected_key, margin_key
+        self.margins: list[float] = []  # one per row, in the order of ``items``
+        super().__init__(
+            data_files,
+            tokenizer,
+            max_length,
+            truncation,
+            prompt_key,
+            apply_chat_template,
+            processor,
+            image_key,
+        )
+
+    def _sequence(self, prompt: Text, completion: Text, where: str) -> Sample:
+        ids = reward_model_tokens(self.tokenizer, prompt, completion)
+        excess = len(ids) - self.max_length
+        if excess > 0 and self.truncation == "error":
+            raise ValueError(
+                f"{where}: {len(ids)} tokens exceed max_length={self.max_length}; raise data.max_length or set "
+                "data.truncation to 'left' or 'right'"
+            )
+        if excess > 0:
+            ids = ids[excess:] if self.truncation == "left" else ids[: self.max_length]
+        return Sample([], ids, [1] * len(ids))
+
+    def encode_row(self, row: dict, where: str) -> list[Sample]:
+        if row.get(self.image_key) is not None and len(row[self.image_key]):
+            raise ValueError(
+                f"{where}: a reward model trains on text pairs only; this row has images ({self.image_key!r})"
+            )
+        margin = row.get(self.margin_key)
+        margin = 0.0 if margin is None else margin
+        if isinstance(margin, bool) or not isinstance(margin, int | float):
+            raise ValueError(f"{where}: field {self.margin_key!r} must be a number, got {margin!r:.60}")
+        prompt = self._prompt(row, where)
+        pair = [
+            self._sequence(prompt, self._completion(row, key, where), f"{where} ({key})")
+            for key in (self.chosen_key, self.rejected_key)
+        ]
+        self.margins.append(float(margin))
+        return pair
+
+    def __getitem__(self, idx: int) -> list[Any]:
+        """``[chosen, rejected, idx]``: the collate looks the pair's margin up by ``idx``."""
+        return [*self.items[idx], idx]
+
+    def collate(self, items: Sequence[list[Any]]) -> DataProto:
+        batch = collate_samples([s for item in items for s in item[:2]], self.pad_id)
+        batch.batch["margin"] = torch.tensor([self.margins[item[2]] for item in items for _ in range(2)])
+        return batch
 
 
 class KTODataset(OfflineDataset):

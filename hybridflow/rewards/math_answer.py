@@ -78,3 +78,9 @@ def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None 
     if a is not None and b is not None:
         return float(a == b)
     return float(predicted == truth)
+
+
+def reference_answer(ground_truth: str, extra_info: dict | None = None) -> str:
+    """A reply ``compute_score`` gives full marks: the answer in ``\\boxed{}``."""
+    truth = str(ground_truth)
+    return f"\\boxed{{{last_boxed(truth) or truth}}}"

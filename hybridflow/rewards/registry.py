@@ -1,12 +1,18 @@
-"""Choosing a reward function: the built-in rule scorers by `data_source`, or a user's file."""
+"""Choosing a reward function: the built-in rule scorers by `data_source`, or a user's file.
+
+A scorer is a function ``(data_source, solution_str, ground_truth, extra_info) -> Score``; one that also
+scores a whole batch at once (``BatchScorer``: the code scorer runs its samples' sandboxes in parallel) gets
+the batch. ``RuleScorers`` is the default: every built-in rule by ``data_source``, code sources included.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from hybridflow.rewards import arithmetic, calculator, countdown, gsm8k, math_answer, math_dapo, shapes
+from hybridflow.rewards.code import CODE_SOURCES, CodeScorer
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.user_code import load_user_function
 
@@ -40,6 +46,26 @@ RULE_SCORERS: dict[str, Callable[..., Score]] = {
 #: data_source prefix -> rule, for the names verl matches by prefix (aime24, aime2025, ...)
 RULE_PREFIXES: dict[str, Callable[..., Score]] = {"aime": math_dapo.rule}
 
+_CODE = CodeScorer()  # the default limits, for the function form below
+RULE_SCORERS.update({source: _CODE.score for source in CODE_SOURCES})
+
+
+@runtime_checkable
+class BatchScorer(Protocol):
+    """A scorer that also takes a whole batch (the reward manager then calls ``score_batch`` once)."""
+
+    def __call__(
+        self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+    ) -> Score: ...
+
+    def score_batch(
+        self,
+        data_sources: Sequence[str],
+        solution_strs: Sequence[str],
+        ground_truths: Sequence[Any],
+        extra_infos: Sequence[dict | None],
+    ) -> list[Score]: ...
+
 
 def default_compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
@@ -54,6 +80,48 @@ def default_compute_score(
             "For other data set custom_reward_function.path (and .name) to your scoring function."
         )
     return scorer(solution_str, ground_truth, extra_info)
+
+
+class RuleScorers:
+    """The built-in rules by ``data_source`` (``default_compute_score``), with ``code``'s settings: the code
+    rows of a batch are scored in parallel sandboxes, the others one by one."""
+
+    def __init__(self, code: CodeScorer | None = None) -> None:
+        self.code = code or CodeScorer()
+
+    def __call__(
+        self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+    ) -> Score:
+        if data_source in CODE_SOURCES:
+            return self.code.score(solution_str, ground_truth, extra_info)
+        return default_compute_score(data_source, solution_str, ground_truth, extra_info)
+
+    def score_batch(
+        self,
+        data_sources: Sequence[str],
+        solution_strs: Sequence[str],
+        ground_truths: Sequence[Any],
+        extra_infos: Sequence[dict | None],
+    ) -> list[Score]:
+        rows = list(zip(data_sources, solution_strs, ground_truths, extra_infos))
+        code = [i for i, row in enumerate(rows) if row[0] in CODE_SOURCES]
+        results: list[Score | None] = [None] * len(rows)
+        for i, result in zip(code, self.code.score_many([rows[i][1:] for i in code])):
+            results[i] = result
+        for i, row in enumerate(rows):
+            if results[i] is None:
+                try:
+                    results[i] = default_compute_score(*row)
+                except UserError as e:  # e.g. no rule scorer for this data_source
+                    raise UserError(f"sample {i} (data_source {row[0]!r}): {e}") from e
+        return results
+
+    def check_rows(self, rows: Iterable[tuple[str, str, Any]]) -> int:
+        """Read every code row's tests and check the sandbox, before a run (``CodeScorer.check_ground_truths``);
+        ``rows``: ``(where, data_source, ground_truth)``. Returns how many code rows there were."""
+        return self.code.check_ground_truths(
+            (where, truth) for where, source, truth in rows if source in CODE_SOURCES
+        )
 
 
 def load_custom_reward_function(path: str | Path, name: str = "compute_score") -> Callable[..., Score]:

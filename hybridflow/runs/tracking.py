@@ -24,6 +24,8 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
+from hybridflow.runs.stages import CONSOLE_TIMINGS
+
 logger = logging.getLogger(__name__)
 
 #: The console line's summary fields: (label, metric keys tried in order). Each trainer names its own.
@@ -33,18 +35,25 @@ ConsoleFields = tuple[tuple[str, tuple[str, ...]], ...]
 CONSOLE_FIELDS: ConsoleFields = (
     ("reward", ("critic/score/mean", "critic/rewards/mean")),
     # KL to the reference policy (the tutorials' "healthy KL 0.02-0.06"), present when a reference is loaded;
-    # ppo_kl: how far one update moved the policy (0 with one on-policy epoch)
+    # ppo_kl: how far one update moved the policy; not logged when the data is used once, on-policy (the
+    # ratio is then exactly 1, so it would be 0 by construction)
     ("kl_ref", ("actor/kl_ref", "actor/reward_kl_penalty")),
     ("ppo_kl", ("actor/ppo_kl",)),
     ("pg_loss", ("actor/pg_loss",)),
     ("vf_loss", ("critic/vf_loss",)),
     ("resp_len", ("response_length/mean",)),
 )
-_CONSOLE_TIMINGS: tuple[tuple[str, str], ...] = (
-    ("gen", "timing_s/gen"),
-    ("upd", "timing_s/update_actor"),
-    ("step", "timing_s/step"),
-)
+
+
+def show_info_logs() -> None:
+    """hybridflow's own INFO messages (e.g. which checkpoint a run resumed from) on stderr, other libraries'
+    logging left as it is: what the training commands show."""
+    log = logging.getLogger("hybridflow")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
 
 
 def format_step_line(step: int, metrics: Mapping[str, float], fields: ConsoleFields = CONSOLE_FIELDS) -> str:
@@ -58,7 +67,7 @@ def format_step_line(step: int, metrics: Mapping[str, float], fields: ConsoleFie
         key = next((k for k in keys if k in metrics), None)
         if key is not None:
             parts.append(f"{label} {_short(metrics[key])}")
-    timings = [f"{label} {metrics[key]:.1f}s" for label, key in _CONSOLE_TIMINGS if key in metrics]
+    timings = [f"{label} {metrics[key]:.1f}s" for label, key in CONSOLE_TIMINGS if key in metrics]
     if timings:
         parts.append(" ".join(timings))
     parts += [f"{key} {_short(value)}" for key, value in metrics.items() if key.startswith("val/")]

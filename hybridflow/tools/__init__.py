@@ -1,6 +1,7 @@
 """Tools a policy may call during multi-turn rollouts, the Hermes tool-call parser, and the sandbox.
 
-Beside ``rewards`` in the layering: ``workers`` (the agent loop) import it. May import: ``utils``, ``protocol``,
+Before ``rewards`` in the layering (the code scorer runs programs in the sandbox); ``workers`` (the agent
+loop) import it. May import: ``utils``, ``protocol``,
 ``models``, ``algorithms``, ``config``. ``registry.py`` holds the built-in tool table and loads a run's tool list.
 """
 

@@ -16,7 +16,7 @@ class PythonTool(BaseTool):
 
     It refuses to be built where this machine can create no sandbox (``SandboxUnavailable``, before the run
     starts rather than at the first call), unless ``allow_unsafe``
-    (``multi_turn.unsafe_python_tool_without_isolation``)."""
+    (``sandbox.unsafe_without_isolation``)."""
 
     name: ClassVar[str] = "python"
     description: ClassVar[str] = (

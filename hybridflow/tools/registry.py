@@ -54,7 +54,7 @@ def _tool_class(spec: str, where: str) -> type[BaseTool]:
 
 def load_tools(path: str | Path, unsafe_python: bool = False) -> dict[str, BaseTool]:
     """The tools listed in the YAML file ``path``, by the name the model calls them. ``unsafe_python``
-    (``multi_turn.unsafe_python_tool_without_isolation``) lets the python tool run unisolated where this
+    (``sandbox.unsafe_without_isolation``) lets the python tool run unisolated where this
     machine can create no sandbox."""
     file = Path(path)
     if not file.is_file():

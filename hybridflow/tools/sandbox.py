@@ -20,7 +20,7 @@ to them, but its files in the read-only system and interpreter folders are its o
 a boundary against kernel exploits: run untrusted users' code in a VM or gVisor.
 
 When neither mode works the tool refuses to run (``SandboxUnavailable``, one line saying why and how to
-enable one), unless the user set ``unsafe_python_tool_without_isolation``: then only the limits above
+enable one), unless the user set ``sandbox.unsafe_without_isolation``: then only the limits above
 hold, and the code runs as the trainer's own user (reads its files, signals its processes).
 """
 
@@ -53,7 +53,7 @@ ISOLATION = {  # what each mode isolates (the keys of SandboxResult.isolation)
     "unsafe": (),
 }
 ISOLATION_KEYS = (*ISOLATION["namespaces"], "own_user")
-UNSAFE_KEY = "actor_rollout_ref.rollout.multi_turn.unsafe_python_tool_without_isolation"
+UNSAFE_KEY = "sandbox.unsafe_without_isolation"  # the config key of the opt-out
 
 
 class SandboxUnavailable(UserError):
@@ -169,19 +169,28 @@ def _call_namespace(runner: int) -> str | None:
 
 
 def _wait_until_gone(namespace: str, seconds: float = 5.0) -> None:
-    """Until no process of the call's PID namespace is left: the kernel tears a killed namespace down
-    asynchronously, and a call's user id goes back to the pool (or the caller goes on) only after."""
+    """Until no live process of the call's PID namespace is left: the kernel tears a killed namespace down
+    asynchronously, and a call's user id goes back to the pool (or the caller goes on) only after. A zombie
+    does not count: the namespace's process 1 becomes one only once every other process of it has gone, and
+    orphaned (its parent, the runner, killed with it) it waits for the machine's init to reap it, which may
+    take seconds (measured: 1-2 s, in whole seconds, on this project's machines)."""
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
-                if os.readlink(f"/proc/{pid}/ns/pid") == namespace:
+                if os.readlink(f"/proc/{pid}/ns/pid") == namespace and not _zombie(pid):
                     break
             except OSError:
                 continue
         else:
             return
         time.sleep(0.005)
+
+
+def _zombie(pid: str) -> bool:
+    """Whether ``pid`` has exited and waits to be reaped (its state, after the parenthesised command name)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0] == "Z"
 
 
 @dataclass
@@ -249,34 +258,53 @@ def _describe(status: dict, stderr: str, limits: SandboxLimits) -> str | None:
     return f"exited with code {code}"
 
 
-def _run(code: str, limits: SandboxLimits, mode: str) -> SandboxResult:
-    """One call in ``mode`` (see ``MODES``); never raises for anything the code does."""
-    start = time.monotonic()
-    status_r, status_w = os.pipe()
+def _run(code: str, limits: SandboxLimits, mode: str, started: float | None = None) -> SandboxResult:
+    """One call in ``mode`` (see ``MODES``), its wall clock running from ``started`` (default: now); never
+    raises for anything the code does."""
+    started = time.monotonic() if started is None else started
     with ExitStack() as stack:
-        stack.callback(os.close, status_r)
         root = os.geteuid() == 0
         uid = stack.enter_context(allocated_uid()) if root and mode != "bwrap" else None
-        if uid is not None and shutil.which("setpriv") is None:
-            raise SandboxUnavailable("util-linux setpriv is not installed (the code's user id needs it)")
-        spec = {
-            "mode": mode,
-            "code": code,
-            "python": PYTHON,
-            "uid": uid,
-            "setpriv": shutil.which("setpriv"),
-            "cwd": "/tmp",
-            "binds": _binds(),
-            "status_fd": status_w,
-            "limits": {k: v for k, v in asdict(limits).items() if k not in ("timeout_s", "max_output_bytes")},
-        }
-        command = [sys.executable, "-I", "-S", str(RUNNER)]
-        if mode == "bwrap":
-            command = _bwrap_command(limits, spec["binds"])
-        elif mode == "unsafe":  # a fresh folder of the host's, deleted afterwards
-            spec["cwd"] = stack.enter_context(tempfile.TemporaryDirectory(prefix="hybridflow-sandbox-"))
-            if uid is not None:
-                os.chown(spec["cwd"], uid, uid)
+        spec, command = _prepare(code, limits, mode, uid, stack)
+        out, returncode = _supervise(command, spec, limits, started + limits.timeout_s)
+        if uid is not None and mode == "unsafe":  # no namespace: the leftovers, by the id only it holds
+            _kill_user(uid)
+    return _verdict(out, returncode, spec, limits, uid, started)
+
+
+def _prepare(
+    code: str, limits: SandboxLimits, mode: str, uid: int | None, stack: ExitStack
+) -> tuple[dict, list[str]]:
+    """The runner's spec (``sandbox_runner.py``'s docstring) and the command that starts it (inside bubblewrap
+    in mode ``bwrap``); the unsafe mode's work folder, a fresh one of the host's, goes when ``stack`` closes."""
+    if uid is not None and shutil.which("setpriv") is None:
+        raise SandboxUnavailable("util-linux setpriv is not installed (the code's user id needs it)")
+    spec = {
+        "mode": mode,
+        "code": code,
+        "python": PYTHON,
+        "uid": uid,
+        "setpriv": shutil.which("setpriv"),
+        "cwd": "/tmp",
+        "binds": _binds(),
+        "limits": {k: v for k, v in asdict(limits).items() if k not in ("timeout_s", "max_output_bytes")},
+    }
+    command = [sys.executable, "-I", "-S", str(RUNNER)]
+    if mode == "bwrap":
+        command = _bwrap_command(limits, spec["binds"])
+    elif mode == "unsafe":
+        spec["cwd"] = stack.enter_context(tempfile.TemporaryDirectory(prefix="hybridflow-sandbox-"))
+        if uid is not None:
+            os.chown(spec["cwd"], uid, uid)
+    return spec, command
+
+
+def _supervise(command: list[str], spec: dict, limits: SandboxLimits, deadline: float) -> tuple[_Output, int]:
+    """Start the runner, read what the code writes (capped) until it ends or ``deadline``, then end the call:
+    the runner's process group killed and, with namespaces, the call's PID namespace empty. Returns the output
+    and the runner's exit status."""
+    status_r, status_w = os.pipe()
+    try:
         try:
             proc = subprocess.Popen(
                 command,
@@ -292,12 +320,12 @@ def _run(code: str, limits: SandboxLimits, mode: str) -> SandboxResult:
             os.close(status_w)
         with proc:
             try:
-                proc.stdin.write(json.dumps(spec).encode())
+                proc.stdin.write(json.dumps({**spec, "status_fd": status_w}).encode())
                 proc.stdin.close()
             except BrokenPipeError:  # the runner died at once: its stderr says why
                 pass
-            out = _read_capped(proc, status_r, start + limits.timeout_s, limits.max_output_bytes)
-            namespace = _call_namespace(proc.pid) if mode != "unsafe" else None
+            out = _read_capped(proc, status_r, deadline, limits.max_output_bytes)
+            namespace = _call_namespace(proc.pid) if spec["mode"] != "unsafe" else None
             if not (out.timed_out or out.over_cap):  # the runner ends once the namespace is torn down
                 try:
                     proc.wait(timeout=2.0)
@@ -305,15 +333,22 @@ def _run(code: str, limits: SandboxLimits, mode: str) -> SandboxResult:
                     pass
             _kill_group(proc)  # a timed-out or flooding run; the PID namespace dies with the runner
             proc.wait()
-        if namespace is not None:
-            _wait_until_gone(namespace)
-        if uid is not None and mode == "unsafe":  # no namespace: the leftovers, by the id only it holds
-            _kill_user(uid)
+    finally:
+        os.close(status_r)
+    if namespace is not None:
+        _wait_until_gone(namespace)
+    return out, proc.returncode
+
+
+def _verdict(
+    out: _Output, returncode: int, spec: dict, limits: SandboxLimits, uid: int | None, started: float
+) -> SandboxResult:
+    """What the call's output and the runner's status say: the result, with one line for what went wrong."""
     text = out.status.decode()
     status = json.loads(text) if text else {}
     stdout = out.stdout.decode(errors="replace")
     stderr = out.stderr.decode(errors="replace")
-    if mode == "unsafe":
+    if spec["mode"] == "unsafe":
         stderr = stderr.replace(f"{spec['cwd']}/", "")  # tracebacks say "main.py" in every mode
     else:
         stderr = stderr.replace("/tmp/main.py", "main.py")
@@ -322,23 +357,23 @@ def _run(code: str, limits: SandboxLimits, mode: str) -> SandboxResult:
     elif out.over_cap:
         error = f"output limit exceeded: stopped after {limits.max_output_bytes} bytes"
     elif not status:
-        last = (stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1][-300:]
+        last = (stderr.strip().splitlines() or [f"exit code {returncode}"])[-1][-300:]
         error = (
             last if last.startswith("sandbox: could not start") else f"the sandbox failed to start: {last}"
         )
     else:
         error = _describe(status, stderr, limits)
-    isolated = {key: key in ISOLATION[mode] for key in ISOLATION_KEYS}
+    isolated = {key: key in ISOLATION[spec["mode"]] for key in ISOLATION_KEYS}
     isolated["own_user"] = uid is not None
     return SandboxResult(
         stdout,
         stderr,
         status.get("exit"),
         error,
-        time.monotonic() - start,
+        time.monotonic() - started,
         truncated=out.over_cap,
         isolation=isolated,
-        mode=mode,
+        mode=spec["mode"],
     )
 
 
@@ -382,5 +417,7 @@ def isolation(allow_unsafe: bool = False) -> dict[str, bool]:
 
 def run_python(code: str, limits: SandboxLimits | None = None, allow_unsafe: bool = False) -> SandboxResult:
     """Run ``code`` as a script in a fresh sandbox; never raises for anything the code does. Raises
-    ``SandboxUnavailable`` when this machine cannot isolate it and ``allow_unsafe`` is false."""
-    return _run(code, limits or SandboxLimits(), sandbox_mode(allow_unsafe))
+    ``SandboxUnavailable`` when this machine cannot isolate it and ``allow_unsafe`` is false. The wall clock
+    (``limits.timeout_s``) counts from this call, the first one's probe of the machine's modes included."""
+    started = time.monotonic()
+    return _run(code, limits or SandboxLimits(), sandbox_mode(allow_unsafe), started)

@@ -1,5 +1,7 @@
-"""Where a training step's samples come from: generated on the spot (``sync``), or by a producer that runs
-ahead of the trainer (``one_step_off``, ``fully_async``; ``async_training`` in the config).
+"""Where a training step's samples come from when a producer runs ahead of the trainer (``one_step_off``,
+``fully_async``; ``async_training`` in the config): ``AsyncRollouts``, and the prompt stream it shares with the
+trainer. Lock-step generation (``sync``), the contract both follow and the choice between them are in
+``rollouts.py``.
 
 Weight versions: version ``v`` is the policy after ``v`` training steps; the batch of step ``b`` (0-based)
 is trained by version ``b``. A sample's staleness is ``b`` minus the oldest version that sampled one of its
@@ -8,7 +10,7 @@ worker it calls is a worker of its own (its own copy of the model: a second work
 backend, the ``rollout`` pool's process with ``trainer.placement=split`` on Ray), so the actor trains
 meanwhile. After each step the trainer posts its weights to that worker as the next version
 (``post_weights``: kept beside the weights it generates with, received while it generates; on Ray straight from
-the actor's rank 0, ``LinkedWeights``); the producer may start batch ``b`` once version
+the actor's rank 0, ``weight_transport.LinkedWeights``); the producer may start batch ``b`` once version
 ``b - max_staleness`` is posted, which is the whole staleness bound (the queue of finished batches never
 holds more than ``max_staleness + 1``).
 
@@ -36,16 +38,17 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
 from hybridflow.data import PromptLoader
 from hybridflow.protocol import DataProto
-from hybridflow.rollout import tag_weight_versions
+from hybridflow.runs.stages import STAGE_GROUPS
 from hybridflow.single_controller import WorkerGroup
 from hybridflow.trainer.loop import endless
+from hybridflow.trainer.weight_transport import WeightTransport
 from hybridflow.utils.errors import UserError
 
 
@@ -91,92 +94,6 @@ class Generated:
     start: float
     end: float
     rows: int = 0
-
-
-class WeightTransport(Protocol):
-    """How the actor's weights reach a rollout worker of its own: ``send(version, staged)`` loads weight
-    ``version`` there at once (lock-step) or, with ``staged``, keeps it as a version the rollout takes between
-    generations or decoding steps (the worker's ``WeightFeed``); returns what the sync cost
-    (``weight_sync/*`` metrics)."""
-
-    def send(self, version: int, staged: bool) -> dict[str, float]:
-        """Weight ``version`` to the rollout workers."""
-        ...
-
-
-class InProcessWeights:
-    """The local backend: the actor and its rollout worker live in the driver's own process, so the weights go
-    from one to the other as arrays (``get_weights``), loaded at once or posted as a version."""
-
-    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup) -> None:
-        self.actor, self.rollout = actor, rollout
-
-    def send(self, version: int, staged: bool) -> dict[str, float]:
-        weights = self.actor.get_weights()[0]
-        if staged:
-            self.rollout.post_weights(weights, version)
-        else:
-            self.rollout.update_weights(weights)
-        return {}
-
-
-class LinkedWeights:
-    """Ray: the actor's rank 0 streams the weights to the rollout workers over a process group of their own
-    (``workers.weight_sync.WeightLink``), formed here when the run starts; the driver only starts both ends of
-    each sync (and gets back what it cost), so the weights never pass through it."""
-
-    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup) -> None:
-        self.actor, self.rollout = actor, rollout
-        address = actor.weight_link_address(rollout.world_size)
-        joining = [actor.join_weight_link(address), rollout.join_weight_link(address)]
-        for future in joining:
-            future.get()
-
-    def send(self, version: int, staged: bool) -> dict[str, float]:
-        """Weight ``version`` to every rollout worker, loaded there at once (lock-step) or kept as a version
-        (``staged``: an asynchronous run generating meanwhile); the sender's and the slowest receiver's times."""
-        sent, received = self.actor.send_weights(), self.rollout.receive_weights(version, staged)
-        sender, receivers = sent.get()[0], received.get()
-        slowest = max(receivers, key=lambda r: r["transfer_s"] + r["load_s"])
-        return {
-            "weight_sync/gather_s": sender["gather_s"],
-            "weight_sync/send_s": sender["transfer_s"],
-            "weight_sync/receive_s": slowest["transfer_s"],
-            "weight_sync/load_s": slowest["load_s"],
-            "weight_sync/mb": sender["bytes"] / 2**20,
-        }
-
-
-def weight_transport(backend: str, actor: WorkerGroup, rollout: WorkerGroup) -> WeightTransport:
-    """How the actor's weights reach a rollout worker of its own on ``trainer.backend``."""
-    return LinkedWeights(actor, rollout) if backend == "ray" else InProcessWeights(actor, rollout)
-
-
-class SyncRollouts:
-    """Lock-step: the trainer generates each batch when it needs it, with its current weights; a rollout
-    worker of its own (``placement=split``) is sent them through ``weights`` after each update."""
-
-    def __init__(self, generator: WorkerGroup, weights: WeightTransport | None) -> None:
-        self.generator, self.weights = generator, weights
-
-    def start(self, stream: PromptStream, version: int, end: int) -> None:
-        self.stream = stream
-
-    def take(self, index: int, prompts: DataProto, metrics: dict[str, float], timings: Any) -> DataProto:
-        batch = self.generator.generate_sequences(_with_meta(prompts, global_step=index))
-        return tag_weight_versions(batch, index)
-
-    def generate_now(self, prompts: DataProto, version: int) -> DataProto:
-        """A generation outside training (validation) with the trainer's current weights."""
-        return self.generator.generate_sequences(prompts)
-
-    def post_weights(self, version: int) -> dict[str, float]:
-        """A rollout worker of its own (``placement=split``) is sent the new weights; a rollout in the
-        actor's process samples from the trained module itself. Returns what the sync cost."""
-        return self.weights.send(version, staged=False) if self.weights is not None else {}
-
-    def stop(self) -> None:
-        pass
 
 
 @dataclass
@@ -251,7 +168,7 @@ class AsyncRollouts:
         metrics["async/trainer_idle_frac"] = min(1.0, clock.trainer_idle / elapsed)
         if hasattr(timings, "spans"):
             timings.spans.append(
-                {"stage": "rollout", "group": "rollout", "start": done.start, "end": done.end}
+                {"stage": "rollout", "group": STAGE_GROUPS["rollout"], "start": done.start, "end": done.end}
             )
         return done.batch
 
@@ -361,16 +278,3 @@ def _copy(prompts: DataProto) -> DataProto:
         non_tensor_batch={k: np.array(v, copy=True) for k, v in prompts.non_tensor_batch.items()},
         meta_info=dict(prompts.meta_info),
     )
-
-
-def build_rollouts(
-    config: Any, generator: WorkerGroup, weights: WeightTransport | None
-) -> SyncRollouts | AsyncRollouts:
-    """The source of ``async_training.mode``: ``weights`` moves the actor's weights to ``generator`` when it is
-    a rollout worker of its own (None: the rollout shares the actor's module)."""
-    run, n = config.async_training, config.actor_rollout_ref.rollout.n
-    if run.mode == "sync":
-        return SyncRollouts(generator, weights)
-    if run.mode == "one_step_off":
-        return AsyncRollouts(generator, weights, n, 1, exact=True)
-    return AsyncRollouts(generator, weights, n, run.max_staleness, exact=not run.partial_rollout)

@@ -10,10 +10,10 @@ that returns text...) exits with status 2 and one line naming the culprit; ``--d
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from hybridflow.config.schema import load_config
+from hybridflow.runs.tracking import show_info_logs
 from hybridflow.trainer.ppo import PPOTrainer
 from hybridflow.utils.errors import run_cli
 
@@ -32,21 +32,10 @@ def train_command(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides such as data.train_batch_size=16")
     args = parser.parse_args(argv)
     config = load_config(args.overrides, config_path=args.config)
-    _show_info_logs()
+    show_info_logs()
     with PPOTrainer(config) as trainer:
         trainer.fit()
     return 0
-
-
-def _show_info_logs() -> None:
-    """hybridflow's own INFO messages (e.g. which checkpoint a run resumed from) on stderr, other
-    libraries' logging left as it is."""
-    log = logging.getLogger("hybridflow")
-    if not log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
 
 
 if __name__ == "__main__":

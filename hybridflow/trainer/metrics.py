@@ -22,29 +22,12 @@ import torch
 
 from hybridflow.algorithms import masked_mean
 from hybridflow.protocol import DataProto
+from hybridflow.runs.stages import STAGE_GROUPS, STAGE_ORDER
 
 
 def reduce_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     """Workers report lists (one entry per rank, mini-batch or micro-batch): log their mean."""
     return {k: float(np.mean(v)) if isinstance(v, list | tuple) else float(v) for k, v in metrics.items()}
-
-
-#: The worker group each stage of a training step runs on ("driver": the trainer's own process), validation
-#: and checkpointing after it included; the run report draws one timeline lane per group.
-STAGE_GROUPS: dict[str, str] = {
-    "gen": "actor_rollout",
-    "old_log_prob": "actor_rollout",
-    "update_actor": "actor_rollout",
-    "replay_priorities": "actor_rollout",
-    "ref": "ref",
-    "values": "critic",
-    "update_critic": "critic",
-    "reward": "driver",
-    "adv": "driver",
-    "step": "driver",
-    "validate": "actor_rollout",
-    "checkpoint": "actor_rollout",
-}
 
 
 class StepTimings(dict):
@@ -58,7 +41,12 @@ class StepTimings(dict):
 
 @contextmanager
 def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
-    """Adds the block's wall time to ``timings[name]`` (seconds); a ``StepTimings`` also keeps its span."""
+    """Adds the block's wall time to ``timings[name]`` (seconds); a ``StepTimings`` also keeps its span, in
+    the lane of the worker group that runs the stage. ``name`` is one of ``runs.stages.STAGES``."""
+    if name not in STAGE_GROUPS:
+        raise ValueError(
+            f"unknown stage {name!r}: add it to hybridflow.runs.stages.STAGES (known: {STAGE_ORDER})"
+        )
     start, wall = time.perf_counter(), time.time()
     try:
         yield
@@ -69,7 +57,7 @@ def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
             timings.spans.append(
                 {
                     "stage": name,
-                    "group": STAGE_GROUPS.get(name, "driver"),
+                    "group": STAGE_GROUPS[name],
                     "start": wall,
                     "end": wall + elapsed,
                 }
@@ -115,13 +103,15 @@ def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]
 def compute_throughput_metrics(
     batch: DataProto, timings: dict[str, float], n_workers: int
 ) -> dict[str, float]:
-    """Tokens processed (prompt + response) per second per worker, and seconds per step."""
+    """Tokens processed (prompt + response) per second per worker, seconds per step, and the share of the
+    step spent scoring (``perf/reward_share``: a sandbox or a judge can dominate a step)."""
     total_tokens = int(batch.batch["attention_mask"].sum())
     step_time = timings["step"]
     return {
         "perf/total_num_tokens": total_tokens,
         "perf/time_per_step": step_time,
         "perf/throughput": total_tokens / step_time / max(n_workers, 1),
+        "perf/reward_share": timings.get("reward", 0.0) / step_time,
     }
 
 

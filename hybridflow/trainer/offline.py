@@ -1,4 +1,4 @@
-"""``OfflineTrainer``: SFT, DPO and KTO on the PPO trainer's machinery, one loop for the three.
+"""``OfflineTrainer``: SFT, DPO, KTO and reward models on the PPO trainer's machinery, one loop for the four.
 
 An offline step is the last stage of a PPO step with another loss: the batch (demonstrations, preference
 pairs, or labelled completions, laid out like rollouts by ``hybridflow.data.offline``) gets the reference
@@ -9,6 +9,10 @@ The run around the steps is ``RunLoop``'s, as for RL: the run-folder lock, track
 loss, DPO/KTO's reward margin and accuracy, the gradient norm and lr), resuming (refused with other data
 settings), validation and save cadence, hooks, the progress bar. Checkpoints' ``global_step_N/actor/huggingface``
 is a plain model folder, so it is the next trainer's ``model.partial_pretrain`` or ``actor_rollout_ref.model.path``.
+
+A reward model (``RMConfig``) trains in a ``RewardModelWorker`` instead of the actor (a sequence classifier,
+Bradley-Terry on pairs, no reference); its checkpoint's ``global_step_N/reward_model/huggingface`` is what PPO's
+``reward_model.model.path`` loads.
 """
 
 from __future__ import annotations
@@ -18,23 +22,31 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.algorithms import get_offline_objective, kto_kl_estimate, sequence_log_probs
-from hybridflow.config.offline import DPOConfig, KTOConfig, OfflineConfig, SFTConfig
+from hybridflow.config.offline import DPOConfig, KTOConfig, OfflineConfig, RMConfig, SFTConfig
 from hybridflow.config.schema import (
     ActorConfig,
     ActorRolloutRefConfig,
     PolicyModelConfig,
     RefConfig,
+    RewardModelConfig,
+    RewardModelPathConfig,
     RolloutConfig,
 )
 from hybridflow.data import PromptLoader
-from hybridflow.data.offline import KTODataset, OfflineDataset, PreferenceDataset, SFTConversationDataset
+from hybridflow.data.offline import (
+    KTODataset,
+    OfflineDataset,
+    PreferenceDataset,
+    RewardPairDataset,
+    SFTConversationDataset,
+)
 from hybridflow.protocol import DataProto
 from hybridflow.runs.tracking import ConsoleFields, Tracking
 from hybridflow.single_controller import ClassWithInitArgs, Role
 from hybridflow.trainer.loop import RunLoop
 from hybridflow.trainer.metrics import StepTimings, reduce_metrics, timer
 from hybridflow.trainer.worker_groups import WorkerGroups, build_worker_groups
-from hybridflow.workers import ActorRolloutRefWorker
+from hybridflow.workers import ActorRolloutRefWorker, RewardModelWorker
 from hybridflow.workers.modeling import load_image_prompts, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -49,14 +61,15 @@ OFFLINE_CONSOLE_FIELDS: ConsoleFields = (
     ("chosen", ("rewards/chosen",)),
     ("rejected", ("rewards/rejected",)),
     ("kl", ("kl",)),
-    ("grad_norm", ("actor/grad_norm",)),
-    ("lr", ("actor/lr",)),
+    ("grad_norm", ("actor/grad_norm", "rm/grad_norm")),
+    ("lr", ("actor/lr", "rm/lr")),
 )
 
 
 class OfflineTrainer(RunLoop):
     """Trains on a fixed dataset with the objective of ``config``'s type (``SFTConfig``, ``DPOConfig``,
-    ``KTOConfig``). ``worker_groups`` may be given (e.g. your own Ray groups); else built on ``fit``."""
+    ``KTOConfig``, ``RMConfig``). ``worker_groups`` may be given (e.g. your own Ray groups); else built on
+    ``fit``. The trained model's group is ``wg.actor_rollout`` (a ``RewardModelWorker`` for ``RMConfig``)."""
 
     console_fields = OFFLINE_CONSOLE_FIELDS
 
@@ -87,6 +100,15 @@ class OfflineTrainer(RunLoop):
             "processor": self.processor,
             "image_key": d.image_key,
         }
+        if isinstance(self.config, RMConfig):
+            return RewardPairDataset(
+                files,
+                tok,
+                chosen_key=d.chosen_key,
+                rejected_key=d.rejected_key,
+                margin_key=d.margin_key,
+                **common,
+            )
         if isinstance(self.config, DPOConfig):
             return PreferenceDataset(
                 files, tok, chosen_key=d.chosen_key, rejected_key=d.rejected_key, **common
@@ -146,6 +168,9 @@ class OfflineTrainer(RunLoop):
         model, or with LoRA the actor's own module with the adapter off (the actor's workers take the role)."""
         if self.wg is not None:
             return
+        if isinstance(self.config, RMConfig):
+            self.wg = build_worker_groups(self.config, inits={Role.ACTOR_ROLLOUT: self._reward_model_init()})
+            return
         arr, seed, device = self.worker_config(), self.config.trainer.seed, self.config.trainer.device
         ref_in_actor = self.objective.needs_ref and arr.model.lora_rank > 0
         inits = {
@@ -162,6 +187,20 @@ class OfflineTrainer(RunLoop):
                 ActorRolloutRefWorker, arr, role="ref", seed=seed, device=device
             )
         self.wg = build_worker_groups(self.config, inits=inits)
+
+    def _reward_model_init(self) -> ClassWithInitArgs:
+        """The reward model's worker, training from ``model.partial_pretrain``; ``micro_batch_size_per_gpu`` pairs
+        are also its scoring chunk (two sequences each)."""
+        cfg = self.config
+        scoring = RewardModelConfig(
+            enable=True,
+            model=RewardModelPathConfig(path=cfg.model.partial_pretrain),
+            micro_batch_size_per_gpu=2 * cfg.data.micro_batch_size_per_gpu,
+            input_format="chat" if cfg.data.apply_chat_template else "plain",
+        )
+        return ClassWithInitArgs(
+            RewardModelWorker, scoring, device=cfg.trainer.device, train=cfg, seed=cfg.trainer.seed
+        )
 
     # ------------------------------------------------------------------ one step
     def prepare_batch(self, batch: DataProto) -> DataProto:
@@ -190,11 +229,13 @@ class OfflineTrainer(RunLoop):
         """One optimiser step; ``train/loss`` plus the objective's metrics (``rewards/*``, ``logps/*``) and the
         optimiser's (``actor/grad_norm``, ``actor/lr``) go into ``metrics``."""
         t = StepTimings() if timings is None else timings
+        rm = isinstance(self.config, RMConfig)
         with timer("step", t):
             with timer("ref", t):
                 batch = self.prepare_batch(batch)
-            with timer("update_actor", t):
-                out = self.wg.actor_rollout.update_actor_offline(batch)
+            with timer("update_rm" if rm else "update_actor", t):
+                trained = self.wg.actor_rollout
+                out = trained.update_reward_model(batch) if rm else trained.update_actor_offline(batch)
                 metrics.update(reduce_metrics(out.meta_info["metrics"]))
         metrics["train/loss"] = metrics.pop("loss")
         metrics.update({f"timing_s/{k}": v for k, v in t.items()})
@@ -210,19 +251,26 @@ class OfflineTrainer(RunLoop):
             return {}
         sums: dict[str, float] = {}
         count = 0
+        trained = self.wg.actor_rollout
+        evaluate = (
+            trained.evaluate_reward_model if isinstance(self.config, RMConfig) else trained.evaluate_offline
+        )
         for batch in self.val_loader:
-            metrics = reduce_metrics(
-                self.wg.actor_rollout.evaluate_offline(self.prepare_batch(batch)).meta_info["metrics"]
-            )
+            metrics = reduce_metrics(evaluate(self.prepare_batch(batch)).meta_info["metrics"])
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value * len(batch)
             count += len(batch)
         return {f"val/{key}": value / count for key, value in sums.items()}
 
     # ------------------------------------------------------------------ checkpoints
+    @property
+    def model_folder(self) -> str:
+        """Where a checkpoint keeps the trained model: ``actor`` (SFT, DPO, KTO) or ``reward_model``."""
+        return "reward_model" if isinstance(self.config, RMConfig) else "actor"
+
     def save_state(self, folder: Path) -> dict[str, Any]:
-        self.wg.actor_rollout.save_checkpoint(str(folder / "actor"))
+        self.wg.actor_rollout.save_checkpoint(str(folder / self.model_folder))
         return {}
 
     def load_state(self, folder: Path, state: dict[str, Any]) -> None:
-        self.wg.actor_rollout.load_checkpoint(str(folder / "actor"))
+        self.wg.actor_rollout.load_checkpoint(str(folder / self.model_folder))

@@ -23,11 +23,11 @@ from hybridflow.data.images import thumbnail
 from hybridflow.data.sft import SFTDataset
 from hybridflow.models.vision import IMAGES
 from hybridflow.protocol import DataProto
-from hybridflow.rewards import RewardManager, default_compute_score, load_custom_reward_function
+from hybridflow.rewards import CodeScorer, RewardManager, RuleScorers, load_custom_reward_function
 from hybridflow.rollout import rollout_scores
 from hybridflow.runs.tracking import Tracking
 from hybridflow.tools import load_tools
-from hybridflow.trainer.async_rollout import PromptStream, build_rollouts, stale_tokens, weight_transport
+from hybridflow.trainer.async_rollout import PromptStream, stale_tokens
 from hybridflow.trainer.loop import RunLoop, endless
 from hybridflow.trainer.metrics import (
     StepTimings,
@@ -38,7 +38,9 @@ from hybridflow.trainer.metrics import (
     validation_metrics,
 )
 from hybridflow.trainer.replay import ActorReplay
+from hybridflow.trainer.rollouts import build_rollouts
 from hybridflow.trainer.two_stage_reward import TwoStageRewardFn
+from hybridflow.trainer.weight_transport import weight_transport
 from hybridflow.trainer.worker_groups import WorkerGroups, build_worker_groups
 from hybridflow.workers.modeling import load_image_prompts, load_tokenizer
 
@@ -76,11 +78,12 @@ class PPOTrainer(RunLoop):
         self.total_steps = config.trainer.total_training_steps or steps
         for optim in (config.actor_rollout_ref.actor.optim, config.critic.optim):
             optim.total_training_steps = self.total_steps
-        score_fn = default_compute_score
         if config.custom_reward_function.path:
             score_fn = load_custom_reward_function(
                 config.custom_reward_function.path, config.custom_reward_function.name
             )
+        else:
+            score_fn = self._rule_scorers()
         self.reward_fn = reward_fn or RewardManager(self.tokenizer, score_fn)
         self.val_reward_fn = val_reward_fn or self.reward_fn
         if (
@@ -103,12 +106,25 @@ class PPOTrainer(RunLoop):
         self._sft_batches = endless(self.sft_loader) if self.sft_loader else None
         self.rollouts = self.stream = None  # where the samples come from (async_training.mode): init_workers
 
+    def _rule_scorers(self) -> RuleScorers:
+        """The built-in scorers with ``reward_model.code``'s settings; every code row of the data is read and
+        the sandbox checked now, so a malformed test or a machine without one fails before training."""
+        unsafe = self.config.sandbox.unsafe_without_isolation
+        rules = RuleScorers(CodeScorer(self.config.reward_model.code, allow_unsafe=unsafe))
+        datasets = [self.train_loader.dataset] + ([self.val_dataset] if self.val_dataset else [])
+        rules.check_rows(
+            (f"{row.file}: row {row.row}", row.data_source, row.ground_truth)
+            for d in datasets
+            for row in d.rows
+        )
+        return rules
+
     def _dataset(self, files: list[str]) -> RLHFDataset:
         d, multi_turn = self.config.data, self.config.actor_rollout_ref.rollout.multi_turn
         # templates that know tools (Qwen2.5's) describe them in the prompt; others ignore the argument
         kwargs = {}
         if multi_turn.enable and multi_turn.tool_config_path:
-            tools = load_tools(multi_turn.tool_config_path, multi_turn.unsafe_python_tool_without_isolation)
+            tools = load_tools(multi_turn.tool_config_path, self.config.sandbox.unsafe_without_isolation)
             kwargs["tools"] = [tool.schema for tool in tools.values()]
         return RLHFDataset(
             files,
@@ -163,18 +179,25 @@ class PPOTrainer(RunLoop):
         super().close()
 
     # ------------------------------------------------------------------ where the samples come from
-    def batches(self) -> Iterator[DataProto]:
-        """The prompts of each step; an asynchronous run's producer, started here, draws ahead of them."""
+    def start_rollouts(self) -> None:
+        """Open the stream of training prompts at ``global_step`` and start where the samples come from (an
+        asynchronous run's producer begins generating ahead): ``_train`` calls it once, and stops it after."""
         self.stream = PromptStream(self.train_loader, self.global_step)
         self.rollouts.start(self.stream, self.global_step, self.total_steps)
-        while True:
-            yield self.stream.take(self.global_step)
+
+    def batches(self) -> Iterator[DataProto]:
+        """The prompts of each step, from the stream ``start_rollouts`` opened (taking one starts nothing)."""
+        stream = self.stream
+        if stream is None:
+            raise RuntimeError("PPOTrainer.batches() needs start_rollouts() first (fit() calls it)")
+        return iter(lambda: stream.take(self.global_step), None)
 
     def data_position(self) -> dict[str, Any]:
         """The loader's position after the last *trained* batch (the producer may have drawn further)."""
         return self.stream.trained_state if self.stream else self.train_loader.state_dict()
 
     def _train(self, tracker: Tracking) -> dict[str, float]:
+        self.start_rollouts()
         try:
             return super()._train(tracker)
         finally:  # an asynchronous run's producer stops with the run, also when a step raises
@@ -182,28 +205,38 @@ class PPOTrainer(RunLoop):
 
     # ------------------------------------------------------------------ one step, stage by stage
     def compute_reward(self, batch: DataProto, metrics: dict[str, float] | None = None) -> DataProto:
-        """``token_level_scores``: the reward model's when there is one, the rollout's own when it scored its
-        samples (a served agent's return values), else the rule/custom scorer's (with
-        ``reward_model.two_stage``, the reward model's only on each group's best rows). The ``metrics`` a
-        ``reward_fn`` returns (e.g. ``reward/stage2_calls``) go into ``metrics``."""
-        if self.wg.reward_model is not None and not self.config.reward_model.two_stage.enable:
-            batch = batch.union(self.wg.reward_model.compute_rm_score(batch))
-        if "rm_scores" in batch.batch.keys():  # the reward model's, or the rollout's (extras: its columns)
-            scores, extra = batch.batch["rm_scores"], {}
+        """``token_level_scores``: the rollout's own when it scored its samples (a served agent's return values),
+        else the reward model's (or judge's) when there is one, plus ``reward_model.rule_weight`` x the
+        rule/custom scorer's, else the rule/custom scorer's (with ``reward_model.two_stage``, the reward
+        model's only on each group's best rows). The ``metrics`` a ``reward_fn`` or the judge returns (e.g.
+        ``reward/stage2_calls``, ``reward/judge/failures``) go into ``metrics``."""
+        rm, metrics = self.config.reward_model, {} if metrics is None else metrics
+        own = rollout_scores(batch)
+        if own is not None:  # its extras are columns of the batch already
+            scores, extra = own["reward_tensor"], {}
+        elif self.wg.reward_model is not None and not rm.two_stage.enable:
+            scored = self.wg.reward_model.compute_rm_score(batch)
+            metrics.update(reduce_metrics(scored.meta_info.pop("metrics", {})))
+            batch = batch.union(scored)
+            scores, extra = rm.model_weight * batch.batch["rm_scores"], {}
+            if rm.rule_weight:
+                result = self._rule_reward(batch, metrics)
+                scores = scores + rm.rule_weight * result["reward_tensor"]
+                extra = result.get("reward_extra_info", {})
         else:
-            reward_worker = self.wg.reward
-            result = (
-                reward_worker.compute_reward(batch)
-                if reward_worker
-                else self.reward_fn(batch, return_dict=True)
-            )
+            result = self._rule_reward(batch, metrics)
             scores, extra = result["reward_tensor"], result.get("reward_extra_info", {})
-            if metrics is not None:
-                metrics.update(result.get("metrics", {}))
         batch.batch["token_level_scores"] = scores
         return batch.union(
             DataProto.from_dict(non_tensors={f"reward_extra/{k}": v for k, v in extra.items()})
         )
+
+    def _rule_reward(self, batch: DataProto, metrics: dict[str, float]) -> dict[str, Any]:
+        """The rule/custom scorer's result, from the reward worker when there is one, else here."""
+        worker = self.wg.reward
+        result = worker.compute_reward(batch) if worker else self.reward_fn(batch, return_dict=True)
+        metrics.update(result.get("metrics", {}))
+        return result
 
     def _needs_old_log_prob(self) -> bool:
         """A separate old-policy pass is only needed when the policy changes before the data is used up
@@ -304,7 +337,7 @@ class PPOTrainer(RunLoop):
             return {}
         kw = self.config.actor_rollout_ref.rollout.val_kwargs
         size = self.config.data.val_batch_size or len(self.val_dataset)
-        rows, agent = [], []
+        rows, agent, verdicts = [], [], []
         for batch in PromptLoader(self.val_dataset, size, shuffle=False, drop_last=False):
             batch.meta_info.update(
                 n=kw.n, temperature=kw.temperature, top_p=kw.top_p, top_k=kw.top_k, do_sample=kw.do_sample
@@ -312,31 +345,48 @@ class PPOTrainer(RunLoop):
             out = self.rollouts.generate_now(batch, self.global_step)
             agent.append(reduce_metrics(out.meta_info.pop("metrics", {})))
             result = rollout_scores(out) or self.val_reward_fn(out, return_dict=True)
+            verdicts.append(self._judge_validation(out, result))
             rows.append((out, result))
         metrics = validation_metrics(rows, kw.n)
         metrics.update({f"val/{k}": reduce_metrics({k: [m[k] for m in agent]})[k] for k in agent[0]})
         samples = self._show_generations(
-            rows[0][0], rows[0][1]["reward_tensor"], self.config.trainer.log_val_generations
+            rows[0][0], rows[0][1]["reward_tensor"], self.config.trainer.log_val_generations, verdicts[0]
         )
         if tracker is not None and samples:
             tracker.log_records("val_generations", samples, step=self.global_step)
         return metrics
 
-    def _show_generations(self, batch: DataProto, rewards: torch.Tensor, count: int) -> list[dict[str, Any]]:
+    def _judge_validation(self, out: DataProto, result: dict[str, Any]) -> list[str] | None:
+        """With a judge (``reward_model.style=generative``) validation asks it too: its scores become the
+        ``judge`` extra (``val/<source>/judge/mean@n``) and its raw verdicts go with the logged samples."""
+        if self.wg.reward_model is None or self.config.reward_model.style != "generative":
+            return None
+        judged = self.wg.reward_model.compute_rm_score(out)
+        result.setdefault("reward_extra_info", {})["judge"] = judged.batch["rm_scores"].sum(-1).tolist()
+        return list(judged.non_tensor_batch["judge_verdict"])
+
+    def _show_generations(
+        self, batch: DataProto, rewards: torch.Tensor, count: int, verdicts: list[str] | None = None
+    ) -> list[dict[str, Any]]:
         """Print the first ``count`` validation samples (question, answer, score): a look at what the
         numbers mean (``trainer.log_val_generations``). Returns them as ``{"index", "prompt", "response",
         "score"}`` records, with ``images`` (thumbnails as ``data:`` URLs, for the report) when the prompt has
-        some."""
+        some, and the judge's raw ``verdict`` when a judge scored them."""
         samples = []
         for i in range(min(count, len(batch))):
             question = batch.non_tensor_batch["raw_prompt"][i][-1]["content"]
             length = int(batch.batch["response_mask"][i].sum())
             answer = self.tokenizer.decode(batch.batch["responses"][i, :length], skip_special_tokens=True)
             score = rewards[i].sum().item()
-            tqdm.write(f"[val step {self.global_step}] score {score:.3g} | {question!r} -> {answer!r}")
+            judged = f" | judge: {verdicts[i]!r}" if verdicts else ""
+            tqdm.write(
+                f"[val step {self.global_step}] score {score:.3g} | {question!r} -> {answer!r}{judged}"
+            )
             sample = {"index": i, "prompt": question, "response": answer, "score": score}
             if IMAGES in batch.non_tensor_batch and len(batch.non_tensor_batch[IMAGES][i]):
                 sample["images"] = [thumbnail(image) for image in batch.non_tensor_batch[IMAGES][i]]
+            if verdicts:
+                sample["verdict"] = verdicts[i]
             samples.append(sample)
         return samples
 

@@ -25,6 +25,7 @@ from hybridflow.dataflow import ReplayBuffer, ScheduledSampler
 from hybridflow.dataflow.replay_buffer import IS_WEIGHTS_KEY
 from hybridflow.protocol import DataProto
 from hybridflow.utils.errors import UserError
+from hybridflow.workers.actor import UPDATE_ACTOR_KEYS
 from hybridflow.workers.modeling import row_images
 
 __all__ = [
@@ -35,19 +36,8 @@ __all__ = [
     "used_prompt_width",
 ]
 
-# What the actor update reads (plus ``prompts``); ``ref_log_prob`` only exists when a KL term uses it.
-ROW_KEYS = (
-    "prompts",
-    "responses",
-    "response_mask",
-    "input_ids",
-    "attention_mask",
-    "position_ids",
-    "advantages",
-    "old_log_probs",
-    "ref_log_prob",
-    "rollout_log_probs",
-)
+# What the actor update reads, plus ``prompts`` (a replayed row's prompt is re-padded to the batch's width).
+ROW_KEYS = ("prompts", *UPDATE_ACTOR_KEYS)
 # Columns spanning prompt + response (or, for ``prompts``, the prompt), left-padded: key -> padding value.
 # ``None``: the tokenizer's pad id.
 LEFT_PADDED = {"input_ids": None, "prompts": None, "attention_mask": 0, "position_ids": 0}

@@ -199,7 +199,12 @@ def role_inits(
     roles = roles or {}
     arr = config.actor_rollout_ref
     device = config.trainer.device
-    kw = {"response_length": config.data.max_response_length, "seed": config.trainer.seed, "device": device}
+    kw = {
+        "response_length": config.data.max_response_length,
+        "seed": config.trainer.seed,
+        "device": device,
+        "sandbox": config.sandbox,
+    }
     # the engine class, checked here on the driver, goes to whichever worker holds the rollout role, and to a
     # split actor (what the engine declares decides which weights it sends: LoRA adapters alone or merged)
     rollout_kw = {"rollout_engine": rollout_engine(config)}

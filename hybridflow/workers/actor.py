@@ -9,6 +9,7 @@ sharded again after it). The reference policy is a second, frozen copy, loaded o
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from hybridflow.algorithms import (
     off_policy_mask,
     truncated_importance_weights,
 )
-from hybridflow.config import ActorRolloutRefConfig
+from hybridflow.config import ActorRolloutRefConfig, SandboxConfig
 from hybridflow.models.vision import freeze_vision_tower
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import (
@@ -45,6 +46,7 @@ from hybridflow.workers.modeling import (
     load_tokenizer,
     model_location,
     response_log_probs,
+    weights_source,
 )
 from hybridflow.workers.packing import MicroBatching, batched
 from hybridflow.workers.rollout import build_rollout
@@ -82,13 +84,35 @@ def logprob_diff_metrics(
     }
 
 
+#: The columns ``update_actor`` reads (those present): the rows, their advantages and the log-probs the ratio
+#: and the KL terms need (``old_log_probs`` only when the data is used again, ``ref_log_prob`` with a KL term,
+#: ``rollout_log_probs`` when the engine reported them). Replay keeps exactly these (``trainer.replay``).
+UPDATE_ACTOR_KEYS = (
+    "responses",
+    "response_mask",
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "advantages",
+    "old_log_probs",
+    "ref_log_prob",
+    "rollout_log_probs",
+)
+
+
+#: The policy-loss metrics that are 0 by construction when the data is used once (the ratio is exactly 1):
+#: left out of such a step's metrics, so the console does not show ``ppo_kl 0`` every step.
+ZERO_ON_POLICY = ("actor/ppo_kl", "actor/pg_clipfrac", "actor/pg_clipfrac_lower")
+
+
 class ActorRolloutRefWorker(WeightSyncEnds, Worker):
     """``config``: the ``actor_rollout_ref`` config section; ``role``: roles joined by ``_``
     (``actor_rollout``, ``actor_rollout_ref``, ``ref``, ``rollout``...); ``device``: ``trainer.device``;
     ``announce``: print one line per generation (``[rollout] generated ...``); ``rollout_engine``: the
     rollout engine's class (default: the one registered as ``rollout.name`` in this process; the trainer
     hands it over, so an engine registered in the driver is built in Ray's workers too). The rollout mode
-    (the agent loop, a served agent) follows from the rollout config (``build_rollout``)."""
+    (the agent loop, a served agent) follows from the rollout config (``build_rollout``); ``sandbox``: the config's ``sandbox`` section, which says
+    whether the python tool may run code unisolated."""
 
     def __init__(
         self,
@@ -99,6 +123,7 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
         device: str = "auto",
         announce: bool = False,
         rollout_engine: type[RolloutEngine] | None = None,
+        sandbox: SandboxConfig | None = None,
     ) -> None:
         super().__init__(device)
         unknown = [r for r in role.split("_") if r not in ROLES]
@@ -117,6 +142,7 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
         self.actor_sp: SequenceParallel | None = None
         self.ref_sp: SequenceParallel | None = None
         self.mailbox: WeightMailbox | None = None  # a rollout-only worker's weight versions (async runs)
+        self.sandbox = sandbox or SandboxConfig()
         self.weights_received = 0  # weight updates a rollout-only worker was sent
         self.weight_link: WeightLink | None = None  # to or from the actor's rank 0 (split placement on Ray)
 
@@ -142,13 +168,14 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
             # a rollout-only worker (trainer.placement=split) holds a plain copy the actor's full weights load into
             strategy = resolve_strategy(actor.strategy, self.world_size) if self._is_actor else "ddp"
             lora = model_cfg.lora_rank if self._is_actor or self.sends_adapters() else 0
+            placement = load_placement(strategy, model_cfg.dtype, self.device)
             module = load_model(
                 model_cfg.path,
-                *load_placement(strategy, model_cfg.dtype, self.device),
+                *placement,
                 trust_remote_code=model_cfg.trust_remote_code,
                 disable_dropout=model_cfg.disable_dropout,
                 gradient_checkpointing=self._is_actor and model_cfg.enable_gradient_checkpointing,
-                on_meta=not reads_weights(strategy, lora),
+                on_meta=not reads_weights(strategy, lora, streamed=True),
             )
             if self._is_actor:
                 self.actor_sp = self._sequence_parallel(module, actor.ulysses_sequence_parallel_size, "actor")
@@ -162,6 +189,7 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
                 lora,
                 model_cfg.lora_alpha,
                 model_cfg.target_modules,
+                self._weights_source(placement[1]),
             )
         if self._is_actor:
             self.engine = TrainingEngine(
@@ -183,23 +211,33 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
                 model_location(model_cfg.path),
                 (self.seed if rollout.seed is None else rollout.seed) + self.rank,
             )
-            self.rollout = build_rollout(spec, self.rollout_engine, self.weight_version)
+            self.rollout = build_rollout(
+                spec, self.rollout_engine, self.weight_version, self.sandbox.unsafe_without_isolation
+            )
             if not self._is_actor:
                 self.mailbox = WeightMailbox(self._load_weights)
         if self._is_ref and not (self.module is not None and is_lora(self.module)):
             strategy = resolve_strategy(ref.strategy, self.world_size, "actor_rollout_ref.ref.strategy")
+            placement = load_placement(strategy, model_cfg.dtype, self.device)
             module = load_model(
                 model_cfg.path,
-                *load_placement(strategy, model_cfg.dtype, self.device),
+                *placement,
                 trust_remote_code=model_cfg.trust_remote_code,
                 disable_dropout=model_cfg.disable_dropout,
-                on_meta=not reads_weights(strategy),
+                on_meta=not reads_weights(strategy, streamed=True),
             ).eval()
             module.requires_grad_(False)
             self.ref_sp = self._sequence_parallel(module, ref.ulysses_sequence_parallel_size, "ref")
-            self.ref_module = wrap_model(module, strategy, ref.fsdp_config, self.device)
+            self.ref_module = wrap_model(
+                module, strategy, ref.fsdp_config, self.device, weights=self._weights_source(placement[1])
+            )
         elif self._is_ref:  # LoRA: the reference is the actor's module with the adapter off
             self.ref_sp = self._sequence_parallel(self.module, ref.ulysses_sequence_parallel_size, "ref")
+
+    def _weights_source(self, dtype: str | None) -> Callable[[torch.nn.Module], Any]:
+        """Where rank 0 of a sharded policy takes the full tensors it sends to the ranks (``weights_source``)."""
+        model_cfg = self.config.model
+        return weights_source(model_cfg.path, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code)
 
     def _sequence_parallel(self, module: torch.nn.Module, size: int, role: str) -> SequenceParallel | None:
         """This rank's Ulysses group for ``role`` (None for size 1), with ``module`` made able to use it."""
@@ -345,7 +383,8 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
         )
         # On-policy shortcut: with one pass over the data the old policy *is* the current one, so the
         # driver may skip the extra forward pass and let the ratio start at exactly 1.
-        old = micro.batch["old_log_probs"] if "old_log_probs" in micro.batch.keys() else log_prob.detach()
+        on_policy = "old_log_probs" not in micro.batch.keys()
+        old = log_prob.detach() if on_policy else micro.batch["old_log_probs"]
         advantages, tis_metrics = self._off_policy_corrected(micro, old, log_prob.detach(), mask)
         # verl's calling convention, so a loss registered for verl runs unchanged; the engine weighs the
         # micro-batches itself, hence no whole-batch counts in global_batch_info
@@ -360,6 +399,8 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
         )
         entropy_loss = agg_loss(entropy, mask, actor.loss_agg_mode)
         loss = pg_loss - entropy_coeff * entropy_loss
+        if on_policy:  # with the ratio exactly 1 the KL to the old policy and the clip fractions are 0
+            pg_metrics = {k: v for k, v in pg_metrics.items() if k not in ZERO_ON_POLICY}
         metrics = {
             "actor/pg_loss": pg_loss.item(),
             **pg_metrics,
@@ -377,7 +418,7 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
             kl_loss = agg_loss(kl, mask, actor.loss_agg_mode)
             loss = loss + actor.kl_loss_coef * kl_loss
             metrics.update({"actor/kl_loss": kl_loss.item(), "actor/kl_coef": actor.kl_loss_coef})
-        if "rollout_log_probs" in micro.batch.keys() and "old_log_probs" not in micro.batch.keys():
+        if "rollout_log_probs" in micro.batch.keys() and on_policy:
             metrics.update(logprob_diff_metrics(micro.batch["rollout_log_probs"], log_prob.detach(), mask))
         return loss, metrics
 
@@ -431,21 +472,7 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
         mini_batch = (
             actor.ppo_mini_batch_size * self.config.rollout.n // self.world_size * (sp.size if sp else 1)
         )
-        keys = [
-            k
-            for k in (
-                "responses",
-                "response_mask",
-                "input_ids",
-                "attention_mask",
-                "position_ids",
-                "advantages",
-                "old_log_probs",
-                "ref_log_prob",
-                "rollout_log_probs",
-            )
-            if k in data.batch.keys()
-        ]
+        keys = [k for k in UPDATE_ACTOR_KEYS if k in data.batch.keys()]
         selected = data.select(batch_keys=keys, non_tensor_batch_keys=image_column(data), meta_info_keys=[])
         data = gather_rows(selected, sp)
         self.module.train()

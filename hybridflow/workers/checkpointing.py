@@ -31,7 +31,8 @@ from hybridflow.data.images import ImagePrompts
 from hybridflow.utils.errors import InputError, MissingInputError, UserError
 from hybridflow.utils.rng import get_rng_state, set_rng_state
 from hybridflow.workers.engine import TrainingEngine
-from hybridflow.workers.sharding import full_weights, is_lora, is_sharded, unwrapped
+from hybridflow.workers.sharding import LORA_MARKERS, full_weights, is_lora, is_sharded, unwrapped
+from hybridflow.workers.weight_files import StreamedSafetensors
 
 HF_DIR = "huggingface"
 DCP_DIR = "dcp"
@@ -82,17 +83,56 @@ def save_worker_state(
 
 
 def _save_hf_folder(folder: Path, module: PreTrainedModel, rank: int) -> None:
+    """A plain Hugging Face folder of ``module``'s full weights, written by rank 0.
+
+    A sharded or LoRA model's full tensors are gathered one at a time (a collective: every rank takes part);
+    rank 0 writes each to the safetensors file as it comes (``StreamedSafetensors``) and the other ranks drop
+    theirs at once, so no rank ever holds a second copy of the model. Models whose weights transformers
+    renames or fuses on saving (``save_pretrained`` reverts what loading converted) are collected on rank 0
+    and saved by ``save_pretrained`` itself."""
     if not (is_lora(module) or is_sharded(module)):  # full replica, no adapters: save as it is
         if rank == 0:
             module.save_pretrained(folder, safe_serialization=True)
         return
-    weights = dict(full_weights(module))  # collective: every rank gathers, rank 0 writes
-    if rank == 0:
-        model = unwrapped(module)
-        tied = getattr(model, "all_tied_weights_keys", None) or {}  # e.g. lm_head.weight -> embed_tokens
-        for name in tied:  # saved once, as save_pretrained does for a live model
-            weights.pop(name, None)
-        model.save_pretrained(folder, state_dict=weights, safe_serialization=True)
+    model = unwrapped(module)
+    tied = getattr(model, "all_tied_weights_keys", None) or {}  # e.g. lm_head.weight -> embed_tokens: once
+    expected = [(name, tensor.dim()) for name, tensor in module.state_dict().items()]
+    streamed = not _converts_on_save(model)
+    if rank == 0:  # config, generation config, custom code: everything but the weights, as transformers does
+        model.save_pretrained(folder, state_dict={}, safe_serialization=True)
+    writer = StreamedSafetensors(folder, expected) if rank == 0 and streamed else None
+    collected = {}
+    for name, tensor in full_weights(module):
+        if rank != 0 or name in tied:
+            continue
+        if writer is not None:
+            writer.add(name, tensor)
+        else:
+            collected[name] = tensor
+    if writer is not None:
+        writer.close()
+    elif rank == 0:
+        model.save_pretrained(folder, state_dict=collected, safe_serialization=True)
+
+
+def _converts_on_save(model: PreTrainedModel) -> bool:
+    """Whether ``save_pretrained`` would store ``model``'s weights (LoRA adapters merged) under other names or
+    shapes than its own: transformers reverts the conversions it applied on loading (e.g. fused experts).
+    Probed with meta tensors."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # a transformers without weight conversions
+        return False
+    probe = {
+        name.replace(".base_layer.", "."): torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        for name, tensor in model.state_dict().items()
+        if not any(marker in name for marker in LORA_MARKERS)
+    }
+    try:
+        saved = revert_weight_conversion(model, dict(probe))
+    except Exception:  # a conversion that cannot run on shapes alone: let save_pretrained do it all
+        return True
+    return {k: tuple(v.shape) for k, v in saved.items()} != {k: tuple(v.shape) for k, v in probe.items()}
 
 
 def load_hf_weights(module: PreTrainedModel, folder: str | Path) -> None:

@@ -15,9 +15,10 @@ share is computed once (``hybridflow.workers.packing``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ from hybridflow.workers.ulysses import (
     spread,
     takes_4d_mask,
 )
+from hybridflow.workers.weight_files import SafetensorsFolder
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +145,9 @@ def load_model(
     fresh weights are reported in one line instead of transformers' table of MISSING keys, which reads
     like an error; any *other* missing weight is still reported as a warning.
 
-    ``on_meta``: build the model from its config on the meta device, reading no weights (a sharded rank
-    that receives its shards from rank 0, ``sharding.shard_module``); it stays there, ``device`` unused.
+    ``on_meta``: build the model from its config with its parameters on the meta device, reading no weights
+    (a sharded rank that receives its shards from rank 0, ``sharding.shard_module``); they stay there,
+    ``device`` unused. Its buffers (rotary frequencies...) are computed on the CPU as the model builds them.
 
     A vision-language checkpoint (a registered family, ``hybridflow.models.vision``) asked for as a causal LM
     loads as ``AutoModelForImageTextToText``: the same next-token logits, with its vision tower; asked for as
@@ -157,7 +160,7 @@ def load_model(
         config = AutoConfig.from_pretrained(
             model_location(path), trust_remote_code=trust_remote_code, **kwargs
         )
-        with torch.device("meta"):
+        with parameters_on_meta():
             model = auto_cls.from_config(
                 config, dtype=resolve_dtype(dtype, device), trust_remote_code=trust_remote_code
             )
@@ -208,6 +211,45 @@ def with_value_head(model: PreTrainedModel) -> PreTrainedModel:
     model.config.tie_word_embeddings = text.tie_word_embeddings = False
     logger.info("the critic's value head starts from scratch (a linear layer in place of the output layer)")
     return model
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside the block hold their parameters on the meta device and their buffers where they
+    computed them (accelerate's ``init_empty_weights(include_buffers=False)``).
+
+    Each parameter moves to the meta device as it is registered, before its module initialises it, so the
+    block allocates no weights and initialises none; buffers such as rotary frequencies, which no checkpoint
+    holds, come out as the model computes them (under ``torch.device("meta")`` they would have no values)."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def weights_source(path: str, **load: Any) -> Callable[[torch.nn.Module], Mapping[str, torch.Tensor]]:
+    """Rank 0's full tensors for a sharded model built on the meta device (``sharding.shard_module``): the
+    checkpoint's safetensors files read one tensor at a time, when they hold every parameter of the module
+    under its name and shape; else (a hub id, ``.bin`` files, names transformers converts as it loads them)
+    the state dict of the model loaded whole on the CPU by ``load_model(path, **load)``."""
+
+    def source(module: torch.nn.Module) -> Mapping[str, torch.Tensor]:
+        location = model_location(path)
+        files = SafetensorsFolder.open(location) if os.path.isdir(location) else None
+        if files is not None and files.holds(module):
+            return files
+        logger.info("%s is read whole by rank 0: its files do not hold the model's tensors as they are", path)
+        return load_model(path, torch.device("cpu"), **load).state_dict()
+
+    return source
 
 
 def without_dropout(model: torch.nn.Module) -> torch.nn.Module:

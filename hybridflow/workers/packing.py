@@ -317,13 +317,7 @@ class MicroBatching:
             (a, b), mid = units[u], (units[u][0] + units[u][1]) // 2
             units[u : u + 1] = [(a, mid), (mid, b)]
             costs[u : u + 1] = _token_counts(data, units[u : u + 2], self.share_prompt)
-        order = sorted(range(len(units)), key=lambda u: -costs[u])  # similar lengths together: little padding
-        starts = _balanced_parts([costs[u] for u in order], min(wanted, len(units))) if units else []
-        batches = [
-            np.asarray(sorted(r for u in order[s:e] for r in range(*units[u])), dtype=np.int64)
-            for s, e in zip(starts, starts[1:] + [len(order)])
-        ]
-        return batches + [np.arange(0)] * (wanted - len(batches))
+        return _unit_batches(units, costs, wanted)
 
     def split(self, data: DataProto, count: int = 0) -> list[tuple[DataProto, bool]]:
         """``(micro_batch, real)`` for each of ``indices(data, count)``. A filler (``real`` false, from an
@@ -333,6 +327,44 @@ class MicroBatching:
         return [
             (data[idx], True) if len(idx) else (_stand_in(data), False) for idx in self.indices(data, count)
         ]
+
+
+def _unit_batches(units: list[tuple[int, int]], costs: list[int], wanted: int) -> list[np.ndarray]:
+    """``wanted`` micro-batches of whole ``units`` (row ranges) balanced by ``costs``, units of similar cost
+    together (little padding); with fewer units than ``wanted`` the last ones are empty (fillers)."""
+    order = sorted(range(len(units)), key=lambda u: -costs[u])
+    starts = _balanced_parts([costs[u] for u in order], min(wanted, len(units))) if units else []
+    batches = [
+        np.asarray(sorted(r for u in order[s:e] for r in range(*units[u])), dtype=np.int64)
+        for s, e in zip(starts, starts[1:] + [len(order)])
+    ]
+    return batches + [np.arange(0)] * (wanted - len(batches))
+
+
+@dataclass
+class PairBatching(MicroBatching):
+    """Micro-batches of whole pairs (rows ``2k`` and ``2k + 1``: a preference pair's chosen and rejected, which
+    one loss term compares): ``size`` pairs each, or as many pairs as fit ``max_token_len`` real tokens; a
+    pair is never split, and fillers stand in where ranks must agree on a larger count."""
+
+    share_prompt: bool = False
+
+    def indices(self, data: DataProto, count: int = 0) -> list[np.ndarray]:
+        pairs = [(a, a + 2) for a in range(0, len(data), 2)]
+        if not self.max_token_len:
+            step = max(1, self.size)
+            batches = [np.arange(a, min(a + 2 * step, len(data))) for a in range(0, len(data), 2 * step)]
+            return batches + [np.arange(0)] * (count - len(batches))
+        costs = _token_counts(data, pairs, share_prompt=False)
+        wanted = max(count, len(_greedy_parts(sorted(costs, reverse=True), self.max_token_len)))
+        return _unit_batches(pairs, costs, wanted)
+
+    def split(self, data: DataProto, count: int = 0) -> list[tuple[DataProto, bool]]:
+        """As ``MicroBatching.split``, with the cheapest whole pair as the filler (a loss over pairs needs one)."""
+        lengths = data.batch["attention_mask"].sum(dim=1)
+        cheapest = int((lengths[0::2] + lengths[1::2]).argmin())
+        filler = data[[2 * cheapest, 2 * cheapest + 1]]
+        return [(data[idx], True) if len(idx) else (filler, False) for idx in self.indices(data, count)]
 
 
 def _stand_in(data: DataProto) -> DataProto:

@@ -14,15 +14,16 @@ Strategies (``actor.strategy``, ``ref.strategy``, ``critic.strategy``):
   (gloo on CPU, nccl on GPU); ``fsdp_config.fsdp_size`` < world size shards within groups of that size and
   replicates across them (HSDP). One CPU rank is not wrapped; one GPU is (bf16 compute, `param_offload`).
   Checkpoints keep the sharded format either way.
-  Only rank 0 reads the checkpoint: the other ranks build the model on the meta device and receive their
-  shards from it (``reads_weights``, ``shard_module``), so no rank but the first ever holds the full weights.
+  Only rank 0 reads the checkpoint: the ranks build the model with its parameters on the meta device and
+  receive their shards from it one tensor at a time (``reads_weights``, ``shard_module``); rank 0 reads a
+  safetensors checkpoint tensor by tensor too, so no rank ever holds the full weights.
 - ``single``: one rank only.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -50,12 +51,16 @@ def resolve_strategy(strategy: str, world_size: int, key: str = "actor_rollout_r
     return "ddp" if strategy == "auto" else strategy
 
 
-def reads_weights(strategy: str, lora_rank: int = 0) -> bool:
-    """Whether this rank reads the model's weights from disk: all do, except the ranks > 0 of a sharded
-    (``fsdp2``) model over several ranks, which build it on the meta device and receive their shards from
-    rank 0 in ``shard_module``. LoRA models load on every rank (peft builds its adapters on real tensors)."""
+def reads_weights(strategy: str, lora_rank: int = 0, streamed: bool = False) -> bool:
+    """Whether this rank loads the model with its weights: all do, except the ranks > 0 of a sharded
+    (``fsdp2``) model over several ranks, which build it with its parameters on the meta device and receive
+    their shards from rank 0 in ``shard_module``; with ``streamed`` (the caller gives ``wrap_model`` a
+    ``weights`` source, e.g. ``modeling.weights_source``) rank 0 does too, and sends the checkpoint's
+    tensors one at a time. LoRA models load on every rank (peft builds its adapters on real tensors)."""
     multi = dist.is_initialized() and dist.get_world_size() > 1
-    return strategy != "fsdp2" or lora_rank > 0 or not multi or dist.get_rank() == 0
+    if strategy != "fsdp2" or lora_rank > 0 or not multi:
+        return True
+    return dist.get_rank() == 0 and not streamed
 
 
 def load_placement(strategy: str, dtype: str | None, device: torch.device) -> tuple[torch.device, str | None]:
@@ -75,17 +80,27 @@ def wrap_model(
     lora_rank: int = 0,
     lora_alpha: int = 16,
     target_modules: list[str] | str = ("all-linear",),
+    weights: Callable[[nn.Module], Mapping[str, torch.Tensor]] | None = None,
 ) -> nn.Module:
-    """LoRA adapters (``lora_rank`` > 0), then FSDP2 sharding for ``strategy`` ``fsdp2``."""
+    """LoRA adapters (``lora_rank`` > 0), then FSDP2 sharding for ``strategy`` ``fsdp2`` (``weights``: rank 0's
+    source of full tensors for a module built on the meta device, ``shard_module``)."""
     module = apply_lora(module, lora_rank, lora_alpha, list(target_modules))
-    return shard_module(module, fsdp_config, device) if strategy == "fsdp2" else module
+    return shard_module(module, fsdp_config, device, weights) if strategy == "fsdp2" else module
 
 
-def apply_lora(module: nn.Module, rank: int, alpha: int, target_modules: list[str] | str) -> nn.Module:
+def apply_lora(
+    module: nn.Module,
+    rank: int,
+    alpha: int,
+    target_modules: list[str] | str,
+    task_type: str | None = "CAUSAL_LM",
+) -> nn.Module:
     """``module`` wrapped in a ``peft`` LoRA model (base weights frozen); ``rank`` 0 returns it unchanged.
 
     ``target_modules``: ``["all-linear"]`` (every linear layer but the output layer; of a vision-language
-    model, every linear layer of its language model) or module names."""
+    model, every linear layer of its language model) or module names. ``task_type`` None: a plain
+    ``PeftModel`` (a reward model: peft's sequence-classification wrapper would rename its head, which the
+    saved Hugging Face folder must keep as it is)."""
     if rank <= 0:
         return module
     from peft import LoraConfig, get_peft_model
@@ -102,7 +117,7 @@ def apply_lora(module: nn.Module, rank: int, alpha: int, target_modules: list[st
             target_modules=targets,
             lora_dropout=0.0,
             bias="none",
-            task_type="CAUSAL_LM",
+            task_type=task_type,
         ),
     )
 
@@ -152,14 +167,21 @@ def _decoder_layers(module: nn.Module) -> list[nn.Module]:
     )
 
 
-def shard_module(module: nn.Module, fsdp_config: FSDPConfig, device: torch.device) -> nn.Module:
+def shard_module(
+    module: nn.Module,
+    fsdp_config: FSDPConfig,
+    device: torch.device,
+    weights: Callable[[nn.Module], Mapping[str, torch.Tensor]] | None = None,
+) -> nn.Module:
     """``fully_shard`` each decoder layer, then the root, over all ranks of the default process group.
 
-    Returns ``module`` itself (now an ``FSDPModule`` on ``device``) holding rank 0's weights: ranks > 0 come
-    in on the meta device (``reads_weights``) and receive only their shards, streamed from rank 0's copy one
-    tensor at a time (``set_model_state_dict`` with ``broadcast_from_rank0``), so no rank but the first holds
-    the full model, and that one only until its shards are set. A LoRA model (loaded by every rank) gets rank 0's
-    weights broadcast whole first, as its random adapters differ by rank.
+    Returns ``module`` itself (now an ``FSDPModule`` on ``device``) holding rank 0's weights. A module built
+    with its parameters on the meta device (``modeling.parameters_on_meta``) receives only its shards, streamed
+    from rank 0 one tensor at a time; rank 0 takes each full tensor from ``weights(module)`` (the checkpoint's
+    tensors, read as they are asked for: ``weights_source``), or from its own state dict when it loaded the
+    model itself. So no rank holds the full model, not even rank 0 when the checkpoint is read tensor by tensor.
+    A LoRA model (loaded by every rank) gets rank 0's weights broadcast whole first, as its random adapters
+    differ by rank.
 
     On CUDA, parameters compute in bf16 and gradients reduce in fp32 (``module`` should be loaded in fp32:
     those are the master weights), and ``fsdp_config.param_offload`` keeps the shards in CPU memory between
@@ -177,8 +199,11 @@ def shard_module(module: nn.Module, fsdp_config: FSDPConfig, device: torch.devic
     lora = is_lora(module)
     if lora:
         broadcast_module(module)
-    # rank 0's loaded weights, held by reference while fully_shard swaps the parameters for shards
-    full = module.state_dict() if not lora and dist.get_rank() == 0 else None
+    full = None  # rank 0's full tensors by name: read from the checkpoint as they are asked for, or those of
+    if (
+        not lora and dist.get_rank() == 0
+    ):  # the module it loaded, held while fully_shard swaps them for shards
+        full = weights(module) if on_meta(module) and weights is not None else module.state_dict()
     world = dist.get_world_size()
     shard = world if fsdp_config.fsdp_size in (-1, None) else fsdp_config.fsdp_size
     if shard < 1 or world % shard:
@@ -203,18 +228,46 @@ def shard_module(module: nn.Module, fsdp_config: FSDPConfig, device: torch.devic
     return module
 
 
-def _receive_shards(module: nn.Module, full: dict[str, torch.Tensor] | None, device: torch.device) -> None:
-    """Fill the shards of a freshly sharded ``module`` (on the meta device on ranks > 0) from rank 0's full
-    state dict ``full`` (None on the other ranks), and copy rank 0's buffers, which include those no state
-    dict holds (rotary frequencies)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+def on_meta(module: nn.Module) -> bool:
+    """Whether ``module``'s parameters have no storage yet (built with ``modeling.parameters_on_meta``)."""
+    return any(p.device.type == "meta" for p in module.parameters())
 
-    if full is None:  # rank 0's own shards already hold its weights (and its buffers must stay)
+
+def _receive_shards(module: nn.Module, full: Mapping[str, torch.Tensor] | None, device: torch.device) -> None:
+    """Fill the shards of a freshly sharded ``module`` from rank 0's full tensors ``full`` (None on the
+    other ranks): parameter by parameter, rank 0 broadcasts the full tensor and every rank copies its own
+    slice, so each holds one full tensor at a time. Parameters still on the meta device are allocated on
+    ``device`` first, keeping the buffers the model computed; rank 0's buffers are copied to every rank at
+    the end (all of them, including those no state dict holds: rotary frequencies)."""
+    if on_meta(module):
+        buffers = {name: b.detach().clone() for name, b in module.named_buffers() if b.device.type != "meta"}
         module.to_empty(device=device)
-    set_model_state_dict(
-        module, full or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    )
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+    for name, param in module.named_parameters():  # a tied weight once, under its first name
+        _receive_shard(param, None if full is None else full[name])
     _broadcast(module.buffers())
+
+
+@torch.no_grad()
+def _receive_shard(param: torch.Tensor, tensor: torch.Tensor | None) -> None:
+    """Rank 0's full ``tensor`` (None elsewhere) broadcast, and this rank's slice of it copied into ``param``;
+    nothing of it outlives the call."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    staging = collective_device()
+    if tensor is None:
+        tensor = torch.empty(param.shape, dtype=param.dtype, device=staging)
+    else:
+        tensor = tensor.to(staging, param.dtype)
+    dist.broadcast(tensor, src=0)
+    if isinstance(param, DTensor):
+        local = distribute_tensor(tensor, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(local.to_local())
+    else:
+        param.copy_(tensor)
 
 
 def is_sharded(module: nn.Module) -> bool:

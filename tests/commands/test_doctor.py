@@ -1,18 +1,26 @@
 """``hybridflow doctor``: every check passes on a good (and the demo's) configuration and fails on its own
 crafted bad input; the memory estimate's arithmetic by hand."""
 
+import dataclasses
 import json
 import os
 import shutil
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from hybridflow.commands.cli import main as cli
 from hybridflow.commands.demo import DEMO_SETTINGS
 from hybridflow.commands.doctor import run_checks
-from hybridflow.commands.memory_estimate import GB, RUNTIME_BYTES, ModelShape, estimate_memory, knob
+from hybridflow.commands.memory_estimate import (
+    GB,
+    RUNTIME_BYTES,
+    ModelShape,
+    estimate_memory,
+    knob,
+    model_shape,
+)
 from hybridflow.config.schema import load_config, load_unvalidated
 from hybridflow.rewards import RewardManager, load_custom_reward_function
 from hybridflow.utils.errors import UserError
@@ -50,7 +58,7 @@ def failed(checks: dict) -> list[str]:
     return [name for name, c in checks.items() if c.verdict == "fail"]
 
 
-def test_good_config_passes_every_check_and_exits_0(base, capsys):
+def test_good_config_passes_every_check_and_exits_0(base, tiny_model_path, capsys):
     assert cli(["doctor", *base]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[1] for line in lines[:8]] == NAMES and all(
@@ -63,13 +71,21 @@ def test_good_config_passes_every_check_and_exits_0(base, capsys):
     dataset = next(c for c in report["checks"] if c["name"] == "dataset")
     assert dataset["data"]["rows"] == 16 and dataset["data"]["over"] == 0
     assert dataset["data"]["p50"] <= dataset["data"]["max"] <= 96
+    # the memory estimate is for the longest prompt read (batches are trimmed to it), not for 96 tokens
+    memory = next(c for c in report["checks"] if c["name"] == "memory")
+    cfg = load_config(base)
+    shape = model_shape(AutoConfig.from_pretrained(tiny_model_path), tiny_model_path)
+    assert shape.streams_checkpoint  # its safetensors hold every parameter under its name
+    longest = estimate_memory(cfg, shape, 1, prompt_tokens=dataset["data"]["max"])
+    assert dataset["data"]["max"] < 96 and memory["data"]["passes"] == longest.passes
 
 
 def test_the_demo_settings_pass(data_dir, tiny_model_path, tmp_path):
-    """The demo's own settings (batch sizes, lengths, samples), on the tiny model for speed."""
+    """The demo's own settings (batch sizes, lengths, samples, validation), on the tiny model for speed."""
     checks = verdicts(
         [
             f"data.train_files={data_dir / 'train.parquet'}",
+            f"data.val_files={data_dir / 'test.parquet'}",
             f"actor_rollout_ref.model.path={tiny_model_path}",
             f"trainer.default_local_dir={tmp_path}",
             *DEMO_SETTINGS,
@@ -99,6 +115,23 @@ def test_keys_ignored_on_this_backend_are_a_warning(base):
     assert check.verdict == "warn" and "actor_rollout_ref.hybrid_engine = False" in check.detail
 
 
+def test_keys_without_the_key_they_need_are_listed_and_a_refused_one_fails(base):
+    """Before: nothing said that these keys change nothing (and the dummy reward model alone ran the rule
+    scorers instead)."""
+    check = verdicts([*base, "async_training.max_staleness=3", "critic.optim.lr=1e-4"])["config"]
+    assert check.verdict == "warn" and check.data["unused"] == [
+        "critic.optim.lr = 0.0001 has no effect without a critic (critic.enable=true, or "
+        "algorithm.adv_estimator=gae)",
+        "async_training.max_staleness = 3 has no effect without async_training.mode=fully_async (one_step_off "
+        "is always one step behind, sync never)",
+    ]
+    assert "set but without effect: critic.optim.lr = 0.0001 has no effect without a critic" in check.detail
+    checks = verdicts([*base, "reward_model.dummy=true"])
+    assert checks["config"].verdict == "fail" and checks["config"].detail.startswith(
+        "reward_model.dummy=true has no effect without reward_model.enable=true"
+    )
+
+
 def test_missing_file_fails_the_paths_check(base, tmp_path):
     checks = verdicts([*base, f"data.val_files={tmp_path / 'nope.parquet'}"])
     assert failed(checks) == ["paths"]
@@ -119,13 +152,52 @@ def test_raising_reward_fails_and_an_always_zero_reward_warns(base, tmp_path):
     )
     checks = verdicts([*base, f"custom_reward_function.path={tmp_path / 'bad.py'}"])
     assert failed(checks) == ["reward"]
-    assert "raised on a ground-truth response for data_source 'arithmetic'" in checks["reward"].detail
-    assert "ValueError: invalid literal for int() with base 10: '=" in checks["reward"].detail
+    assert "raised on a right-answer response for data_source 'arithmetic'" in checks["reward"].detail
+    assert "ValueError: invalid literal for int() with base 10: '" in checks["reward"].detail
     (tmp_path / "zero.py").write_text("def compute_score(*args, **kwargs):\n    return 0.0\n")
     checks = verdicts([*base, f"custom_reward_function.path={tmp_path / 'zero.py'}"])
-    assert checks["reward"].verdict == "warn" and "ground-truth 0, wrong 0" in checks["reward"].detail
-    # the built-in arithmetic scorer: a bare "=<sum>" has the right answer but not the A+B= form
-    assert "arithmetic: ground-truth 0.5, wrong 0" in verdicts(base)["reward"].detail
+    assert checks["reward"].verdict == "warn" and checks["reward"].detail.endswith(
+        " 0, wrong 'I do not know.' 0: 0 for the right answer too"
+    )
+
+
+def test_the_reward_probe_is_a_right_answer_in_the_tasks_own_form(base, tmp_path):
+    """Before: the demo's data printed ``arithmetic: ground-truth 0.5``, which reads as a broken reward: the
+    probe was a bare ``=<sum>``, not the ``A+B=<sum>`` the prompt asks for. Each built-in scorer now builds
+    its task's reply from the row; where no form is known the line says why less than 1 is expected."""
+    prompt = [{"role": "user", "content": "Compute it."}]
+    rows = [
+        ("arithmetic", "60", {"a": 47, "b": 13}),
+        ("countdown", {"target": 10, "numbers": [2, 5]}, {"solution": "2 * 5"}),
+        ("gsm8k", "72", {}),
+        ("lighteval/MATH", "\\frac{1}{2}", {}),
+        ("math", "\\frac{1}{2}", {}),
+    ]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"data_source": source, "prompt": prompt, "extra_info": info,
+                        "reward_model": {"ground_truth": truth}}) + "\n"
+            for source, truth, info in rows
+        )
+    )  # fmt: skip
+    detail = verdicts([*base, f"data.train_files={path}", "data.train_batch_size=2"])["reward"].detail
+    assert detail == (
+        "the built-in rule scorers (by data_source): arithmetic: right answer '47+13=60' 1, wrong 'I do not "
+        "know.' 0; countdown: right answer '<answer>2 * 5</answer>' 1, wrong 'I do not know.' 0; gsm8k: right "
+        "answer '#### 72' 1, wrong 'I do not know.' 0; lighteval/MATH: right answer '\\\\boxed{\\\\frac{1}{2}}' 1, "
+        "wrong 'I do not know.' 0; math: right answer 'Answer: \\\\frac{1}{2}' 1, wrong 'I do not know.' -1"
+    )
+    path.write_text(
+        json.dumps({"data_source": "arithmetic", "prompt": prompt, "reward_model": {"ground_truth": "60"}})
+        + "\n"
+    )
+    detail = verdicts([*base, f"data.train_files={path}", "data.train_batch_size=1",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=1"])["reward"].detail  # fmt: skip
+    assert detail.endswith(
+        "arithmetic: ground truth in 5 generic forms (no reply in this task's own form is known here: less "
+        "than full marks is expected), best 0.5, wrong 'I do not know.' 0"
+    )
 
 
 def test_overlong_dataset_fails_the_dataset_check(base):
@@ -193,6 +265,9 @@ def test_memory_estimate_by_hand():
     assert est.passes["policy update"] == update
     assert est.passes["generation"] == 2 * 2 * 32 * 4 * 8 * 32 + 8 * 1000 * 4  # all 8 sequences
     assert est.device == 160e6 + update + RUNTIME_BYTES
+    # with the data read, its longest prompt (10 tokens) sets the length, not data.max_prompt_length
+    short = estimate_memory(cfg, shape, world_size=1, prompt_tokens=10)
+    assert short.passes["policy update"] == 2 * 9 * 1000 * 4 * 3 + 2 * 18 * 2 * (14 * 64 + 4 * 128) * 4
     lora = estimate_memory(
         load_config(
             [
@@ -262,6 +337,9 @@ def test_memory_knob_names_sharded_generation_when_the_gathered_model_does_not_f
     assert low.passes["generation"] == est.passes["generation"] - 3.5e9
     assert low.largest_pass == "checkpoint read by rank 0"
     assert low.device == est.device - est.passes["generation"] + 2.5e9
+    # a checkpoint rank 0 sends tensor by tensor is never held whole: only the KV cache is left
+    streamed = estimate_memory(sharded, dataclasses.replace(shape, streams_checkpoint=True), world_size=8)
+    assert streamed.passes.keys() == {"policy update", "log-prob pass", "generation"}
 
 
 def test_environment_fails_when_the_rollout_engine_does_not_import(tmp_path, monkeypatch):
@@ -303,10 +381,10 @@ def test_doctor_accepts_exactly_the_scores_training_accepts(base, tmp_path, tiny
     assert trains == (scorer != "text.py")
     if trains:
         assert checks["reward"].verdict == "ok", checks["reward"].detail
-        assert "ground-truth 1, wrong 0" in checks["reward"].detail
+        assert "' 1, wrong 'I do not know.' 0" in checks["reward"].detail
     else:
         assert failed(checks) == ["reward"]
-        assert "on a ground-truth response for data_source 'arithmetic'" in checks["reward"].detail
+        assert "on a right-answer response for data_source 'arithmetic'" in checks["reward"].detail
         assert "it returned str '1.0': a score is a number" in checks["reward"].detail
 
 

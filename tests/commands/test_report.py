@@ -8,10 +8,14 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
+import hybridflow.trainer
 from hybridflow.commands.cli import main as cli
-from hybridflow.commands.report import write_report
+from hybridflow.commands.report import REPORT_FIGURES, _stage_colors, write_report
 from hybridflow.data.prepare import main as prepare_data
+from hybridflow.runs.stages import STAGE_ORDER
+from hybridflow.runs.tracking import CONSOLE_TIMINGS
 from hybridflow.trainer import PPOTrainer, load_config
+from hybridflow.trainer.metrics import StepTimings, timer
 
 FIGURES = ("reward", "kl", "entropy", "response_length", "grad_norm", "lr", "stage_times", "timeline")
 
@@ -155,3 +159,53 @@ def test_report_shows_the_staleness_histogram_of_an_async_run(tmp_path):
 def test_report_on_a_folder_without_metrics_names_it(tmp_path, capsys):
     assert cli(["report", str(tmp_path)]) == 1
     assert f"no metrics.jsonl in folder {tmp_path}" in capsys.readouterr().err
+
+
+def test_one_vocabulary_of_stages_for_the_timers_the_timeline_and_the_report():
+    """Before: ``sync_weights`` was in neither the timeline's table nor the report's order, so the weight sync
+    was drawn as the driver's and coloured last; each table listed the stages again."""
+    timings = StepTimings()
+    with timer("sync_weights", timings):
+        pass
+    assert [(s["stage"], s["group"]) for s in timings.spans] == [("sync_weights", "rollout")]
+    with pytest.raises(
+        ValueError, match=r"unknown stage 'sync_weight': add it to hybridflow.runs.stages.STAGES"
+    ):
+        with timer("sync_weight", timings):
+            pass
+    # every stage a trainer times is in the table (the timers' names are literals in the trainers' source)
+    sources = "".join(p.read_text() for p in Path(hybridflow.trainer.__file__).parent.glob("*.py"))
+    timed = set(re.findall(r"\btimer\(\"(\w+)\"", sources))
+    assert timed and timed <= set(STAGE_ORDER) and {"sync_weights", "validate", "checkpoint"} <= timed
+    # the report colours and stacks them in the order a step runs them, unknown ones (an older run's) after
+    colors = _stage_colors(["checkpoint", "custom", "sync_weights", "update_actor", "gen"])
+    assert list(colors) == ["gen", "update_actor", "sync_weights", "checkpoint", "custom"]
+    assert CONSOLE_TIMINGS == (
+        ("gen", "timing_s/gen"),
+        ("upd", "timing_s/update_actor"),
+        ("upd", "timing_s/update_rm"),
+        ("step", "timing_s/step"),
+    )
+
+
+def test_every_figure_of_the_table_is_drawn_tabulated_and_embedded_or_said_missing(tmp_path):
+    """``write_report`` draws what ``REPORT_FIGURES`` lists, one entry each, and says which were not logged."""
+    rows = [
+        {
+            "step": s,
+            "critic/score/mean": 0.1 * s,
+            "actor/entropy": 1.0,
+            "timing_s/gen": 1.0,
+            "timing_s/step": 2.0,
+        }
+        for s in (1, 2)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    html_path = write_report([tmp_path])
+    data, page = _embedded(html_path), html_path.read_text()
+    drawn = {f.name for f in REPORT_FIGURES if (tmp_path / "report" / f"{f.png or f.name}.png").exists()}
+    assert drawn == set(data["figures"]) == {"reward", "entropy", "stage_times"}
+    assert page.count("<details><summary>numbers</summary><table>") == 3
+    note = re.search(r"<p>Not logged: (.*?)\.</p>", page)[1].split("; ")
+    assert note == [f.missing for f in REPORT_FIGURES if f.name not in drawn and f.missing]
+    assert "stage timeline (timeline.jsonl)" in note and "Staleness" not in page  # sync runs have none

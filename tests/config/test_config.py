@@ -15,6 +15,7 @@ from hybridflow.config.schema import (
     AlgorithmConfig,
     ConfigError,
     DataConfig,
+    DeprecatedKeyWarning,
     IgnoredKeyWarning,
     PPOConfig,
     TrainerConfig,
@@ -546,3 +547,27 @@ def test_token_budget_keys_are_read_and_lift_the_micro_batch_divisibility_rule()
     assert not cfg.actor_rollout_ref.model.share_prompt_prefix
     assert "ppo_micro_batch_size_per_gpu" in _error("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3")
     assert "must be >= 1" in _error("actor_rollout_ref.actor.ppo_max_token_len_per_gpu=0")
+
+
+def test_the_sandbox_opt_out_moved_to_its_own_section_and_its_old_name_still_works(tmp_path):
+    """The python tool and code-executing rewards share ``sandbox.unsafe_without_isolation``; the old key
+    under the rollout's multi-turn section sets it, from an override or a file, with a warning naming it."""
+    old = "actor_rollout_ref.rollout.multi_turn.unsafe_python_tool_without_isolation"
+    assert _load().sandbox.unsafe_without_isolation is False
+    assert _load("sandbox.unsafe_without_isolation=true").sandbox.unsafe_without_isolation is True
+    with pytest.warns(
+        DeprecatedKeyWarning,
+        match=rf"{re.escape(old)} \(in override .*\) is deprecated: it moved to sandbox\.unsafe_without_isolation",
+    ):
+        cfg = _load(f"{old}=true")
+    assert cfg.sandbox.unsafe_without_isolation is True
+    assert (
+        "unsafe_python_tool_without_isolation"
+        not in cfg.to_dict()["actor_rollout_ref"]["rollout"]["multi_turn"]
+    )
+    (tmp_path / "old.yaml").write_text(
+        "actor_rollout_ref:\n  rollout:\n    multi_turn:\n      enable: true\n      unsafe_python_tool_without_isolation: true\n"
+    )
+    with pytest.warns(DeprecatedKeyWarning, match=r"\(in config file .*old\.yaml\) is deprecated"):
+        cfg = load_config([TRAIN], config_path=tmp_path / "old.yaml")
+    assert cfg.sandbox.unsafe_without_isolation is True and cfg.actor_rollout_ref.rollout.multi_turn.enable

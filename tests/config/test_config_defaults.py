@@ -29,6 +29,11 @@ NOT_CONFIG_VALUES = {
     ("models/tiny.py", "make_tiny_vlm", "seed"): "the tiny vision-language model's init seed",
     ("models/tiny.py", "teach_conversations", "seed"): "the tiny test model's teaching seed",
     ("models/tiny.py", "teach_conversations", "lr"): "the tiny test model's teaching rate",
+    (
+        "rewards/gsm8k.py",
+        "compute_score",
+        "score",
+    ): "verl's gsm8k signature: the full-marks value, not reward_model.code.score",
     # GSPO's own settings (the paper's) for direct calls; the actor always passes the config's
     ("algorithms/losses.py", "compute_policy_loss_gspo", "loss_agg_mode"): "GSPO's sequence-level mean",
 }
@@ -106,7 +111,7 @@ def test_the_scan_catches_what_the_issue_found():
     defaults = schema_defaults()
     seeded = "class W:\n    def __init__(self, config, seed: int = 0):\n        pass\n"
     assert shadowed_defaults(seeded, "workers/actor.py", defaults) == [
-        "workers/actor.py:2 __init__(seed=0): the schema says [None, None, 42, 42, None, 42, None, 42, None]"
+        "workers/actor.py:2 __init__(seed=0): the schema says [None, None, 42, 42, None, 42, None, 42, None, 42, None]"
     ]
     coef = "w = float(meta.get('loss_coef', 1.0))\n"
     assert shadowed_defaults(coef, "workers/actor.py", defaults) == [

@@ -36,7 +36,7 @@ def response_texts(batch, tokenizer) -> list[str]:
 
 def test_every_example_has_a_main_and_an_index_entry():
     scripts = sorted(p.stem for p in EXAMPLES.glob("[0-9][0-9]_*.py"))
-    assert len(scripts) == 9
+    assert len(scripts) == 11
     index = (EXAMPLES / "README.md").read_text()
     for name in scripts:
         assert callable(example(name).main)
@@ -217,3 +217,29 @@ def test_an_openai_sdk_agent_trains_on_the_served_tokens(tmp_path):
         tool_tokens = batch.batch["attention_mask"][:, -256:].bool() & ~batch.batch["response_mask"].bool()
         assert tool_tokens.any()  # the tool results are in the rows, seen but not trained on
     assert max(ok for b in result["batches"] for ok in b.non_tensor_batch["reward_extra/tool_call_ok"]) == 1.0
+
+
+def test_code_rewards_run_each_program_in_the_sandbox(tmp_path):
+    from hybridflow.tools import sandbox
+    from hybridflow.tools.sandbox import SandboxUnavailable
+
+    try:
+        sandbox.sandbox_mode()
+    except SandboxUnavailable as err:
+        pytest.skip(f"no sandbox on this machine: {err}")
+    result = example("10_code_rewards").main(tmp_path)
+    first = result["rows"][0]
+    assert first["reward_extra/pass_rate/mean"] > 0  # the taught answers pass their tests in the sandbox
+    assert first["reward_extra/syntax_error/mean"] < 1 and first["reward_extra/sandbox_s/mean"] > 0
+    assert 0 < first["perf/reward_share"] < 1
+    assert [step for step, _ in result["accuracy"]] == [0, 2]
+
+
+def test_sft_then_a_reward_model_then_grpo_against_it(tmp_path):
+    result = example("11_sft_rm_ppo").main(tmp_path)
+    assert result["sft"][-1]["val/loss"] < result["sft"][0]["val/loss"]
+    assert [r["step"] for r in result["rm"] if "train/loss" in r] == [1, 2, 3, 4]
+    assert (result["rm_model"] / "config.json").exists()
+    grpo = [r for r in result["grpo"] if "critic/score/mean" in r]
+    assert len(grpo) == 2 and all(math.isfinite(r["critic/score/mean"]) for r in grpo)
+    assert [step for step, _ in result["accuracy"]] == [0, 2]

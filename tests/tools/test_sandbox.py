@@ -168,3 +168,26 @@ def test_user_ids_are_held_machine_wide_by_a_lock_per_id():
         assert child not in (first, second)
         with open(LOCK_DIR / str(first)) as f, pytest.raises(BlockingIOError):
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_the_verdict_reads_the_runners_status_and_the_output():
+    """``_verdict``, one of the three parts of a call (``_prepare``, ``_supervise``, ``_verdict``), on hand-made
+    outputs: what the runner reported becomes the one-line error, and the wall clock runs from the call."""
+    limits, started = SandboxLimits(timeout_s=2.0, cpu_s=1), time.monotonic() - 1.5
+    spec = {"mode": "namespaces", "cwd": "/tmp"}
+
+    def verdict(**out) -> sandbox.SandboxResult:
+        return sandbox._verdict(sandbox._Output(**out), 0, spec, limits, 1_500_001, started)
+
+    cpu = verdict(status=b'{"signal": 9, "cpu_s": 1.2}', stderr=b'File "/tmp/main.py", line 1')
+    assert cpu.error == "CPU time limit exceeded (1 s)" and cpu.stderr == 'File "main.py", line 1'
+    assert verdict(status=b'{"exit": 0}', stdout=b"42\n").ok and 1.5 <= cpu.duration_s < 3
+    assert verdict(timed_out=True).error == "timed out after 2 s (wall clock)"
+    assert verdict(status=b'{"exit": 3}').error == "exited with code 3"
+    assert verdict(stderr=b"boom\nsandbox: could not start: pivot_root: EPERM\n").error == (
+        "sandbox: could not start: pivot_root: EPERM"
+    )
+    assert verdict(status=b'{"exit": 0}').isolation == {
+        **dict.fromkeys(sandbox.ISOLATION["namespaces"], True),
+        "own_user": True,
+    }

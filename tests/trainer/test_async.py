@@ -119,7 +119,7 @@ def test_one_step_off_is_reproducible_and_one_step_stale(data_dir, tiny_model_pa
         == [(samples, 0.0)] + [(0.0, samples)] * 3
     )
     # stale batches are trained against the behaviour policy's log-probs: the ratio no longer starts at 1
-    assert rows_a[0]["actor/ppo_kl"] == 0.0 and rows_a[2]["actor/ppo_kl"] != 0.0
+    assert "actor/ppo_kl" not in rows_a[0] and rows_a[2]["actor/ppo_kl"] != 0.0  # step 0 is on-policy
     for row in rows_a:
         assert 0.0 <= row["async/rollout_idle_frac"] <= 1.0 and 0.0 <= row["async/trainer_idle_frac"] <= 1.0
 
@@ -290,3 +290,64 @@ def test_the_prompt_stream_keeps_a_batch_the_producer_has_not_fetched(
     late, state = stream.get(1)
     assert prompts_of(late) == prompts_of(taken) != prompts_of(first)
     assert state == stream.trained_state and state["position"] == 2
+
+
+def test_taking_batches_starts_nothing_the_run_starts_and_stops_the_producer(
+    data_dir, tiny_model_path, reward_file, tmp_path
+):
+    """Before: ``batches()`` was a generator whose first ``next`` opened the prompt stream and started the
+    producer's thread, as a side effect. Now ``start_rollouts`` (which ``fit`` calls) does both, once."""
+    import threading
+
+    def producers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "hybridflow-rollout"]
+
+    with PPOTrainer(
+        config(data_dir, tiny_model_path, reward_file, tmp_path, "async_training.mode=fully_async")
+    ) as trainer:
+        trainer.init_workers()
+        with pytest.raises(RuntimeError, match=r"needs start_rollouts\(\) first"):
+            trainer.batches()
+        assert producers() == []
+        trainer.start_rollouts()
+        (producer,) = producers()
+        first = next(trainer.batches())
+        assert producers() == [producer] and len(first) == 4  # the prompts, taken: nothing else started
+        trainer.rollouts.stop()
+        assert producers() == []
+
+
+def test_the_source_of_the_samples_is_chosen_by_mode_and_both_follow_one_contract():
+    """Lock-step generation lives beside the contract and the choice (``trainer/rollouts.py``), not in the
+    asynchronous module; each source has every method the trainer calls."""
+    import inspect
+
+    from hybridflow.trainer.async_rollout import AsyncRollouts
+    from hybridflow.trainer.rollouts import Rollouts, SyncRollouts, build_rollouts
+
+    def built(*overrides: str):
+        return build_rollouts(load_config(["data.train_files=[a.parquet]", *overrides]), None, False)
+
+    assert type(built()) is SyncRollouts
+    one_step_off = built("async_training.mode=one_step_off")
+    assert type(one_step_off) is AsyncRollouts and (one_step_off.max_staleness, one_step_off.exact) == (
+        1,
+        True,
+    )
+    whole = built(
+        "async_training.mode=fully_async",
+        "async_training.max_staleness=3",
+        "async_training.partial_rollout=false",
+    )
+    assert (whole.max_staleness, whole.exact) == (3, True)
+    contract = {
+        name for name, _ in inspect.getmembers(Rollouts, inspect.isfunction) if not name.startswith("_")
+    }
+    assert contract == {"start", "take", "generate_now", "post_weights", "stop"}
+    for source in (SyncRollouts, AsyncRollouts):
+        assert all(
+            inspect.signature(getattr(source, name)).parameters.keys()
+            == inspect.signature(getattr(Rollouts, name)).parameters.keys()
+            for name in contract
+        ), source
+    assert "SyncRollouts" not in inspect.getsource(inspect.getmodule(AsyncRollouts))

@@ -26,6 +26,7 @@ from hybridflow.models import make_tiny_model
 from hybridflow.runs.checkpoint import find_latest_checkpoint
 from hybridflow.runs.lock import RunLock
 from hybridflow.runs.trained_model import load_trained_actor
+from hybridflow.trainer import main_dpo, main_kto, main_sft
 from hybridflow.trainer.offline import OfflineTrainer
 from hybridflow.utils.errors import UserError
 from hybridflow.workers.modeling import response_log_probs
@@ -171,6 +172,22 @@ def test_sft_lowers_the_validation_loss_and_cli_names_config_errors(data, tiny_m
     assert rows[-1]["val/loss"] < rows[0]["val/loss"] - 0.5
     assert cli(["sft", "data.train_files=x", "data.max_lenght=3"]) == 2
     assert "did you mean 'data.max_length'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", [main_sft, main_dpo, main_kto])
+def test_the_module_entry_points_print_an_input_error_as_one_line(
+    module, data, tiny_model_path, tmp_path, capsys
+):
+    """Before: ``python -m hybridflow.trainer.main_sft`` caught only config errors, its own way, so a missing
+    data file (or model) ended in a traceback; it now goes through ``run_cli`` as ``main_ppo`` does."""
+    kind = module.__name__.rpartition("_")[2]
+    args = overrides(data, kind, tiny_model_path, tmp_path, f"data.train_files={tmp_path / 'gone.parquet'}")
+    assert module.main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    assert err.startswith(f"hybridflow {kind}: error: ") and "gone.parquet" in err
+    with pytest.raises(UserError, match="gone.parquet"):
+        module.main(["--debug", *args])
 
 
 def test_sft_resumes_from_its_last_checkpoint(data, tiny_model_path, tmp_path):

@@ -214,7 +214,7 @@ def test_a_resource_pool_spec_that_over_asks_is_shared_and_an_impossible_one_ref
     ):
         ray_cpus_per_worker(cuda, 2)
     held = placement_group([{"CPU": ray.cluster_resources()["CPU"]}])  # other work holds every CPU
-    assert held.wait(30)
+    assert held.wait(120)  # a state, with a safety net: the previous test's workers may still be going
     try:
         with pytest.raises(
             UserError,

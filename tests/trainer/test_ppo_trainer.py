@@ -10,7 +10,7 @@ from hybridflow.trainer import PPOTrainer, load_config
 
 EXPECTED_METRICS = [
     *(f"timing_s/{k}" for k in ("gen", "reward", "adv", "update_actor", "step")),
-    *(f"actor/{k}" for k in ("pg_loss", "entropy", "pg_clipfrac", "ppo_kl", "grad_norm", "lr")),
+    *(f"actor/{k}" for k in ("pg_loss", "entropy", "grad_norm", "lr")),
     "critic/score/mean",
     "critic/rewards/mean",
     "critic/advantages/mean",
@@ -20,10 +20,13 @@ EXPECTED_METRICS = [
     "response_length/clip_ratio",
     "perf/throughput",
     "perf/time_per_step",
+    "perf/reward_share",
     "perf/total_num_tokens",
     "rollout/logprob_diff",
 ]
 WITH_CRITIC = ["timing_s/values", "timing_s/update_critic", "critic/vf_loss", "critic/values/mean"]
+# logged when the update's data was scored by an older policy pass (0 by construction on-policy)
+OLD_POLICY = ["timing_s/old_log_prob", "actor/ppo_kl", "actor/pg_clipfrac"]
 WITH_REF = ["timing_s/ref", "actor/kl_loss"]
 
 FIRST_DIGIT_REWARD = """
@@ -86,6 +89,10 @@ def test_grpo_three_steps(backend, data_dir, tiny_model_path, tmp_path, request,
     with PPOTrainer(cfg) as trainer:  # closing gives the Ray actors' CPUs back for the next test
         metrics = trainer.fit()
     check_run(tmp_path, EXPECTED_METRICS + WITH_REF)
+    # on-policy (one mini-batch, one epoch): the ratio is exactly 1, and the KL to the old policy not logged
+    assert not [
+        row["step"] for row in logged(tmp_path) if "actor/ppo_kl" in row or "timing_s/old_log_prob" in row
+    ]
     assert "val/arithmetic/acc/mean@1" in metrics
     shown = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[val step")]
     # two samples at the validation before training and two after the last step
@@ -110,7 +117,7 @@ def test_ppo_with_critic_three_steps(backend, data_dir, tiny_model_path, tmp_pat
     )
     with PPOTrainer(cfg) as trainer:
         trainer.fit()
-    check_run(tmp_path, EXPECTED_METRICS + WITH_CRITIC + ["timing_s/old_log_prob", "timing_s/ref"])
+    check_run(tmp_path, EXPECTED_METRICS + WITH_CRITIC + OLD_POLICY + ["timing_s/ref"])
     assert (tmp_path / "global_step_3" / "critic" / "huggingface" / "config.json").exists()
 
 

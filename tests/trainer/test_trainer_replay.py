@@ -18,6 +18,7 @@ from hybridflow.trainer.replay import (
     surrogate_priorities,
     used_prompt_width,
 )
+from hybridflow.workers.actor import UPDATE_ACTOR_KEYS
 
 PAD = 9
 
@@ -128,6 +129,16 @@ def test_mix_replays_weighted_rows_of_other_widths_and_rescores_them():
     for rid in set(ids.tolist()):
         assert mixer.buffer.priorities[rid] == pytest.approx(stored[rid] * np.exp(0.1), rel=1e-6)
     assert mixer.replayed is None
+
+
+def test_replay_keeps_exactly_the_columns_the_actor_update_reads():
+    """The update's input columns are listed once (``UPDATE_ACTOR_KEYS``, in the actor worker), and replay keeps
+    those of them a batch has, plus its prompts: a column the update does not read is not stored."""
+    batch = rollouts([2, 1], width=2, advantages=[[1.0, 1.0], [3.0, 3.0]])
+    batch.batch["values"] = torch.zeros(2, 2)  # the critic's, which the actor update never reads
+    batch.batch["ref_log_prob"] = torch.full((2, 2), -2.0)
+    out = replay().mix(batch, step=0, metrics={})
+    assert set(out.batch.keys()) == {"prompts", *UPDATE_ACTOR_KEYS} - {"rollout_log_probs"}
 
 
 def test_replay_logs_the_alpha_in_force():

@@ -99,7 +99,7 @@ def test_a_sharded_lora_actor_sends_its_adapters_alone_to_a_rollout_worker(tiny_
     from hybridflow.config.schema import PPOConfig
     from hybridflow.single_controller import ClassWithInitArgs
     from hybridflow.single_controller.ray import RayResourcePool, RayWorkerGroup
-    from hybridflow.trainer.async_rollout import LinkedWeights
+    from hybridflow.trainer.weight_transport import LinkedWeights
 
     cfg = PPOConfig()
     arr = cfg.actor_rollout_ref

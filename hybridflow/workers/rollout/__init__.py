@@ -35,10 +35,13 @@ def build_rollout(
     spec: EngineSpec,
     engine: type[RolloutEngine] | None = None,
     weight_version: Callable[[], int] = lambda: 0,
+    allow_unsafe_code: bool = False,
 ) -> Rollout:
     """The engine ``engine`` (default: the one registered as ``spec.config.name``) built from ``spec``; in the
     agent loop when ``rollout.multi_turn.enable``, behind the served agent's endpoint when
-    ``rollout.served_agent.path`` (``weight_version``: the version its answers report)."""
+    ``rollout.served_agent.path`` (``weight_version``: the version its answers report). The agent loop's python
+    tool may run code unisolated where this machine has no sandbox only with ``allow_unsafe_code``
+    (``sandbox.unsafe_without_isolation``)."""
     built = (engine or rollout_class(spec.config.name)).from_spec(spec)
     multi_turn = spec.config.multi_turn
     if spec.config.served_agent.path is not None:
@@ -49,6 +52,5 @@ def build_rollout(
         )
     if not multi_turn.enable:
         return built
-    unsafe = multi_turn.unsafe_python_tool_without_isolation
-    tools = load_tools(multi_turn.tool_config_path, unsafe) if multi_turn.tool_config_path else {}
+    tools = load_tools(multi_turn.tool_config_path, allow_unsafe_code) if multi_turn.tool_config_path else {}
     return AgentLoop(built, spec.tokenizer, multi_turn, spec.response_length, tools)
