@@ -1,5 +1,7 @@
-"""Pure algorithm library: advantage estimators, policy/value/SFT losses, KL penalties, masked stats, and the
-offline objectives (SFT, DPO and its loss types, KTO) in ``preference``.
+"""Pure algorithm library: advantage estimators, policy/value/SFT losses (Clip-Cov and KL-Cov in
+``covariance``), KL penalties, masked stats, DAPO's group filter and overlong shaping (``dapo``), on-policy
+distillation's signal (``distillation``), and the offline objectives (SFT, DPO and its loss types, KTO) in
+``preference``.
 
 Everything here is a tensor function (plus the DataProto helpers ``compute_advantage``,
 ``compute_response_mask`` and ``apply_kl_penalty``); estimators and policy losses are looked up by name in
@@ -18,6 +20,19 @@ from hybridflow.algorithms.advantages import (
     compute_response_mask,
 )
 from hybridflow.algorithms.config_view import ConfigView
+from hybridflow.algorithms.covariance import (
+    compute_policy_loss_clip_cov,
+    compute_policy_loss_kl_cov,
+    token_covariance,
+)
+from hybridflow.algorithms.dapo import (
+    first_groups,
+    group_std,
+    informative_groups,
+    overlong_penalty,
+    truncated,
+)
+from hybridflow.algorithms.distillation import distillation_rewards, reverse_kl
 from hybridflow.algorithms.estimators import (
     ADV_ESTIMATOR_REGISTRY,
     AdvantageEstimator,
@@ -101,6 +116,8 @@ __all__ = [
     "compute_policy_loss_gpg",
     "compute_policy_loss_gspo",
     "compute_policy_loss_vanilla",
+    "compute_policy_loss_clip_cov",
+    "compute_policy_loss_kl_cov",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage",
     "compute_remax_outcome_advantage",
@@ -114,12 +131,16 @@ __all__ = [
     "dpo_loss",
     "entropy_from_logits",
     "FixedKLController",
+    "distillation_rewards",
+    "first_groups",
     "get_adv_estimator_fn",
     "get_kl_controller",
     "get_offline_objective",
     "get_policy_loss_fn",
     "get_preference_loss_fn",
     "bradley_terry_loss",
+    "group_std",
+    "informative_groups",
     "kl_penalty",
     "kl_penalty_forward",
     "KLController",
@@ -138,5 +159,9 @@ __all__ = [
     "register_preference_loss",
     "sequence_log_probs",
     "sequence_to_token_scores",
+    "overlong_penalty",
+    "reverse_kl",
+    "token_covariance",
+    "truncated",
     "truncated_importance_weights",
 ]

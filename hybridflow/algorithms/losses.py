@@ -406,20 +406,34 @@ def compute_sft_loss(
 
 
 def truncated_importance_weights(
-    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, cap: float
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    cap: float,
+    level: str = "token",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Truncated importance sampling (TIS) between the rollout engine and the trainer, all ``(bs, T)``.
 
     The rollout engine samples from its own numerics (another kernel, stale weights), so the samples come
-    from ``pi_rollout``, not the ``pi_old`` the loss assumes. Weighting each token by
-    ``min(pi_old / pi_rollout, cap)`` corrects for it; the cap bounds the variance that rare tokens would
-    bring. Returns ``(weights (bs, T), clipfrac)``: detached weights (1 off the mask) and the share of
-    response tokens whose ratio was capped. Multiplying the advantages by the weights scales each
+    from ``pi_rollout``, not the ``pi_old`` the loss assumes. ``level`` ``token`` (Token-TIS) weights each token
+    by ``min(pi_old / pi_rollout, cap)``; ``sequence`` (Seq-TIS, verl's ``rollout_is: sequence``) weights every
+    token of a sample by ``min(prod_t pi_old / pi_rollout, cap)``, the ratio of the whole sample (unbiased for a
+    sequence-level reward, higher variance). The cap bounds the variance that rare tokens would bring. Returns
+    ``(weights (bs, T), clipfrac)``: detached weights (1 off the mask) and the share of response tokens (of
+    samples, for ``sequence``) whose ratio was capped. Multiplying the advantages by the weights scales each
     token's clipped-surrogate loss by the same factor (the weight is positive)."""
     if cap <= 0:
         raise ValueError(f"tis_imp_ratio_cap must be > 0 to apply TIS, got {cap}")
-    log_ratio = (old_log_prob - rollout_log_prob).detach().clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio = log_ratio.exp()
+    if level not in ("token", "sequence"):
+        raise ValueError(f"unknown TIS level {level!r}; known: ['sequence', 'token']")
     mask = response_mask.bool()
-    clipfrac = masked_mean((ratio > cap).float(), mask)
+    log_ratio = (old_log_prob - rollout_log_prob).detach()
+    if level == "sequence":
+        seq = (log_ratio * mask).sum(dim=-1).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+        has = mask.any(dim=-1)
+        clipfrac = masked_mean((seq > cap).float(), has)
+        ratio = seq[:, None].expand_as(log_ratio)
+    else:
+        ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+        clipfrac = masked_mean((ratio > cap).float(), mask)
     return torch.where(mask, ratio.clamp(max=cap), torch.ones_like(ratio)), clipfrac

@@ -143,6 +143,8 @@ def check_paths(ctx: Context) -> Check:
         models.append(("critic.model.path", cfg.critic.model.path))
     if cfg.reward_model.enable and not cfg.reward_model.dummy:
         models.append(("reward_model.model.path", cfg.reward_model.model.path))
+    if cfg.actor_rollout_ref.teacher.path:
+        models.append(("actor_rollout_ref.teacher.path", cfg.actor_rollout_ref.teacher.path))
     for key, path in models:
         if path.lower() in DEFAULT_MODEL_NAMES or Path(path).expanduser().is_dir():
             continue

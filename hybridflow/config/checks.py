@@ -108,6 +108,7 @@ IGNORED_KEYS: tuple[IgnoredKey, ...] = (
         "reward_model.launch_reward_fn_async", "rewards are computed in the step, not in the background"
     ),
     IgnoredKey("trainer.balance_batch", "batches are not reordered by token count"),
+    IgnoredKey("reward_model.overlong_buffer.log", "the penalty is always logged (reward/overlong_*)"),
     # schema keys whose alternatives hybridflow does not have (yet): they warn when set away from the default
     IgnoredKey("actor_rollout_ref.hybrid_engine", "the rollout always shares the actor's module here"),
 )
@@ -154,6 +155,7 @@ def path_fields(cfg: Any) -> list[tuple[Any, str]]:
         (cfg.trainer, "resume_from_path"),
         (cfg.actor_rollout_ref.rollout.multi_turn, "tool_config_path"),
         (cfg.actor_rollout_ref.rollout.served_agent, "path"),
+        (cfg.actor_rollout_ref.teacher, "path"),
     ]
 
 
@@ -274,6 +276,13 @@ _RANGES: dict[str, tuple] = {
     **{f"trainer.{k}": _NON_NEGATIVE for k in ("log_val_generations", "n_gpus_per_node", "critic_warmup")},
     "trainer.cpus_per_worker": _GREATER_THAN_0,
     "async_training.max_staleness": _NON_NEGATIVE,
+    "data.gen_batch_size": _POSITIVE,
+    "algorithm.filter_groups.max_num_gen_batches": _NON_NEGATIVE,
+    "reward_model.overlong_buffer.penalty_factor": _NON_NEGATIVE,
+    **{f"{_ACTOR}.policy_loss.{k}": _GREATER_THAN_0 for k in ("clip_cov_ratio", "kl_cov_ratio")},
+    f"{_ACTOR}.policy_loss.ppo_kl_coef": _NON_NEGATIVE,
+    "actor_rollout_ref.teacher.kl_coef": _NON_NEGATIVE,
+    "actor_rollout_ref.teacher.task_reward_coef": _NON_NEGATIVE,
     "trainer.save_freq": _FREQUENCY,
     "trainer.test_freq": _FREQUENCY,
 }
@@ -459,6 +468,7 @@ def check_cross_fields(cfg: Any) -> None:
             for key in _SEQUENCE_PARALLEL_KEYS
         ),
         *_async_problems(cfg),
+        *_sample_efficiency_problems(cfg),
     ]
     for failed, message in problems:
         if failed:
@@ -488,5 +498,42 @@ def _async_problems(cfg: Any) -> list[tuple[bool, str]]:
             partial and (rollout.multi_turn.enable or rollout.served_agent.path is not None),
             "async_training.partial_rollout=true swaps weights between decoding steps, which the hf and vllm "
             "rollouts do but not the agent loop or a served agent: set async_training.partial_rollout=false",
+        ),
+    ]
+
+
+def _sample_efficiency_problems(cfg: Any) -> list[tuple[bool, str]]:
+    """Dynamic sampling, overlong shaping and on-policy distillation: the keys that need another key, and the
+    settings that would do nothing."""
+    data, alg, arr = cfg.data, cfg.algorithm, cfg.actor_rollout_ref
+    groups, buffer = alg.filter_groups, cfg.reward_model.overlong_buffer
+    single = arr.rollout.n == 1 and arr.rollout.served_agent.path is None
+    return [
+        (
+            groups.enable and single,
+            "algorithm.filter_groups.enable=true drops groups whose samples all score the same, but with "
+            f"{_ROLLOUT}.n=1 every group is one sample and is kept: set {_ROLLOUT}.n > 1",
+        ),
+        (
+            data.gen_batch_size is not None
+            and data.gen_batch_size != data.train_batch_size
+            and not groups.enable,
+            f"data.gen_batch_size={data.gen_batch_size} sets the prompts per generation batch of dynamic "
+            "sampling: it needs algorithm.filter_groups.enable=true (or leave it null)",
+        ),
+        (
+            groups.enable and groups.metric == "seq_final_reward" and alg.use_kl_in_reward,
+            "algorithm.filter_groups.metric=seq_final_reward: groups are filtered before the in-reward KL "
+            "penalty (algorithm.use_kl_in_reward) exists; use seq_reward",
+        ),
+        (
+            buffer.enable and not 0 < buffer.len <= data.max_response_length,
+            f"reward_model.overlong_buffer.len must be in (0, data.max_response_length={data.max_response_length}] "
+            f"when reward_model.overlong_buffer.enable=true, got {buffer.len}",
+        ),
+        (
+            arr.teacher.path is not None and arr.teacher.kl_coef == 0,
+            "actor_rollout_ref.teacher.kl_coef=0 gives the teacher's signal no weight: raise it, or unset "
+            "actor_rollout_ref.teacher.path",
         ),
     ]

@@ -100,6 +100,8 @@ class DataConfig(DataFilesConfig):
     max_prompt_length: int = 512  #: longest prompt in tokens; longer ones are filtered or truncated
     max_response_length: int = 64  #: most tokens generated per response
     filter_overlong_prompts: bool = True  #: drop prompts longer than max_prompt_length when loading
+    #: with algorithm.filter_groups: prompts per generation batch (the loader's batch); null = train_batch_size
+    gen_batch_size: int | None = None
     #: optional supervised loss mixed into the policy update (hybridflow extension)
     sft: SFTMixConfig = field(default_factory=SFTMixConfig)
 
@@ -131,8 +133,15 @@ class CriticModelConfig(VisionTrainingConfig, ModelConfig):
 class PolicyLossConfig:
     """Which registered policy loss (``hybridflow.algorithms.get_policy_loss_fn``) the actor uses."""
 
-    #: registered policy loss: vanilla | gspo | gpg | geo_mean | cispo | your own (register_policy_loss)
+    #: registered policy loss: vanilla | gspo | gpg | geo_mean | cispo | clip_cov | kl_cov (entropy
+    #: control) | your own (register_policy_loss)
     loss_mode: str = "vanilla"
+    #: clip_cov: share of response tokens whose gradient is cut (drawn among covariance in (lb, ub))
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0  #: clip_cov: lower bound of the covariance of the tokens it may cut
+    clip_cov_ub: float = 5.0  #: clip_cov: upper bound of the covariance of the tokens it may cut
+    kl_cov_ratio: float = 2e-4  #: kl_cov: share of response tokens (largest covariance) given the KL penalty
+    ppo_kl_coef: float = 1.0  #: kl_cov: weight of |log pi - log pi_old| on those tokens
 
 
 @dataclass
@@ -168,12 +177,19 @@ class ActorConfig(VisionTrainingConfig):
     #: truncated importance sampling: weight each token by min(pi_trainer / pi_rollout, cap) to correct for
     #: the rollout engine's mismatch with the trainer (vLLM kernels, stale weights); <= 0 (-1) = off
     tis_imp_ratio_cap: float = -1.0
+    #: TIS weight per token (token: Token-TIS) or per sample (sequence: Seq-TIS, verl's rollout_is=sequence,
+    #: the product of the sample's token ratios, capped)
+    tis_level: Literal["token", "sequence"] = "token"
     #: drop tokens whose trainer/rollout probability ratio left off_policy_mask_bounds (their advantage is
-    #: zeroed): off | token | sequence (a sample's length-normalised ratio) | token_and_sequence
+    #: zeroed): off | token (IcePop; verl rollout_rs=token_k1) | sequence (a sample's length-normalised
+    #: ratio: Geo-RS, verl rollout_rs=seq_mean_k1) | token_and_sequence
     off_policy_mask: Literal["off", "token", "sequence", "token_and_sequence"] = "off"
     #: [low, high] bounds of that ratio (0 <= low <= 1 <= high)
     off_policy_mask_bounds: list[float] = field(default_factory=lambda: [0.5, 2.0])
     loss_agg_mode: LossAggMode = "token-mean"  #: how token losses become one number
+    #: DAPO's overlong filtering: samples cut at data.max_response_length (no EOS) are left out of the policy
+    #: loss (they still count in their group's baseline)
+    mask_truncated_samples: bool = False
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)  #: the policy-gradient loss
     entropy_coeff: float = 0.0  #: weight of the entropy bonus
     use_kl_loss: bool = False  #: add a KL-to-reference term to the loss (GRPO style)
@@ -292,6 +308,26 @@ class RolloutConfig(SamplingConfig):
 
 
 @dataclass
+class TeacherConfig:
+    """On-policy distillation (``hybridflow.algorithms.distillation``): a teacher model scores the tokens the
+    student sampled, and the per-token reverse KL KL(student || teacher) trains the student. The teacher is a
+    frozen worker like the reference (its micro-batches: actor_rollout_ref.ref's) and must have the student's
+    tokenizer (checked at start)."""
+
+    #: the teacher: any Hugging Face causal LM folder or hub id with the student's tokenizer; null = no teacher
+    path: str | None = None
+    trust_remote_code: bool = False  #: allow model code shipped with the teacher's checkpoint
+    #: reward = -kl_coef * (log pi_s - log pi_t) per token into the advantage estimator; loss = kl_coef * KL
+    #: (kl_loss_type) as a loss term beside the policy loss
+    signal: Literal["reward", "loss"] = "reward"
+    kl_coef: float = 1.0  #: weight of the reverse-KL signal
+    #: weight of the task reward beside it (0 = pure distillation; 1 = the task reward as it is)
+    task_reward_coef: float = 1.0
+    #: KL estimator of signal=loss (k2's gradient is the reverse KL's on-policy gradient)
+    kl_loss_type: KLEstimator = "k2"
+
+
+@dataclass
 class ActorRolloutRefConfig:
     """The policy model in its three roles: trained actor, generating rollout, frozen reference."""
 
@@ -301,6 +337,7 @@ class ActorRolloutRefConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)  #: the policy update
     ref: RefConfig = field(default_factory=RefConfig)  #: the frozen reference policy
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  #: generation
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)  #: on-policy distillation's teacher
 
 
 @dataclass
@@ -397,6 +434,16 @@ class JudgeConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping: a penalty growing linearly over the last ``len`` tokens of
+    data.max_response_length, from 0 to -penalty_factor (added to each sample's score)."""
+
+    enable: bool = False  #: add the penalty to the scores
+    len: int = 0  #: the buffer: tokens before data.max_response_length where the penalty starts
+    penalty_factor: float = 1.0  #: the penalty at data.max_response_length tokens
+
+
+@dataclass
 class RewardModelConfig:
     """A learned reward model (off by default: rule-based rewards come from the reward manager)."""
 
@@ -421,6 +468,8 @@ class RewardModelConfig:
     #: weight of the rule (or custom) scorer in that sum; 0 = the model's score alone (reward_model.two_stage
     #: instead: the rule ranks, the model re-scores the best)
     rule_weight: float = 0.0
+    #: DAPO's overlong reward shaping (applies to every scorer, not only a reward model)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass
@@ -442,6 +491,22 @@ class KLControlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (``hybridflow.trainer.dynamic_sampling``): groups whose samples all have the same
+    ``metric`` (all right, all wrong: zero advantage) are dropped and more prompts are generated until
+    data.train_batch_size groups are left (the surplus of the last generation batch is dropped)."""
+
+    enable: bool = False  #: filter zero-variance groups and refill the batch
+    #: what must vary within a group: seq_reward (the sample's summed score) | acc, score or any other key the
+    #: reward function returns in its dict | seq_final_reward (the same as seq_reward: the filter runs before
+    #: the in-reward KL penalty, so it is refused with algorithm.use_kl_in_reward)
+    metric: str = "seq_reward"
+    #: most generation batches per step; then the step trains on the groups it has (logged); 0 = no limit
+    #: (verl's default, which can loop forever on data the model always or never solves)
+    max_num_gen_batches: int = 10
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantage estimation and the KL penalty in the reward."""
 
@@ -453,6 +518,8 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False  #: subtract a KL-to-reference penalty from the reward
     kl_penalty: KLEstimator = "kl"  #: KL estimator for that penalty
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)  #: the in-reward KL coefficient
+    #: DAPO's dynamic sampling: drop zero-variance groups, generate more prompts
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass

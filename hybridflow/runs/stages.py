@@ -29,6 +29,7 @@ STAGES: tuple[Stage, ...] = (
         "old_log_prob", "actor_rollout", "the old policy's log-probs, when the data is used more than once"
     ),
     Stage("ref", "ref", "the reference policy's log-probs"),
+    Stage("teacher", "teacher", "the teacher's log-probs (on-policy distillation)"),
     Stage("values", "critic", "the critic's values"),
     Stage("adv", "driver", "the KL penalty and the advantages"),
     Stage("update_critic", "critic", "the critic's update"),

@@ -1,6 +1,8 @@
 """The trainers: the one run loop (``loop.py``), ``PPOTrainer`` (``ppo.py``: the driver, one screen per step),
 ``OfflineTrainer`` (``offline.py``: SFT, DPO, KTO), worker-group assembly and placement (``worker_groups.py``),
-metrics and validation, replay and the two-stage reward in the driver, and the ``main_*`` entry points.
+metrics and validation, replay and the two-stage reward in the driver, dynamic sampling
+(``dynamic_sampling.py``), overlong shaping and the distillation teacher (``shaping.py``), and the ``main_*``
+entry points.
 
 May import every room before it (``workers``, ``data``, ``runs``, ``config``...); only ``commands`` imports it.
 

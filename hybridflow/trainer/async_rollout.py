@@ -30,10 +30,16 @@ the rollout seeds each sample of batch ``b`` by ``(rollout.seed, b, its prompt, 
 Resuming: a checkpoint records the prompt loader's position after the last *trained* batch, so batches the
 producer had generated (or was generating) but not trained are regenerated after a resume: no prompt is
 lost or trained twice.
+
+Dynamic sampling (``algorithm.filter_groups``, ``hybridflow.trainer.dynamic_sampling``): whoever generates a
+step's batch (the trainer in sync, the producer otherwise, which so oversamples ahead of the trainer) scores
+it, drops the groups that teach nothing and draws more prompts for the same step (``PromptStream.more``) until
+the batch is full; the stream records the loader's position after the step's last draw.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -47,6 +53,7 @@ from hybridflow.data import PromptLoader
 from hybridflow.protocol import DataProto
 from hybridflow.runs.stages import STAGE_GROUPS
 from hybridflow.single_controller import WorkerGroup
+from hybridflow.trainer.dynamic_sampling import GroupFilter
 from hybridflow.trainer.loop import endless
 from hybridflow.trainer.weight_transport import WeightTransport
 from hybridflow.utils.errors import UserError
@@ -56,33 +63,54 @@ class PromptStream:
     """The training prompts by batch number, for a trainer and a producer that draws ahead of it.
 
     ``get(b)`` returns batch ``b`` (drawn from ``loader`` across epochs on first request, kept until
-    ``take(b)``) with the loader's position after it, which is what a checkpoint taken once ``b`` is trained
-    must record: ``trained_state``, set by ``take(b)``, the trainer's call."""
+    ``take(b)``) with the loader's position after it; ``more(b)`` draws another batch for step ``b`` (dynamic
+    sampling), which moves step ``b``'s position on. What a checkpoint taken once ``b`` is trained must record
+    is that position after ``b``'s last draw: ``trained_state``, for the last step the trainer ``take``-s.
+    Draws are in step order: a step's batches are all drawn before the next step's first (the trainer takes
+    step ``b + 1`` only once step ``b``'s batch is finished)."""
 
     def __init__(self, loader: PromptLoader, first: int) -> None:
         self._loader, self._batches = loader, endless(loader)
         self._next = first
-        self._kept: dict[int, tuple[DataProto, dict[str, Any]]] = {}
+        self._kept: dict[int, DataProto] = {}
+        self._after: dict[int, dict[str, Any]] = {}  # the loader's position after each step's last draw
         self._lock = threading.Lock()
-        self.trained_state = loader.state_dict()
+        self._initial, self._taken = loader.state_dict(), None
 
     def get(self, index: int) -> tuple[DataProto, dict[str, Any]]:
         with self._lock:
             while self._next <= index:
-                self._kept[self._next] = (next(self._batches), self._loader.state_dict())
+                self._kept[self._next] = next(self._batches)
+                self._after[self._next] = self._loader.state_dict()
                 self._next += 1
-            prompts, state = self._kept[index]
-            return _copy(prompts), state
+            return _copy(self._kept[index]), self._after[index]
+
+    def more(self, index: int) -> DataProto:
+        """Another batch of prompts for step ``index``, the last one drawn (dynamic sampling refills it): the
+        loader's next batch; the position after it becomes the step's."""
+        with self._lock:
+            if index != self._next - 1:
+                raise RuntimeError(f"more prompts for step {index} after step {self._next - 1} began drawing")
+            prompts = next(self._batches)
+            self._after[index] = self._loader.state_dict()
+            return _copy(prompts)
 
     def take(self, index: int) -> DataProto:
         """Batch ``index`` for the trainer, which trains it next: the batches before it are forgotten (the
-        producer may not have fetched this one yet), and ``trained_state`` becomes the loader's position after
-        it."""
-        prompts, state = self.get(index)
+        producer may not have fetched this one yet), and ``trained_state`` follows step ``index``."""
+        prompts, _ = self.get(index)
         with self._lock:
             self._kept = {i: kept for i, kept in self._kept.items() if i >= index}
-            self.trained_state = state
+            self._after = {i: state for i, state in self._after.items() if i >= index}
+            self._taken = index
         return prompts
+
+    @property
+    def trained_state(self) -> dict[str, Any]:
+        """The loader's position after the last draw of the step the trainer took last (read at a checkpoint,
+        once that step is trained: no more draws for it come)."""
+        with self._lock:
+            return self._initial if self._taken is None else self._after[self._taken]
 
 
 @dataclass
@@ -118,9 +146,13 @@ class AsyncRollouts:
         n: int,
         max_staleness: int,
         exact: bool,
+        refill: GroupFilter | None = None,
     ) -> None:
         self.generator, self.weights = generator, weights
         self.n, self.max_staleness, self.exact = n, max_staleness, exact
+        self.refill = (
+            refill  # dynamic sampling: the producer scores and refills each batch before queueing it
+        )
         self._cond = threading.Condition()
         self._done: deque[Generated] = deque()
         self._posted = 0
@@ -219,13 +251,13 @@ class AsyncRollouts:
                 }
                 if not self.exact:
                     meta["follow_weights"] = True
-                with self._cond:
-                    self._in_flight = len(prompts) * self.n
                 start = time.time()
-                with self._generating:
-                    batch = self.generator.generate_sequences(_with_meta(prompts, **meta))
+                generate = functools.partial(self._generate, meta=meta)
+                if self.refill is None:
+                    batch = generate(prompts)
+                else:
+                    batch = self.refill.fill(prompts, generate, functools.partial(self.stream.more, index))
                 with self._cond:
-                    self._in_flight = 0
                     self._done.append(Generated(index, batch, start, time.time()))
                     self._cond.notify_all()
                 index += 1
@@ -233,6 +265,17 @@ class AsyncRollouts:
             with self._cond:
                 self._error = error
                 self._cond.notify_all()
+
+    def _generate(self, prompts: DataProto, meta: dict[str, Any]) -> DataProto:
+        """One generation call of the producer (validation waits for it), counted as samples in flight."""
+        with self._cond:
+            self._in_flight = len(prompts) * self.n
+        try:
+            with self._generating:
+                return self.generator.generate_sequences(_with_meta(prompts, **meta))
+        finally:
+            with self._cond:
+                self._in_flight = 0
 
 
 def version_metrics(batch: DataProto, version: int) -> dict[str, float]:

@@ -28,6 +28,7 @@ from hybridflow.rollout import rollout_scores
 from hybridflow.runs.tracking import Tracking
 from hybridflow.tools import load_tools
 from hybridflow.trainer.async_rollout import PromptStream, stale_tokens
+from hybridflow.trainer.dynamic_sampling import GroupFilter
 from hybridflow.trainer.loop import RunLoop, endless
 from hybridflow.trainer.metrics import (
     StepTimings,
@@ -39,6 +40,14 @@ from hybridflow.trainer.metrics import (
 )
 from hybridflow.trainer.replay import ActorReplay
 from hybridflow.trainer.rollouts import build_rollouts
+from hybridflow.trainer.shaping import (
+    check_teacher_tokenizer,
+    group_reward_metrics,
+    teacher_log_probs,
+    with_distillation_reward,
+    with_overlong_penalty,
+    without_truncated,
+)
 from hybridflow.trainer.two_stage_reward import TwoStageRewardFn
 from hybridflow.trainer.weight_transport import weight_transport
 from hybridflow.trainer.worker_groups import WorkerGroups, build_worker_groups
@@ -68,9 +77,15 @@ class PPOTrainer(RunLoop):
         self.tokenizer = load_tokenizer(model.path, model.trust_remote_code)
         # a vision-language model's image processing (None for a text model): the datasets read images with it
         self.processor = load_image_prompts(model.path, self.tokenizer, model.trust_remote_code)
+        teacher = config.actor_rollout_ref.teacher
+        if teacher.path:  # refused before any worker loads a model
+            check_teacher_tokenizer(self.tokenizer, teacher.path, teacher.trust_remote_code)
         data = config.data
-        self.train_loader = PromptLoader(
-            self._dataset(data.train_files), data.train_batch_size, shuffle=data.shuffle, seed=data.seed
+        self.train_loader = PromptLoader(  # dynamic sampling draws data.gen_batch_size prompts at a time
+            self._dataset(data.train_files),
+            data.gen_batch_size or data.train_batch_size,
+            shuffle=data.shuffle,
+            seed=data.seed,
         )
         self.val_dataset = self._dataset(data.val_files) if data.val_files else None
         self.sft_loader = self._sft_loader(data) if data.sft.files else None
@@ -164,7 +179,11 @@ class PPOTrainer(RunLoop):
         weights = (
             None if own is None else weight_transport(self.config.trainer.backend, self.wg.actor_rollout, own)
         )
-        self.rollouts = build_rollouts(self.config, self.wg.generator, weights)
+        alg, refill = self.config.algorithm, None
+        if alg.filter_groups.enable:  # dynamic sampling: whoever generates scores and refills the batch
+            size = self.config.data.train_batch_size
+            refill = GroupFilter(alg.filter_groups, size, self.tokenizer.pad_token_id, self.compute_reward)
+        self.rollouts = build_rollouts(self.config, self.wg.generator, weights, refill)
 
     def sync_rollout_weights(self, version: int) -> dict[str, float]:
         """Send the actor's weights (``version``: the steps they have trained) to a rollout worker of its own
@@ -226,6 +245,11 @@ class PPOTrainer(RunLoop):
         else:
             result = self._rule_reward(batch, metrics)
             scores, extra = result["reward_tensor"], result.get("reward_extra_info", {})
+        if rm.overlong_buffer.enable:  # DAPO's shaping, whichever scorer scored
+            scores, shaped = with_overlong_penalty(
+                scores, batch.batch["response_mask"], self.config.data.max_response_length, rm.overlong_buffer
+            )
+            metrics.update(shaped)
         batch.batch["token_level_scores"] = scores
         return batch.union(
             DataProto.from_dict(non_tensors={f"reward_extra/{k}": v for k, v in extra.items()})
@@ -242,11 +266,13 @@ class PPOTrainer(RunLoop):
         """A separate old-policy pass is only needed when the policy changes before the data is used up
         (replayed rows are used up steps later)."""
         actor, d = self.config.actor_rollout_ref.actor, self.config.data
+        teacher = self.config.actor_rollout_ref.teacher
         return (
             actor.ppo_epochs > 1
             or actor.ppo_mini_batch_size < d.train_batch_size
             or self.config.algorithm.use_kl_in_reward
             or self.replay is not None
+            or (teacher.path is not None and teacher.signal == "reward")  # the student's log-probs
         )
 
     def train_step(
@@ -265,7 +291,8 @@ class PPOTrainer(RunLoop):
                 )  # agent/* of multi-turn rollouts
             self.hooks.emit("after_generate", self, self.global_step, metrics, batch)
             with timer("reward", t):
-                batch = self.compute_reward(batch, metrics)
+                if "token_level_scores" not in batch.batch.keys():  # dynamic sampling scored it already
+                    batch = self.compute_reward(batch, metrics)
             self.hooks.emit("after_reward", self, self.global_step, metrics, batch)
             if stale_tokens(batch, self.global_step).any():  # PPO's old policy is the one that sampled
                 batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
@@ -275,6 +302,9 @@ class PPOTrainer(RunLoop):
             if wg.ref is not None:
                 with timer("ref", t):
                     batch = batch.union(wg.ref.compute_ref_log_prob(batch))
+            if wg.teacher is not None:
+                with timer("teacher", t):
+                    batch = batch.union(teacher_log_probs(wg.teacher, batch))
             if use_critic:
                 with timer("values", t):
                     batch = batch.union(wg.critic.compute_values(batch))
@@ -284,6 +314,9 @@ class PPOTrainer(RunLoop):
                     metrics.update(kl_metrics)
                 else:
                     batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+                teacher = cfg.actor_rollout_ref.teacher
+                if wg.teacher is not None and teacher.signal == "reward":
+                    metrics.update(with_distillation_reward(batch, teacher))
                 batch = compute_advantage(
                     batch,
                     cfg.algorithm.adv_estimator,
@@ -300,6 +333,11 @@ class PPOTrainer(RunLoop):
                 with timer("update_actor", t):
                     sft = self._next_sft_batch()
                     rows = self.replay.mix(batch, self.global_step, metrics) if self.replay else batch
+                    if cfg.actor_rollout_ref.actor.mask_truncated_samples:
+                        rows, masked = without_truncated(
+                            rows, cfg.data.max_response_length, [self.tokenizer.eos_token_id]
+                        )
+                        metrics.update(masked)
                     out = wg.actor_rollout.update_actor(rows, sft)
                     metrics.update(reduce_metrics(out.meta_info["metrics"]))
                 if self.replay:
@@ -309,6 +347,7 @@ class PPOTrainer(RunLoop):
                 with timer("sync_weights", t):
                     metrics.update(self.sync_rollout_weights(self.global_step + 1))
         metrics.update(compute_data_metrics(batch, use_critic))
+        metrics.update(group_reward_metrics(batch))
         metrics.update({f"timing_s/{k}": v for k, v in t.items()})
         metrics.update(compute_throughput_metrics(batch, t, wg.actor_rollout.world_size))
         return batch

@@ -15,6 +15,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.rollout import tag_weight_versions
 from hybridflow.single_controller import WorkerGroup
 from hybridflow.trainer.async_rollout import AsyncRollouts, PromptStream
+from hybridflow.trainer.dynamic_sampling import GroupFilter
 from hybridflow.trainer.weight_transport import WeightTransport
 
 
@@ -42,17 +43,29 @@ class Rollouts(Protocol):
 
 class SyncRollouts:
     """Lock-step: the trainer generates each batch when it needs it, with its current weights; a rollout
-    worker of its own (``placement=split``) is sent them through ``weights`` after each update."""
+    worker of its own (``placement=split``) is sent them through ``weights`` after each update; ``refill``
+    (dynamic sampling) scores each batch and refills it with more of the step's prompts."""
 
-    def __init__(self, generator: WorkerGroup, weights: WeightTransport | None) -> None:
-        self.generator, self.weights = generator, weights
+    def __init__(
+        self,
+        generator: WorkerGroup,
+        weights: WeightTransport | None,
+        n: int,
+        refill: GroupFilter | None = None,
+    ) -> None:
+        self.generator, self.weights, self.n, self.refill = generator, weights, n, refill
 
     def start(self, stream: PromptStream, version: int, end: int) -> None:
         self.stream = stream
 
     def take(self, index: int, prompts: DataProto, metrics: dict[str, float], timings: Any) -> DataProto:
-        prompts.meta_info["global_step"] = index
-        return tag_weight_versions(self.generator.generate_sequences(prompts), index)
+        def generate(part: DataProto) -> DataProto:
+            part.meta_info.update(global_step=index, n=self.n)
+            return tag_weight_versions(self.generator.generate_sequences(part), index)
+
+        if self.refill is None:
+            return generate(prompts)
+        return self.refill.fill(prompts, generate, lambda: self.stream.more(index))
 
     def generate_now(self, prompts: DataProto, version: int) -> DataProto:
         """A generation outside training (validation) with the trainer's current weights."""
@@ -67,12 +80,17 @@ class SyncRollouts:
         pass
 
 
-def build_rollouts(config: Any, generator: WorkerGroup, weights: WeightTransport | None) -> Rollouts:
+def build_rollouts(
+    config: Any, generator: WorkerGroup, weights: WeightTransport | None, refill: GroupFilter | None = None
+) -> Rollouts:
     """The source of ``async_training.mode``: ``weights`` moves the actor's weights to ``generator`` when it is
-    a rollout worker of its own (None: the rollout shares the actor's module)."""
+    a rollout worker of its own (None: the rollout shares the actor's module); ``refill``: dynamic sampling, or
+    None."""
     run, n = config.async_training, config.actor_rollout_ref.rollout.n
     if run.mode == "sync":
-        return SyncRollouts(generator, weights)
+        return SyncRollouts(generator, weights, n, refill)
     if run.mode == "one_step_off":
-        return AsyncRollouts(generator, weights, n, 1, exact=True)
-    return AsyncRollouts(generator, weights, n, run.max_staleness, exact=not run.partial_rollout)
+        return AsyncRollouts(generator, weights, n, 1, exact=True, refill=refill)
+    return AsyncRollouts(
+        generator, weights, n, run.max_staleness, exact=not run.partial_rollout, refill=refill
+    )

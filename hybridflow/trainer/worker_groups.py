@@ -33,6 +33,7 @@ from hybridflow.single_controller import (
     WorkerGroup,
     create_colocated_worker_cls,
 )
+from hybridflow.trainer.shaping import teacher_worker_config
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.memory import return_freed_memory
 from hybridflow.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker, RewardWorker
@@ -44,7 +45,7 @@ SHARED_MARKER = ".hybridflow-shared-check"
 
 # The roles a placement maps to pools. "actor" and "rollout" in one pool form the hybrid engine's
 # actor_rollout worker; "reward" is the reward function's worker (without it, the driver scores).
-PLACEMENT_ROLES = ("actor", "rollout", "ref", "critic", "reward_model", "reward")
+PLACEMENT_ROLES = ("actor", "rollout", "ref", "critic", "reward_model", "reward", "teacher")
 
 
 @dataclass
@@ -59,6 +60,7 @@ class WorkerGroups:
     reward_model: WorkerGroup | None = None
     rollout: WorkerGroup | None = None
     reward: WorkerGroup | None = None
+    teacher: WorkerGroup | None = None  # on-policy distillation's teacher (actor_rollout_ref.teacher)
     release: Callable[[], None] | None = None  # frees what building the groups took (Ray actors, CPUs)
 
     @property
@@ -117,6 +119,7 @@ def placement(tr: TrainerConfig) -> tuple[dict[str, list[int]], dict[str, str]]:
         roles = {
             "actor": "actor",
             "ref": "actor",
+            "teacher": "actor",
             "critic": "actor",
             "rollout": "rollout",
             "reward": "reward",
@@ -228,6 +231,10 @@ def role_inits(
         }
     if needs_ref(config) and not ref_in_actor:
         inits[str(Role.REF)] = ClassWithInitArgs(ActorRolloutRefWorker, arr, role="ref", **kw)
+    if arr.teacher.path:  # a frozen worker like the reference, loading the teacher's model
+        inits["teacher"] = ClassWithInitArgs(
+            ActorRolloutRefWorker, teacher_worker_config(arr), role="ref", **kw
+        )
     if config.critic.enable:
         inits[str(Role.CRITIC)] = ClassWithInitArgs(
             CriticWorker, config.critic, rollout_n=arr.rollout.n, seed=config.trainer.seed, device=device

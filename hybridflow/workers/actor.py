@@ -23,6 +23,7 @@ from hybridflow.algorithms import (
     kl_penalty,
     masked_mean,
     off_policy_mask,
+    reverse_kl,
     truncated_importance_weights,
 )
 from hybridflow.config import ActorRolloutRefConfig, SandboxConfig
@@ -97,11 +98,13 @@ UPDATE_ACTOR_KEYS = (
     "old_log_probs",
     "ref_log_prob",
     "rollout_log_probs",
+    "teacher_log_prob",
 )
 
 
 #: The policy-loss metrics that are 0 by construction when the data is used once (the ratio is exactly 1):
-#: left out of such a step's metrics, so the console does not show ``ppo_kl 0`` every step.
+#: left out of such a step's metrics when they are 0, so the console does not show ``ppo_kl 0`` every step
+#: (a loss whose clip fraction means something else, Clip-Cov's share of cut tokens, keeps it).
 ZERO_ON_POLICY = ("actor/ppo_kl", "actor/pg_clipfrac", "actor/pg_clipfrac_lower")
 
 
@@ -399,8 +402,8 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
         )
         entropy_loss = agg_loss(entropy, mask, actor.loss_agg_mode)
         loss = pg_loss - entropy_coeff * entropy_loss
-        if on_policy:  # with the ratio exactly 1 the KL to the old policy and the clip fractions are 0
-            pg_metrics = {k: v for k, v in pg_metrics.items() if k not in ZERO_ON_POLICY}
+        if on_policy:  # with the ratio exactly 1 the KL to the old policy and PPO's clip fractions are 0
+            pg_metrics = {k: v for k, v in pg_metrics.items() if not (k in ZERO_ON_POLICY and v == 0.0)}
         metrics = {
             "actor/pg_loss": pg_loss.item(),
             **pg_metrics,
@@ -418,9 +421,24 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
             kl_loss = agg_loss(kl, mask, actor.loss_agg_mode)
             loss = loss + actor.kl_loss_coef * kl_loss
             metrics.update({"actor/kl_loss": kl_loss.item(), "actor/kl_coef": actor.kl_loss_coef})
+        if self.config.teacher.signal == "loss" and "teacher_log_prob" in micro.batch.keys():
+            distill_loss, distill_metrics = self._distillation_loss(micro, log_prob, mask)
+            loss = loss + self.config.teacher.kl_coef * distill_loss
+            metrics.update(distill_metrics)
         if "rollout_log_probs" in micro.batch.keys() and on_policy:
             metrics.update(logprob_diff_metrics(micro.batch["rollout_log_probs"], log_prob.detach(), mask))
         return loss, metrics
+
+    def _distillation_loss(
+        self, micro: DataProto, log_prob: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """On-policy distillation as a loss term: the KL estimate ``teacher.kl_loss_type`` between the policy
+        and the teacher's log-probs of the sampled tokens, aggregated as the policy loss is."""
+        teacher_log_prob = micro.batch["teacher_log_prob"]
+        kl = kl_penalty(log_prob, teacher_log_prob, self.config.teacher.kl_loss_type)
+        loss = agg_loss(kl, mask, self.config.actor.loss_agg_mode)
+        reverse = float(masked_mean(reverse_kl(log_prob, teacher_log_prob), mask))
+        return loss, {"actor/distill_loss": loss.item(), "distill/reverse_kl": reverse}
 
     def _off_policy_corrected(
         self, micro: DataProto, old: torch.Tensor, current: torch.Tensor, mask: torch.Tensor
@@ -435,7 +453,9 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
             return advantages, {}
         rollout, metrics = micro.batch["rollout_log_probs"], {}
         if actor.tis_imp_ratio_cap > 0:
-            weights, tis_clipfrac = truncated_importance_weights(old, rollout, mask, actor.tis_imp_ratio_cap)
+            weights, tis_clipfrac = truncated_importance_weights(
+                old, rollout, mask, actor.tis_imp_ratio_cap, actor.tis_level
+            )
             advantages = advantages * weights
             metrics["actor/tis_clipfrac"] = float(tis_clipfrac)
             metrics["actor/tis_weight_mean"] = float(masked_mean(weights, mask))

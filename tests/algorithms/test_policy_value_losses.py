@@ -179,7 +179,7 @@ def test_gspo_token_gradient_uses_the_sequence_ratio():
 def test_policy_loss_registry():
     with pytest.raises(
         ValueError,
-        match=r"unknown policy loss 'ppo'; known: \['cispo', 'geo_mean', 'gpg', 'gspo', 'vanilla'.*\]",
+        match=r"unknown policy loss 'ppo'; known: \['cispo', 'clip_cov', 'geo_mean', 'gpg', 'gspo', 'kl_cov', 'vanilla'.*\]",
     ):
         get_policy_loss_fn("ppo")
 
