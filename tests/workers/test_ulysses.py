@@ -113,9 +113,10 @@ def reference(tiny_model_path):
 
 
 def test_split_sequences_equal_one_process(tiny_model_path, reference, tmp_path):
-    # forked, not spawned: the children start with torch and transformers already imported
+    # from a fork server, not forked from this process: a test process that has run Ray must not fork (the
+    # children broke its connection to Ray's control service, and the next placement group waited forever)
     mp.start_processes(
-        _rank, args=(_free_port(), tiny_model_path, str(tmp_path)), nprocs=4, start_method="fork"
+        _rank, args=(_free_port(), tiny_model_path, str(tmp_path)), nprocs=4, start_method="forkserver"
     )
     ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(4)]
     mask = batch().batch["response_mask"].bool()

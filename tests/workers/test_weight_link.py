@@ -48,7 +48,11 @@ def _stream(path, out, broken=False, shared=True):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     address = LinkAddress("127.0.0.1", port, 3, "gloo")
-    mp.start_processes(_member, args=(address, path, str(out), broken, shared), nprocs=3, start_method="fork")
+    # from a fork server, not forked from this process: a test process that has run Ray must not fork (the
+    # children broke its connection to Ray's control service, and the next placement group waited forever)
+    mp.start_processes(
+        _member, args=(address, path, str(out), broken, shared), nprocs=3, start_method="forkserver"
+    )
     return [torch.load(out / f"{m}.pt") for m in range(3)]
 
 
