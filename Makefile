@@ -18,6 +18,7 @@ venv: .venv/.installed
 test: venv
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
+	.venv/bin/mypy  # the package, as [tool.mypy] in pyproject.toml configures it
 	$(PY) -m pytest -q tests
 
 # The learning tests (`-m learning`) under the CPU's own float kernels, AVX2 and the plain ones, at 1 and 2

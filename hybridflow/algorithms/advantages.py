@@ -112,7 +112,7 @@ def compute_gae_advantage_return(
 def compute_reinforce_plus_plus_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
-    config: Mapping | None = None,
+    config: Mapping[str, Any] | None = None,
     gamma: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +121,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     The discount is ``config.gamma`` as in verl (or ``gamma`` when there is no config).
     Returns ``(whitened advantages, discounted returns)``, both ``(bs, T)``, 0 on padding.
     """
-    gamma = config.gamma if config is not None else gamma
+    gamma = ConfigView(config).gamma if config is not None else gamma  # a dict, verl's config or a view
     if gamma is None:
         raise ValueError("reinforce_plus_plus needs a discount: pass config (with gamma) or gamma")
     with torch.no_grad():
@@ -134,7 +134,7 @@ def compute_remax_outcome_advantage(
     token_level_rewards: torch.Tensor,
     reward_baselines: torch.Tensor,
     response_mask: torch.Tensor,
-    config: Mapping | None = None,
+    config: Mapping[str, Any] | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax (Li et al. 2023): reward-to-go minus the reward of the greedy response, no whitening.
@@ -163,7 +163,7 @@ def _estimator_inputs(
         elif param.name == "config":
             kwargs[param.name] = view
         elif key in batch_keys:
-            kwargs[param.name] = data.batch[key]
+            kwargs[param.name] = data.tensors[key]
         elif key in data.non_tensor_batch:
             kwargs[param.name] = data.non_tensor_batch[key]
         elif param.default is param.empty:
@@ -200,7 +200,8 @@ def compute_response_mask(data: DataProto) -> torch.Tensor:
         raise KeyError(
             f"response_mask is missing and cannot be derived without responses and attention_mask; data.batch has {sorted(keys)}"
         )
-    return data.batch["attention_mask"][:, -data.batch["responses"].shape[1] :]
+    mask: torch.Tensor = data.tensors["attention_mask"][:, -data.tensors["responses"].shape[1] :]
+    return mask
 
 
 def compute_advantage(
@@ -232,6 +233,6 @@ def compute_advantage(
     settings = {"gamma": gamma, "lam": lam, "norm_adv_by_std_in_grpo": norm_adv_by_std_in_grpo, **kw}
     view = ConfigView(config) if config is not None else ConfigView(settings)
     advantages, returns = fn(**_estimator_inputs(fn, str(adv_estimator), data, settings, view))
-    data.batch["advantages"] = advantages
-    data.batch["returns"] = returns
+    data.tensors["advantages"] = advantages
+    data.tensors["returns"] = returns
     return data

@@ -22,6 +22,7 @@ in verl; ``ppo_kl`` is the usual mean of ``log pi_old - log pi``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -54,7 +55,7 @@ def compute_policy_loss_clip_cov(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
-    config: Mapping | None = None,
+    config: Mapping[str, Any] | None = None,
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clip-Cov: PPO's clipped loss (epsilons from ``config.clip_ratio*``), with the gradient of
@@ -91,7 +92,7 @@ def compute_policy_loss_kl_cov(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
-    config: Mapping | None = None,
+    config: Mapping[str, Any] | None = None,
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """KL-Cov: ``-A * ratio`` for every token, plus ``ppo_kl_coef * |log pi - log pi_old|`` on the

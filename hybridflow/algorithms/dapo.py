@@ -18,19 +18,23 @@ shared by its samples).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
+#: a ``uid`` column: a list or the DataProto's object array
+Uids = Sequence[Any] | np.ndarray
 
-def group_ids(uids: Sequence) -> tuple[np.ndarray, int]:
+
+def group_ids(uids: Uids) -> tuple[np.ndarray, int]:
     """``(row -> group index in order of first appearance, number of groups)`` for a ``uid`` column."""
-    index: dict = {}
+    index: dict[Any, int] = {}
     groups = np.array([index.setdefault(u, len(index)) for u in uids], dtype=np.int64)
     return groups, len(index)
 
 
-def group_spread(uids: Sequence, values: torch.Tensor) -> torch.Tensor:
+def group_spread(uids: Uids, values: torch.Tensor) -> torch.Tensor:
     """Each group's ``max - min`` of ``values`` ``(bs,)``, in order of first appearance ``(groups,)``."""
     groups, count = group_ids(uids)
     index = torch.as_tensor(groups)
@@ -40,7 +44,7 @@ def group_spread(uids: Sequence, values: torch.Tensor) -> torch.Tensor:
     return high - low
 
 
-def group_std(uids: Sequence, values: torch.Tensor) -> torch.Tensor:
+def group_std(uids: Uids, values: torch.Tensor) -> torch.Tensor:
     """Each group's population standard deviation of ``values`` ``(bs,)`` ``(groups,)`` (0 for one row)."""
     groups, count = group_ids(uids)
     index = torch.as_tensor(groups)
@@ -51,7 +55,7 @@ def group_std(uids: Sequence, values: torch.Tensor) -> torch.Tensor:
     return var.sqrt()
 
 
-def informative_groups(uids: Sequence, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def informative_groups(uids: Uids, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Which rows to keep ``(bs,)`` bool and which groups ``(groups,)`` bool: a group is kept when its
     ``values`` differ (exact comparison: rewards are usually a few distinct numbers) or when it holds a single
     row, as verl does (nothing to compare it with; ``rollout.n=1`` filters nothing)."""
@@ -61,7 +65,7 @@ def informative_groups(uids: Sequence, values: torch.Tensor) -> tuple[torch.Tens
     return kept[torch.as_tensor(groups)], kept
 
 
-def first_groups(uids: Sequence, count: int) -> torch.Tensor:
+def first_groups(uids: Uids, count: int) -> torch.Tensor:
     """Rows ``(bs,)`` bool of the first ``count`` groups, in order of first appearance: the trim of a
     refilled batch to ``data.train_batch_size`` prompts."""
     groups, _ = group_ids(uids)

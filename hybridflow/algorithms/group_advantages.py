@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridflow.algorithms.config_view import ConfigView
 from hybridflow.algorithms.estimators import AdvantageEstimator, register_adv_est
 from hybridflow.algorithms.utils import masked_whiten
 
@@ -69,7 +70,7 @@ def compute_grpo_outcome_advantage(
     index: np.ndarray,
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
-    config: Mapping | None = None,
+    config: Mapping[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO (Shao et al. 2024): each response's score compared with the other responses to its prompt.
 
@@ -91,7 +92,7 @@ def compute_grpo_vectorized_outcome_advantage(
     index: np.ndarray,
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
-    config: Mapping | None = None,
+    config: Mapping[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's vectorized GRPO: as ``grpo``, but a group's variance is floored at ``epsilon`` (its std at
     ``sqrt(epsilon)``), so near-equal scores give bounded advantages. (Here ``grpo`` is vectorized too;
@@ -110,7 +111,7 @@ def compute_rloo_outcome_advantage(
     response_mask: torch.Tensor,
     index: np.ndarray,
     epsilon: float = 1e-6,
-    config: Mapping | None = None,
+    config: Mapping[str, Any] | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO (Ahmadian et al. 2024): baseline = mean score of the OTHER responses to the same prompt.
@@ -131,7 +132,7 @@ def compute_rloo_vectorized_outcome_advantage(
     response_mask: torch.Tensor,
     index: np.ndarray,
     epsilon: float = 1e-6,
-    config: Mapping | None = None,
+    config: Mapping[str, Any] | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's vectorized RLOO: as ``rloo``, except that a response alone in its group gets advantage 0
@@ -149,7 +150,7 @@ def compute_opo_outcome_advantage(
     response_mask: torch.Tensor,
     index: np.ndarray,
     epsilon: float = 1e-6,
-    config: Mapping | None = None,
+    config: Mapping[str, Any] | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """OPO (Hao et al. 2025): baseline = the group's scores averaged with each response's length as its
@@ -175,7 +176,7 @@ def compute_grpo_passk_outcome_advantage(
     index: np.ndarray,
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
-    config: Mapping | None = None,
+    config: Mapping[str, Any] | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass@k training (Chen et al. 2025): only each group's best response gets an advantage, its margin
@@ -183,7 +184,7 @@ def compute_grpo_passk_outcome_advantage(
     ``norm_adv_by_std_in_grpo``, which ``config`` overrides as in verl); every other response gets 0.
     A group needs at least two responses."""
     if config is not None:
-        norm_adv_by_std_in_grpo = config.norm_adv_by_std_in_grpo
+        norm_adv_by_std_in_grpo = ConfigView(config).norm_adv_by_std_in_grpo  # a dict or verl's config
     with torch.no_grad():
         scores = sequence_scores(token_level_rewards, response_mask)
         ids = group_ids(index, scores.shape[0])
@@ -209,7 +210,7 @@ def compute_gpg_outcome_advantage(
     index: np.ndarray,
     epsilon: float = 1e-6,
     f_norm: float = 1.0,
-    config: Mapping | None = None,
+    config: Mapping[str, Any] | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GPG (Chu et al. 2025): ``A_i = alpha * (score_i - mean_group) / f_norm`` with
@@ -228,7 +229,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     response_mask: torch.Tensor,
     index: np.ndarray,
     epsilon: float = 1e-6,
-    config: Mapping | None = None,
+    config: Mapping[str, Any] | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ with a group baseline: score minus its group mean, then whitened over the batch.

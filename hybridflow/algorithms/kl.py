@@ -7,6 +7,7 @@ low-bias square, k3 is unbiased and always >= 0 (lowest variance in practice).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -17,7 +18,7 @@ from hybridflow.algorithms.utils import masked_mean
 if TYPE_CHECKING:
     from hybridflow.protocol import DataProto
 
-_KL_ESTIMATORS: Registry = Registry("kl penalty")
+_KL_ESTIMATORS: Registry[Callable[[torch.Tensor], torch.Tensor]] = Registry("kl penalty")
 
 
 @_KL_ESTIMATORS.register("k1")
@@ -168,7 +169,7 @@ def apply_kl_penalty(
         raise KeyError(
             f"apply_kl_penalty({kl_penalty!r}) needs {missing} in data.batch; it has {sorted(present)}"
         )
-    batch = data.batch
+    batch = data.tensors
     mask = batch["response_mask"].to(batch["token_level_scores"].dtype)
     kld = _KL_ESTIMATORS.get(kl_penalty)(batch["old_log_probs"] - batch["ref_log_prob"]) * mask
     beta = kl_ctrl.value

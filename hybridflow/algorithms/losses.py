@@ -53,7 +53,7 @@ def get_policy_loss_fn(name: str) -> PolicyLossFn:
     return _POLICY_LOSSES.get(name)
 
 
-def _verl_form(fn: Callable) -> PolicyLossFn:
+def _verl_form(fn: Callable[..., Any]) -> PolicyLossFn:
     """``fn`` itself when it takes ``config`` (verl's form), else ``fn`` (keyword form) wrapped into it."""
     if "config" in inspect.signature(fn).parameters:
         return fn
@@ -65,11 +65,11 @@ def _verl_form(fn: Callable) -> PolicyLossFn:
         advantages: torch.Tensor,
         response_mask: torch.Tensor,
         loss_agg_mode: str = "token-mean",
-        config: Mapping | None = None,
+        config: Mapping[str, Any] | None = None,
         rollout_is_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        config = _required(config, fn.__name__)
-        low, high = _clip_bounds(config)
+        view = _required(config, fn.__name__)
+        low, high = _clip_bounds(view)
         if rollout_is_weights is not None:  # positive weights scale each token's clipped loss alike
             advantages = advantages * rollout_is_weights
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = fn(
@@ -78,10 +78,10 @@ def _verl_form(fn: Callable) -> PolicyLossFn:
             advantages=advantages,
             response_mask=response_mask,
             loss_agg_mode=loss_agg_mode,
-            cliprange=config.clip_ratio,
+            cliprange=view.clip_ratio,
             cliprange_low=low,
             cliprange_high=high,
-            clip_ratio_c=config.clip_ratio_c,
+            clip_ratio_c=view.clip_ratio_c,
         )
         return pg_loss, _pg_metrics(clipfrac, ppo_kl, clipfrac_lower)
 
@@ -97,7 +97,7 @@ def _required(config: Any, loss: str) -> ConfigView:
     return view if "global_batch_info" in view else ConfigView(view, global_batch_info={})
 
 
-def _clip_bounds(config: Mapping) -> tuple[float, float]:
+def _clip_bounds(config: ConfigView) -> tuple[float, float]:
     """``(low, high)`` clip epsilons: ``clip_ratio_low``/``clip_ratio_high``, each defaulting to ``clip_ratio``."""
     low, high = config.clip_ratio_low, config.clip_ratio_high
     return (config.clip_ratio if low is None else low), (config.clip_ratio if high is None else high)
@@ -246,19 +246,19 @@ def compute_policy_loss_vanilla(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
-    config: Mapping | None = None,
+    config: Mapping[str, Any] | None = None,
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO's clipped, dual-clipped loss (``compute_policy_loss``) in verl's registered form: the clip
     epsilons from ``config.clip_ratio`` / ``clip_ratio_low`` / ``clip_ratio_high``, the dual-clip bound from
     ``config.clip_ratio_c``; ``rollout_is_weights`` ``(bs, T)`` scale each token's loss."""
-    config = _required(config, "vanilla")
-    low, high = _clip_bounds(config)
+    view = _required(config, "vanilla")
+    low, high = _clip_bounds(view)
     losses, clipfrac, ppo_kl, clipfrac_lower = _ppo_token_losses(
-        old_log_prob, log_prob, advantages, response_mask, low, high, config.clip_ratio_c
+        old_log_prob, log_prob, advantages, response_mask, low, high, view.clip_ratio_c
     )
     losses = losses if rollout_is_weights is None else losses * rollout_is_weights
-    pg_loss = agg_loss(losses, response_mask, loss_agg_mode, **config.global_batch_info)
+    pg_loss = agg_loss(losses, response_mask, loss_agg_mode, **view.global_batch_info)
     return pg_loss, _pg_metrics(clipfrac, ppo_kl, clipfrac_lower)
 
 
@@ -269,7 +269,7 @@ def compute_policy_loss_gspo(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str = "seq-mean-token-mean",
-    config: Mapping | None = None,
+    config: Mapping[str, Any] | None = None,
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO (Zheng et al. 2025): PPO clipping on a sequence-level importance ratio, inputs ``(bs, T)``.
@@ -281,15 +281,15 @@ def compute_policy_loss_gspo(
     clip. Always averaged "seq-mean-token-mean", the paper's sequence-level mean, whatever
     ``loss_agg_mode`` says (as in verl).
     """
-    config = _required(config, "gspo")
-    low, high = _clip_bounds(config)
+    view = _required(config, "gspo")
+    low, high = _clip_bounds(view)
     log_ratio = log_prob - old_log_prob
     seq_log_ratio = masked_mean(log_ratio, response_mask, axis=-1).unsqueeze(-1)
     token_log_ratio = seq_log_ratio.detach() + log_prob - log_prob.detach()
     ratio = token_log_ratio.clamp(max=10.0).exp()  # verl's bound on the sequence ratio
     losses, clipfrac, clipfrac_lower = _clipped_surrogate(ratio, advantages, response_mask, low, high, None)
     losses = losses if rollout_is_weights is None else losses * rollout_is_weights
-    pg_loss = agg_loss(losses, response_mask, "seq-mean-token-mean", **config.global_batch_info)
+    pg_loss = agg_loss(losses, response_mask, "seq-mean-token-mean", **view.global_batch_info)
     return pg_loss, _pg_metrics(clipfrac, masked_mean(-log_ratio, response_mask), clipfrac_lower)
 
 
@@ -300,7 +300,7 @@ def compute_policy_loss_gpg(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
-    config: Mapping | None = None,
+    config: Mapping[str, Any] | None = None,
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GPG (Chu et al. 2025): the plain policy gradient ``-A * log pi`` per token, no ratio and no clip
@@ -317,7 +317,7 @@ def compute_policy_loss_geo_mean(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
-    config: Mapping | None = None,
+    config: Mapping[str, Any] | None = None,
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GMPO (Zhao et al. 2025): the sequence ratio is the geometric mean of the token ratios, each token's
@@ -349,19 +349,19 @@ def compute_policy_loss_cispo(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
-    config: Mapping | None = None,
+    config: Mapping[str, Any] | None = None,
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """CISPO (MiniMax 2025): ``-sg[clip(ratio, 1 - low, 1 + high)] * A * log pi``: the clipped ratio only
     weights the token (no gradient through it), so a clipped token still gets a gradient, unlike PPO."""
-    config = _required(config, "cispo")
-    low, high = _clip_bounds(config)
+    view = _required(config, "cispo")
+    low, high = _clip_bounds(view)
     log_ratio = log_prob - old_log_prob
     ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
     clipped = ratio.clamp(1 - low, 1 + high)
     losses = -clipped.detach() * advantages * log_prob
     losses = losses if rollout_is_weights is None else losses * rollout_is_weights
-    pg_loss = agg_loss(losses, response_mask, loss_agg_mode, **config.global_batch_info)
+    pg_loss = agg_loss(losses, response_mask, loss_agg_mode, **view.global_batch_info)
     clipfrac = masked_mean((ratio != clipped).float(), response_mask)
     return pg_loss, _pg_metrics(clipfrac, masked_mean(-log_ratio, response_mask), 0.0)
 

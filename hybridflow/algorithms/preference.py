@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -139,7 +140,7 @@ def bradley_terry_loss(
 
 # ----------------------------------------------------------------------------- objectives over a batch
 Batch = Mapping[str, torch.Tensor]
-ObjectiveFn = Callable[[torch.Tensor, Batch, dict], tuple[torch.Tensor, dict[str, float]]]
+ObjectiveFn = Callable[[torch.Tensor, Batch, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,9 @@ class OfflineObjective:
     needs_ref: bool
 
 
-def _sft_objective(log_prob: torch.Tensor, batch: Batch, spec: dict) -> tuple[torch.Tensor, dict[str, float]]:
+def _sft_objective(
+    log_prob: torch.Tensor, batch: Batch, spec: dict[str, Any]
+) -> tuple[torch.Tensor, dict[str, float]]:
     loss = compute_sft_loss(log_prob, batch["response_mask"].float(), "token-mean")
     return loss, {"loss": loss.item()}
 
@@ -164,7 +167,9 @@ def _side_metrics(side: str, logps: torch.Tensor, rewards: torch.Tensor) -> dict
     return {f"logps/{side}": logps.mean().item(), f"rewards/{side}": rewards.mean().item()}
 
 
-def _dpo_objective(log_prob: torch.Tensor, batch: Batch, spec: dict) -> tuple[torch.Tensor, dict[str, float]]:
+def _dpo_objective(
+    log_prob: torch.Tensor, batch: Batch, spec: dict[str, Any]
+) -> tuple[torch.Tensor, dict[str, float]]:
     if len(log_prob) % 2:
         raise ValueError(
             f"DPO needs interleaved chosen/rejected rows, got an odd micro-batch of {len(log_prob)}"
@@ -192,7 +197,9 @@ def _dpo_objective(log_prob: torch.Tensor, batch: Batch, spec: dict) -> tuple[to
     return loss, metrics
 
 
-def _kto_objective(log_prob: torch.Tensor, batch: Batch, spec: dict) -> tuple[torch.Tensor, dict[str, float]]:
+def _kto_objective(
+    log_prob: torch.Tensor, batch: Batch, spec: dict[str, Any]
+) -> tuple[torch.Tensor, dict[str, float]]:
     mask = batch["response_mask"].float()
     logps = sequence_log_probs(log_prob, mask)
     ref = sequence_log_probs(batch["ref_log_prob"].to(log_prob.dtype), mask)
@@ -210,7 +217,9 @@ def _kto_objective(log_prob: torch.Tensor, batch: Batch, spec: dict) -> tuple[to
     }
 
 
-def _rm_objective(rewards: torch.Tensor, batch: Batch, spec: dict) -> tuple[torch.Tensor, dict[str, float]]:
+def _rm_objective(
+    rewards: torch.Tensor, batch: Batch, spec: dict[str, Any]
+) -> tuple[torch.Tensor, dict[str, float]]:
     """``rewards`` ``(2B,)``: the reward model's scalar for each interleaved chosen/rejected row."""
     if len(rewards) % 2:
         raise ValueError(

@@ -15,9 +15,9 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from enum import Enum
-from typing import Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
-F = TypeVar("F", bound=Callable)
+F = TypeVar("F", bound=Callable[..., Any])
 Name = str | Enum
 
 
@@ -70,11 +70,11 @@ class Registry(Generic[F]):
         return sorted(self.entries)
 
 
-def _describe(fn: Callable) -> str:
+def _describe(fn: Callable[..., Any]) -> str:
     original = getattr(fn, "__wrapped__", fn)
     return f"{getattr(original, '__module__', '?')}.{getattr(original, '__qualname__', repr(original))}"
 
 
-def _same_function(a: Callable, b: Callable) -> bool:
+def _same_function(a: Callable[..., Any], b: Callable[..., Any]) -> bool:
     a = getattr(a, "__wrapped__", a)
     return a is b or (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)

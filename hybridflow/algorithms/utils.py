@@ -92,7 +92,7 @@ class _GatherMinusLogsumexp(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         rows = _chunk_size(logits)
-        lse = torch.cat([torch.logsumexp(chunk.float(), dim=-1) for chunk in logits.split(rows)])
+        lse = torch.cat([torch.logsumexp(chunk.float(), dim=-1) for chunk in torch.split(logits, rows)])
         picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float()
         ctx.save_for_backward(logits, labels, lse)
         return picked - lse
@@ -124,7 +124,9 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     1.5x faster on CPU and saves the memory of one more copy of the logits.
     """
     _check_logits(logits, labels)
-    return _GatherMinusLogsumexp.apply(logits, labels)
+    # torch leaves autograd.Function.apply unannotated
+    log_probs: torch.Tensor = _GatherMinusLogsumexp.apply(logits, labels)  # type: ignore[no-untyped-call]
+    return log_probs
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -134,7 +136,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     the softmax temporary stays one chunk large.
     """
     _check_logits(logits)
-    return torch.cat([_chunk_entropy(chunk) for chunk in logits.split(_chunk_size(logits))])
+    return torch.cat([_chunk_entropy(chunk) for chunk in torch.split(logits, _chunk_size(logits))])
 
 
 def _chunk_entropy(logits: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from hybridflow.config.checks import (
     check_choices,
     check_cross_fields,
     check_ranges,
+    required,
 )
 from hybridflow.config.key_pairs import UnusedKeyWarning, check_key_pairs
 from hybridflow.config.schema import ConfigError, PPOConfig, load_unvalidated
@@ -74,6 +75,20 @@ class Context:
     rows: list[Any] = field(default_factory=list)  # parsed PromptRows of the training files' first rows
     train_rows: int | None = None  # training prompts left after filtering (None: files longer than read)
     prompt_tokens: int | None = None  # the longest prompt read, at most data.max_prompt_length (memory)
+
+    @property
+    def config(self) -> PPOConfig:
+        """``cfg``, for the checks ``run_checks`` runs only once the config resolved."""
+        if self.cfg is None:
+            raise RuntimeError("this check needs a config that resolves (check_config first)")
+        return self.cfg
+
+    @property
+    def model_shape(self) -> ModelShape:
+        """``shape``, for the checks ``run_checks`` runs only once the model's config loaded."""
+        if self.shape is None:
+            raise RuntimeError("this check needs the model's config (check_model first)")
+        return self.shape
 
 
 def check_config(ctx: Context, overrides: list[str], config_path: str | None) -> Check:
@@ -129,8 +144,9 @@ def check_paths(ctx: Context) -> Check:
     writable."""
     from hybridflow.models.default import DEFAULT_MODEL_NAMES
 
-    cfg = ctx.cfg
-    missing, remote = [], []
+    cfg = ctx.config
+    missing: list[str] = []
+    remote: list[str] = []
     files = [
         ("data.train_files", cfg.data.train_files),
         ("data.val_files", cfg.data.val_files),
@@ -138,7 +154,9 @@ def check_paths(ctx: Context) -> Check:
     ]
     for key, paths in files:
         missing += [f"{key}: {p}" for p in paths or [] if not Path(p).is_file()]
-    models = [("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path)]
+    models: list[tuple[str, str | None]] = [
+        ("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path)
+    ]
     if cfg.critic.enable:
         models.append(("critic.model.path", cfg.critic.model.path))
     if cfg.reward_model.enable and not cfg.reward_model.dummy:
@@ -146,6 +164,8 @@ def check_paths(ctx: Context) -> Check:
     if cfg.actor_rollout_ref.teacher.path:
         models.append(("actor_rollout_ref.teacher.path", cfg.actor_rollout_ref.teacher.path))
     for key, path in models:
+        if path is None:  # check_config refused a model without a path
+            continue
         if path.lower() in DEFAULT_MODEL_NAMES or Path(path).expanduser().is_dir():
             continue
         looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1  # as model_location decides
@@ -184,11 +204,12 @@ def check_model(ctx: Context) -> Check:
 
     from hybridflow.workers.modeling import load_image_prompts, load_tokenizer, model_location
 
-    model = ctx.cfg.actor_rollout_ref.model
+    model = ctx.config.actor_rollout_ref.model
+    path = required(model.path, "actor_rollout_ref.model.path")  # check_config refused a missing one
     try:
-        folder = model_location(model.path)
-        tokenizer = load_tokenizer(model.path, model.trust_remote_code)
-        ctx.processor = load_image_prompts(model.path, tokenizer, model.trust_remote_code)
+        folder = model_location(path)
+        tokenizer = load_tokenizer(path, model.trust_remote_code)
+        ctx.processor = load_image_prompts(path, tokenizer, model.trust_remote_code)
         hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=model.trust_remote_code)
         ctx.shape = model_shape(hf_config, folder)
     except Exception as err:  # noqa: BLE001 - any loading failure is the verdict, with its reason
@@ -255,7 +276,7 @@ def check_dataset(ctx: Context) -> Check:
 
     from hybridflow.data.dataset import encode_rows, parse_row, read_rows
 
-    data = ctx.cfg.data
+    data = ctx.config.data
     lengths, image_tokens, first_text, partial = [], [], "", False
     for path in data.train_files or []:
         try:
@@ -295,7 +316,14 @@ def check_dataset(ctx: Context) -> Check:
         detail += "; image tokens " + ", ".join(f"{k} {v}" for k, v in image_info.items())
     if not partial:  # the whole training set was read: the prompts a run would have
         ctx.train_rows = len(lengths) - (over if data.filter_overlong_prompts else 0)
-    info = {"rows": len(lengths), "p50": p50, "p90": p90, "p99": p99, "max": max(lengths), "over": over}
+    info: dict[str, Any] = {
+        "rows": len(lengths),
+        "p50": p50,
+        "p90": p90,
+        "p99": p99,
+        "max": max(lengths),
+        "over": over,
+    }
     if image_info:
         info["image_tokens"] = image_info
     raise_to = f"raise data.max_prompt_length to {max(lengths)}"
@@ -339,7 +367,7 @@ def _image_tokens(counts: list[int]) -> dict[str, int]:
 def check_batches(ctx: Context) -> Check:
     """The batch arithmetic over the workers (prompts, sequences, mini- and micro-batches or token budgets),
     and at least one full batch of training prompts."""
-    cfg = ctx.cfg
+    cfg = ctx.config
     data, actor, n = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n
     workers = cfg.trainer.n_workers
     try:
@@ -383,7 +411,7 @@ def check_reward(ctx: Context) -> Check:
     scorer's form is known, else the ground truth in the usual answer forms) and a wrong one."""
     from hybridflow.rewards import default_compute_score, load_custom_reward_function
 
-    custom = ctx.cfg.custom_reward_function
+    custom = ctx.config.custom_reward_function
     where = f"{custom.path}:{custom.name}" if custom.path else "the built-in rule scorers (by data_source)"
     try:
         score_fn = (
@@ -411,7 +439,7 @@ def check_reward(ctx: Context) -> Check:
         all_zero &= all(v == 0 for v in scores.values())
         shown.append(f"{source}: " + ", ".join(f"{k} {v:.3g}" for k, v in scores.items()))
     detail = f"{where}: " + "; ".join(shown)
-    if ctx.cfg.reward_model.enable:
+    if ctx.config.reward_model.enable:
         detail += " (the reward model itself is not run by doctor)"
     if all_zero:
         return Check(
@@ -469,9 +497,9 @@ def machine_memory(cfg: PPOConfig, memory_gb: float | None) -> tuple[float, str]
 def check_memory(ctx: Context, memory_gb: float | None) -> Check:
     """The estimated peak memory (``memory_estimate``) against what a machine offers, naming the knob to turn
     when it does not fit."""
-    cfg = ctx.cfg
+    cfg = ctx.config
     workers = cfg.trainer.n_workers if cfg.trainer.backend == "ray" else 1  # local: one rank in this process
-    est = estimate_memory(cfg, ctx.shape, workers, ctx.prompt_tokens)
+    est = estimate_memory(cfg, ctx.model_shape, workers, ctx.prompt_tokens)
     available, source = machine_memory(cfg, memory_gb)
     # CPU workers share one machine's memory; GPU workers each have their own device
     per_machine = 1 if cfg.trainer.device == "cuda" else workers

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hybridflow.config.schema import RolloutConfig
 from hybridflow.data.dataset import left_pad
@@ -39,8 +39,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def answer_with_images(
-    model: torch.nn.Module,
-    tokenizer: object,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     processor: ImagePrompts,
     prompt: str,
     image_files: list[str],
@@ -58,8 +58,8 @@ def answer_with_images(
         n=1, do_sample=sampled, temperature=temperature if sampled else 1.0, top_k=0, top_p=1.0
     )
     out = HFRollout(model, tokenizer, config, max_new_tokens, seed=0).generate_sequences(prompts)
-    response = out.batch["responses"][0][out.batch["response_mask"][0].bool()]
-    return tokenizer.decode(response, skip_special_tokens=True)
+    response = out.tensors["responses"][0][out.tensors["response_mask"][0].bool()]
+    return str(tokenizer.decode(response, skip_special_tokens=True))  # one row of ids: one string
 
 
 def main(argv: list[str]) -> int:

@@ -107,7 +107,7 @@ class MemoryEstimate:
     @property
     def largest_pass(self) -> str:
         """The name of the pass that needs the most memory."""
-        return max(self.passes, key=self.passes.get)
+        return max(self.passes, key=lambda name: self.passes[name])
 
     @property
     def device(self) -> float:

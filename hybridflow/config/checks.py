@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import fnmatch
 import warnings
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple, TypeVar
 
 from hybridflow.dataflow.replay_buffer import ScheduledSampler
 from hybridflow.utils.errors import UserError
+
+T = TypeVar("T")
 
 
 class ConfigError(UserError, ValueError):
@@ -126,13 +129,26 @@ def warn_ignored(key: str, rule: IgnoredKey, value: Any) -> None:
 
 # ----------------------------------------------------------------------------------------- validation
 
-DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+DTYPE_ALIASES: dict[str, Literal["fp32", "bf16", "fp16"]] = {
+    "float32": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+}
 
 
 def cuda_available() -> bool:
     import torch  # lazily: only resolve() needs it
 
     return torch.cuda.is_available()
+
+
+def required(value: T | None, key: str) -> T:
+    """The value of ``key``, a setting that resolving or validating the config fills in or requires (a
+    seed taken from ``trainer.seed``, the model path): typed without None; a ConfigError naming the key when
+    it is None, i.e. the config was used before ``validate()``."""
+    if value is None:
+        raise ConfigError(f"{key} is not set (was the config validated? PPOConfig.validate() fills it in)")
+    return value
 
 
 def get_key(obj: Any, key: str) -> Any:
@@ -159,7 +175,9 @@ def path_fields(cfg: Any) -> list[tuple[Any, str]]:
     ]
 
 
-_POSITIVE = (lambda v: v >= 1, ">= 1")
+#: a value check: (predicate, what the value must be)
+Range = tuple[Callable[[Any], bool], str]
+_POSITIVE: Range = (lambda v: v >= 1, ">= 1")
 _NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
 _GREATER_THAN_0 = (lambda v: v > 0, "> 0")
 _UNIT = (lambda v: 0 <= v <= 1, "in [0, 1]")
@@ -168,7 +186,7 @@ _FREQUENCY = (lambda v: v == -1 or v >= 1, "-1 (never) or >= 1")
 _TOP_K = (lambda v: v >= -1, "-1 (off) or >= 0")
 
 
-def _sampling_ranges(prefix: str) -> dict[str, tuple]:
+def _sampling_ranges(prefix: str) -> dict[str, Range]:
     return {
         f"{prefix}.n": _POSITIVE,
         f"{prefix}.temperature": _NON_NEGATIVE,
@@ -177,7 +195,7 @@ def _sampling_ranges(prefix: str) -> dict[str, tuple]:
     }
 
 
-def _optim_ranges(prefix: str) -> dict[str, tuple]:
+def _optim_ranges(prefix: str) -> dict[str, Range]:
     return {
         f"{prefix}.lr": _NON_NEGATIVE,
         f"{prefix}.weight_decay": _NON_NEGATIVE,
@@ -192,7 +210,7 @@ _SEQUENCE_PARALLEL_KEYS = tuple(
     f"{r}.ulysses_sequence_parallel_size" for r in (_ACTOR, "actor_rollout_ref.ref", "critic")
 )
 # key -> (predicate, what it must be); a null (optional) value is not checked.
-_RANGES: dict[str, tuple] = {
+_RANGES: dict[str, Range] = {
     **{
         f"data.{k}": _POSITIVE
         for k in (

@@ -27,7 +27,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from hybridflow.config.checks import IGNORED_KEYS, ConfigError
-from hybridflow.config.loader import hints, is_section, type_name
+from hybridflow.config.loader import Schema, hints, is_section, type_name
 from hybridflow.config.schema import DEFAULT_CONFIG_PATH, PPOConfig, load_unvalidated
 
 YAML_HEADER = """\
@@ -38,7 +38,7 @@ YAML_HEADER = """\
 """
 
 
-def shipped_configs() -> dict[Path, type]:
+def shipped_configs() -> dict[Path, type[Schema]]:
     """Every shipped YAML and the root dataclass it is generated from: PPO's and the offline trainers'."""
     from hybridflow.config.offline import CONFIGS, default_config_path
 
@@ -62,8 +62,10 @@ def _module_docs(path: str) -> dict[tuple[str, str], str]:
         for stmt in node.body:
             if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
                 continue
-            trailing = [comments[n] for n in range(stmt.lineno, stmt.end_lineno + 1) if n in comments]
-            above, line = [], stmt.lineno - 1
+            end = stmt.end_lineno or stmt.lineno
+            trailing = [comments[n] for n in range(stmt.lineno, end + 1) if n in comments]
+            above: list[str] = []
+            line = stmt.lineno - 1
             while line in comments and lines[line - 1].strip().startswith("#:"):
                 above.insert(0, comments[line])
                 line -= 1
@@ -147,7 +149,7 @@ def render_yaml(tree: dict[str, Any], cls: type = PPOConfig, indent: int = 0) ->
 _WIDTH = 110
 
 
-def default_yaml(root: type = PPOConfig) -> str:
+def default_yaml(root: type[Schema] = PPOConfig) -> str:
     """The text of the shipped YAML of ``root`` (``ppo_trainer.yaml`` for PPOConfig): defaults and docs."""
     what = "PPO/GRPO trainer" if root is PPOConfig else f"{root.kind.upper()} trainer"
     header = YAML_HEADER.format(what=what, module=root.__module__.rpartition(".")[2])

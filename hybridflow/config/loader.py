@@ -17,7 +17,7 @@ import re
 import types
 import warnings
 from functools import cache
-from typing import Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, Literal, TypeVar, Union, cast, get_args, get_origin, get_type_hints
 
 import yaml
 from omegaconf import OmegaConf
@@ -45,6 +45,10 @@ class Schema:
 
     #: Names users bring from other libraries (TRL, OpenRLHF, ``TrainingArguments``) -> this schema's key.
     ALIASES: ClassVar[dict[str, str]] = {}
+    #: the offline trainer a root config is for (sft, dpo, kto: its objective, YAML file and command); "" for PPO
+    kind: ClassVar[str] = ""
+    #: every root config is a dataclass (what ``dataclasses.asdict`` asks of it)
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
     #: Keys that moved, old dotted key -> new one: the old one keeps working for one release, with a
     #: ``DeprecatedKeyWarning`` naming the new one.
     RENAMED: ClassVar[dict[str, str]] = {}
@@ -66,14 +70,14 @@ class Schema:
 
     def to_dict(self) -> dict[str, Any]:
         """A plain nested dict (deep copy), e.g. to save as ``config.yaml`` in the run folder."""
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        return dataclasses.asdict(self)
 
     def resolve(self: S) -> S:
         raise NotImplementedError
 
 
 def load(
-    root: type[S], overrides: list[str] | None = None, config_path: str | os.PathLike | None = None
+    root: type[S], overrides: list[str] | None = None, config_path: str | os.PathLike[str] | None = None
 ) -> S:
     """The schema ``root``'s defaults, a user YAML merged over them, then ``a.b=c`` overrides: typed and
     resolved (``root.resolve``), not yet checked for consistency (``validate``)."""
@@ -85,21 +89,27 @@ def load(
     return build_config(tree, root).resolve()
 
 
-def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
-    tree = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    tree = OmegaConf.to_container(OmegaConf.load(os.fspath(path)), resolve=False)
     if not isinstance(tree, dict):
         raise ConfigError(
             f"config file {os.fspath(path)} must hold a mapping of sections, got {type(tree).__name__}"
         )
-    return tree
+    return {str(key): value for key, value in tree.items()}
 
 
 # ------------------------------------------------------------------------------------- the schema's keys
 
 
-@cache
 def hints(cls: type) -> dict[str, Any]:
     """The schema fields of the section ``cls`` and their types (class variables such as ``ALIASES`` are not keys)."""
+    return _hints(cls)
+
+
+# cached behind a function taking any class: mypy does not see a schema class (type[Schema]) as Hashable,
+# since a dataclass instance is not, so the cached functions are called with a plain ``type``
+@cache
+def _hints(cls: type) -> dict[str, Any]:
     types_ = get_type_hints(cls)
     return {f.name: types_[f.name] for f in dataclasses.fields(cls)}
 
@@ -121,9 +131,13 @@ def schema_entry(path: list[str], root: type) -> tuple[Any, bool] | None:
     return tp, False
 
 
-@cache
 def known_keys(root: type) -> tuple[str, ...]:
     """Every dotted key of the schema ``root``, sections included, in schema order."""
+    return _known_keys(root)
+
+
+@cache
+def _known_keys(root: type) -> tuple[str, ...]:
     keys: list[str] = []
 
     def walk(cls: type, prefix: str) -> None:
@@ -315,10 +329,12 @@ def build_config(tree: dict[str, Any], root: type[S]) -> S:
     """Resolve ``${...}`` interpolations, then type the nested dict into ``root``."""
     if "${" in repr(tree):  # OmegaConf is slow (~0.1 s); a resolved tree skips it
         try:
-            tree = OmegaConf.to_container(OmegaConf.create(tree), resolve=True)
+            resolved = OmegaConf.to_container(OmegaConf.create(tree), resolve=True)
         except OmegaConfBaseException as err:
             raise ConfigError(f"cannot resolve an interpolation in the config: {err}") from None
-    return build(root, tree, "")
+        # the container of a DictConfig is a dict
+        tree = {str(key): value for key, value in cast(dict[Any, Any], resolved).items()}
+    return cast(S, build(root, tree, ""))  # build types the tree into root
 
 
 def type_name(tp: Any) -> str:

@@ -147,8 +147,8 @@ class _OfflineConfig(Schema):
     optim: OfflineOptimConfig = field(default_factory=OfflineOptimConfig)  #: its optimizer
     #: the run: length, logging, workers, checkpoints (PPO's trainer section)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-
-    kind = ""  # sft | dpo | kto: the objective, the YAML file and the command's name
+    #: the data files and batch sizes (each config narrows it to its own section, in the same place)
+    data: OfflineDataConfig = field(default_factory=OfflineDataConfig)
 
     ALIASES: ClassVar[dict[str, str]] = {
         "output_dir": "trainer.default_local_dir",
@@ -307,7 +307,7 @@ class RMConfig(_OfflineConfig):
 
 OfflineConfig = SFTConfig | DPOConfig | KTOConfig | RMConfig
 
-CONFIGS: dict[str, type[_OfflineConfig]] = {
+CONFIGS: dict[str, type[SFTConfig] | type[DPOConfig] | type[KTOConfig] | type[RMConfig]] = {
     "sft": SFTConfig,
     "dpo": DPOConfig,
     "kto": KTOConfig,
@@ -321,7 +321,7 @@ def default_config_path(cls: type[_OfflineConfig]) -> Path:
 
 
 def load_offline_config(
-    cls: type[C], overrides: list[str] | None = None, config_path: str | os.PathLike | None = None
+    cls: type[C], overrides: list[str] | None = None, config_path: str | os.PathLike[str] | None = None
 ) -> C:
     """The defaults of ``cls`` (what its packaged YAML holds), a user YAML merged over them, then dotted
     overrides; resolved, validated. Same syntax as ``load_config`` for PPO."""

@@ -655,7 +655,7 @@ class PPOConfig(Schema):
 
     def __init__(self, **kwargs: Any) -> None:
         for f in dataclasses.fields(self):
-            setattr(self, f.name, kwargs.pop(f.name) if f.name in kwargs else f.default_factory())
+            setattr(self, f.name, kwargs.pop(f.name) if f.name in kwargs else _section_default(f))
         apply_flat_keywords(self, kwargs)
 
     @classmethod
@@ -718,8 +718,15 @@ class PPOConfig(Schema):
         return cfg
 
 
+def _section_default(f: dataclasses.Field[Any]) -> Any:
+    """A section field's default (every section is a ``default_factory``; a plain default too)."""
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
 def load_config(
-    overrides: list[str] | None = None, config_path: str | os.PathLike | None = None
+    overrides: list[str] | None = None, config_path: str | os.PathLike[str] | None = None
 ) -> PPOConfig:
     """The defaults, a user YAML merged over them, then Hydra-style overrides; resolved and validated.
 
@@ -732,7 +739,7 @@ def load_config(
 
 
 def load_unvalidated(
-    overrides: list[str] | None = None, config_path: str | os.PathLike | None = None
+    overrides: list[str] | None = None, config_path: str | os.PathLike[str] | None = None
 ) -> PPOConfig:
     """Defaults + file + overrides, typed and resolved but not checked for consistency (``config show``)."""
     return load(PPOConfig, overrides, config_path)

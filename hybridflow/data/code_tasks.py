@@ -132,9 +132,10 @@ def source_row(raw: dict, where: str, data_source: str) -> Row:
             raise InputError(f"{where}: a HumanEval row needs its function prompt in 'prompt'")
         question = f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{prompt}```"
     else:
-        question = next((raw[k] for k in QUESTION_KEYS if isinstance(raw.get(k), str)), None)
-        if question is None:
+        statement = next((raw[k] for k in QUESTION_KEYS if isinstance(raw.get(k), str)), None)
+        if statement is None:
             raise InputError(f"{where}: no problem statement: give one of {list(QUESTION_KEYS)} as text")
+        question = statement
         if kind == "asserts":  # the test shows the function's name and signature
             question += f" It must pass tests like: {parsed.sandbox[0]['code']}"
         elif kind == "call":

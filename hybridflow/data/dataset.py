@@ -319,9 +319,9 @@ class RLHFDataset(Dataset):
                         f"or filter_overlong_prompts=True"
                     )
                 kept = ids[-limit:] if self.truncation == "left" else ids[:limit]
-                if row.images and kept.count(self.processor.image_token_id) < ids.count(
-                    self.processor.image_token_id
-                ):
+                processor = self.processor  # set when a row has images
+                image_token = processor.image_token_id if processor is not None else -1
+                if row.images and kept.count(image_token) < ids.count(image_token):
                     raise InputError(
                         f"{row.file}: row {row.row}: prompt has {len(ids)} tokens (images included), more than "
                         f"max_prompt_length={limit}, and truncation would cut into an image; raise "

@@ -22,7 +22,7 @@ def generation_batch(
     prompts: Sequence[Prompt],
     tokenizer: Any,
     apply_chat_template: bool | None = None,
-    chat_template_kwargs: dict | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> DataProto:
     """Left-padded ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, P)`` (P: the longest prompt)
     for ``prompts``, each a string (one user message) or a list of chat messages ``{"role", "content"}``.

@@ -91,7 +91,7 @@ def marker_count(messages: Sequence[dict[str, str]]) -> int:
 def as_parts(messages: Sequence[dict[str, str]]) -> list[dict[str, Any]]:
     """Messages with ``<image>`` markers -> messages whose content is a list of ``text`` and ``image``
     parts (what vision chat templates render); a message without a marker keeps its string content."""
-    out = []
+    out: list[dict[str, Any]] = []
     for message in messages:
         content = message["content"]
         if IMAGE_MARKER not in content:

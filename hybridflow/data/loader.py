@@ -10,14 +10,24 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
 from hybridflow.protocol import DataProto
 from hybridflow.utils.errors import InputError
+
+
+class Rows(Protocol):
+    """What a loader reads: rows by index, and how many there are (a map-style torch Dataset with a length)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
+
+
+D = TypeVar("D", bound=Rows)  # the dataset a loader reads: its own type (RLHFDataset, an offline one...)
 
 
 def collate_fn(items: Sequence[dict[str, Any]]) -> DataProto:
@@ -57,7 +67,7 @@ def _trim_left_padding(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return {k: v[:, first:] if v.dim() == 2 and v.shape[1] == width else v for k, v in tensors.items()}
 
 
-class PromptLoader:
+class PromptLoader(Generic[D]):
     """Batches of a dataset as DataProto, epoch after epoch, resumable from `state_dict()`.
 
     Each `iter(loader)` yields the rest of the current epoch; the next `iter` starts the next epoch
@@ -68,7 +78,7 @@ class PromptLoader:
 
     def __init__(
         self,
-        dataset: Dataset,
+        dataset: D,
         batch_size: int,
         shuffle: bool = True,
         seed: int = 42,

@@ -131,6 +131,8 @@ class Conversations:
                 pieces.append((piece, int(messages[j]["role"] == "assistant")))
             previous = text
         if images:
+            if self.processor is None:  # the dataset refuses a row's images without one first
+                raise ValueError(f"{where}: the row has images but the model is a text model")
             prompt_text = self.processor.expand(prompt_text, images, where)
         prompt, response, mask = self._ids(prompt_text), [], []
         for text, trained in pieces:
@@ -311,8 +313,10 @@ class OfflineDataset(Dataset):
         self, prompt: Text, completion: Text, where: str, images: tuple[ImageInput, ...] = ()
     ) -> Sample:
         """One prompt (with its images) and completion: chat-templated turn by turn, or strings as they are."""
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) and isinstance(completion, str):
             return self.conversations.encode_text(prompt, completion, where)
+        if isinstance(prompt, str) or isinstance(completion, str):  # one setting makes both (chat or not)
+            raise ValueError(f"{where}: the prompt and the completion must both be text or both be messages")
         return self.conversations.encode(prompt + completion, where, len(prompt), images)
 
     def encode_row(self, row: dict, where: str) -> list[Sample]:
@@ -321,7 +325,8 @@ class OfflineDataset(Dataset):
     def __len__(self) -> int:
         return len(self.items)
 
-    def __getitem__(self, idx: int) -> list[Sample]:
+    def __getitem__(self, idx: int) -> list[Any]:
+        """Row ``idx``'s samples (a dataset whose ``collate`` needs more adds it, as KTO's row index)."""
         return self.items[idx]
 
     def collate(self, items: Sequence[list[Sample]]) -> DataProto:
@@ -410,7 +415,7 @@ def reward_model_tokens(tokenizer: Any, prompt: Text, completion: Text) -> list[
     when it scores a policy's responses alike: the whole conversation rendered by the chat template and
     tokenized as one text, or for strings (no template) the prompt, a newline and the completion, with the
     tokenizer's special tokens (what a plain classifier expects)."""
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) or isinstance(completion, str):  # both text, or both messages
         return tokenizer(f"{prompt}\n{completion}")["input_ids"]
     text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -487,7 +492,7 @@ class RewardPairDataset(OfflineDataset):
 
     def collate(self, items: Sequence[list[Any]]) -> DataProto:
         batch = collate_samples([s for item in items for s in item[:2]], self.pad_id)
-        batch.batch["margin"] = torch.tensor([self.margins[item[2]] for item in items for _ in range(2)])
+        batch.tensors["margin"] = torch.tensor([self.margins[item[2]] for item in items for _ in range(2)])
         return batch
 
 
@@ -533,7 +538,7 @@ class KTODataset(OfflineDataset):
         sample.label = int(label)
         return [sample]
 
-    def __getitem__(self, idx: int) -> list[Sample]:
+    def __getitem__(self, idx: int) -> list[Any]:
         """``[sample]``; the collate needs the row's messages for the mismatched pairs, so it gets ``idx`` too."""
         return [*self.items[idx], idx]
 

@@ -203,7 +203,8 @@ def countdown_splits(
 ) -> tuple[list[Row], list[Row]]:
     """Distinct (numbers, target) problems; the known solution is kept in extra_info for debugging."""
     rng = random.Random(seed)
-    need, seen, rows = train_size + test_size, set(), []
+    need, seen = train_size + test_size, set()
+    rows: list[Row] = []
     for _ in range(200 * need + 1000):
         if len(rows) == need:
             break
@@ -407,7 +408,11 @@ def _shapes(args: argparse.Namespace) -> tuple[list[Row], list[Row]]:
     )
     if args.format == "rl":
         return splits
-    return tuple(visual_task.offline_rows(rows, args.format, args.seed, args.image_size) for rows in splits)
+    train, test = splits
+    return (
+        visual_task.offline_rows(train, args.format, args.seed, args.image_size),
+        visual_task.offline_rows(test, args.format, args.seed, args.image_size),
+    )
 
 
 _BUILDERS: dict[str, Callable[[argparse.Namespace], tuple[list[Row], list[Row]]]] = {

@@ -112,7 +112,8 @@ def shapes_splits(
     unknown = [c for c in colours if c not in COLOURS]
     if unknown or not colours:
         raise InputError(f"--colours: {unknown or 'none given'}; choose from {', '.join(sorted(COLOURS))}")
-    rng, seen, rows = random.Random(seed), set(), []
+    rng, seen = random.Random(seed), set()
+    rows: list[dict[str, Any]] = []
     for _ in range((train_size + test_size) * 50):
         if len(rows) == train_size + test_size:
             break

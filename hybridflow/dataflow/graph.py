@@ -50,7 +50,9 @@ class Router:
         if isinstance(route, str):
             if vectorized:
                 raise ValueError("Router(vectorized=True) needs a function of the batch, not a column name")
-            self._label_batch: Callable[[DataProto], Sequence[Any]] = lambda data: _column(data, route)
+            self._label_batch: Callable[[DataProto], Sequence[Any] | np.ndarray | torch.Tensor] = (
+                lambda data: _column(data, route)
+            )
         elif not callable(route):
             raise TypeError(f"Router needs a column name or a function, got {type(route).__name__}")
         elif vectorized:
@@ -70,11 +72,12 @@ class Router:
         return f"Router({getattr(self.route, '__name__', self.route)!r})"
 
 
-def _column(data: DataProto, key: str) -> Sequence[Any]:
+def _column(data: DataProto, key: str) -> Sequence[Any] | np.ndarray | torch.Tensor:
     if key in data.non_tensor_batch:
         return data.non_tensor_batch[key]
     if data.batch is not None and key in data.batch.keys():
-        return data.batch[key]
+        values: torch.Tensor = data.batch[key]
+        return values
     raise KeyError(f"Router: no column {key!r} to route on; available: {data.keys()}")
 
 

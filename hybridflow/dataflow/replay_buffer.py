@@ -42,7 +42,8 @@ def priority_probabilities(priorities: np.ndarray, alpha: float) -> np.ndarray:
     total = scaled.sum()
     if not total > 0:
         raise ValueError(f"cannot sample by priority: all {len(scaled)} priorities are zero")
-    return scaled / total
+    probabilities: np.ndarray = scaled / total
+    return probabilities
 
 
 def importance_weights(probabilities: np.ndarray, indices: np.ndarray, beta: float) -> np.ndarray:
@@ -52,7 +53,8 @@ def importance_weights(probabilities: np.ndarray, indices: np.ndarray, beta: flo
     be drawn (``P(j) > 0``), so a row's weight does not depend on which other rows were drawn with it.
     Returns float64 of shape ``indices.shape``, each in ``(0, 1]``."""
     smallest = probabilities[probabilities > 0].min()
-    return np.power(probabilities[indices] / smallest, -beta)
+    weights: np.ndarray = np.power(probabilities[indices] / smallest, -beta)
+    return weights
 
 
 def _as_priorities(priorities: np.ndarray | float, n: int, what: str) -> np.ndarray:
@@ -92,7 +94,7 @@ class ReplayBuffer:
         self._head = 0
         self._priorities = np.zeros(0, dtype=np.float64)
         self._next_id = 0
-        self._meta_info: dict = {}
+        self._meta_info: dict[str, Any] = {}
 
     def __len__(self) -> int:
         return len(self._priorities)
@@ -142,7 +144,7 @@ class ReplayBuffer:
         if ref.batch is None:
             return
         for key, stored in ref.batch.items():
-            new = data.batch[key]
+            new = data.tensors[key]
             if new.shape[1:] != stored.shape[1:] or new.dtype != stored.dtype:
                 raise ValueError(
                     f"push: tensor {key!r} has per-row shape {tuple(new.shape[1:])} and dtype {new.dtype}, "
@@ -239,7 +241,8 @@ class ReplayBuffer:
     @property
     def priorities(self) -> np.ndarray:
         """Priorities of the stored rows, oldest first, shape ``(len(self),)`` (a copy)."""
-        return self._priorities.copy()
+        priorities: np.ndarray = self._priorities.copy()
+        return priorities
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -301,7 +304,9 @@ class ScheduledSampler:
         self.phases = [
             _parse_phase(i, phase, defaults, last=i == len(schedule) - 1) for i, phase in enumerate(schedule)
         ]
-        bounds = [p.until_step for p in self.phases[:-1]]
+        bounds = [
+            p.until_step for p in self.phases[:-1] if p.until_step is not None
+        ]  # all but the last have one
         if any(a >= b for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"ScheduledSampler: until_step values must increase, got {bounds}")
 
@@ -337,7 +342,7 @@ class ScheduledSampler:
 
 def _phase_dict(phase: Mapping[str, Any] | Any) -> dict[str, Any]:
     """A config phase (mapping or dataclass) as a dict without its null values."""
-    items = dataclasses.asdict(phase) if dataclasses.is_dataclass(phase) else dict(phase)
+    items = dict(phase) if isinstance(phase, Mapping) else dataclasses.asdict(phase)
     return {k: v for k, v in items.items() if v is not None}
 
 

@@ -114,7 +114,8 @@ def top_k_per_group(values: np.ndarray, groups: np.ndarray, ratio: float) -> np.
     rank[order] = np.arange(n) - starts[groups[order]]
     # round first: 0.07 * 100 is 7.000000000000001 in floating point, whose ceil would be 8
     k = np.ceil(np.round(ratio * sizes, 9)).astype(np.int64)
-    return rank < k[groups]
+    selected: np.ndarray = rank < k[groups]
+    return selected
 
 
 def _scores(scores: Any, n: int, name: str) -> torch.Tensor:

@@ -50,13 +50,16 @@ def gguf_folder() -> Path:
 
 def _convert(dest: Path) -> None:
     """Load the GGUF model and tokenizer, check a saved copy, move it to `dest` (must not exist)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
     folder = gguf_folder()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32)
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=GGUF_FILE, dtype=torch.float32
+    )
     # The weights are already dequantised fp32; only the quantizer bookkeeping blocks save_pretrained.
-    model.hf_quantizer = None
+    # torch types Module.__setattr__'s value as Tensor | Module, though a module takes any attribute
+    model.hf_quantizer = None  # type: ignore[assignment]
     del model.config.quantization_config
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import json
 import random
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -41,6 +40,7 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
+    PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
 
@@ -183,8 +183,8 @@ def make_tiny_model(
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
     tokenizer = make_tiny_tokenizer(vocab_size)
-    eos_id = tokenizer.convert_tokens_to_ids(IM_END)
-    bos_id = tokenizer.convert_tokens_to_ids(IM_START)
+    eos_id = token_id(tokenizer, IM_END)
+    bos_id = token_id(tokenizer, IM_START)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -210,7 +210,7 @@ def make_tiny_model(
 
 
 def reply_mask(
-    tokenizer: PreTrainedTokenizerFast, conversation: list[dict[str, str]]
+    tokenizer: PreTrainedTokenizerBase, conversation: list[dict[str, str]]
 ) -> tuple[list[int], list[bool]]:
     """A conversation's token ids and which of them the model writes: the assistant turns after the last user
     message, each from its first token through the template's end of turn.
@@ -220,9 +220,12 @@ def reply_mask(
     through the turn; a template that rewrites earlier turns breaks that and is refused."""
 
     def render(messages: list[dict[str, str]], prompt: bool = False) -> list[int]:
-        return tokenizer.apply_chat_template(
+        ids = tokenizer.apply_chat_template(
             messages, add_generation_prompt=prompt, tokenize=True, return_dict=False
         )
+        if not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):  # tokenize=True: the ids
+            raise TypeError(f"apply_chat_template returned {ids!r:.80}, not token ids")
+        return cast(list[int], ids)  # checked above
 
     ids = render(conversation)
     mask = [False] * len(ids)
@@ -272,7 +275,8 @@ def teach_conversations(
         replies[r, : len(ids)] = torch.tensor(mask)
     targets, replies = input_ids[:, 1:], replies[:, 1:]  # position t predicts token t + 1
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    for step in itertools.count():
+    step = 0
+    while True:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
         log_probs = logits.float().log_softmax(-1).gather(-1, targets[..., None])[..., 0]
         least = log_probs.masked_fill(~replies, 0.0).flatten().argmin()
@@ -292,6 +296,15 @@ def teach_conversations(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
+        step += 1
+
+
+def token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
+    """The id of one ``token`` (``convert_tokens_to_ids`` types a list's result too)."""
+    found = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(found, int):
+        raise TypeError(f"convert_tokens_to_ids({token!r}) returned {found!r}")
+    return found
 
 
 # ------------------------------------------------------------------------------------ vision-language models
@@ -312,7 +325,7 @@ def vision_chat_template(placeholder: str) -> str:
 
 
 def _text_config(tokenizer: PreTrainedTokenizerFast, hidden: int, layers: int, **extra: Any) -> dict:
-    eos = tokenizer.convert_tokens_to_ids(IM_END)
+    eos = token_id(tokenizer, IM_END)
     return dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
@@ -322,7 +335,7 @@ def _text_config(tokenizer: PreTrainedTokenizerFast, hidden: int, layers: int, *
         num_key_value_heads=2,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
-        bos_token_id=tokenizer.convert_tokens_to_ids(IM_START),
+        bos_token_id=token_id(tokenizer, IM_START),
         eos_token_id=eos,
         pad_token_id=eos,
         **extra,
@@ -339,9 +352,9 @@ def _mrope(hidden: int) -> dict:
     }
 
 
-def _qwen_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, int]:
+def _qwen_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, Any]:  # config keywords
     names = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
-    return {name: tokenizer.convert_tokens_to_ids(token) for name, token in zip(names, QWEN_VISION_TOKENS)}
+    return {name: token_id(tokenizer, token) for name, token in zip(names, QWEN_VISION_TOKENS)}
 
 
 def _qwen2_vl(tokenizer: PreTrainedTokenizerFast, hidden: int, layers: int) -> tuple[PreTrainedModel, Any]:
@@ -424,7 +437,7 @@ def _llava(tokenizer: PreTrainedTokenizerFast, hidden: int, layers: int) -> tupl
     config = LlavaConfig(
         vision_config=vision,
         text_config=dict(model_type="llama", **_text_config(tokenizer, hidden, layers)),
-        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        image_token_index=token_id(tokenizer, "<image>"),
         vision_feature_select_strategy="default",
         vision_feature_layer=-1,
         tie_word_embeddings=True,
@@ -478,9 +491,9 @@ def make_tiny_vlm(
     tokenizer.chat_template = vision_chat_template(placeholder)
     torch.manual_seed(seed)
     model, image_processor = build(tokenizer, hidden_size, num_layers)
-    eos = tokenizer.convert_tokens_to_ids(IM_END)
+    eos = token_id(tokenizer, IM_END)
     model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.convert_tokens_to_ids(IM_START), eos_token_id=eos, pad_token_id=eos
+        bos_token_id=token_id(tokenizer, IM_START), eos_token_id=eos, pad_token_id=eos
     )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

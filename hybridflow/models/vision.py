@@ -20,7 +20,7 @@ import io
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -83,7 +83,8 @@ def register_vision_family(model_type: str, family: VisionFamily) -> None:
 
 def vision_family(hf_settings: Any) -> VisionFamily | None:
     """The family of a Hugging Face model config, or None for a text model."""
-    return VISION_FAMILIES.get(getattr(hf_settings, "model_type", None))
+    model_type = getattr(hf_settings, "model_type", None)
+    return VISION_FAMILIES.get(model_type) if isinstance(model_type, str) else None
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,10 +121,18 @@ def model_image_inputs(images: Sequence[ImageInput], device: torch.device | str)
     return {k: torch.from_numpy(np.concatenate([im.arrays[k] for im in images])).to(device) for k in keys}
 
 
-def _rope_module(model: torch.nn.Module) -> torch.nn.Module:
+class _RopeIndex(Protocol):
+    """The part of a Qwen vision-language model that places its 3-D rotary positions."""
+
+    config: Any
+
+    def get_rope_index(self, **inputs: Any) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def _rope_module(model: torch.nn.Module) -> _RopeIndex:
     for module in model.modules():
         if hasattr(type(module), "get_rope_index") and hasattr(module, "config"):
-            return module
+            return cast(_RopeIndex, module)  # it has both members, checked just now
     raise TypeError(f"{type(model).__name__} has no get_rope_index: not a Qwen vision-language model")
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -110,30 +110,49 @@ def union_numpy_dict(dict1: dict[str, np.ndarray], dict2: dict[str, np.ndarray])
     return dict1
 
 
-def list_of_dict_to_dict_of_list(list_of_dict: Sequence[dict]) -> dict[str, list]:
+def list_of_dict_to_dict_of_list(list_of_dict: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
     """``[{"a": 1}, {"a": 2, "b": 3}] -> {"a": [1, 2], "b": [3]}``: every key of every dict, in order of
     first appearance (verl's version fails on a key the first dict lacks)."""
-    out: dict[str, list] = {}
+    out: dict[str, list[Any]] = {}
     for entry in list_of_dict:
         for key, value in entry.items():
             out.setdefault(key, []).append(value)
     return out
 
 
-def merge_metrics(parts: Sequence[Any]) -> dict[str, list]:
+def merge_metrics(parts: Sequence[Any]) -> dict[str, list[Any]]:
     """Workers' ``meta_info["metrics"]`` (each a dict, or a list of dicts as verl's workers give) as one dict
     of lists: each key keeps every part's values in order; a value that is itself a list (one per
     micro-batch) is spliced in, so ranks with different micro-batch counts still average correctly."""
-    entries: list[dict] = []
+    entries: list[dict[str, Any]] = []
     for metrics in parts:
         if isinstance(metrics, dict):
             entries.append(metrics)
         elif isinstance(metrics, list | tuple):
             entries.extend(metrics)
-    merged: dict[str, list] = {}
+    merged: dict[str, list[Any]] = {}
     for key, values in list_of_dict_to_dict_of_list(entries).items():
         merged[key] = [v for value in values for v in (value if isinstance(value, list) else [value])]
     return merged
+
+
+def top_keys(batch: TensorDict) -> list[str]:
+    """``batch``'s top-level keys as strings: tensordict types a key as a nested key (``str | tuple``), which
+    ``keys()`` without ``include_nested`` never yields."""
+    return [cast(str, key) for key in batch.keys()]
+
+
+def tensor_items(batch: TensorDict) -> list[tuple[str, torch.Tensor]]:
+    """``batch``'s ``(key, tensor)`` pairs; a TypeError naming the key where a value is not a tensor (a
+    DataProto's columns are tensors, while tensordict allows nested TensorDicts too)."""
+    items = []
+    for key, value in batch.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"batch[{key!r}] is a {type(value).__name__}; a DataProto's tensors are torch tensors"
+            )
+        items.append((key, value))
+    return items
 
 
 # ------------------------------------------------------------------ tensors as bytes
@@ -163,7 +182,7 @@ def serialize_tensordict(batch: TensorDict) -> tuple[tuple[int, ...], str | None
     """``(batch size, device, {key: encoded})``; a nested (jagged) tensor is encoded as
     ``(layout, [each component encoded])``."""
     items: dict[str, Any] = {}
-    for key, value in batch.items():
+    for key, value in tensor_items(batch):
         if value.is_nested:
             items[key] = (
                 str(value.layout).removeprefix("torch."),

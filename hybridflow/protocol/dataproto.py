@@ -23,9 +23,10 @@ import pickle
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
+import tensordict
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
@@ -35,7 +36,9 @@ from hybridflow.protocol.columns import (
     merge_metrics,
     object_array,
     serialize_tensordict,
+    tensor_items,
     tensors_equal,
+    top_keys,
     union_numpy_dict,
     union_tensor_dict,
 )
@@ -73,7 +76,7 @@ class DataProtoItem:
 
     batch: TensorDict | None = None
     non_tensor_batch: dict[str, Any] = field(default_factory=dict)
-    meta_info: dict = field(default_factory=dict)
+    meta_info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -83,7 +86,7 @@ class DataProto:
 
     batch: TensorDict | None = None
     non_tensor_batch: dict[str, np.ndarray] = field(default_factory=dict)
-    meta_info: dict = field(default_factory=dict)
+    meta_info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.non_tensor_batch is None:
@@ -98,7 +101,7 @@ class DataProto:
         cls,
         tensors: dict[str, torch.Tensor] | None = None,
         non_tensors: dict[str, Any] | None = None,
-        meta_info: dict | None = None,
+        meta_info: dict[str, Any] | None = None,
         num_batch_dims: int = 1,
         auto_padding: bool = False,
     ) -> DataProto:
@@ -117,7 +120,7 @@ class DataProto:
             sizes = {k: (v.shape[0] if v.dim() else None) for k, v in tensors.items()}
             if len(set(sizes.values())) != 1 or None in sizes.values():
                 raise ValueError(f"DataProto tensors must share their first dimension; got sizes {sizes}")
-            batch = TensorDict(dict(tensors), batch_size=[next(iter(sizes.values()))])
+            batch = TensorDict(dict(tensors), batch_size=[len(next(iter(tensors.values())))])
         columns = {k: v if _is_object_column(v) else object_array(v) for k, v in non_tensors.items()}
         meta = dict(meta_info or {})
         if auto_padding:
@@ -126,7 +129,7 @@ class DataProto:
 
     @classmethod
     def from_single_dict(
-        cls, data: dict[str, Any], meta_info: dict | None = None, auto_padding: bool = False
+        cls, data: dict[str, Any], meta_info: dict[str, Any] | None = None, auto_padding: bool = False
     ) -> DataProto:
         """Build from one dict: torch tensors go to ``batch``, lists and numpy arrays to ``non_tensor_batch``."""
         tensors = {k: v for k, v in data.items() if isinstance(v, torch.Tensor)}
@@ -138,7 +141,7 @@ class DataProto:
 
     @classmethod
     def from_tensordict(
-        cls, tensor_dict: TensorDict, meta_info: dict | None = None, num_batch_dims: int = 1
+        cls, tensor_dict: TensorDict, meta_info: dict[str, Any] | None = None, num_batch_dims: int = 1
     ) -> DataProto:
         """Inverse of ``to_tensordict``: tensors -> ``batch``, ``NonTensorStack`` entries -> non-tensor columns,
         ``NonTensorData`` entries -> ``meta_info``."""
@@ -146,8 +149,10 @@ class DataProto:
             raise ValueError(
                 f"from_tensordict: num_batch_dims={num_batch_dims}; a DataProto has one batch dimension"
             )
-        tensors, columns, meta = {}, {}, dict(meta_info or {})
-        for key in tensor_dict.keys():
+        tensors: dict[str, torch.Tensor] = {}
+        columns: dict[str, np.ndarray] = {}
+        meta = dict(meta_info or {})
+        for key in top_keys(tensor_dict):
             value = tensor_dict.get(key)
             if isinstance(value, NonTensorStack):
                 columns[key] = object_array(item.data for item in value)
@@ -171,7 +176,8 @@ class DataProto:
             )
         out = TensorDict(tensors, batch_size=[len(self)])
         for key, column in self.non_tensor_batch.items():
-            out[key] = NonTensorStack.from_list([NonTensorData(v) for v in column])
+            values: list[Any] = [NonTensorData(v) for v in column]  # from_list takes any values
+            out[key] = NonTensorStack.from_list(values)
         for key, value in self.meta_info.items():
             out[key] = NonTensorData(value)
         return out
@@ -199,6 +205,16 @@ class DataProto:
                 )
 
     # ------------------------------------------------------------------ reading
+    @property
+    def tensors(self) -> TensorDict:
+        """``batch`` where the tensors must be there (a generation, training or scoring batch): the
+        ``TensorDict`` itself (``data.tensors["x"] = t`` sets a column), never None; a ValueError listing the
+        columns this DataProto holds when it has no tensors. Code that accepts a batch without tensors tests
+        ``batch is None`` instead."""
+        if self.batch is None:
+            raise ValueError(f"this DataProto holds no tensors (batch is None); its columns: {self.keys()}")
+        return self.batch
+
     def __len__(self) -> int:
         if self.batch is not None:
             return int(self.batch.batch_size[0])
@@ -206,7 +222,7 @@ class DataProto:
 
     def keys(self) -> list[str]:
         """Names of every tensor and non-tensor column (handy for seeing what flows through a dataflow)."""
-        return list(self.batch.keys() if self.batch is not None else []) + list(self.non_tensor_batch)
+        return (top_keys(self.batch) if self.batch is not None else []) + list(self.non_tensor_batch)
 
     def __repr__(self) -> str:
         tensors = {k: tuple(v.shape) for k, v in self.batch.items()} if self.batch is not None else {}
@@ -217,9 +233,8 @@ class DataProto:
 
     def print_size(self, prefix: str = "") -> None:
         """Print the GiB held by the tensors and by the non-tensor arrays (object arrays count pointers)."""
-        tensor_bytes = (
-            sum(t.element_size() * t.numel() for t in self.batch.values()) if self.batch is not None else 0
-        )
+        tensors = tensor_items(self.batch) if self.batch is not None else []
+        tensor_bytes = sum(t.element_size() * t.numel() for _, t in tensors)
         numpy_bytes = sum(a.nbytes for a in self.non_tensor_batch.values())
         message = f"Size of tensordict: {tensor_bytes / 2**30} GB, size of non_tensor_batch: {numpy_bytes / 2**30} GB"
         print(f"{prefix}, {message}" if prefix else message)
@@ -235,7 +250,13 @@ class DataProto:
         lines += [f"  {k}: {_type_info(v)}" for k, v in self.meta_info.items()]
         return "\n".join(lines)
 
-    def __getitem__(self, item: Index) -> DataProtoItem | DataProto:
+    @overload
+    def __getitem__(self, item: int | np.integer[Any]) -> DataProtoItem: ...
+
+    @overload
+    def __getitem__(self, item: slice | Sequence[int] | np.ndarray | torch.Tensor) -> DataProto: ...
+
+    def __getitem__(self, item: Index | np.integer[Any]) -> DataProtoItem | DataProto:
         """An int gives one row (``DataProtoItem``); a slice, index list, bool mask or index tensor gives a
         DataProto of those rows."""
         if isinstance(item, int | np.integer):
@@ -314,7 +335,7 @@ class DataProto:
         batch, non_tensors, meta = self._split_keys(
             batch_keys or [], non_tensor_batch_keys or [], meta_info_keys or []
         )
-        tensors = {k: self.batch.pop(k) for k in batch} if self.batch is not None else {}
+        tensors = {k: self.batch.pop(k) for k in batch or []} if self.batch is not None else {}
         return DataProto(
             batch=TensorDict(tensors, batch_size=[len(self)]) if tensors else None,
             non_tensor_batch={k: self.non_tensor_batch.pop(k) for k in non_tensors},
@@ -328,22 +349,29 @@ class DataProto:
         if len(old) != len(new):
             raise ValueError(f"rename: {len(old)} old keys but {len(new)} new keys")
         self._split_keys(old, [], [])
-        self.batch.rename_key_(tuple(old), tuple(new))
+        if self.batch is not None:  # no tensors: nothing (and, checked above, no key) to rename
+            self.batch.rename_key_(tuple(old), tuple(new))
         return self
 
-    def _split_keys(self, batch_keys, non_tensor_keys, meta_keys) -> tuple[list | None, list, list]:
-        available = list(self.batch.keys()) if self.batch is not None else []
+    def _split_keys(
+        self,
+        batch_keys: Iterable[str] | None,
+        non_tensor_keys: Iterable[str] | None,
+        meta_keys: Iterable[str] | None,
+    ) -> tuple[list[str] | None, list[str], list[str]]:
+        # each kind listed once: a generator of keys would be used up by the check below
+        available = top_keys(self.batch) if self.batch is not None else []
         batch = None if batch_keys is None else list(batch_keys)
-        for kind, wanted, have in (
-            ("batch", batch, available),
-            ("non_tensor_batch", non_tensor_keys, self.non_tensor_batch),
-            ("meta_info", meta_keys, self.meta_info),
-        ):
-            missing = [k for k in (wanted or []) if k not in have]
-            if missing:
-                raise KeyError(f"{kind} has no key(s) {missing}; available: {sorted(have)}")
         non_tensors = list(self.non_tensor_batch) if non_tensor_keys is None else list(non_tensor_keys)
         meta = list(self.meta_info) if meta_keys is None else list(meta_keys)
+        for kind, wanted, have in (
+            ("batch", batch or [], available),
+            ("non_tensor_batch", non_tensors, list(self.non_tensor_batch)),
+            ("meta_info", meta, list(self.meta_info)),
+        ):
+            missing = [k for k in wanted if k not in have]
+            if missing:
+                raise KeyError(f"{kind} has no key(s) {missing}; available: {sorted(have)}")
         return batch, non_tensors, meta
 
     def union(self, other: DataProto) -> DataProto:
@@ -380,11 +408,11 @@ class DataProto:
         }
         if len(key_sets) != 1:
             raise ValueError(f"DataProto.concat: parts have different keys: {sorted(key_sets)}")
-        batch = torch.cat([p.batch for p in data], dim=0) if data[0].batch is not None else None
+        batch = tensordict.cat([p.tensors for p in data], dim=0) if data[0].batch is not None else None
         non_tensors = {
             k: np.concatenate([p.non_tensor_batch[k] for p in data]) for k in data[0].non_tensor_batch
         }
-        meta: dict = {}
+        meta: dict[str, Any] = {}
         for part in data:
             others = {k: v for k, v in part.meta_info.items() if k != "metrics"}
             check_union("meta_info", meta, others, "concat")
@@ -522,7 +550,7 @@ class DataProto:
         mini_batch_size: int,
         epochs: int = 1,
         seed: int | None = None,
-        dataloader_kwargs: dict | None = None,
+        dataloader_kwargs: dict[str, Any] | None = None,
         *,
         shuffle: bool = False,
     ) -> Iterator[DataProto]:
@@ -547,14 +575,14 @@ class DataProto:
                     yield mini
 
     # ------------------------------------------------------------------ persistence
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         return {
             "batch": serialize_tensordict(self.batch) if self.batch is not None else None,
             "non_tensor_batch": self.non_tensor_batch,
             "meta_info": self.meta_info,
         }
 
-    def __setstate__(self, state: dict) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         self.batch = deserialize_tensordict(state["batch"]) if state["batch"] is not None else None
         self.non_tensor_batch = state["non_tensor_batch"]
         self.meta_info = state["meta_info"]

@@ -9,12 +9,15 @@ anything else, 0.0 otherwise.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 EXACT_SCORE, CHATTER_SCORE = 1.0, 0.5
 _AFTER_EQUALS = re.compile(r"\s*(-?\d+)")
 
 
-def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict[str, float]:
+def compute_score(
+    solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
+) -> dict[str, float]:
     """{"score": 1.0 / 0.5 / 0.0, "acc": 1.0 or 0.0}; `extra_info` {"a", "b"} pins the form's operands."""
     truth = str(ground_truth).strip()
     _, equals, rest = solution_str.partition("=")
@@ -28,7 +31,7 @@ def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None 
     return {"score": score, "acc": float(correct)}
 
 
-def reference_answer(ground_truth: str, extra_info: dict | None = None) -> str | None:
+def reference_answer(ground_truth: str, extra_info: dict[str, Any] | None = None) -> str | None:
     """The reply ``compute_score`` gives full marks (``A+B=<sum>``); None without the operands in ``extra_info``."""
     info = extra_info or {}
     return f"{info['a']}+{info['b']}={str(ground_truth).strip()}" if "a" in info and "b" in info else None

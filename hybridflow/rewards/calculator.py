@@ -11,18 +11,19 @@ wrong answer after a well-formed calculator call (a small push towards using the
 from __future__ import annotations
 
 import re
+from typing import Any
 
 _AFTER_EQUALS = re.compile(r"\s*(-?\d+)")
 _NUMBER = re.compile(r"(-?\d+)")
 TOOL_SCORE = 0.1
 
 
-def _final_answer(solution_str: str, info: dict) -> str:
+def _final_answer(solution_str: str, info: dict[str, Any]) -> str:
     answers = [m["content"] for m in info.get("messages") or [] if m["role"] == "assistant"]
     return answers[-1] if answers else solution_str
 
 
-def _called_calculator(info: dict) -> bool:
+def _called_calculator(info: dict[str, Any]) -> bool:
     return any(
         call["name"] == "calculator" and call["error"] is None
         for turn in info.get("tool_calls") or []
@@ -30,7 +31,9 @@ def _called_calculator(info: dict) -> bool:
     )
 
 
-def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict[str, float]:
+def compute_score(
+    solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
+) -> dict[str, float]:
     """{"score", "acc", "tool_call_ok"}; `extra_info` {"a", "b"} pins the answer's form."""
     info, truth = extra_info or {}, str(ground_truth).strip()
     answer = _final_answer(solution_str, info).strip()
@@ -44,7 +47,7 @@ def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None 
     return {"score": score, "acc": float(correct), "tool_call_ok": float(tool_ok)}
 
 
-def reference_answer(ground_truth: str, extra_info: dict | None = None) -> str | None:
+def reference_answer(ground_truth: str, extra_info: dict[str, Any] | None = None) -> str | None:
     """The reply ``compute_score`` gives full marks (``A*B=<product>``); None without the factors in ``extra_info``."""
     info = extra_info or {}
     return f"{info['a']}*{info['b']}={str(ground_truth).strip()}" if "a" in info and "b" in info else None

@@ -115,7 +115,9 @@ class CodeScorer:
         """What the sandbox runs: the harness, then its call on the spec (JSON in a string literal)."""
         return f"{HARNESS}\nmain(json.loads({json.dumps(self.program_spec(program, tests))!r}))\n"
 
-    def score(self, response: str, ground_truth: Any, extra_info: dict | None = None) -> dict[str, float]:
+    def score(
+        self, response: str, ground_truth: Any, extra_info: dict[str, Any] | None = None
+    ) -> dict[str, float]:
         """One sample's result dict (see the module docstring)."""
         tests = parse_tests(ground_truth)
         code = self.sandbox_code(extract_program(response, tests), tests)
@@ -153,13 +155,13 @@ class CodeScorer:
             return list(pool.map(lambda item: self.score(*item), items))
 
     def __call__(
-        self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+        self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None
     ) -> dict[str, float]:
         """``compute_score``'s signature, for ``custom_reward_function`` files that delegate code rows here."""
         return self.score(solution_str, ground_truth, extra_info)
 
 
-def _report(stdout: str) -> dict | None:
+def _report(stdout: str) -> dict[str, Any] | None:
     """The harness's one result line; None when it is missing, repeated or not the JSON it writes."""
     lines = [line for line in stdout.splitlines() if line.startswith(RESULT_MARKER)]
     if len(lines) != 1:
@@ -181,6 +183,8 @@ def _passed(entry: Any, tests: CodeTests, index: int) -> bool:
     return True
 
 
-def compute_score(solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> dict[str, float]:
+def compute_score(
+    solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None
+) -> dict[str, float]:
     """The rule-scorer form (``RULE_SCORERS``): the default limits, one sample."""
     return CodeScorer().score(solution_str, ground_truth, extra_info)

@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 RESULT_MARKER = "@@hybridflow-code-result@@"
 PR_SET_DUMPABLE = 4
@@ -38,7 +40,9 @@ ERROR_TAIL = 300  # characters of a failing test's stderr kept for the report
 ERROR_BYTES = 4096  # bytes of stderr kept while reading
 
 
-def _child(spec: dict, test: dict, stdin_fd: int, out_w: int, err_w: int, done_w: int) -> None:
+def _child(
+    spec: dict[str, Any], test: dict[str, Any], stdin_fd: int, out_w: int, err_w: int, done_w: int
+) -> None:
     """In the test's process: its own session (the parent kills the group), the pipes as 0/1/2 and 3, the
     per-test CPU limit, then the program and the test."""
     os.setsid()
@@ -48,7 +52,10 @@ def _child(spec: dict, test: dict, stdin_fd: int, out_w: int, err_w: int, done_w
     cpu = int(spec["test_cpu_s"])
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     kind, payload = spec["kind"], b""
-    namespace = {"__name__": "__main__" if kind == "stdio" else "solution", "__builtins__": __builtins__}
+    namespace: dict[str, Any] = {
+        "__name__": "__main__" if kind == "stdio" else "solution",
+        "__builtins__": __builtins__,
+    }
     try:
         try:
             exec(compile(spec["program"], "solution.py", "exec"), namespace)
@@ -63,8 +70,8 @@ def _child(spec: dict, test: dict, stdin_fd: int, out_w: int, err_w: int, done_w
                 exec(compile(spec["setup"], "setup.py", "exec"), namespace)
             exec(compile(test["code"], "test.py", "exec"), namespace)
         elif kind == "call":
-            target = namespace.get("Solution")
-            owner = target() if isinstance(target, type) else None
+            solution = namespace.get("Solution")
+            owner = solution() if isinstance(solution, type) else None
             fn = getattr(owner, test["fn_name"]) if owner is not None else namespace[test["fn_name"]]
             payload = json.dumps(fn(*test["args"])).encode()
     except BaseException:  # noqa: BLE001 - whatever the program raised fails this test, nothing else
@@ -77,13 +84,14 @@ def _child(spec: dict, test: dict, stdin_fd: int, out_w: int, err_w: int, done_w
 
 
 def _read_until_done(
-    pid: int, fds: dict, deadline: float, cap: int | None
-) -> tuple[dict, str | None, int | None]:
+    pid: int, fds: dict[int, str], deadline: float, cap: int | None
+) -> tuple[dict[str, bytearray], str | None, int | None]:
     """Read the child's pipes until it has exited and they are drained, the deadline passes (``timeout``)
     or its stdout exceeds ``cap`` (``output_limit``; None: stdout is not kept, however long): ``(bytes per
     pipe name, how it ended or None, its wait status if it was reaped)``. Of stderr only the end is kept."""
     got = {name: bytearray() for name in fds.values()}
-    open_fds, ended, status = set(fds), None, None
+    open_fds, ended = set(fds), None
+    status: int | None = None
     while open_fds:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -103,21 +111,21 @@ def _read_until_done(
             ended = "output_limit"
             break
         if status is None:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            status = status if done else None
+            done, code = os.waitpid(pid, os.WNOHANG)
+            status = code if done else None
         if status is not None and not ready:  # exited, and nothing more came: leftovers may hold the pipes
             break
     return got, ended, status
 
 
-def _kill(how, target: int) -> None:
+def _kill(how: Callable[[int, int], None], target: int) -> None:
     try:
         how(target, signal.SIGKILL)
     except ProcessLookupError:
         pass
 
 
-def _run_test(spec: dict, index: int, seconds: float) -> dict:
+def _run_test(spec: dict[str, Any], index: int, seconds: float) -> dict[str, Any]:
     test = spec["tests"][index]
     stdin = tempfile.TemporaryFile()
     stdin.write(test.get("stdin", "").encode())
@@ -153,7 +161,7 @@ def _run_test(spec: dict, index: int, seconds: float) -> dict:
     return result
 
 
-def main(spec: dict) -> None:
+def main(spec: dict[str, Any]) -> None:
     ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     try:
         compile(spec["program"], "solution.py", "exec")

@@ -56,8 +56,9 @@ def _strings(value: Any, what: str, where: str) -> list[str]:
     return value
 
 
-def _text(value: Any) -> str:
-    """A stdin/stdout entry: text, or (as some datasets store them) a list of lines."""
+def _text(value: Any) -> Any:
+    """A stdin/stdout entry: text, or (as some datasets store them) a list of lines, joined; anything else as
+    it is, for the caller to refuse."""
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return "\n".join(value) + "\n"
     return value
@@ -90,7 +91,7 @@ def parse_tests(ground_truth: Any, where: str = "ground truth") -> CodeTests:
     raise InputError(f"{where}: no code tests found (keys {sorted(spec)}); expected {FORMATS}")
 
 
-def _humaneval(spec: dict, where: str) -> CodeTests:
+def _humaneval(spec: dict[str, Any], where: str) -> CodeTests:
     test, entry, prompt = spec.get("test"), spec.get("entry_point"), spec.get("prompt", "")
     if not isinstance(test, str) or "def check" not in test:
         raise InputError(f"{where}: a HumanEval test must be a string defining check(candidate)")
@@ -103,7 +104,7 @@ def _humaneval(spec: dict, where: str) -> CodeTests:
     )
 
 
-def _input_output(spec: dict, where: str) -> CodeTests:
+def _input_output(spec: dict[str, Any], where: str) -> CodeTests:
     inputs, outputs, fn_name = spec["inputs"], spec["outputs"], spec.get("fn_name")
     if not isinstance(inputs, list) or not isinstance(outputs, list) or not inputs:
         raise InputError(f"{where}: inputs and outputs must be non-empty lists")
@@ -152,7 +153,8 @@ def extract_program(response: str, tests: CodeTests) -> str:
     whole program (after the prompt's imports); anything else completes the prompt's function."""
     blocks = _blocks(response)
     defining = [b for b in blocks if re.search(r"^\s*(def|class)\s", b, re.M)]
-    code = (defining or blocks or [None])[-1]
+    found = defining or blocks
+    code = found[-1] if found else None
     if tests.kind != "humaneval":
         return response if code is None else code
     if code is not None and re.search(rf"^\s*def\s+{re.escape(tests.entry_point)}\s*\(", code, re.M):

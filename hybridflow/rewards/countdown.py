@@ -13,6 +13,7 @@ import json
 import re
 from collections import Counter
 from fractions import Fraction
+from typing import Any
 
 CORRECT_SCORE, FORMAT_SCORE = 1.0, 0.1
 MAX_EQUATION_CHARS = 500
@@ -44,7 +45,9 @@ def _evaluate(node: ast.AST) -> Fraction:
     """Exact value of a tree `_numbers` accepted; ZeroDivisionError on division by zero."""
     if isinstance(node, ast.BinOp):
         return _OPS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
-    return Fraction(node.value)
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return Fraction(node.value)
+    raise ValueError(f"not a number: {ast.dump(node)[:80]}")  # _numbers refuses it first
 
 
 def parse_equation(equation: str) -> ast.AST | None:
@@ -59,7 +62,9 @@ def parse_equation(equation: str) -> ast.AST | None:
     return tree
 
 
-def compute_score(solution_str: str, ground_truth: str | dict, extra_info: dict | None = None) -> float:
+def compute_score(
+    solution_str: str, ground_truth: str | dict[str, Any], extra_info: dict[str, Any] | None = None
+) -> float:
     """`ground_truth`: {"target": int, "numbers": [int, ...]} or its JSON string."""
     truth = json.loads(ground_truth) if isinstance(ground_truth, str) else ground_truth
     equation = extract_equation(solution_str)
@@ -75,7 +80,9 @@ def compute_score(solution_str: str, ground_truth: str | dict, extra_info: dict 
     return CORRECT_SCORE if value == truth["target"] else FORMAT_SCORE
 
 
-def reference_answer(ground_truth: str | dict, extra_info: dict | None = None) -> str | None:
+def reference_answer(
+    ground_truth: str | dict[str, Any], extra_info: dict[str, Any] | None = None
+) -> str | None:
     """A reply ``compute_score`` gives full marks: the known solution (``prepare-data countdown`` keeps it in
     ``extra_info["solution"]``) in ``<answer>`` tags; None without one."""
     solution = (extra_info or {}).get("solution")

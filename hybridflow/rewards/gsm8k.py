@@ -10,7 +10,7 @@ for 1250 and 72 (verl compares strings and gives them 0).
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _STRICT = re.compile(r"#### \$?(-?[0-9.,]+)")
@@ -56,16 +56,16 @@ def compute_score(
     return score if right else format_score
 
 
-def strict(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+def strict(solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None) -> float:
     """The ``openai/gsm8k`` rule: ``compute_score`` with verl's defaults."""
     return compute_score(solution_str, ground_truth)
 
 
-def flexible(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+def flexible(solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None) -> float:
     """The ``gsm8k`` rule: the reply's last number counts, with or without ``####``."""
     return compute_score(solution_str, ground_truth, method="flexible")
 
 
-def reference_answer(ground_truth: str, extra_info: dict | None = None) -> str:
+def reference_answer(ground_truth: str, extra_info: dict[str, Any] | None = None) -> str:
     """A reply ``compute_score`` gives full marks: the answer after ``####``."""
     return f"#### {ground_truth}"

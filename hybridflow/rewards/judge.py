@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from hybridflow.config.checks import required
 from hybridflow.config.schema import JudgeConfig
 from hybridflow.utils.errors import UserError
 
@@ -102,18 +103,23 @@ class EndpointJudge:
 
     def __init__(self, config: JudgeConfig) -> None:
         self.config = config
-        self.base_url = config.base_url.rstrip("/")
+        self.base_url = required(config.base_url, "reward_model.judge.base_url").rstrip("/")
         self.key = os.environ.get(config.api_key_env, "") if config.api_key_env else ""
         self._model = config.model
 
-    def _request(self, path: str, body: dict | None = None) -> dict:
+    def _request(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
         if self.key:
             headers["Authorization"] = f"Bearer {self.key}"
         request = urllib.request.Request(f"{self.base_url}{path}", data=data, headers=headers)
         with urllib.request.urlopen(request, timeout=self.config.request_timeout_s) as answer:
-            return json.loads(answer.read())
+            reply = json.loads(answer.read())
+        if not isinstance(reply, dict):
+            raise ValueError(
+                f"the judge endpoint {self.base_url}{path} answered {reply!r:.120}, not a JSON object"
+            )
+        return reply
 
     def model(self) -> str:
         """``judge.model``, else the first model the endpoint lists (``GET /models``), asked once."""

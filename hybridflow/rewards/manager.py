@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from hybridflow.algorithms import sequence_to_token_scores
 from hybridflow.protocol import DataProto
@@ -19,7 +20,7 @@ from hybridflow.utils.errors import InputError, UserError
 CONVERSATION_KEYS = ("messages", "tool_calls", "tool_rewards")
 
 
-def _function_name(fn: Callable) -> str:
+def _function_name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
@@ -43,11 +44,11 @@ def checked_score(result: Any, where: str) -> dict[str, Any]:
     """What a reward function returned, as a dict whose ``"score"`` is a finite float: the one rule for what
     a scorer may return (``SCORE_RULE``), applied by training and by ``hybridflow doctor`` alike, so doctor
     passes exactly the scorers training accepts. Raises ``InputError`` naming ``where``."""
-    result = dict(result) if isinstance(result, dict) else {"score": result}
-    if "score" not in result:
-        raise InputError(f"{where} returned a dict without 'score' (keys {sorted(result)}): {SCORE_RULE}")
-    result["score"] = _as_score(result["score"], where)
-    return result
+    scored: dict[str, Any] = dict(result) if isinstance(result, dict) else {"score": result}
+    if "score" not in scored:
+        raise InputError(f"{where} returned a dict without 'score' (keys {sorted(scored)}): {SCORE_RULE}")
+    scored["score"] = _as_score(scored["score"], where)
+    return scored
 
 
 class RewardManager:
@@ -67,7 +68,7 @@ class RewardManager:
 
     def __init__(
         self,
-        tokenizer,
+        tokenizer: PreTrainedTokenizerBase,
         compute_score: Callable[..., Score] | None = None,
         num_examine: int = 0,
         reward_fn_key: str = "data_source",
@@ -80,9 +81,11 @@ class RewardManager:
     def response_mask(self, data: DataProto) -> torch.Tensor:
         """`(bs, response_length)` mask of real response tokens: `response_mask`, else the tail of
         `attention_mask` (which spans prompt + response)."""
-        if "response_mask" in data.batch.keys():
-            return data.batch["response_mask"]
-        return data.batch["attention_mask"][:, -data.batch["responses"].shape[1] :]
+        if "response_mask" in data.tensors.keys():
+            mask: torch.Tensor = data.tensors["response_mask"]
+        else:
+            mask = data.tensors["attention_mask"][:, -data.tensors["responses"].shape[1] :]
+        return mask
 
     def _score_one(
         self, i: int, data_source: Any, text: str, ground_truth: Any, extra_info: Any
@@ -125,6 +128,12 @@ class RewardManager:
             )
         return [self._checked(i, sources[i], texts[i], result) for i, result in enumerate(raw)]
 
+    @overload
+    def __call__(self, data: DataProto, return_dict: Literal[False] = False) -> torch.Tensor: ...
+
+    @overload
+    def __call__(self, data: DataProto, return_dict: Literal[True]) -> dict[str, Any]: ...
+
     def __call__(self, data: DataProto, return_dict: bool = False) -> torch.Tensor | dict[str, Any]:
         """`token_level_scores` `(bs, response_length)` float32 on the CPU, zero except each row's last
         valid token (column 0 for an empty response, so sequence-level sums still see the score).
@@ -138,12 +147,12 @@ class RewardManager:
                 raise KeyError(
                     f"RewardManager needs non_tensor_batch[{key!r}]; the batch has {sorted(columns)}"
                 )
-        responses = data.batch["responses"].cpu()
+        responses = data.tensors["responses"].cpu()
         mask = self.response_mask(data).bool().cpu()
         texts = self.tokenizer.batch_decode(
             [row[m].tolist() for row, m in zip(responses, mask)], skip_special_tokens=True
         )
-        extra_infos = columns.get("extra_info", [None] * len(texts))
+        extra_infos: Sequence[Any] | np.ndarray = columns.get("extra_info", [None] * len(texts))
         if "messages" in columns:
             extra_infos = [
                 {**(info or {}), **{k: columns[k][i] for k in CONVERSATION_KEYS if k in columns}}

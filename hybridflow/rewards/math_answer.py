@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from fractions import Fraction
+from typing import Any
 
 _DROP = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "^\\circ", "^{\\circ}", "\\%", "%", "$", " ")
 _FRAC = re.compile(r"^(-?)\\frac\{(\d+)\}\{(\d+)\}$")
@@ -53,7 +55,7 @@ def as_number(answer: str) -> Fraction | None:
 
 
 @functools.lru_cache(maxsize=1)
-def _math_verify():
+def _math_verify() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
     """(parse, verify) from math_verify when it is installed, else None; looked up once."""
     try:
         from math_verify import parse, verify
@@ -62,7 +64,7 @@ def _math_verify():
     return parse, verify
 
 
-def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+def compute_score(solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None) -> float:
     """1.0 when the last boxed answer equals the ground truth (itself boxed or plain), else 0.0."""
     predicted = last_boxed(solution_str)
     truth = str(ground_truth)
@@ -80,7 +82,7 @@ def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None 
     return float(predicted == truth)
 
 
-def reference_answer(ground_truth: str, extra_info: dict | None = None) -> str:
+def reference_answer(ground_truth: str, extra_info: dict[str, Any] | None = None) -> str:
     """A reply ``compute_score`` gives full marks: the answer in ``\\boxed{}``."""
     truth = str(ground_truth)
     return f"\\boxed{{{last_boxed(truth) or truth}}}"

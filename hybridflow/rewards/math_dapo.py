@@ -44,11 +44,11 @@ def compute_score(solution_str: str, ground_truth: str, strict_box_verify: bool 
     return {"score": 1.0 if right else -1.0, "acc": right, "pred": pred}
 
 
-def rule(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict[str, Any]:
+def rule(solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None) -> dict[str, Any]:
     """The data-source rule: ``compute_score`` with verl's defaults."""
     return compute_score(solution_str, ground_truth)
 
 
-def reference_answer(ground_truth: str, extra_info: dict | None = None) -> str:
+def reference_answer(ground_truth: str, extra_info: dict[str, Any] | None = None) -> str:
     """A reply ``rule`` gives full marks: the ground truth on an ``Answer:`` line."""
     return f"Answer: {ground_truth}"

@@ -55,7 +55,7 @@ class BatchScorer(Protocol):
     """A scorer that also takes a whole batch (the reward manager then calls ``score_batch`` once)."""
 
     def __call__(
-        self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+        self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None
     ) -> Score: ...
 
     def score_batch(
@@ -63,12 +63,12 @@ class BatchScorer(Protocol):
         data_sources: Sequence[str],
         solution_strs: Sequence[str],
         ground_truths: Sequence[Any],
-        extra_infos: Sequence[dict | None],
+        extra_infos: Sequence[dict[str, Any] | None],
     ) -> list[Score]: ...
 
 
 def default_compute_score(
-    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None
 ) -> Score:
     """Score one response with the rule scorer registered for its `data_source` (or its prefix)."""
     scorer = RULE_SCORERS.get(data_source) or next(
@@ -90,7 +90,7 @@ class RuleScorers:
         self.code = code or CodeScorer()
 
     def __call__(
-        self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+        self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None
     ) -> Score:
         if data_source in CODE_SOURCES:
             return self.code.score(solution_str, ground_truth, extra_info)
@@ -101,20 +101,23 @@ class RuleScorers:
         data_sources: Sequence[str],
         solution_strs: Sequence[str],
         ground_truths: Sequence[Any],
-        extra_infos: Sequence[dict | None],
+        extra_infos: Sequence[dict[str, Any] | None],
     ) -> list[Score]:
         rows = list(zip(data_sources, solution_strs, ground_truths, extra_infos))
         code = [i for i, row in enumerate(rows) if row[0] in CODE_SOURCES]
         results: list[Score | None] = [None] * len(rows)
         for i, result in zip(code, self.code.score_many([rows[i][1:] for i in code])):
             results[i] = result
+        scored: list[Score] = []
         for i, row in enumerate(rows):
-            if results[i] is None:
+            score = results[i]
+            if score is None:
                 try:
-                    results[i] = default_compute_score(*row)
+                    score = default_compute_score(*row)
                 except UserError as e:  # e.g. no rule scorer for this data_source
                     raise UserError(f"sample {i} (data_source {row[0]!r}): {e}") from e
-        return results
+            scored.append(score)
+        return scored
 
     def check_rows(self, rows: Iterable[tuple[str, str, Any]]) -> int:
         """Read every code row's tests and check the sandbox, before a run (``CodeScorer.check_ground_truths``);

@@ -7,10 +7,14 @@ anything else, 0.0 otherwise.
 
 from __future__ import annotations
 
+from typing import Any
+
 EXACT_SCORE, CHATTER_SCORE = 1.0, 0.5
 
 
-def compute_score(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict[str, float]:
+def compute_score(
+    solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
+) -> dict[str, float]:
     """{"score": 1.0 / 0.5 / 0.0, "acc": 1.0 or 0.0}."""
     truth = str(ground_truth).strip().lower()
     words = solution_str.strip().lower().split()

@@ -12,6 +12,7 @@ ChatML templates (SmolLM2, Qwen2.5, the tiny test model) are; templates that rew
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -43,16 +44,14 @@ class TemplateDelta:
         eos_token_id: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        self.kwargs = {"tools": tools} if tools else {}
+        self.tools = tools
         eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
         self.eos_text = tokenizer.decode([eos])
         self.turn_end = self._check_append_only()
 
     def render(self, messages: Messages, generation_prompt: bool) -> str:
         """The template's text of ``messages`` (with the tools it was given)."""
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt, **self.kwargs
-        )
+        return render_chat(self.tokenizer, messages, generation_prompt, self.tools)
 
     def _check_append_only(self) -> str:
         """Render the probe turn by turn; returns what the template writes after an assistant turn's EOS."""
@@ -89,4 +88,22 @@ class TemplateDelta:
                 f"the last message was {messages[-1]!r:.200}"
             )
         text = self.turn_end + after[len(before) :]
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Messages,
+    generation_prompt: bool,
+    tools: Sequence[dict[str, Any]] | None = None,
+) -> str:
+    """The chat template's text of ``messages`` (with ``tools``, none when empty), the generation prompt
+    appended when ``generation_prompt``."""
+    schemas: list[dict[str, Any] | Callable[..., Any]] | None = list(tools) if tools else None
+    text = tokenizer.apply_chat_template(
+        messages, tools=schemas, tokenize=False, add_generation_prompt=generation_prompt
+    )
+    if not isinstance(text, str):  # tokenize=False renders text; the signature covers every mode
+        raise TypeError(f"apply_chat_template(tokenize=False) returned a {type(text).__name__}")
+    return text

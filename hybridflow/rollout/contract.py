@@ -31,6 +31,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from hybridflow.algorithms import sequence_to_token_scores
 from hybridflow.config import RolloutConfig, SamplingConfig
 from hybridflow.protocol import DataProto
+from hybridflow.protocol.columns import top_keys
 
 #: the sampling settings a batch's ``meta_info`` may override for one generation
 SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "n", "response_length")
@@ -52,11 +53,11 @@ class SamplingParams:
 
     @classmethod
     def from_config(
-        cls, config: SamplingConfig, response_length: int, overrides: dict | None = None
+        cls, config: SamplingConfig, response_length: int, overrides: dict[str, Any] | None = None
     ) -> SamplingParams:
         """``config``'s sampling with the ``SAMPLING_KEYS`` of ``overrides`` (a batch's ``meta_info``) laid over
         it; temperature 0 means greedy, as in vLLM."""
-        values = {
+        values: dict[str, Any] = {
             "n": config.n,
             "do_sample": config.do_sample,
             "temperature": config.temperature,
@@ -123,15 +124,19 @@ class Rollout(Protocol):
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load the actor's weights (Hugging Face names) into the rollout's own copy; returns how many tensors
         it took. Called only when ``capabilities.own_weights``."""
-        raise NotImplementedError(f"{type(self).__name__} declares no weights of its own (own_weights)")
+        raise _undeclared(self, "declares no weights of its own (own_weights)")
 
     def follow_weights(self, feed: WeightFeed | None) -> None:
         """Take newer weights from ``feed`` between decoding steps of the generations that follow (None: stop).
         Called only when ``capabilities.follows_weights``."""
         if feed is not None:
-            raise NotImplementedError(
-                f"{type(self).__name__} cannot take new weights while it generates (follows_weights)"
-            )
+            raise _undeclared(self, "cannot take new weights while it generates (follows_weights)")
+
+
+def _undeclared(rollout: object, what: str) -> NotImplementedError:
+    """The error of a default method called on a rollout without its capability (a real default, not an
+    abstract method: a rollout that does not declare the capability inherits it)."""
+    return NotImplementedError(f"{type(rollout).__name__} {what}")
 
 
 @dataclass
@@ -165,14 +170,14 @@ _HOW = "build it with hybridflow.generation_batch(prompts, tokenizer) (strings o
 def check_generation_batch(prompts: DataProto) -> None:
     """A ValueError saying what to do when ``prompts`` is not a generation batch: ``input_ids``,
     ``attention_mask``, ``position_ids`` ``(bs, P)``, left-padded (every prompt ends at the last column)."""
-    keys: list[str] = list(prompts.batch.keys()) if prompts.batch is not None else []
+    keys = top_keys(prompts.batch) if prompts.batch is not None else []
     missing = [k for k in ("input_ids", "attention_mask", "position_ids") if k not in keys]
     if missing:
         raise ValueError(
             f"generate_sequences: the batch has no {', '.join(missing)}; it needs left-padded "
             f"input_ids, attention_mask and position_ids (bs, P): {_HOW}"
         )
-    mask = prompts.batch["attention_mask"]
+    mask = prompts.tensors["attention_mask"]
     ends_in_padding = (mask[:, -1] == 0).nonzero().flatten().tolist()
     if ends_in_padding:
         raise ValueError(
@@ -219,15 +224,15 @@ def attach_responses(
     ``rows``. ``attended`` ``(bs, L)`` marks the response tokens the model sees (default: ``response_mask``);
     a multi-turn rollout's tool output is seen but not trained on."""
     attended = response_mask if attended is None else attended
-    prompt_ids, prompt_positions = rows.batch["input_ids"], rows.batch["position_ids"]
+    prompt_ids, prompt_positions = rows.tensors["input_ids"], rows.tensors["position_ids"]
     response_positions = prompt_positions[:, -1:] + torch.arange(1, responses.shape[1] + 1)
-    rows.batch["prompts"] = prompt_ids
-    rows.batch["responses"] = responses
-    rows.batch["response_mask"] = response_mask
-    rows.batch["rollout_log_probs"] = rollout_log_probs * response_mask
-    rows.batch["input_ids"] = torch.cat([prompt_ids, responses], dim=1)
-    rows.batch["attention_mask"] = torch.cat([rows.batch["attention_mask"], attended], dim=1)
-    rows.batch["position_ids"] = torch.cat([prompt_positions, response_positions], dim=1)
+    rows.tensors["prompts"] = prompt_ids
+    rows.tensors["responses"] = responses
+    rows.tensors["response_mask"] = response_mask
+    rows.tensors["rollout_log_probs"] = rollout_log_probs * response_mask
+    rows.tensors["input_ids"] = torch.cat([prompt_ids, responses], dim=1)
+    rows.tensors["attention_mask"] = torch.cat([rows.tensors["attention_mask"], attended], dim=1)
+    rows.tensors["position_ids"] = torch.cat([prompt_positions, response_positions], dim=1)
     return rows
 
 
@@ -235,10 +240,10 @@ def tag_weight_versions(batch: DataProto, versions: int | torch.Tensor) -> DataP
     """Set ``rollout_weight_versions`` ``(bs, L)``: per response token the weight version that sampled it,
     -1 off ``response_mask``. ``versions``: one version for every token (an int), or per token ``(bs, L)``
     (a rollout that took newer weights while it generated)."""
-    mask = batch.batch["response_mask"]
+    mask = batch.tensors["response_mask"]
     if isinstance(versions, int):
         versions = torch.full_like(mask, versions)
-    batch.batch[VERSIONS] = versions.to(device=mask.device, dtype=torch.long).masked_fill(mask == 0, -1)
+    batch.tensors[VERSIONS] = versions.to(device=mask.device, dtype=torch.long).masked_fill(mask == 0, -1)
     return batch
 
 
@@ -251,8 +256,8 @@ def attach_scores(batch: DataProto, scores: Sequence[float], extras: Sequence[di
     """A rollout's own scores of its rows: ``scores`` ``(bs,)`` on each row's last response token as
     ``rm_scores`` ``(bs, L)`` (the placement every reward uses: ``sequence_to_token_scores``), and each key
     of ``extras`` (one dict per row) as a ``reward_extra/<key>`` column, None where a row has no value."""
-    mask = batch.batch["response_mask"]
-    batch.batch[SCORES] = sequence_to_token_scores(torch.tensor(list(scores), dtype=torch.float32), mask)
+    mask = batch.tensors["response_mask"]
+    batch.tensors[SCORES] = sequence_to_token_scores(torch.tensor(list(scores), dtype=torch.float32), mask)
     for key in sorted({key for extra in extras for key in extra}):
         column = np.empty(len(extras), dtype=object)
         for i, extra in enumerate(extras):

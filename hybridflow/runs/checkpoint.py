@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from hybridflow.config.checks import required
 from hybridflow.utils.errors import MissingInputError, UserError
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,9 @@ def is_disk_full(error: BaseException) -> bool:
     """Whether ``error`` (or what caused it, here or in a worker) is a full disk: ``ENOSPC``/``EDQUOT``, or
     the text torch's zip writer and the C library give for it."""
     seen = set()
-    while error is not None and id(error) not in seen:
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        error = current
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
@@ -112,7 +115,7 @@ def is_disk_full(error: BaseException) -> bool:
             for text in ("No space left on device", "Disk quota exceeded", "unexpected pos")
         ):
             return True
-        error = error.__cause__ or error.__context__
+        current = error.__cause__ or error.__context__
     return False
 
 
@@ -334,7 +337,9 @@ class CheckpointManager:
         remove_stale_temporaries(self.root)
         if resume_mode == "disable":
             return None
-        return self.latest_intact() if resume_mode == "auto" else resolve_checkpoint(resume_from_path)
+        if resume_mode == "auto":
+            return self.latest_intact()
+        return resolve_checkpoint(required(resume_from_path, "trainer.resume_from_path"))  # resume_path
 
 
 def _process_alive(pid: int) -> bool:

@@ -10,6 +10,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
     AutoTokenizer,
+    GenerationMixin,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -32,18 +33,17 @@ def actor_folder(path: str | Path) -> Path:
     if (path / "config.json").exists() or (path / ADAPTER_CONFIG).exists():
         return path
     step = path if (path / "actor").exists() else find_latest_checkpoint(path)
-    for folder in ("huggingface", "lora_adapter") if step is not None else ():
-        if (Path(step) / "actor" / folder / "config.json").exists() or (
-            Path(step) / "actor" / folder / ADAPTER_CONFIG
-        ).exists():
-            return Path(step) / "actor" / folder
+    for folder in ("huggingface", "lora_adapter"):
+        actor = Path(step) / "actor" / folder if step is not None else None
+        if actor is not None and ((actor / "config.json").exists() or (actor / ADAPTER_CONFIG).exists()):
+            return actor
     raise MissingInputError(
         f"{path} is neither a model folder, a LoRA adapter folder, a checkpoint, nor a run "
         "folder with a complete checkpoint"
     )
 
 
-def _auto_class(folder: str | Path) -> type:
+def _auto_class(folder: str | Path) -> type[AutoModelForCausalLM] | type[AutoModelForImageTextToText]:
     """``AutoModelForImageTextToText`` for a vision-language model (a registered family), else
     ``AutoModelForCausalLM``."""
     config = AutoConfig.from_pretrained(folder)
@@ -59,7 +59,7 @@ def load_trained_actor(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTok
     if (folder / ADAPTER_CONFIG).exists():
         from peft import PeftConfig, PeftModel
 
-        base_path = PeftConfig.from_pretrained(folder).base_model_name_or_path
+        base_path = PeftConfig.from_pretrained(str(folder)).base_model_name_or_path
         base = _auto_class(base_path).from_pretrained(base_path)
         model = PeftModel.from_pretrained(base, folder).merge_and_unload()
         return model.eval(), AutoTokenizer.from_pretrained(folder)
@@ -80,7 +80,12 @@ def chat(
     )
     inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    if not isinstance(model, GenerationMixin):
+        raise TypeError(f"{type(model).__name__} cannot generate (not a transformers GenerationMixin)")
     out = model.generate(
         **inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling
     )
-    return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    reply = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    if not isinstance(reply, str):  # one sequence of ids decodes to one string
+        raise TypeError(f"tokenizer.decode returned a {type(reply).__name__}")
+    return reply

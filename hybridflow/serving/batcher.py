@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -105,9 +106,9 @@ class Batcher:
 
     async def generate(self, request: GenerationRequest) -> Generation:
         """The request's samples, generated in the next engine call that has room for it."""
-        if self._worker is None:
+        if self._worker is None or self._wake is None:
             self._wake = asyncio.Event()
-            self._worker = asyncio.get_running_loop().create_task(self._run())
+            self._worker = asyncio.get_running_loop().create_task(self._run(self._wake))
         future = asyncio.get_running_loop().create_future()
         self._queue.append(_Pending(request, future))
         self._wake.set()
@@ -120,16 +121,16 @@ class Batcher:
             self._worker = None
         self._executor.shutdown(wait=False)
 
-    async def _run(self) -> None:
+    async def _run(self, wake: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            await self._wake.wait()
+            await wake.wait()
             waited, seen = 0.0, -1
             while self.window_s > 0 and len(self._queue) != seen and waited < MAX_WAIT_S:
                 seen = len(self._queue)  # a burst still arriving: wait until a window passes without news
                 await asyncio.sleep(self.window_s)
                 waited += self.window_s
-            self._wake.clear()
+            wake.clear()
             taken, self._queue = self._queue, []
             for group in _groups(taken):
                 try:
@@ -150,7 +151,7 @@ class Batcher:
         rows = [r.prompt_ids for r in requests for _ in range(r.n)]
         width = max(map(len, rows))
         padded = [left_pad(ids, width, self.pad_token_id) for ids in rows]
-        meta = {"n": 1, "response_length": max(r.max_tokens for r in requests)}
+        meta: dict[str, Any] = {"n": 1, "response_length": max(r.max_tokens for r in requests)}
         if first.temperature <= 0:
             meta["do_sample"] = False
         else:
@@ -175,8 +176,8 @@ class Batcher:
         self.batch_sizes.append(len(rows))
         if self.on_batch is not None:
             self.on_batch(len(rows), len(requests))
-        lengths = out.batch["response_mask"].sum(-1).tolist()
-        responses, log_probs = out.batch["responses"].tolist(), out.batch["rollout_log_probs"].tolist()
+        lengths = out.tensors["response_mask"].sum(-1).tolist()
+        responses, log_probs = out.tensors["responses"].tolist(), out.tensors["rollout_log_probs"].tolist()
         results, row = [], 0
         for request in requests:
             samples = []

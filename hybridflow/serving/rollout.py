@@ -35,6 +35,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from hybridflow.config import RolloutConfig
+from hybridflow.config.checks import required
 from hybridflow.data.dataset import left_pad
 from hybridflow.data.images import ImagePrompts, data_url
 from hybridflow.models.vision import IMAGES
@@ -87,7 +88,8 @@ class ServedRollout(Rollout):
         processor: ImagePrompts | None = None,
     ) -> None:
         served_agent = config.served_agent
-        self.run = load_user_function(served_agent.path, served_agent.name, AGENT_KEY, what="agent file")
+        agent_path = required(served_agent.path, f"{AGENT_KEY}.path")  # build_rollout only builds it with one
+        self.run = load_user_function(agent_path, served_agent.name, AGENT_KEY, what="agent file")
         if not inspect.iscoroutinefunction(self.run):
             raise InputError(
                 f"{AGENT_KEY}.name: {served_agent.name!r} in {served_agent.path} must be an async function"

@@ -125,7 +125,10 @@ class PolicyServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        server = site._server  # aiohttp keeps the listening asyncio server here
+        if not isinstance(server, asyncio.Server):
+            raise RuntimeError(f"the HTTP site did not start a listening server ({server!r})")
+        self.port = server.sockets[0].getsockname()[1]
         return self.base_url
 
     @property
@@ -252,10 +255,13 @@ class PolicyServer:
 
     def _images(self, pictures: list[bytes] | None) -> tuple[ImageInput, ...]:
         """The chat call's images as the model takes them; one that does not decode is a 400."""
+        processor = self.processor
+        if processor is None or not pictures:  # a text model reads no images (pictures is None then)
+            return ()
         try:
             return tuple(
-                self.processor.image_input(*decode_image(data, f"image {k} of the messages"))
-                for k, data in enumerate(pictures or [])
+                processor.image_input(*decode_image(data, f"image {k} of the messages"))
+                for k, data in enumerate(pictures)
             )
         except InputError as err:
             raise RequestError(str(err), "messages") from err
@@ -263,6 +269,8 @@ class PolicyServer:
     def _image_prompt_ids(
         self, messages: fmt.Messages, images: tuple[ImageInput, ...], tools: list[dict[str, Any]]
     ) -> list[int]:
+        if self.processor is None:  # only images bring us here, and only a vision model takes them
+            raise RuntimeError("image prompts need the model's image processing")
         try:
             return self.processor.encode(messages, images, "messages", {"tools": tools} if tools else None)
         except InputError as err:

@@ -21,7 +21,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from hybridflow.models.vision import ImageInput
-from hybridflow.rollout.chat_template import Messages, TemplateDelta
+from hybridflow.rollout.chat_template import Messages, TemplateDelta, render_chat
 from hybridflow.utils.errors import UserError
 
 
@@ -61,7 +61,7 @@ class ChatPrompter:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_id: int) -> None:
         self.tokenizer = tokenizer
-        self.eos_text = tokenizer.decode([eos_token_id])
+        self.eos_text = str(tokenizer.decode([eos_token_id]))  # one id: one string
         try:
             self.turn_end: str | None = TemplateDelta(tokenizer, None, eos_token_id).turn_end
         except UserError:  # not append-only: every call is rendered afresh and becomes its own sample
@@ -69,13 +69,12 @@ class ChatPrompter:
 
     def render(self, messages: Messages, tools: list[dict[str, Any]], generation_prompt: bool) -> str:
         """The chat template's text of ``messages`` (with ``tools``)."""
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt, tools=tools or None
-        )
+        return render_chat(self.tokenizer, messages, generation_prompt, tools)
 
     def encode(self, text: str) -> list[int]:
         """``text``'s token ids, no special tokens added (the template wrote them)."""
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids
 
     def prompt_ids(
         self, messages: Messages, tools: list[dict[str, Any]], session: Session | None
@@ -89,8 +88,8 @@ class ChatPrompter:
         return self.encode(self.render(messages, tools, generation_prompt=True))
 
     def _continued(self, turn: ChatTurn, messages: Messages, tools: list[dict[str, Any]]) -> list[int] | None:
-        k = len(turn.messages)
-        if not (turn.ended_by_eos or turn.ended_by_length) or len(messages) <= k + 1:
+        k, turn_end = len(turn.messages), self.turn_end
+        if turn_end is None or not (turn.ended_by_eos or turn.ended_by_length) or len(messages) <= k + 1:
             return None
         if messages[:k] != turn.messages or messages[k] != {"role": "assistant", "content": turn.reply}:
             return None
@@ -98,7 +97,7 @@ class ChatPrompter:
         after = self.render(messages, tools, generation_prompt=True)
         if not after.startswith(before):
             return None
-        added = ("" if turn.ended_by_eos else self.eos_text) + self.turn_end + after[len(before) :]
+        added = ("" if turn.ended_by_eos else self.eos_text) + turn_end + after[len(before) :]
         return turn.prompt_ids + turn.token_ids + self.encode(added)
 
 

@@ -57,7 +57,7 @@ class TokenText:
 
     def decode(self, token_ids: list[int]) -> str:
         """The tokens' text, special tokens written out (what a sample's ``text`` is)."""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=False))  # one row: one string
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw UTF-8 bytes token ``token_id`` stands for (an added token's: its text's)."""
@@ -70,13 +70,15 @@ class TokenText:
         if token_id in self._added:
             return self._added[token_id].encode()
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str):  # one id converts to one token
+            raise TypeError(f"convert_ids_to_tokens({token_id}) returned {piece!r}")
         if self.byte_level and all(c in self._alphabet for c in piece):
             return bytes(self._alphabet[c] for c in piece)
         if self.byte_fallback and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             return bytes([int(piece[3:5], 16)])
         if self.byte_fallback:
             return piece.replace("\u2581", " ").encode()  # SentencePiece writes a space as U+2581
-        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=False)).encode()
 
     def token_string(self, token_id: int) -> str:
         """OpenAI's ``token``: the token's text, or ``bytes:\\xNN...`` when its bytes are not valid UTF-8

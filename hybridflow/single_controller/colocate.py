@@ -22,7 +22,9 @@ ROLE_METHODS_ATTR = "__hybridflow_role_methods__"  # {role: {method: fused metho
 SEPARATOR = "__"
 
 
-def create_colocated_worker_cls(role_inits: Mapping[str | Enum, ClassWithInitArgs]) -> ClassWithInitArgs:
+def create_colocated_worker_cls(
+    role_inits: Mapping[str, ClassWithInitArgs[Any]],
+) -> ClassWithInitArgs[Any]:
     """A deferred constructor of one fused worker class holding a worker per role.
 
     Role names may be strings or (str) enums; they must not contain ``"__"``. Each role class must be a
@@ -46,16 +48,22 @@ def create_colocated_worker_cls(role_inits: Mapping[str | Enum, ClassWithInitArg
     namespace[ROLE_METHODS_ATTR] = role_methods
     name = "Colocated_" + "_".join(f"{role}_{init.cls.__name__}" for role, init in inits.items())
     namespace["__qualname__"] = name  # not reachable by import: Ray pickles the class by value
-    return ClassWithInitArgs(type(name, (Worker,), namespace), inits)
+    return ClassWithInitArgs(type(name, (_Colocated,), namespace), inits)
 
 
-def _init_roles(self: Worker, role_inits: dict[str, ClassWithInitArgs]) -> None:
+class _Colocated(Worker):
+    """The base of every fused class: a worker holding one worker per role."""
+
+    role_workers: dict[str, Worker]
+
+
+def _init_roles(self: _Colocated, role_inits: dict[str, ClassWithInitArgs[Any]]) -> None:
     """``__init__`` of fused classes: every role's worker, built in this process, in the given order."""
     Worker.__init__(self)
     self.role_workers = {role: init() for role, init in role_inits.items()}
 
 
-def _forwarder(role: str, method: str, original: Callable) -> Callable:
+def _forwarder(role: str, method: str, original: Callable[..., Any]) -> Callable[..., Any]:
     """The fused method ``role__method``: calls ``method`` on the role's worker; same registration."""
 
     @functools.wraps(original)  # keeps the docstring, the signature (via __wrapped__) and the @register spec

@@ -52,8 +52,8 @@ class Shards:
     ``pad_size`` is the number of padding rows the dispatch appended to the DataProto arguments before
     splitting them; the collect function removes that many rows from the concatenated result."""
 
-    args: list[tuple]
-    kwargs: list[dict]
+    args: list[tuple[Any, ...]]
+    kwargs: list[dict[str, Any]]
     pad_size: int = 0
 
     def __len__(self) -> int:
@@ -64,8 +64,8 @@ class Shards:
         return Shards(self.args[:1], self.kwargs[:1], self.pad_size)
 
 
-DispatchFn = Callable[[int, tuple, dict], Shards]
-CollectFn = Callable[[list, Shards], Any]
+DispatchFn = Callable[[int, tuple[Any, ...], dict[str, Any]], Shards]
+CollectFn = Callable[[list[Any], Shards], Any]
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def method_spec(cls: type, name: str) -> MethodSpec | None:
     decorator keeps the registration of the method it overrides."""
     for klass in cls.__mro__:
         spec = getattr(klass.__dict__.get(name), SPEC_ATTR, None)
-        if spec is not None:
+        if isinstance(spec, MethodSpec):  # what @register stores
             return spec
     return None
 
@@ -148,17 +148,17 @@ def _mode_name(mode: Dispatch | str) -> str:
 
 
 # ---------------------------------------------------------------------------------------- built-in modes
-def broadcast(world_size: int, args: tuple, kwargs: dict) -> Shards:
+def broadcast(world_size: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Shards:
     """The same arguments to every rank."""
     return Shards([args] * world_size, [kwargs] * world_size)
 
 
-def rank_zero_only(world_size: int, args: tuple, kwargs: dict) -> Shards:
+def rank_zero_only(world_size: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Shards:
     """One shard: only rank 0 runs."""
     return Shards([args], [kwargs])
 
 
-def split_lists(world_size: int, args: tuple, kwargs: dict) -> Shards:
+def split_lists(world_size: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Shards:
     """Every argument is a list/tuple of ``world_size`` values; rank ``i`` gets element ``i`` of each."""
     for label, value in _labelled(args, kwargs):
         if not isinstance(value, list | tuple) or len(value) != world_size:
@@ -169,7 +169,7 @@ def split_lists(world_size: int, args: tuple, kwargs: dict) -> Shards:
     return _transpose(world_size, args, kwargs)
 
 
-def split_dataprotos(world_size: int, args: tuple, kwargs: dict) -> Shards:
+def split_dataprotos(world_size: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Shards:
     """Pad every DataProto argument to a multiple of ``world_size`` (``pad_dataproto_to_divisor``) and give
     rank ``i`` chunk ``i``; other arguments go unchanged to every rank. Each DataProto of ``N`` rows gives
     every rank ``ceil(N / world_size)`` rows. They may differ in length (a batch plus a side batch, such as
@@ -179,7 +179,7 @@ def split_dataprotos(world_size: int, args: tuple, kwargs: dict) -> Shards:
     if not lengths:
         raise ValueError("DP_COMPUTE_PROTO / DP_COMPUTE_METRIC need at least one DataProto argument")
 
-    def chunks(value: Any) -> list:
+    def chunks(value: Any) -> list[Any]:
         if not isinstance(value, DataProto):
             return [value] * world_size
         return pad_dataproto_to_divisor(value, world_size)[0].chunk(world_size)
@@ -189,13 +189,13 @@ def split_dataprotos(world_size: int, args: tuple, kwargs: dict) -> Shards:
     return shards
 
 
-def _labelled(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+def _labelled(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
     return [(f"argument {i}", a) for i, a in enumerate(args)] + [
         (f"argument {k!r}", v) for k, v in kwargs.items()
     ]
 
 
-def _transpose(world_size: int, args: tuple, kwargs: dict) -> Shards:
+def _transpose(world_size: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Shards:
     """Per-argument lists of per-rank values -> per-rank argument tuples/dicts."""
     return Shards(
         [tuple(a[r] for a in args) for r in range(world_size)],
@@ -203,17 +203,17 @@ def _transpose(world_size: int, args: tuple, kwargs: dict) -> Shards:
     )
 
 
-def as_list(outputs: list, shards: Shards) -> list:
+def as_list(outputs: list[Any], shards: Shards) -> list[Any]:
     """Per-rank results, in rank order."""
     return list(outputs)
 
 
-def first_output(outputs: list, shards: Shards) -> Any:
+def first_output(outputs: list[Any], shards: Shards) -> Any:
     """Rank 0's result."""
     return outputs[0]
 
 
-def concat_dataprotos(outputs: list, shards: Shards) -> DataProto:
+def concat_dataprotos(outputs: list[Any], shards: Shards) -> DataProto:
     """One DataProto: the ranks' results in rank order, without the rows the dispatch padded."""
     wrong = {rank: type(o).__name__ for rank, o in enumerate(outputs) if not isinstance(o, DataProto)}
     if wrong:

@@ -13,6 +13,7 @@ import os
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from hybridflow.single_controller.decorator import Shards
 from hybridflow.single_controller.worker import SIMULATED_RANKS_ENV, ClassWithInitArgs
@@ -28,7 +29,7 @@ class LocalWorkerGroup(WorkerGroup):
     """
 
     def __init__(
-        self, cls_with_init: ClassWithInitArgs, world_size: int = 1, name_prefix: str | None = None
+        self, cls_with_init: ClassWithInitArgs[Any], world_size: int = 1, name_prefix: str | None = None
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -49,7 +50,7 @@ class LocalWorkerGroup(WorkerGroup):
 class _LocalBackend:
     """Runs each rank's shard on its worker object, in rank order, at submit time."""
 
-    def __init__(self, workers: list) -> None:
+    def __init__(self, workers: list[Any]) -> None:
         self._workers = workers
 
     @property
@@ -57,10 +58,10 @@ class _LocalBackend:
         return len(self._workers)
 
     @property
-    def workers(self) -> list:
+    def workers(self) -> list[Any]:
         return list(self._workers)
 
-    def submit(self, method: str, shards: Shards, group: str, label: str) -> list:
+    def submit(self, method: str, shards: Shards, group: str, label: str) -> list[Any]:
         results = []
         for rank, (args, kwargs) in enumerate(zip(shards.args, shards.kwargs)):
             try:
@@ -70,7 +71,7 @@ class _LocalBackend:
                 raise raised from cause
         return results
 
-    def fetch(self, handles: list, group: str, label: str, timeout_s: float | None = None) -> list:
+    def fetch(self, handles: list[Any], group: str, label: str, timeout_s: float | None = None) -> list[Any]:
         return handles  # already computed at submit time
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hybridflow.single_controller.colocate import ROLE_METHODS_ATTR
 from hybridflow.single_controller.decorator import (
@@ -39,7 +39,7 @@ class WorkerError(RuntimeError):
             f"worker group {group!r}, rank {rank}, method {method!r} failed:\n{remote_traceback}"
         )
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (self.group, self.rank, self.method, self.remote_traceback)
 
 
@@ -62,7 +62,7 @@ class NodeLostError(UserError):
             "(trainer.pool_resources) to a node that has room"
         )
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (self.node, self.group, self.rank, self.method)
 
 
@@ -85,13 +85,13 @@ class WorkerBackend(Protocol):
     def world_size(self) -> int: ...
 
     @property
-    def workers(self) -> list: ...
+    def workers(self) -> list[Any]: ...
 
-    def submit(self, method: str, shards: Shards, group: str, label: str) -> list:
+    def submit(self, method: str, shards: Shards, group: str, label: str) -> list[Any]:
         """Start ``method`` on ranks ``0 .. len(shards) - 1`` with their shard; returns one handle per rank.
         ``group`` and ``label`` (the method's public name) are for error messages."""
 
-    def fetch(self, handles: list, group: str, label: str, timeout_s: float | None = None) -> list:
+    def fetch(self, handles: list[Any], group: str, label: str, timeout_s: float | None = None) -> list[Any]:
         """Wait for the handles of ``submit`` (at most ``timeout_s``, else the backend's default); returns
         the results in rank order or raises ``WorkerError``."""
 
@@ -106,7 +106,7 @@ class WorkerFuture:
     def __init__(
         self,
         backend: WorkerBackend,
-        handles: list,
+        handles: list[Any],
         collect_fn: CollectFn,
         shards: Shards,
         group: str,
@@ -153,6 +153,11 @@ class WorkerGroup:
         for public, remote in self._remote_names.items():
             self._bind(public, remote)
 
+    if TYPE_CHECKING:
+        # the worker class's @register-ed methods are bound per group by name (``_bind``): to a type
+        # checker, an attribute the class does not define is one of them
+        def __getattr__(self, name: str) -> Callable[..., Any]: ...
+
     @property
     def name(self) -> str:
         return self._name
@@ -162,13 +167,14 @@ class WorkerGroup:
         return self._backend.world_size
 
     @property
-    def workers(self) -> list:
+    def workers(self) -> list[Any]:
         """The worker objects (local) or Ray actor handles, by rank."""
         return self._backend.workers
 
-    def execute_all(self, method_name: str, *args: Any, **kwargs: Any) -> list:
+    def execute_all(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method_name`` (registered or not) on every rank with the same arguments; results by rank."""
-        return self._call(method_name, MethodSpec(Dispatch.ONE_TO_ALL.value), args, kwargs)
+        results: list[Any] = self._call(method_name, MethodSpec(Dispatch.ONE_TO_ALL.value), args, kwargs)
+        return results
 
     def execute_rank_zero(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``method_name`` on rank 0 only and return its result."""
@@ -209,7 +215,7 @@ class WorkerGroup:
             raise KeyError(f"{self._worker_cls.__qualname__}.{remote}: {e.args[0]}") from None
         setattr(self, public, _group_method(self, public, spec, getattr(self._worker_cls, remote)))
 
-    def _call(self, method: str, spec: MethodSpec, args: tuple, kwargs: dict) -> Any:
+    def _call(self, method: str, spec: MethodSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The one call path: resolve futures, dispatch, submit, then collect now or return a future.
         ``method`` is the public name (a role's view maps it to the colocated class's method)."""
         mode: DispatchMode = get_dispatch_mode(spec.dispatch_mode)
@@ -235,14 +241,16 @@ def _resolve(value: Any) -> Any:
     return value.get() if isinstance(value, WorkerFuture) else value
 
 
-def _group_method(group: WorkerGroup, public: str, spec: MethodSpec, worker_method: Callable) -> Callable:
+def _group_method(
+    group: WorkerGroup, public: str, spec: MethodSpec, worker_method: Callable[..., Any]
+) -> Callable[..., Any]:
     """A function that calls the method through the group, looking like the worker method to ``help()``."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
         return group._call(public, spec, args, kwargs)
 
-    functools.update_wrapper(call, worker_method)
-    del call.__wrapped__  # so inspect uses the signature below, not the worker's (which has ``self``)
+    wrapper: Any = functools.update_wrapper(call, worker_method)  # a function whose attributes we set
+    del wrapper.__wrapped__  # so inspect uses the signature below, not the worker's (which has ``self``)
     signature = inspect.signature(worker_method)
-    call.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
+    wrapper.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
     return call

@@ -46,7 +46,8 @@ class BaseTool:
     @property
     def tool_name(self) -> str:
         """The name the model calls it by (the schema's, which a YAML ``tool_schema`` may change)."""
-        return self.schema["function"]["name"]
+        name: str = self.schema["function"]["name"]
+        return name
 
     def create(self, instance_id: str) -> None:
         """A conversation ``instance_id`` starts that may call this tool."""

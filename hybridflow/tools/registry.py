@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import yaml
@@ -34,6 +35,7 @@ def _tool_class(spec: str, where: str) -> type[BaseTool]:
     builtins = builtin_tools()
     if spec in builtins:
         return builtins[spec]
+    module: ModuleType | None
     if ":" in spec:
         path, _, name = spec.rpartition(":")
         module = load_user_module(path, where, "tool file")

@@ -39,6 +39,7 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from hybridflow.tools.sandbox_uids import allocated_uid
 from hybridflow.utils.errors import UserError
@@ -202,10 +203,12 @@ class _Output:
     over_cap: bool = False
 
 
-def _read_capped(proc: subprocess.Popen, status_fd: int, deadline: float, cap: int) -> _Output:
+def _read_capped(proc: subprocess.Popen[bytes], status_fd: int, deadline: float, cap: int) -> _Output:
     """The code's stdout and stderr (at most ``cap`` bytes together) and the runner's status, until the
     runner has reported (the code ended) and the output read so far is drained, the deadline passes, or
     the output exceeds ``cap``."""
+    if proc.stdout is None or proc.stderr is None:  # _supervise starts it with both piped
+        raise RuntimeError("the sandbox runner was started without its output pipes")
     names = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr", status_fd: "status"}
     got = {name: bytearray() for name in names.values()}
     out = _Output()
@@ -279,7 +282,7 @@ def _prepare(
     in mode ``bwrap``); the unsafe mode's work folder, a fresh one of the host's, goes when ``stack`` closes."""
     if uid is not None and shutil.which("setpriv") is None:
         raise SandboxUnavailable("util-linux setpriv is not installed (the code's user id needs it)")
-    spec = {
+    spec: dict[str, Any] = {
         "mode": mode,
         "code": code,
         "python": PYTHON,
@@ -319,6 +322,8 @@ def _supervise(command: list[str], spec: dict, limits: SandboxLimits, deadline: 
         finally:
             os.close(status_w)
         with proc:
+            if proc.stdin is None:  # started with stdin piped, just above
+                raise RuntimeError("the sandbox runner was started without its input pipe")
             try:
                 proc.stdin.write(json.dumps({**spec, "status_fd": status_w}).encode())
                 proc.stdin.close()
@@ -352,6 +357,7 @@ def _verdict(
         stderr = stderr.replace(f"{spec['cwd']}/", "")  # tracebacks say "main.py" in every mode
     else:
         stderr = stderr.replace("/tmp/main.py", "main.py")
+    error: str | None
     if out.timed_out:
         error = f"timed out after {limits.timeout_s:g} s (wall clock)"
     elif out.over_cap:

@@ -75,7 +75,8 @@ class PromptStream:
         self._kept: dict[int, DataProto] = {}
         self._after: dict[int, dict[str, Any]] = {}  # the loader's position after each step's last draw
         self._lock = threading.Lock()
-        self._initial, self._taken = loader.state_dict(), None
+        self._initial = loader.state_dict()
+        self._taken: int | None = None  # the batch the trainer took last
 
     def get(self, index: int) -> tuple[DataProto, dict[str, Any]]:
         with self._lock:
@@ -142,7 +143,7 @@ class AsyncRollouts:
     def __init__(
         self,
         generator: WorkerGroup,
-        weights: WeightTransport,
+        weights: WeightTransport | None,
         n: int,
         max_staleness: int,
         exact: bool,
@@ -214,7 +215,7 @@ class AsyncRollouts:
         """Hand the actor's weights to the rollout worker as ``version`` (it receives them while it generates:
         the transfer overlaps generation); the producer may then start the batches that this version lets
         within the bound. Returns what the sync cost."""
-        stats = self.weights.send(version, staged=True)
+        stats = self.weights.send(version, staged=True) if self.weights is not None else {}
         with self._cond:
             self._posted = max(self._posted, version)
             self._cond.notify_all()
@@ -283,7 +284,7 @@ def version_metrics(batch: DataProto, version: int) -> dict[str, float]:
     that sampled one of its tokens (``async/staleness_mean``, ``_max``, and ``async/staleness_count/<k>``, the
     samples k versions behind: the report's histogram), and the versions that sampled the batch
     (``async/weight_version_min``, ``_max``)."""
-    versions = batch.batch["rollout_weight_versions"]
+    versions = batch.tensors["rollout_weight_versions"]
     real = versions >= 0
     big = torch.iinfo(versions.dtype).max
     oldest = torch.where(real, versions, big).min(dim=-1).values
@@ -305,7 +306,7 @@ def version_metrics(batch: DataProto, version: int) -> dict[str, float]:
 
 def stale_tokens(batch: DataProto, version: int) -> torch.Tensor:
     """Response tokens of ``batch`` sampled by older weights than ``version`` ``(bs, L)`` bool."""
-    versions = batch.batch["rollout_weight_versions"]
+    versions = batch.tensors["rollout_weight_versions"]
     return (versions >= 0) & (versions < version)
 
 
@@ -317,7 +318,7 @@ def _with_meta(prompts: DataProto, **meta: Any) -> DataProto:
 def _copy(prompts: DataProto) -> DataProto:
     """A batch of prompts whose ``meta_info`` the caller may change (tensors are shared, read-only here)."""
     return DataProto(
-        batch=prompts.batch.copy(),
+        batch=prompts.tensors.copy(),
         non_tensor_batch={k: np.array(v, copy=True) for k, v in prompts.non_tensor_batch.items()},
         meta_info=dict(prompts.meta_info),
     )

@@ -44,7 +44,7 @@ def filter_values(batch: DataProto, metric: str) -> torch.Tensor:
     """What must vary within a group, one value per row ``(bs,)``: the summed ``token_level_scores`` for
     ``seq_reward``, else the reward function's ``metric`` (``reward_extra/<metric>``)."""
     if metric in SCORE_METRICS:
-        return batch.batch["token_level_scores"].sum(dim=-1)
+        return batch.tensors["token_level_scores"].sum(dim=-1)
     column = batch.non_tensor_batch.get(f"reward_extra/{metric}")
     returned = sorted(
         k.removeprefix("reward_extra/") for k in batch.non_tensor_batch if k.startswith("reward_extra/")

@@ -58,7 +58,7 @@ EVENTS = (
 )
 EVENT_ALIASES = {"on_batch_end": "on_step_end"}  # the tutorials' name
 
-Hook = Callable[[Any, int, dict, Any], None]
+Hook = Callable[[Any, int, dict[str, Any], Any], None]
 
 
 class HookError(RuntimeError):
@@ -79,7 +79,7 @@ class HookRegistry:
             raise TypeError(f"hook for {event!r} must be callable, got {fn!r}")
         self._hooks[event].append(fn)
 
-    def emit(self, event: str, trainer: Any, step: int, metrics: dict, batch: Any = None) -> None:
+    def emit(self, event: str, trainer: Any, step: int, metrics: dict[str, Any], batch: Any = None) -> None:
         for fn in self._hooks[event]:
             try:
                 fn(trainer, step, metrics, batch)
@@ -102,7 +102,7 @@ class RunLoop:
 
     name = "training"  #: the progress bar's label
     console_fields: ConsoleFields = CONSOLE_FIELDS  #: the console line's summary fields (label, metric keys)
-    train_loader: PromptLoader
+    train_loader: PromptLoader[Any]
     total_steps: int
 
     def __init__(
@@ -115,10 +115,19 @@ class RunLoop:
         self.checkpoints = CheckpointManager(
             trainer.default_local_dir,
             trainer.max_ckpt_to_keep,
-            check_root=lambda root: self.wg.check_shared_folder(root),
+            check_root=lambda root: self.groups.check_shared_folder(root),
         )
         self.global_step = 0
         self.wg = worker_groups
+
+    @property
+    def groups(self) -> WorkerGroups:
+        """``wg`` where the workers must be running: a RuntimeError before ``init_workers()`` or after ``close()``."""
+        if self.wg is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has no workers: call init_workers() first (or after close())"
+            )
+        return self.wg
 
     # ------------------------------------------------------------------ what a trainer supplies
     def init_workers(self) -> None:
@@ -159,7 +168,8 @@ class RunLoop:
 
     def adapt_lr(self, scale: float) -> float:
         """Multiply the actor's learning rate by ``scale`` from the next update on; returns the new lr."""
-        return self.wg.actor_rollout.scale_lr(scale)[0]
+        new_lr: float = self.groups.actor_rollout.scale_lr(scale)[0]
+        return new_lr
 
     def close(self) -> None:
         """Stop the workers this trainer started (Ray actors give their CPUs/GPUs back). The trained
@@ -284,7 +294,7 @@ class RunLoop:
         return metrics
 
 
-def endless(loader: PromptLoader) -> Iterator[DataProto]:
+def endless(loader: PromptLoader[Any]) -> Iterator[DataProto]:
     """Batches across epochs; each pass over the loader continues from its (resumable) position."""
     while True:
         yield from loader

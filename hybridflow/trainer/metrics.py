@@ -75,7 +75,7 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 
 def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]:
     """Scores, rewards, advantages, returns, values and lengths of one training batch."""
-    b = batch.batch
+    b = batch.tensors
     mask = b["response_mask"].float()
     response_length = mask.sum(-1)
     max_response = mask.shape[-1]
@@ -105,7 +105,7 @@ def compute_throughput_metrics(
 ) -> dict[str, float]:
     """Tokens processed (prompt + response) per second per worker, seconds per step, and the share of the
     step spent scoring (``perf/reward_share``: a sandbox or a judge can dominate a step)."""
-    total_tokens = int(batch.batch["attention_mask"].sum())
+    total_tokens = int(batch.tensors["attention_mask"].sum())
     step_time = timings["step"]
     return {
         "perf/total_num_tokens": total_tokens,

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.algorithms import get_offline_objective, kto_kl_estimate, sequence_log_probs
+from hybridflow.config.checks import required
 from hybridflow.config.offline import DPOConfig, KTOConfig, OfflineConfig, RMConfig, SFTConfig
 from hybridflow.config.schema import (
     ActorConfig,
@@ -42,7 +43,7 @@ from hybridflow.data.offline import (
 )
 from hybridflow.protocol import DataProto
 from hybridflow.runs.tracking import ConsoleFields, Tracking
-from hybridflow.single_controller import ClassWithInitArgs, Role
+from hybridflow.single_controller import ClassWithInitArgs, Role, WorkerGroup
 from hybridflow.trainer.loop import RunLoop
 from hybridflow.trainer.metrics import StepTimings, reduce_metrics, timer
 from hybridflow.trainer.worker_groups import WorkerGroups, build_worker_groups
@@ -78,12 +79,15 @@ class OfflineTrainer(RunLoop):
         super().__init__(config.trainer, config.to_dict(), worker_groups)
         self.name = config.kind
         self.objective = get_offline_objective(config.kind)
-        self.tokenizer = load_tokenizer(config.model.partial_pretrain, config.model.trust_remote_code)
+        model_path = required(config.model.partial_pretrain, "model.partial_pretrain")
+        self.tokenizer = load_tokenizer(model_path, config.model.trust_remote_code)
         self.processor = load_image_prompts(
-            config.model.partial_pretrain, self.tokenizer, config.model.trust_remote_code
+            model_path, self.tokenizer, config.model.trust_remote_code
         )  # a vision-language model's image processing (TRL's vision formats: an images column)
         d = config.data
-        self.train_loader = self._loader(d.train_files, d.train_batch_size, d.shuffle)
+        self.train_loader = self._loader(
+            required(d.train_files, "data.train_files"), d.train_batch_size, d.shuffle
+        )
         self.val_loader = self._loader(d.val_files, d.train_batch_size, False) if d.val_files else None
         self.total_steps = (
             config.trainer.total_training_steps or len(self.train_loader) * config.trainer.total_epochs
@@ -91,8 +95,8 @@ class OfflineTrainer(RunLoop):
         config.optim.total_training_steps = self.total_steps
 
     def _dataset(self, files: list[str]) -> OfflineDataset:
-        d, tok = self.config.data, self.tokenizer
-        common = {
+        cfg, d, tok = self.config, self.config.data, self.tokenizer
+        common: dict[str, Any] = {
             "max_length": d.max_length,
             "truncation": d.truncation,
             "prompt_key": d.prompt_key,
@@ -100,23 +104,24 @@ class OfflineTrainer(RunLoop):
             "processor": self.processor,
             "image_key": d.image_key,
         }
-        if isinstance(self.config, RMConfig):
+        if isinstance(cfg, RMConfig):
             return RewardPairDataset(
                 files,
                 tok,
-                chosen_key=d.chosen_key,
-                rejected_key=d.rejected_key,
-                margin_key=d.margin_key,
+                chosen_key=cfg.data.chosen_key,
+                rejected_key=cfg.data.rejected_key,
+                margin_key=cfg.data.margin_key,
                 **common,
             )
-        if isinstance(self.config, DPOConfig):
-            return PreferenceDataset(
-                files, tok, chosen_key=d.chosen_key, rejected_key=d.rejected_key, **common
+        if isinstance(cfg, DPOConfig):
+            chosen, rejected = cfg.data.chosen_key, cfg.data.rejected_key
+            return PreferenceDataset(files, tok, chosen_key=chosen, rejected_key=rejected, **common)
+        if isinstance(cfg, KTOConfig):
+            return KTODataset(
+                files, tok, completion_key=cfg.data.completion_key, label_key=cfg.data.label_key, **common
             )
-        if isinstance(self.config, KTOConfig):
-            return KTODataset(files, tok, completion_key=d.completion_key, label_key=d.label_key, **common)
         return SFTConversationDataset(
-            files, tok, response_key=d.response_key, messages_key=d.messages_key, **common
+            files, tok, response_key=cfg.data.response_key, messages_key=cfg.data.messages_key, **common
         )
 
     def _loader(self, files: list[str], batch_size: int, shuffle: bool) -> PromptLoader:
@@ -126,7 +131,11 @@ class OfflineTrainer(RunLoop):
         if not shuffle and len(dataset) < batch_size:
             batch_size = max(len(dataset) - len(dataset) % self.config.trainer.n_workers, 1)
         return PromptLoader(
-            dataset, batch_size, shuffle=shuffle, seed=self.config.data.seed, collate=dataset.collate
+            dataset,
+            batch_size,
+            shuffle=shuffle,
+            seed=required(self.config.data.seed, "data.seed"),
+            collate=dataset.collate,
         )
 
     # ------------------------------------------------------------------ workers
@@ -212,15 +221,23 @@ class OfflineTrainer(RunLoop):
             spec["kl"] = self._kto_kl(mismatched)
         batch.meta_info["offline"] = spec
         if self.objective.needs_ref:
-            batch = batch.union(self.wg.ref.compute_ref_log_prob(batch))
+            batch = batch.union(self._ref().compute_ref_log_prob(batch))
         return batch
+
+    def _ref(self) -> WorkerGroup:
+        """The reference policy's group, which an objective that ``needs_ref`` is built with."""
+        if self.groups.ref is None:
+            raise RuntimeError(
+                f"the {self.config.kind} objective needs a reference policy, and none was built"
+            )
+        return self.groups.ref
 
     def _kto_kl(self, mismatched: DataProto) -> float:
         """KTO's reference point from the policy's and the reference's log-probs of mismatched pairs
         (gradient-free by definition, so two plain forward passes)."""
-        policy = self.wg.actor_rollout.compute_log_prob(mismatched).batch["old_log_probs"]
-        ref = self.wg.ref.compute_ref_log_prob(mismatched).batch["ref_log_prob"]
-        mask = mismatched.batch["response_mask"].float()
+        policy = self.groups.actor_rollout.compute_log_prob(mismatched).tensors["old_log_probs"]
+        ref = self._ref().compute_ref_log_prob(mismatched).tensors["ref_log_prob"]
+        mask = mismatched.tensors["response_mask"].float()
         return float(kto_kl_estimate(sequence_log_probs(policy, mask), sequence_log_probs(ref, mask)))
 
     def train_step(
@@ -234,7 +251,7 @@ class OfflineTrainer(RunLoop):
             with timer("ref", t):
                 batch = self.prepare_batch(batch)
             with timer("update_rm" if rm else "update_actor", t):
-                trained = self.wg.actor_rollout
+                trained = self.groups.actor_rollout
                 out = trained.update_reward_model(batch) if rm else trained.update_actor_offline(batch)
                 metrics.update(reduce_metrics(out.meta_info["metrics"]))
         metrics["train/loss"] = metrics.pop("loss")
@@ -251,7 +268,7 @@ class OfflineTrainer(RunLoop):
             return {}
         sums: dict[str, float] = {}
         count = 0
-        trained = self.wg.actor_rollout
+        trained = self.groups.actor_rollout
         evaluate = (
             trained.evaluate_reward_model if isinstance(self.config, RMConfig) else trained.evaluate_offline
         )
@@ -269,8 +286,8 @@ class OfflineTrainer(RunLoop):
         return "reward_model" if isinstance(self.config, RMConfig) else "actor"
 
     def save_state(self, folder: Path) -> dict[str, Any]:
-        self.wg.actor_rollout.save_checkpoint(str(folder / self.model_folder))
+        self.groups.actor_rollout.save_checkpoint(str(folder / self.model_folder))
         return {}
 
     def load_state(self, folder: Path, state: dict[str, Any]) -> None:
-        self.wg.actor_rollout.load_checkpoint(str(folder / self.model_folder))
+        self.groups.actor_rollout.load_checkpoint(str(folder / self.model_folder))

@@ -9,7 +9,7 @@ here, on the driver, by any estimator registered in ``hybridflow.algorithms``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hybridflow.algorithms import apply_kl_penalty, compute_advantage, get_kl_controller
+from hybridflow.config.checks import ConfigError, required
 from hybridflow.config.schema import PPOConfig
 from hybridflow.data import PromptLoader, RLHFDataset
 from hybridflow.data.images import thumbnail
@@ -39,7 +40,7 @@ from hybridflow.trainer.metrics import (
     validation_metrics,
 )
 from hybridflow.trainer.replay import ActorReplay
-from hybridflow.trainer.rollouts import build_rollouts
+from hybridflow.trainer.rollouts import Rollouts, build_rollouts
 from hybridflow.trainer.shaping import (
     check_teacher_tokenizer,
     group_reward_metrics,
@@ -68,24 +69,25 @@ class PPOTrainer(RunLoop):
         config: PPOConfig,
         *,
         worker_groups: WorkerGroups | None = None,
-        reward_fn: Any = None,
-        val_reward_fn: Any = None,
+        reward_fn: Callable[..., Any] | None = None,
+        val_reward_fn: Callable[..., Any] | None = None,
     ) -> None:
         self.config = config = config.validate()  # resolved and checked
         super().__init__(config.trainer, config.to_dict(), worker_groups)
         model = config.actor_rollout_ref.model
-        self.tokenizer = load_tokenizer(model.path, model.trust_remote_code)
+        model_path = required(model.path, "actor_rollout_ref.model.path")
+        self.tokenizer = load_tokenizer(model_path, model.trust_remote_code)
         # a vision-language model's image processing (None for a text model): the datasets read images with it
-        self.processor = load_image_prompts(model.path, self.tokenizer, model.trust_remote_code)
+        self.processor = load_image_prompts(model_path, self.tokenizer, model.trust_remote_code)
         teacher = config.actor_rollout_ref.teacher
         if teacher.path:  # refused before any worker loads a model
             check_teacher_tokenizer(self.tokenizer, teacher.path, teacher.trust_remote_code)
         data = config.data
         self.train_loader = PromptLoader(  # dynamic sampling draws data.gen_batch_size prompts at a time
-            self._dataset(data.train_files),
+            self._dataset(required(data.train_files, "data.train_files")),
             data.gen_batch_size or data.train_batch_size,
             shuffle=data.shuffle,
-            seed=data.seed,
+            seed=required(data.seed, "data.seed"),
         )
         self.val_dataset = self._dataset(data.val_files) if data.val_files else None
         self.sft_loader = self._sft_loader(data) if data.sft.files else None
@@ -99,7 +101,7 @@ class PPOTrainer(RunLoop):
             )
         else:
             score_fn = self._rule_scorers()
-        self.reward_fn = reward_fn or RewardManager(self.tokenizer, score_fn)
+        self.reward_fn: Callable[..., Any] = reward_fn or RewardManager(self.tokenizer, score_fn)
         self.val_reward_fn = val_reward_fn or self.reward_fn
         if (
             config.reward_model.two_stage.enable
@@ -107,7 +109,7 @@ class PPOTrainer(RunLoop):
             self.reward_fn = TwoStageRewardFn.from_config(
                 config.reward_model.two_stage,
                 cheap=self.reward_fn,
-                expensive=lambda data: self.wg.reward_model.compute_rm_score(data).batch["rm_scores"],
+                expensive=self._reward_model_scores,
             )
         self.replay = (
             ActorReplay.from_config(config, self.tokenizer.pad_token_id)
@@ -119,7 +121,17 @@ class PPOTrainer(RunLoop):
             alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon
         )
         self._sft_batches = endless(self.sft_loader) if self.sft_loader else None
-        self.rollouts = self.stream = None  # where the samples come from (async_training.mode): init_workers
+        # where the samples come from (async_training.mode): init_workers builds it; batches() the stream
+        self._rollouts: Rollouts | None = None
+        self.stream: PromptStream | None = None
+
+    def _reward_model_scores(self, data: DataProto) -> torch.Tensor:
+        """The reward model's ``rm_scores`` of ``data`` (a two-stage reward's expensive scorer)."""
+        group = self.groups.reward_model
+        if group is None:  # validate() refuses a two-stage reward without one
+            raise ConfigError("reward_model.two_stage.enable needs reward_model.enable=true")
+        scores: torch.Tensor = group.compute_rm_score(data).tensors["rm_scores"]
+        return scores
 
     def _rule_scorers(self) -> RuleScorers:
         """The built-in scorers with ``reward_model.code``'s settings; every code row of the data is read and
@@ -154,7 +166,7 @@ class PPOTrainer(RunLoop):
             image_key=d.image_key,
         )
 
-    def _sft_loader(self, data: Any) -> PromptLoader:
+    def _sft_loader(self, data: Any) -> PromptLoader[SFTDataset]:
         sft = SFTDataset(
             data.sft.files,
             self.tokenizer,
@@ -175,15 +187,23 @@ class PPOTrainer(RunLoop):
                 reward_fn=None if two_stage else self.reward_fn,
                 overlapping=self.config.async_training.mode != "sync",
             )
-        own = self.wg.rollout  # a rollout worker of its own: sent the weights directly by the actor on Ray
-        weights = (
-            None if own is None else weight_transport(self.config.trainer.backend, self.wg.actor_rollout, own)
-        )
+        own = (
+            self.groups.rollout
+        )  # a rollout worker of its own: sent the weights directly by the actor on Ray
+        actor = self.groups.actor_rollout
+        weights = None if own is None else weight_transport(self.config.trainer.backend, actor, own)
         alg, refill = self.config.algorithm, None
         if alg.filter_groups.enable:  # dynamic sampling: whoever generates scores and refills the batch
             size = self.config.data.train_batch_size
             refill = GroupFilter(alg.filter_groups, size, self.tokenizer.pad_token_id, self.compute_reward)
-        self.rollouts = build_rollouts(self.config, self.wg.generator, weights, refill)
+        self._rollouts = build_rollouts(self.config, self.groups.generator, weights, refill)
+
+    @property
+    def rollouts(self) -> Rollouts:
+        """Where the samples come from (``async_training.mode``); a RuntimeError before ``init_workers()``."""
+        if self._rollouts is None:
+            raise RuntimeError("PPOTrainer has no rollouts yet: call init_workers() first")
+        return self._rollouts
 
     def sync_rollout_weights(self, version: int) -> dict[str, float]:
         """Send the actor's weights (``version``: the steps they have trained) to a rollout worker of its own
@@ -193,16 +213,16 @@ class PPOTrainer(RunLoop):
         return self.rollouts.post_weights(version)
 
     def close(self) -> None:
-        if self.rollouts is not None:
-            self.rollouts.stop()
+        if self._rollouts is not None:
+            self._rollouts.stop()
         super().close()
 
     # ------------------------------------------------------------------ where the samples come from
     def start_rollouts(self) -> None:
         """Open the stream of training prompts at ``global_step`` and start where the samples come from (an
         asynchronous run's producer begins generating ahead): ``_train`` calls it once, and stops it after."""
-        self.stream = PromptStream(self.train_loader, self.global_step)
-        self.rollouts.start(self.stream, self.global_step, self.total_steps)
+        self.stream = stream = PromptStream(self.train_loader, self.global_step)
+        self.rollouts.start(stream, self.global_step, self.total_steps)
 
     def batches(self) -> Iterator[DataProto]:
         """The prompts of each step, from the stream ``start_rollouts`` opened (taking one starts nothing)."""
@@ -231,13 +251,14 @@ class PPOTrainer(RunLoop):
         ``reward/stage2_calls``, ``reward/judge/failures``) go into ``metrics``."""
         rm, metrics = self.config.reward_model, {} if metrics is None else metrics
         own = rollout_scores(batch)
-        if own is not None:  # its extras are columns of the batch already
-            scores, extra = own["reward_tensor"], {}
-        elif self.wg.reward_model is not None and not rm.two_stage.enable:
-            scored = self.wg.reward_model.compute_rm_score(batch)
+        extra: dict[str, Any] = {}  # the scorer's extra columns (a rollout's own are the batch's already)
+        if own is not None:
+            scores = own["reward_tensor"]
+        elif self.groups.reward_model is not None and not rm.two_stage.enable:
+            scored = self.groups.reward_model.compute_rm_score(batch)
             metrics.update(reduce_metrics(scored.meta_info.pop("metrics", {})))
             batch = batch.union(scored)
-            scores, extra = rm.model_weight * batch.batch["rm_scores"], {}
+            scores = rm.model_weight * batch.tensors["rm_scores"]
             if rm.rule_weight:
                 result = self._rule_reward(batch, metrics)
                 scores = scores + rm.rule_weight * result["reward_tensor"]
@@ -247,18 +268,23 @@ class PPOTrainer(RunLoop):
             scores, extra = result["reward_tensor"], result.get("reward_extra_info", {})
         if rm.overlong_buffer.enable:  # DAPO's shaping, whichever scorer scored
             scores, shaped = with_overlong_penalty(
-                scores, batch.batch["response_mask"], self.config.data.max_response_length, rm.overlong_buffer
+                scores,
+                batch.tensors["response_mask"],
+                self.config.data.max_response_length,
+                rm.overlong_buffer,
             )
             metrics.update(shaped)
-        batch.batch["token_level_scores"] = scores
+        batch.tensors["token_level_scores"] = scores
         return batch.union(
             DataProto.from_dict(non_tensors={f"reward_extra/{k}": v for k, v in extra.items()})
         )
 
     def _rule_reward(self, batch: DataProto, metrics: dict[str, float]) -> dict[str, Any]:
         """The rule/custom scorer's result, from the reward worker when there is one, else here."""
-        worker = self.wg.reward
-        result = worker.compute_reward(batch) if worker else self.reward_fn(batch, return_dict=True)
+        worker = self.groups.reward
+        result: dict[str, Any] = (
+            worker.compute_reward(batch) if worker else self.reward_fn(batch, return_dict=True)
+        )
         metrics.update(result.get("metrics", {}))
         return result
 
@@ -280,8 +306,9 @@ class PPOTrainer(RunLoop):
     ) -> DataProto:
         """One PPO iteration on a batch of prompts; returns the batch with everything computed.
         ``timings`` receives each stage's seconds and wall-clock span (the run report's timeline)."""
-        cfg, wg, t = self.config, self.wg, StepTimings() if timings is None else timings
-        use_critic = wg.critic is not None
+        cfg, wg, t = self.config, self.groups, StepTimings() if timings is None else timings
+        critic = wg.critic
+        use_critic = critic is not None
         with timer("step", t):
             with timer("gen", t):  # sync: generated now; async: the oldest batch the producer finished
                 batch.meta_info["n"] = cfg.actor_rollout_ref.rollout.n
@@ -291,11 +318,11 @@ class PPOTrainer(RunLoop):
                 )  # agent/* of multi-turn rollouts
             self.hooks.emit("after_generate", self, self.global_step, metrics, batch)
             with timer("reward", t):
-                if "token_level_scores" not in batch.batch.keys():  # dynamic sampling scored it already
+                if "token_level_scores" not in batch.tensors.keys():  # dynamic sampling scored it already
                     batch = self.compute_reward(batch, metrics)
             self.hooks.emit("after_reward", self, self.global_step, metrics, batch)
             if stale_tokens(batch, self.global_step).any():  # PPO's old policy is the one that sampled
-                batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+                batch.tensors["old_log_probs"] = batch.tensors["rollout_log_probs"]
             elif self._needs_old_log_prob():
                 with timer("old_log_prob", t):
                     batch = self._union_with_metrics(batch, wg.actor_rollout.compute_log_prob(batch), metrics)
@@ -305,15 +332,15 @@ class PPOTrainer(RunLoop):
             if wg.teacher is not None:
                 with timer("teacher", t):
                     batch = batch.union(teacher_log_probs(wg.teacher, batch))
-            if use_critic:
+            if critic is not None:
                 with timer("values", t):
-                    batch = batch.union(wg.critic.compute_values(batch))
+                    batch = batch.union(critic.compute_values(batch))
             with timer("adv", t):
                 if cfg.algorithm.use_kl_in_reward:
                     batch, kl_metrics = apply_kl_penalty(batch, self.kl_ctrl, cfg.algorithm.kl_penalty)
                     metrics.update(kl_metrics)
                 else:
-                    batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+                    batch.tensors["token_level_rewards"] = batch.tensors["token_level_scores"]
                 teacher = cfg.actor_rollout_ref.teacher
                 if wg.teacher is not None and teacher.signal == "reward":
                     metrics.update(with_distillation_reward(batch, teacher))
@@ -326,9 +353,9 @@ class PPOTrainer(RunLoop):
                     config=cfg.algorithm,  # what an estimator written for verl reads as its config
                 )
             self.hooks.emit("after_advantage", self, self.global_step, metrics, batch)
-            if use_critic:
+            if critic is not None:
                 with timer("update_critic", t):
-                    metrics.update(reduce_metrics(wg.critic.update_critic(batch).meta_info["metrics"]))
+                    metrics.update(reduce_metrics(critic.update_critic(batch).meta_info["metrics"]))
             if self.global_step >= cfg.trainer.critic_warmup:
                 with timer("update_actor", t):
                     sft = self._next_sft_batch()
@@ -352,13 +379,13 @@ class PPOTrainer(RunLoop):
         metrics.update(compute_throughput_metrics(batch, t, wg.actor_rollout.world_size))
         return batch
 
-    def _union_with_metrics(self, batch: DataProto, out: DataProto, metrics: dict) -> DataProto:
+    def _union_with_metrics(self, batch: DataProto, out: DataProto, metrics: dict[str, float]) -> DataProto:
         metrics.update(reduce_metrics(out.meta_info.pop("metrics", {})))
         return batch.union(out)
 
     def _next_sft_batch(self) -> DataProto | None:
         sft = self.config.data.sft
-        if self.sft_loader is None or self.global_step % sft.every_n_steps:
+        if self._sft_batches is None or self.global_step % sft.every_n_steps:
             return None
         batch = next(self._sft_batches)
         batch.meta_info["loss_coef"] = sft.loss_coef
@@ -398,9 +425,9 @@ class PPOTrainer(RunLoop):
     def _judge_validation(self, out: DataProto, result: dict[str, Any]) -> list[str] | None:
         """With a judge (``reward_model.style=generative``) validation asks it too: its scores become the
         ``judge`` extra (``val/<source>/judge/mean@n``) and its raw verdicts go with the logged samples."""
-        if self.wg.reward_model is None or self.config.reward_model.style != "generative":
+        if self.groups.reward_model is None or self.config.reward_model.style != "generative":
             return None
-        judged = self.wg.reward_model.compute_rm_score(out)
+        judged = self.groups.reward_model.compute_rm_score(out)
         result.setdefault("reward_extra_info", {})["judge"] = judged.batch["rm_scores"].sum(-1).tolist()
         return list(judged.non_tensor_batch["judge_verdict"])
 
@@ -414,8 +441,8 @@ class PPOTrainer(RunLoop):
         samples = []
         for i in range(min(count, len(batch))):
             question = batch.non_tensor_batch["raw_prompt"][i][-1]["content"]
-            length = int(batch.batch["response_mask"][i].sum())
-            answer = self.tokenizer.decode(batch.batch["responses"][i, :length], skip_special_tokens=True)
+            length = int(batch.tensors["response_mask"][i].sum())
+            answer = self.tokenizer.decode(batch.tensors["responses"][i, :length], skip_special_tokens=True)
             score = rewards[i].sum().item()
             judged = f" | judge: {verdicts[i]!r}" if verdicts else ""
             tqdm.write(
@@ -431,9 +458,9 @@ class PPOTrainer(RunLoop):
 
     # ------------------------------------------------------------------ checkpoints
     def save_state(self, folder: Path) -> dict[str, Any]:
-        self.wg.actor_rollout.save_checkpoint(str(folder / "actor"))
-        if self.wg.critic is not None:
-            self.wg.critic.save_checkpoint(str(folder / "critic"))
+        self.groups.actor_rollout.save_checkpoint(str(folder / "actor"))
+        if self.groups.critic is not None:
+            self.groups.critic.save_checkpoint(str(folder / "critic"))
         return {
             "sft_loader": self.sft_loader.state_dict() if self.sft_loader else None,
             "kl_coef": self.kl_ctrl.value,
@@ -441,11 +468,11 @@ class PPOTrainer(RunLoop):
         }
 
     def load_state(self, folder: Path, state: dict[str, Any]) -> None:
-        self.wg.actor_rollout.load_checkpoint(str(folder / "actor"))
-        if self.wg.rollout is not None:
+        self.groups.actor_rollout.load_checkpoint(str(folder / "actor"))
+        if self.groups.rollout is not None:
             self.sync_rollout_weights(state["global_step"])
-        if self.wg.critic is not None:
-            self.wg.critic.load_checkpoint(str(folder / "critic"))
+        if self.groups.critic is not None:
+            self.groups.critic.load_checkpoint(str(folder / "critic"))
         if self.sft_loader and state["sft_loader"]:
             self.sft_loader.load_state_dict(state["sft_loader"])
         self._restore_kl_coef(state["kl_coef"])

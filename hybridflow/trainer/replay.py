@@ -44,13 +44,13 @@ LEFT_PADDED = {"input_ids": None, "prompts": None, "attention_mask": 0, "positio
 
 
 def _prompt_width(data: DataProto) -> int:
-    return data.batch["input_ids"].shape[-1] - data.batch["responses"].shape[-1]
+    return data.tensors["input_ids"].shape[-1] - data.tensors["responses"].shape[-1]
 
 
 def used_prompt_width(data: DataProto) -> int:
     """Prompt columns holding a real token in at least one row (the rest is left padding shared by all)."""
     width = _prompt_width(data)
-    real = data.batch["attention_mask"][:, :width].bool().any(dim=0)
+    real = data.tensors["attention_mask"][:, :width].bool().any(dim=0)
     return width - int(real.int().argmax()) if real.any() else 0
 
 
@@ -67,14 +67,14 @@ def set_prompt_width(data: DataProto, width: int, pad_token_id: int) -> DataProt
             f"the batch takes {used_prompt_width(data)} (of {current})"
         )
     out = DataProto(
-        batch=data.batch.clone(recurse=False),
+        batch=data.tensors.clone(recurse=False),
         non_tensor_batch=dict(data.non_tensor_batch),
         meta_info=dict(data.meta_info),
     )
     for key, value in LEFT_PADDED.items():
-        if key in out.batch.keys():
-            column = out.batch[key]
-            out.batch[key] = (
+        if key in out.tensors.keys():
+            column = out.tensors[key]
+            out.tensors[key] = (
                 F.pad(column, (width - current, 0), value=pad_token_id if value is None else value)
                 if width >= current
                 else column[..., current - width :]
@@ -84,8 +84,8 @@ def set_prompt_width(data: DataProto, width: int, pad_token_id: int) -> DataProt
 
 def advantage_priorities(data: DataProto) -> np.ndarray:
     """Mean |advantage| over each row's response tokens: float64 ``(bs,)``, 0 for an empty response."""
-    mask = data.batch["response_mask"].float()
-    total = (data.batch["advantages"].abs() * mask).sum(-1)
+    mask = data.tensors["response_mask"].float()
+    total = (data.tensors["advantages"].abs() * mask).sum(-1)
     return (total / mask.sum(-1).clamp(min=1)).double().numpy()
 
 
@@ -162,7 +162,7 @@ class ActorReplay:
 
         Needs ``advantages`` and ``old_log_probs`` in ``batch``. Replay starts once the buffer holds rows
         (and, for priority sampling, once one has a priority above 0)."""
-        missing = [k for k in ("advantages", "old_log_probs") if k not in batch.batch.keys()]
+        missing = [k for k in ("advantages", "old_log_probs") if k not in batch.tensors.keys()]
         if missing:
             raise KeyError(
                 f"replay needs {missing} in the batch: replayed rows must carry the log-probs of "
@@ -173,7 +173,7 @@ class ActorReplay:
                 "replay_buffer.enable: the replay buffer keeps token rows only, not their images; turn it off "
                 "for image data"
             )
-        keys = [k for k in ROW_KEYS if k in batch.batch.keys()]
+        keys = [k for k in ROW_KEYS if k in batch.tensors.keys()]
         fresh = set_prompt_width(
             batch.select(batch_keys=keys, non_tensor_batch_keys=[], meta_info_keys=[]),
             self.max_prompt_length,
@@ -183,11 +183,11 @@ class ActorReplay:
         self.replayed, rows = None, fresh
         if len(self.buffer) and (params["strategy"] == "uniform" or self.buffer.priorities.max() > 0):
             replayed, ids, weights = self.sampler.sample(self.buffer, self.sample_size, step)
-            replayed.batch.pop(IS_WEIGHTS_KEY)
+            replayed.tensors.pop(IS_WEIGHTS_KEY)
             self.replayed = (replayed, ids)
-            weighted = DataProto(batch=replayed.batch.clone(recurse=False))
-            weighted.batch["advantages"] = (
-                replayed.batch["advantages"] * torch.from_numpy(weights).float()[:, None]
+            weighted = DataProto(batch=replayed.tensors.clone(recurse=False))
+            weighted.tensors["advantages"] = (
+                replayed.tensors["advantages"] * torch.from_numpy(weights).float()[:, None]
             )
             rows = DataProto.concat([fresh, weighted])
             metrics["replay/is_weight_mean"] = float(weights.mean())
@@ -211,10 +211,10 @@ class ActorReplay:
         rows = set_prompt_width(rows, used_prompt_width(rows), self.pad_token_id)
         log_probs = actor_rollout.compute_log_prob(rows).batch["old_log_probs"]
         priorities = surrogate_priorities(
-            rows.batch["advantages"],
+            rows.tensors["advantages"],
             log_probs,
-            rows.batch["old_log_probs"],
-            rows.batch["response_mask"],
+            rows.tensors["old_log_probs"],
+            rows.tensors["response_mask"],
             self.clip_low,
             self.clip_high,
         )

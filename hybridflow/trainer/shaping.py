@@ -46,14 +46,14 @@ def without_truncated(
     """The actor's copy of ``batch`` with the truncated samples' ``response_mask`` zeroed, so they take no
     part in the policy loss or its token count (their rewards already counted in their groups' baselines),
     and ``actor/truncated_masked_frac``."""
-    cut = truncated(batch.batch["responses"], batch.batch["response_mask"], max_length, eos_token_ids)
+    cut = truncated(batch.tensors["responses"], batch.tensors["response_mask"], max_length, eos_token_ids)
     out = DataProto(
-        batch=batch.batch.clone(recurse=False),
+        batch=batch.tensors.clone(recurse=False),
         non_tensor_batch=dict(batch.non_tensor_batch),
         meta_info=dict(batch.meta_info),
     )
-    out.batch["response_mask"] = batch.batch["response_mask"] * (~cut[:, None]).to(
-        batch.batch["response_mask"].dtype
+    out.tensors["response_mask"] = batch.tensors["response_mask"] * (~cut[:, None]).to(
+        batch.tensors["response_mask"].dtype
     )
     return out, {"actor/truncated_masked_frac": float(cut.float().mean())}
 
@@ -64,7 +64,7 @@ def group_reward_metrics(batch: DataProto) -> dict[str, float]:
     advantage under a group baseline: what dynamic sampling filters)."""
     if "uid" not in batch.non_tensor_batch:
         return {}
-    std = group_std(batch.non_tensor_batch["uid"], batch.batch["token_level_scores"].sum(dim=-1))
+    std = group_std(batch.non_tensor_batch["uid"], batch.tensors["token_level_scores"].sum(dim=-1))
     return {
         "reward/group_std/mean": float(std.mean()),
         "reward/zero_std_group_frac": float((std == 0).double().mean()),
@@ -108,7 +108,7 @@ def teacher_log_probs(teacher: WorkerGroup, batch: DataProto) -> DataProto:
 def with_distillation_reward(batch: DataProto, teacher: Any) -> dict[str, float]:
     """``token_level_rewards`` mixed with the reverse-KL reward in place (``teacher``: the config section;
     the student's log-probs are the sampling policy's, ``old_log_probs``); returns ``distill/*``."""
-    b = batch.batch
+    b = batch.tensors
     rewards, metrics = distillation_rewards(
         b["token_level_rewards"],
         b["old_log_probs"],

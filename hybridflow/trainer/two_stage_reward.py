@@ -51,7 +51,7 @@ class TwoStageRewardFn:
 
     def __call__(self, data: DataProto, return_dict: bool = False) -> torch.Tensor | dict[str, Any]:
         scores, info = self.two_stage(data)
-        token_scores = sequence_to_token_scores(scores.float(), data.batch["response_mask"])
+        token_scores = sequence_to_token_scores(scores.float(), data.tensors["response_mask"])
         if not return_dict:
             return token_scores
         extra = {

@@ -214,6 +214,7 @@ def role_inits(
     # With LoRA the reference is the actor's module with the adapter off: the actor worker takes the role
     ref_in_actor = needs_ref(config) and arr.model.lora_rank > 0
     with_ref = "_ref" if ref_in_actor else ""
+    inits: dict[str, ClassWithInitArgs[Any]]
     if roles.get("actor") == roles.get("rollout"):
         inits = {
             str(Role.ACTOR_ROLLOUT): ClassWithInitArgs(
@@ -325,13 +326,13 @@ def build_worker_groups(
         if trainer.return_freed_memory:  # the local backend's workers live in this process
             return_freed_memory()
         # an asynchronous run generates while the actor trains: the rollout is a worker of its own
-        inits = given or role_inits(config, {"actor": "main", "rollout": "rollout"} if overlapping else None)
+        inits = given or _ppo_inits(config, {"actor": "main", "rollout": "rollout"} if overlapping else None)
         views = {}
         for names in ([n for n in inits if n != "rollout"], [n for n in inits if n == "rollout"]):
             members = {name: inits[name] for name in names}
             if members:
-                group = LocalWorkerGroup(create_colocated_worker_cls(members), 1, name_prefix="hybridflow")
-                views.update(group.spawn(prefix_set=names))
+                local = LocalWorkerGroup(create_colocated_worker_cls(members), 1, name_prefix="hybridflow")
+                views.update(local.spawn(prefix_set=names))
         return _init_views(views, None, inits)
 
     from hybridflow.single_controller.ray import (
@@ -344,7 +345,7 @@ def build_worker_groups(
 
     pools, roles = placement(trainer)
     extra = pool_resources(trainer, pools)
-    inits = given or role_inits(config, roles, reward_fn)
+    inits = given or _ppo_inits(config, roles, reward_fn)
     init_ray(**dict(trainer.ray_kwargs))
     # a worker's pool is its role's (actor_rollout runs where the actor does)
     pool_of = {name: roles["actor" if name == str(Role.ACTOR_ROLLOUT) else name] for name in inits}
@@ -389,6 +390,19 @@ def _release(groups: list, pools: dict) -> None:
         group.shutdown()
     for pool in pools.values():
         pool.remove()
+
+
+def _ppo_inits(
+    config: PPOConfig | OfflineConfig,
+    roles: dict[str, str] | None,
+    reward_fn: Callable[..., Any] | None = None,
+) -> dict[str, ClassWithInitArgs[Any]]:
+    """``role_inits`` of a PPO config; an offline trainer's config comes with its own ``inits``."""
+    if not isinstance(config, PPOConfig):
+        raise TypeError(
+            f"build_worker_groups: a {type(config).__name__} needs its inits (the workers to start)"
+        )
+    return role_inits(config, roles, reward_fn)
 
 
 def _init_views(

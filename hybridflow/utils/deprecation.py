@@ -73,7 +73,11 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         new = self.moved[fullname]
         spec = importlib.util.find_spec(new)
         warnings.warn_explicit(
-            self._message(fullname), DeprecationWarning, spec.origin if spec else new, 1, module="__main__"
+            self._message(fullname),
+            DeprecationWarning,
+            (spec.origin if spec else None) or new,
+            1,
+            module="__main__",
         )
         loader = spec.loader if spec is not None else None
         return loader.get_code(new) if isinstance(loader, importlib.abc.InspectLoader) else None

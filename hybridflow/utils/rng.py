@@ -15,7 +15,10 @@ def get_rng_state() -> dict[str, Any]:
 
     Holds only ints, lists and tensors, so ``torch.load(..., weights_only=True)`` can read it back.
     """
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state(legacy=True)  # the global MT19937's: a tuple
+    if not isinstance(legacy, tuple):
+        raise TypeError(f"numpy's global generator state is a {type(legacy).__name__}, not MT19937's tuple")
+    kind, keys, pos, has_gauss, cached = legacy
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": [kind, keys.tolist(), pos, has_gauss, cached],

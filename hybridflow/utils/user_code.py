@@ -44,4 +44,5 @@ def load_user_function(
         raise UserError(f"{key}.name: {path} has no function {name!r}; it defines {defined}")
     if not callable(fn):
         raise UserError(f"{key}.name: {name!r} in {path} is a {type(fn).__name__}, not a function")
-    return fn
+    function: Callable[..., Any] = fn
+    return function

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+from transformers import PreTrainedModel
 
 from hybridflow.algorithms import (
     ConfigView,
@@ -27,6 +28,7 @@ from hybridflow.algorithms import (
     truncated_importance_weights,
 )
 from hybridflow.config import ActorRolloutRefConfig, SandboxConfig
+from hybridflow.config.checks import required
 from hybridflow.models.vision import freeze_vision_tower
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import (
@@ -70,6 +72,7 @@ from hybridflow.workers.ulysses import (
 )
 from hybridflow.workers.weight_sync import WeightLink, WeightMailbox, WeightSyncEnds, policy_weights
 
+T = TypeVar("T")
 ROLES = ("actor", "rollout", "ref")
 
 
@@ -138,7 +141,9 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
         self.announce = (
             announce  # print what this worker did (a role in its own process, as the tutorial logs)
         )
-        self.module = self.ref_module = self.engine = None
+        self.module: PreTrainedModel | None = None  # the actor's (or a rollout-only worker's copy)
+        self.ref_module: PreTrainedModel | None = None
+        self.engine: TrainingEngine | None = None
         self.rollout: Rollout | None = None
         self.rollout_engine = rollout_engine
         # sequence-parallel groups (ulysses_sequence_parallel_size > 1)
@@ -165,15 +170,16 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
         torch.manual_seed(self.seed + self.rank)
         self.init_process_group()
         model_cfg, actor, ref = self.config.model, self.config.actor, self.config.ref
-        self.tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
-        self.processor = load_image_prompts(model_cfg.path, self.tokenizer, model_cfg.trust_remote_code)
+        model_path = required(model_cfg.path, "actor_rollout_ref.model.path")
+        self.tokenizer = load_tokenizer(model_path, model_cfg.trust_remote_code)
+        self.processor = load_image_prompts(model_path, self.tokenizer, model_cfg.trust_remote_code)
         if self._is_actor or self._is_rollout:
             # a rollout-only worker (trainer.placement=split) holds a plain copy the actor's full weights load into
             strategy = resolve_strategy(actor.strategy, self.world_size) if self._is_actor else "ddp"
             lora = model_cfg.lora_rank if self._is_actor or self.sends_adapters() else 0
             placement = load_placement(strategy, model_cfg.dtype, self.device)
             module = load_model(
-                model_cfg.path,
+                model_path,
                 *placement,
                 trust_remote_code=model_cfg.trust_remote_code,
                 disable_dropout=model_cfg.disable_dropout,
@@ -196,7 +202,7 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
             )
         if self._is_actor:
             self.engine = TrainingEngine(
-                self.module,
+                self.policy,
                 actor.optim,
                 actor.grad_clip,
                 "actor",
@@ -208,10 +214,10 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
             rollout = self.config.rollout
             spec = EngineSpec(
                 rollout,
-                self.module,
+                self.policy,
                 self.tokenizer,
                 self.response_length,
-                model_location(model_cfg.path),
+                model_location(model_path),
                 (self.seed if rollout.seed is None else rollout.seed) + self.rank,
             )
             self.rollout = build_rollout(
@@ -223,26 +229,31 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
             strategy = resolve_strategy(ref.strategy, self.world_size, "actor_rollout_ref.ref.strategy")
             placement = load_placement(strategy, model_cfg.dtype, self.device)
             module = load_model(
-                model_cfg.path,
+                model_path,
                 *placement,
                 trust_remote_code=model_cfg.trust_remote_code,
                 disable_dropout=model_cfg.disable_dropout,
                 on_meta=not reads_weights(strategy, streamed=True),
             ).eval()
             module.requires_grad_(False)
-            self.ref_sp = self._sequence_parallel(module, ref.ulysses_sequence_parallel_size, "ref")
+            self.ref_sp = self._sequence_parallel(module, self._ref_sp_size(), "ref")
             self.ref_module = wrap_model(
                 module, strategy, ref.fsdp_config, self.device, weights=self._weights_source(placement[1])
             )
         elif self._is_ref:  # LoRA: the reference is the actor's module with the adapter off
-            self.ref_sp = self._sequence_parallel(self.module, ref.ulysses_sequence_parallel_size, "ref")
+            self.ref_sp = self._sequence_parallel(self.policy, self._ref_sp_size(), "ref")
 
     def _weights_source(self, dtype: str | None) -> Callable[[torch.nn.Module], Any]:
         """Where rank 0 of a sharded policy takes the full tensors it sends to the ranks (``weights_source``)."""
         model_cfg = self.config.model
-        return weights_source(model_cfg.path, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code)
+        path = required(model_cfg.path, "actor_rollout_ref.model.path")
+        return weights_source(path, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code)
 
-    def _sequence_parallel(self, module: torch.nn.Module, size: int, role: str) -> SequenceParallel | None:
+    def _ref_sp_size(self) -> int:
+        key = "actor_rollout_ref.ref.ulysses_sequence_parallel_size"  # resolve() sets it (null: the actor's)
+        return required(self.config.ref.ulysses_sequence_parallel_size, key)
+
+    def _sequence_parallel(self, module: PreTrainedModel, size: int, role: str) -> SequenceParallel | None:
         """This rank's Ulysses group for ``role`` (None for size 1), with ``module`` made able to use it."""
         key = f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size"
         sp = sequence_parallel(size, key)
@@ -253,18 +264,18 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
     # ---------------------------------------------------------------- rollout
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        self._require(self.rollout, "rollout", "generate_sequences")
+        rollout = self._require(self.rollout, "rollout", "generate_sequences")
         check_generation_batch(prompts)
         if "global_step" in prompts.meta_info:
-            self.rollout.reseed(prompts.meta_info["global_step"])
-        versioned = self.mailbox is not None and "weight_version" in prompts.meta_info
-        if versioned:
-            self._use_weights(prompts.meta_info)
+            rollout.reseed(prompts.meta_info["global_step"])
+        mailbox = self.mailbox if "weight_version" in prompts.meta_info else None  # an asynchronous run's
+        if mailbox is not None:
+            self._use_weights(prompts.meta_info, mailbox, rollout)
         try:
             reshard = self.config.actor.fsdp_config.reshard_after_forward
             sharded = self.config.rollout.sharded_generation
-            with (lockstep if sharded else gathered)(self.module, reshard):
-                out = self.rollout.generate_sequences(prompts)
+            with (lockstep if sharded else gathered)(self.policy, reshard):
+                out = rollout.generate_sequences(prompts)
         except DivergedError as e:
             if self.engine is None or self.engine.steps_done == 0:
                 raise
@@ -273,40 +284,40 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
                 f"{self.engine.lr:g}) broke the weights; lower actor_rollout_ref.actor.optim.lr"
             ) from e
         finally:
-            if versioned and self.mailbox.follow:
-                self.mailbox.follow = False
-                self.rollout.follow_weights(None)
-        if versioned and not is_tagged(out):  # generated by one version from start to end
-            tag_weight_versions(out, self.mailbox.version)
+            if mailbox is not None and mailbox.follow:
+                mailbox.follow = False
+                rollout.follow_weights(None)
+        if mailbox is not None and not is_tagged(out):  # generated by one version from start to end
+            tag_weight_versions(out, mailbox.version)
         if self.announce:
             print(f"[rollout] generated {len(out)} responses for {len(prompts)} prompts", flush=True)
         return out
 
     # ---------------------------------------------------------------- weight sync
-    def _use_weights(self, meta: dict[str, Any]) -> None:
+    def _use_weights(self, meta: dict[str, Any], mailbox: WeightMailbox, rollout: Rollout) -> None:
         """An asynchronous run's generation: load ``meta["weight_version"]`` (None: the newest posted), forget
         versions older than ``meta["keep_from"]``, and with ``meta["follow_weights"]`` (a partial rollout) let
         the engine take newer versions between decoding steps."""
-        self.mailbox.use(meta["weight_version"], meta.get("keep_from"))
+        mailbox.use(meta["weight_version"], meta.get("keep_from"))
         if meta.get("follow_weights"):
-            if not self.rollout.capabilities.follows_weights:
+            if not rollout.capabilities.follows_weights:
                 raise ValueError(
                     "a partial rollout needs a rollout that takes new weights between decoding steps "
-                    f"(Capabilities.follows_weights: hf, vllm); {type(self.rollout).__name__} does not"
+                    f"(Capabilities.follows_weights: hf, vllm); {type(rollout).__name__} does not"
                 )
-            self.mailbox.follow = True
-            self.rollout.follow_weights(self.mailbox)
+            mailbox.follow = True
+            rollout.follow_weights(mailbox)
 
     def _sync_rollout(self) -> None:
         """After the actor's weights changed: a rollout engine with its own copy (vLLM) takes the new ones
         in memory; the Hugging Face rollout samples from the trained module itself and needs nothing."""
         if self._is_actor and self.rollout is not None and self.rollout.capabilities.own_weights:
-            self.rollout.update_weights(policy_weights(self.module))
+            self.rollout.update_weights(policy_weights(self.policy))
 
     # ---------------------------------------------------------------- log-probs
     def _log_probs(
         self,
-        module: torch.nn.Module,
+        module: PreTrainedModel,
         data: DataProto,
         with_entropy: bool,
         micro_batch_size: int,
@@ -334,10 +345,10 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs`` and ``entropys`` ``(bs, L)`` under the current policy."""
-        self._require(self.module, "actor", "compute_log_prob")
+        policy = self._require(self.module, "actor", "compute_log_prob")
         rollout = self.config.rollout
         log_probs, entropy = self._log_probs(
-            self.module,
+            policy,
             data,
             True,
             rollout.log_prob_micro_batch_size_per_gpu,
@@ -345,9 +356,9 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
             self.actor_sp,
         )
         metrics = {}
-        if "rollout_log_probs" in data.batch.keys() and data.batch["rollout_log_probs"].abs().sum() > 0:
+        if "rollout_log_probs" in data.tensors.keys() and data.tensors["rollout_log_probs"].abs().sum() > 0:
             metrics = logprob_diff_metrics(
-                data.batch["rollout_log_probs"], log_probs, data.batch["response_mask"]
+                data.tensors["rollout_log_probs"], log_probs, data.tensors["response_mask"]
             )
         return DataProto.from_dict(
             {"old_log_probs": log_probs, "entropys": entropy}, meta_info={"metrics": metrics}
@@ -362,21 +373,28 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
             (ref.log_prob_max_token_len_per_gpu if ref.log_prob_use_dynamic_bsz else None),
         )
         if self._is_ref and self.ref_module is None:
-            with self.module.disable_adapter():
-                log_probs, _ = self._log_probs(self.module, data, False, micro, budget, self.ref_sp)
+            from peft import PeftModel
+
+            lora = self.policy
+            if not isinstance(lora, PeftModel):  # the LoRA actor is its own reference (role actor_ref)
+                raise RuntimeError(
+                    f"the reference is the actor with its adapter off, but it has none: {type(lora)}"
+                )
+            with lora.disable_adapter():
+                log_probs, _ = self._log_probs(self.policy, data, False, micro, budget, self.ref_sp)
         else:
-            self._require(self.ref_module, "ref", "compute_ref_log_prob")
-            log_probs, _ = self._log_probs(self.ref_module, data, False, micro, budget, self.ref_sp)
+            ref_module = self._require(self.ref_module, "ref", "compute_ref_log_prob")
+            log_probs, _ = self._log_probs(ref_module, data, False, micro, budget, self.ref_sp)
         return DataProto.from_dict({"ref_log_prob": log_probs})
 
     # ---------------------------------------------------------------- training
     def _policy_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         """Policy-gradient loss (+ KL to the reference, - entropy bonus, + supervised NLL on SFT rows)."""
         actor = self.config.actor
-        mask = micro.batch["response_mask"].float()
+        mask = micro.tensors["response_mask"].float()
         entropy_coeff = actor.entropy_coeff
         log_prob, entropy = response_log_probs(
-            self.module,
+            self.policy,
             micro,
             self.config.rollout.temperature,
             with_entropy=True,
@@ -386,8 +404,8 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
         )
         # On-policy shortcut: with one pass over the data the old policy *is* the current one, so the
         # driver may skip the extra forward pass and let the ratio start at exactly 1.
-        on_policy = "old_log_probs" not in micro.batch.keys()
-        old = log_prob.detach() if on_policy else micro.batch["old_log_probs"]
+        on_policy = "old_log_probs" not in micro.tensors.keys()
+        old = log_prob.detach() if on_policy else micro.tensors["old_log_probs"]
         advantages, tis_metrics = self._off_policy_corrected(micro, old, log_prob.detach(), mask)
         # verl's calling convention, so a loss registered for verl runs unchanged; the engine weighs the
         # micro-batches itself, hence no whole-batch counts in global_batch_info
@@ -400,6 +418,8 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
             config=ConfigView(actor, global_batch_info={}),
             rollout_is_weights=None,
         )
+        if entropy is None:  # asked for above (with_entropy=True)
+            raise RuntimeError("response_log_probs(with_entropy=True) returned no entropy")
         entropy_loss = agg_loss(entropy, mask, actor.loss_agg_mode)
         loss = pg_loss - entropy_coeff * entropy_loss
         if on_policy:  # with the ratio exactly 1 the KL to the old policy and PPO's clip fractions are 0
@@ -411,22 +431,22 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
             **tis_metrics,
         }
         if (
-            "ref_log_prob" in micro.batch.keys()
+            "ref_log_prob" in micro.tensors.keys()
         ):  # KL(policy || reference), k1 estimate over the sampled tokens
             metrics["actor/kl_ref"] = float(
-                masked_mean(log_prob.detach() - micro.batch["ref_log_prob"], mask)
+                masked_mean(log_prob.detach() - micro.tensors["ref_log_prob"], mask)
             )
         if actor.use_kl_loss:
-            kl = kl_penalty(log_prob, micro.batch["ref_log_prob"], actor.kl_loss_type)
+            kl = kl_penalty(log_prob, micro.tensors["ref_log_prob"], actor.kl_loss_type)
             kl_loss = agg_loss(kl, mask, actor.loss_agg_mode)
             loss = loss + actor.kl_loss_coef * kl_loss
             metrics.update({"actor/kl_loss": kl_loss.item(), "actor/kl_coef": actor.kl_loss_coef})
-        if self.config.teacher.signal == "loss" and "teacher_log_prob" in micro.batch.keys():
+        if self.config.teacher.signal == "loss" and "teacher_log_prob" in micro.tensors.keys():
             distill_loss, distill_metrics = self._distillation_loss(micro, log_prob, mask)
             loss = loss + self.config.teacher.kl_coef * distill_loss
             metrics.update(distill_metrics)
-        if "rollout_log_probs" in micro.batch.keys() and on_policy:
-            metrics.update(logprob_diff_metrics(micro.batch["rollout_log_probs"], log_prob.detach(), mask))
+        if "rollout_log_probs" in micro.tensors.keys() and on_policy:
+            metrics.update(logprob_diff_metrics(micro.tensors["rollout_log_probs"], log_prob.detach(), mask))
         return loss, metrics
 
     def _distillation_loss(
@@ -434,7 +454,7 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """On-policy distillation as a loss term: the KL estimate ``teacher.kl_loss_type`` between the policy
         and the teacher's log-probs of the sampled tokens, aggregated as the policy loss is."""
-        teacher_log_prob = micro.batch["teacher_log_prob"]
+        teacher_log_prob = micro.tensors["teacher_log_prob"]
         kl = kl_penalty(log_prob, teacher_log_prob, self.config.teacher.kl_loss_type)
         loss = agg_loss(kl, mask, self.config.actor.loss_agg_mode)
         reverse = float(masked_mean(reverse_kl(log_prob, teacher_log_prob), mask))
@@ -448,10 +468,10 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
         and zeroed where the trainer's ``current`` log-probs left ``actor.off_policy_mask_bounds`` around the
         rollout's (``actor.off_policy_mask``; in an asynchronous run ``old`` is the rollout's own, so only the
         current policy tells how far the weights moved since the sample was drawn)."""
-        actor, advantages = self.config.actor, micro.batch["advantages"]
-        if "rollout_log_probs" not in micro.batch.keys():
+        actor, advantages = self.config.actor, micro.tensors["advantages"]
+        if "rollout_log_probs" not in micro.tensors.keys():
             return advantages, {}
-        rollout, metrics = micro.batch["rollout_log_probs"], {}
+        rollout, metrics = micro.tensors["rollout_log_probs"], {}
         if actor.tis_imp_ratio_cap > 0:
             weights, tis_clipfrac = truncated_importance_weights(
                 old, rollout, mask, actor.tis_imp_ratio_cap, actor.tis_level
@@ -469,14 +489,14 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
     def _sft_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         """Supervised NLL on demonstration responses (prompt tokens masked out)."""
         log_prob, _ = response_log_probs(
-            self.module,
+            self.policy,
             micro,
             temperature=1.0,
             share_prompt=self.config.model.share_prompt_prefix,
             sp=self.actor_sp,
         )
         loss = compute_sft_loss(
-            log_prob, micro.batch["response_mask"].float(), self.config.actor.loss_agg_mode
+            log_prob, micro.tensors["response_mask"].float(), self.config.actor.loss_agg_mode
         )
         return loss, {"actor/sft_loss": loss.item()}
 
@@ -486,21 +506,21 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
 
         ``sft_data`` (demonstrations laid out like rollouts: ``input_ids``, ``responses``,
         ``response_mask``...) adds ``sft_data.meta_info["loss_coef"]`` x its NLL to every optimiser step."""
-        self._require(self.engine, "actor", "update_actor")
+        engine = self._require(self.engine, "actor", "update_actor")
         actor = self.config.actor
         sp = self.actor_sp  # a Ulysses group trains on its ranks' rows together
         mini_batch = (
             actor.ppo_mini_batch_size * self.config.rollout.n // self.world_size * (sp.size if sp else 1)
         )
-        keys = [k for k in UPDATE_ACTOR_KEYS if k in data.batch.keys()]
+        keys = [k for k in UPDATE_ACTOR_KEYS if k in data.tensors.keys()]
         selected = data.select(batch_keys=keys, non_tensor_batch_keys=image_column(data), meta_info_keys=[])
         data = gather_rows(selected, sp)
-        self.module.train()
+        self.policy.train()
         extra = []
         if sft_data is not None and len(sft_data):
             coef = float(sft_data.meta_info["loss_coef"])
             extra = [(gather_rows(sft_data, sp), self._sft_loss, coef)]
-        metrics = self.engine.update(
+        metrics = engine.update(
             data,
             mini_batch,
             self._micro_batching(),
@@ -532,24 +552,24 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
         policy's log-probs of ``responses`` (temperature 1: the model's own distribution)."""
         spec = micro.meta_info["offline"]
         log_prob, _ = response_log_probs(
-            self.module,
+            self.policy,
             micro,
             temperature=1.0,
             share_prompt=self.config.model.share_prompt_prefix,
             sp=self.actor_sp,
         )
-        return get_offline_objective(spec["loss"]).fn(log_prob, micro.batch, spec)
+        return get_offline_objective(spec["loss"]).fn(log_prob, micro.tensors, spec)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor_offline(self, data: DataProto) -> DataProto:
         """One optimiser step over this rank's shard of an offline batch (laid out like rollouts, plus
         ``ref_log_prob``/``label`` where the objective needs them), micro-batch by micro-batch;
         ``data.meta_info["offline"]`` names the objective and its settings. Metrics in ``meta_info``."""
-        self._require(self.engine, "actor", "update_actor_offline")
+        engine = self._require(self.engine, "actor", "update_actor_offline")
         objective = get_offline_objective(data.meta_info["offline"]["loss"])
         data = gather_rows(data, self.actor_sp)
-        self.module.train()
-        metrics = self.engine.update(
+        self.policy.train()
+        metrics = engine.update(
             data,
             len(data),
             self._micro_batching(),
@@ -563,41 +583,41 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
     def evaluate_offline(self, data: DataProto) -> DataProto:
         """The offline objective on held-out data without updating: each metric averaged over this shard's
         micro-batches, weighted as the update weighs them (tokens for SFT, rows otherwise)."""
-        self._require(self.module, "actor", "evaluate_offline")
+        policy = self._require(self.module, "actor", "evaluate_offline")
         by_tokens = get_offline_objective(data.meta_info["offline"]["loss"]).loss_agg_mode == "token-mean"
         data = gather_rows(data, self.actor_sp)
-        was_training = self.module.training
-        self.module.eval()
+        was_training = policy.training
+        policy.eval()
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
         batching = self._micro_batching()
         with torch.no_grad():
-            for micro, real in batching.split(data, agreed_count(batching, data, self.module)):
+            for micro, real in batching.split(data, agreed_count(batching, data, policy)):
                 metrics = self._offline_loss(micro)[1]  # a filler's forward keeps sharded ranks in step
-                size = float(micro.batch["response_mask"].sum()) if by_tokens else float(len(micro))
+                size = float(micro.tensors["response_mask"].sum()) if by_tokens else float(len(micro))
                 weight = size if real else 0.0
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + weight * value
                     weights[key] = weights.get(key, 0.0) + weight
-        self.module.train(was_training)
+        policy.train(was_training)
         return DataProto(meta_info={"metrics": {k: [sums[k] / max(weights[k], 1e-8)] for k in sums}})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def scale_lr(self, scale: float) -> float:
-        self._require(self.engine, "actor", "scale_lr")
-        return self.engine.scale_lr(scale)
+        engine = self._require(self.engine, "actor", "scale_lr")
+        return engine.scale_lr(scale)
 
     # ---------------------------------------------------------------- checkpoints
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
         """``path/huggingface`` (a plain HF model folder) plus optimiser, schedule and RNG state
         (``workers.checkpointing`` has the layout, sharded and LoRA variants included)."""
-        self._require(self.engine, "actor", "save_checkpoint")
+        engine = self._require(self.engine, "actor", "save_checkpoint")
         save_worker_state(
             path,
-            self.module,
+            self.policy,
             self.tokenizer,
-            self.engine,
+            engine,
             self.rank,
             self.config.actor.checkpoint.save_lora_only,
             self.processor,
@@ -605,13 +625,21 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
-        self._require(self.engine, "actor", "load_checkpoint")
-        load_worker_state(path, self.module, self.engine, self.rank)
+        engine = self._require(self.engine, "actor", "load_checkpoint")
+        load_worker_state(path, self.policy, engine, self.rank)
         self._sync_rollout()
 
-    def _require(self, part: Any, role: str, method: str) -> None:
+    def _require(self, part: T | None, role: str, method: str) -> T:
+        """``part`` (the module, engine, rollout... of ``role``), which ``method`` needs; a RuntimeError
+        naming the role this worker has when it has none."""
         if part is None:
             raise RuntimeError(
                 f"{method} needs the {role!r} role, but this worker was built with role "
                 f"{self.role!r} (pid {os.getpid()}); call init_model first if you did not"
             )
+        return part
+
+    @property
+    def policy(self) -> PreTrainedModel:
+        """The policy's module: the actor's, or a rollout-only worker's copy."""
+        return self._require(self.module, "actor", "the policy module")

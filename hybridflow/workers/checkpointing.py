@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -178,7 +179,7 @@ def load_worker_state(path: str | Path, module: PreTrainedModel, engine: Trainin
             )
         configured = engine.optimizer_settings()  # the config's lr etc. win over the checkpoint's
         model_state, optim_state = get_state_dict(module, engine.optimizer)
-        state = {"model": model_state, "optimizer": optim_state}
+        state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
         dcp.load(state, checkpoint_id=str(path / DCP_DIR))
         set_state_dict(
             module, engine.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]

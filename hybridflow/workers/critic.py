@@ -6,11 +6,14 @@ linear head, so the critic starts from the policy's (or any) checkpoint and save
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
-from transformers import AutoModelForTokenClassification
+from transformers import AutoModelForTokenClassification, PreTrainedModel, PreTrainedTokenizerBase
 
 from hybridflow.algorithms import compute_value_loss, masked_mean
 from hybridflow.config import CriticConfig
+from hybridflow.config.checks import required
 from hybridflow.models.vision import freeze_vision_tower
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
@@ -25,7 +28,15 @@ from hybridflow.workers.sharding import (
     resolve_strategy,
     wrap_model,
 )
-from hybridflow.workers.ulysses import enable_ulysses, gather_rows, own_rows, sequence_parallel
+from hybridflow.workers.ulysses import (
+    SequenceParallel,
+    enable_ulysses,
+    gather_rows,
+    own_rows,
+    sequence_parallel,
+)
+
+T = TypeVar("T")
 
 
 class CriticWorker(Worker):
@@ -37,19 +48,37 @@ class CriticWorker(Worker):
     ) -> None:
         super().__init__(device)
         self.config, self.rollout_n, self.seed = config, rollout_n, seed
-        self.module = self.engine = self.tokenizer = None
-        self.sp = None  # the Ulysses group (critic.ulysses_sequence_parallel_size > 1)
+        self._module: PreTrainedModel | None = None
+        self._engine: TrainingEngine | None = None
+        self._tokenizer: PreTrainedTokenizerBase | None = None
+        self.sp: SequenceParallel | None = (
+            None  # the Ulysses group (critic.ulysses_sequence_parallel_size > 1)
+        )
+
+    @property
+    def module(self) -> PreTrainedModel:
+        """The value model (``init_model`` loads it)."""
+        return _loaded(self._module)
+
+    @property
+    def engine(self) -> TrainingEngine:
+        return _loaded(self._engine)
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return _loaded(self._tokenizer)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         torch.manual_seed(self.seed)  # the same fresh value head on every rank
         self.init_process_group()
         model_cfg = self.config.model
-        self.tokenizer = load_tokenizer(model_cfg.path, model_cfg.trust_remote_code)
+        model_path = required(model_cfg.path, "critic.model.path")
+        self._tokenizer = load_tokenizer(model_path, model_cfg.trust_remote_code)
         critic = self.config
         strategy = resolve_strategy(critic.strategy, self.world_size, "critic.strategy")
         module = load_model(
-            model_cfg.path,
+            model_path,
             *load_placement(strategy, model_cfg.dtype, self.device),
             auto_cls=AutoModelForTokenClassification,
             num_labels=1,
@@ -72,8 +101,8 @@ class CriticWorker(Worker):
                 part.p = 0.0
         if model_cfg.freeze_vision_tower:
             freeze_vision_tower(module)
-        self.module = wrap_model(module, strategy, model_cfg.fsdp_config, self.device)
-        self.engine = TrainingEngine(
+        self._module = wrap_model(module, strategy, model_cfg.fsdp_config, self.device)
+        self._engine = TrainingEngine(
             self.module,
             critic.optim,
             critic.grad_clip,
@@ -97,7 +126,7 @@ class CriticWorker(Worker):
             agreed_count(micro, union, self.module),
         )
         self.module.train()
-        return DataProto.from_dict({"values": own_rows(values, self.sp) * data.batch["response_mask"]})
+        return DataProto.from_dict({"values": own_rows(values, self.sp) * data.tensors["response_mask"]})
 
     def _micro_batching(self) -> MicroBatching:
         critic = self.config
@@ -109,12 +138,12 @@ class CriticWorker(Worker):
         )
 
     def _value_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
-        mask = micro.batch["response_mask"].float()
+        mask = micro.tensors["response_mask"].float()
         vpreds = response_values(self.module, micro, self.config.model.share_prompt_prefix, self.sp)
         vf_loss, clipfrac = compute_value_loss(
             vpreds,
-            micro.batch["returns"],
-            micro.batch["values"],
+            micro.tensors["returns"],
+            micro.tensors["values"],
             mask,
             self.config.cliprange_value,
             self.config.loss_agg_mode,
@@ -129,7 +158,12 @@ class CriticWorker(Worker):
     def update_critic(self, data: DataProto) -> DataProto:
         critic = self.config
         groups = critic.ulysses_sequence_parallel_size  # a Ulysses group trains on its ranks' rows together
-        mini_batch = critic.ppo_mini_batch_size * self.rollout_n // self.world_size * groups
+        mini_batch = (
+            required(critic.ppo_mini_batch_size, "critic.ppo_mini_batch_size")
+            * self.rollout_n
+            // self.world_size
+            * groups
+        )
         keys = [
             "responses",
             "response_mask",
@@ -148,7 +182,7 @@ class CriticWorker(Worker):
             self._micro_batching(),
             self._value_loss,
             critic.loss_agg_mode,
-            critic.ppo_epochs,
+            required(critic.ppo_epochs, "critic.ppo_epochs"),
             seed=self.seed,
         )
         return DataProto(meta_info={"metrics": metrics})
@@ -160,3 +194,10 @@ class CriticWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
         load_worker_state(path, self.module, self.engine, self.rank)
+
+
+def _loaded(part: T | None) -> T:
+    """A part of the critic that ``init_model`` builds; a RuntimeError before it ran."""
+    if part is None:
+        raise RuntimeError("CriticWorker: call init_model first")
+    return part

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -86,10 +86,11 @@ class TrainingEngine:
             )  # identical starting weights on every rank (a fresh value head is random)
         device = next(module.parameters()).device
         self._offload = optimizer_offload and device.type == "cuda"
+        beta1, beta2 = optim.betas
         self.optimizer = torch.optim.AdamW(
             [p for p in module.parameters() if p.requires_grad],
             lr=optim.lr,
-            betas=tuple(optim.betas),
+            betas=(beta1, beta2),
             weight_decay=optim.weight_decay,
         )
         self.lr_scale = 1.0
@@ -140,7 +141,7 @@ class TrainingEngine:
         epochs: int = 1,
         shuffle: bool = False,
         seed: int = 42,
-        extra_terms: list[tuple[DataProto, LossFn, float]] = (),
+        extra_terms: Sequence[tuple[DataProto, LossFn, float]] = (),
     ) -> dict[str, list[float]]:
         """One training step's update: ``epochs`` passes over ``data`` (this rank's shard) in mini-batches,
         one optimiser step each, then the learning-rate schedule advances once. Returns every
@@ -161,7 +162,7 @@ class TrainingEngine:
         micro_batch_size: int | MicroBatching,
         loss_fn: LossFn,
         loss_agg_mode: str = "token-mean",
-        extra_terms: list[tuple[DataProto, LossFn, float]] = (),
+        extra_terms: Sequence[tuple[DataProto, LossFn, float]] = (),
     ) -> dict[str, float]:
         """One optimiser step over ``mini_batch`` (this rank's shard), accumulating micro-batches.
 
@@ -217,7 +218,7 @@ class TrainingEngine:
         """Backward every micro-batch's loss, weighted by its share of the global batch."""
 
         def weight(d: DataProto) -> float:  # what the loss averages over: tokens, or responses with a token
-            mask = d.batch["response_mask"]
+            mask = d.tensors["response_mask"]
             return float(mask.sum() if loss_agg_mode == "token-mean" else (mask.sum(dim=-1) > 0).sum())
 
         total_weight = self._global_sum(weight(data)) / self.sequence_parallel
@@ -242,12 +243,13 @@ class TrainingEngine:
     def _reduce_and_clip(self) -> float:
         params = [p for p in self.module.parameters() if p.grad is not None]
         if self.world_size > 1 and not self.sharded:
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            grads = [p.grad for p in params if p.grad is not None]  # the same ones, typed without None
+            flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat)
             offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset : offset + p.grad.numel()].view_as(p.grad))
-                offset += p.grad.numel()
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
         max_norm = self.grad_clip if self.grad_clip and self.grad_clip > 0 else float("inf")
         return _full_float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 

@@ -20,6 +20,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
+from unittest import mock
 
 import torch
 from transformers import (
@@ -228,11 +229,8 @@ def parameters_on_meta() -> Iterator[None]:
             param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         register(module, name, param)
 
-    torch.nn.Module.register_parameter = on_meta
-    try:
+    with mock.patch.object(torch.nn.Module, "register_parameter", on_meta):  # put back on the way out
         yield
-    finally:
-        torch.nn.Module.register_parameter = register
 
 
 def weights_source(path: str, **load: Any) -> Callable[[torch.nn.Module], Mapping[str, torch.Tensor]]:
@@ -290,14 +288,14 @@ def _report_new_head(model: PreTrainedModel, missing: list[str], new_head: str, 
 def trimmed(data: DataProto) -> DataProto:
     """``data``'s ``input_ids``, ``attention_mask``, ``position_ids`` and ``responses`` (and its images)
     without the response columns that no row attends to (the right padding past its longest response)."""
-    length = data.batch["responses"].shape[1]
-    attended = data.batch["attention_mask"][:, -length:].any(dim=0).nonzero()
+    length = data.tensors["responses"].shape[1]
+    attended = data.tensors["attention_mask"][:, -length:].any(dim=0).nonzero()
     cut = length - (int(attended.max()) + 1 if len(attended) else 1)
     images = {IMAGES: data.non_tensor_batch[IMAGES]} if IMAGES in data.non_tensor_batch else {}
     if cut == 0:
         return data
-    tensors = {k: data.batch[k][..., :-cut] for k in ("input_ids", "attention_mask", "position_ids")}
-    return DataProto.from_dict({**tensors, "responses": data.batch["responses"][:, :-cut]}, images)
+    tensors = {k: data.tensors[k][..., :-cut] for k in ("input_ids", "attention_mask", "position_ids")}
+    return DataProto.from_dict({**tensors, "responses": data.tensors["responses"][:, :-cut]}, images)
 
 
 def row_images(data: DataProto) -> list[Sequence[ImageInput]] | None:
@@ -369,8 +367,8 @@ def _outputs(
     this rank's columns predict, ``(m, ...)``, with ``index`` ``(m,)``: which of the ``M`` tokens they are
     (``ulysses.spread`` assembles them); ``index`` is None without ``sp``."""
     device = next(model.parameters()).device
-    length = data.batch["responses"].shape[1]
-    real = data.batch["attention_mask"][:, -length:].bool()
+    length = data.tensors["responses"].shape[1]
+    real = data.tensors["attention_mask"][:, -length:].bool()
     images = row_images(data)
     if sp is not None and images is not None:
         raise ValueError(
@@ -381,7 +379,7 @@ def _outputs(
     if share_prompt:
         extra = None
         if images is not None:
-            extra = image_inputs(model, data.batch["input_ids"], data.batch["attention_mask"], images)
+            extra = image_inputs(model, data.tensors["input_ids"], data.tensors["attention_mask"], images)
         packed = pack_prefix_tree(data, next(model.parameters()).dtype, extra=extra)
         if packed is not None and sp is not None:
             rows, cols = packed.predictors(real)
@@ -398,10 +396,10 @@ def _outputs(
             outputs = _forward(model, inputs, packed.images, keep, keeps_logits)
             return packed.gather(outputs if keeps_logits else outputs[:, keep], real), None, real
     data = trimmed(data)
-    width = data.batch["responses"].shape[1]
+    width = data.tensors["responses"].shape[1]
     if sp is not None:
         return (*_rows_split_outputs(model, data, real[:, :width], keeps_logits, sp), real)
-    inputs = {k: data.batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")}
+    inputs = {k: data.tensors[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")}
     flat = [im for row in images or [] for im in row]
     positions = vision_positions(model, inputs["input_ids"], inputs["attention_mask"], flat) if flat else None
     if positions is not None:
@@ -415,7 +413,7 @@ def _rows_split_outputs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``_outputs`` of plain (unpacked, ``trimmed``) rows under ``sp``; ``real`` ``(bs, width)``."""
     width = real.shape[1]
-    ids, pos, mask = (data.batch[k] for k in ("input_ids", "position_ids", "attention_mask"))
+    ids, pos, mask = (data.tensors[k] for k in ("input_ids", "position_ids", "attention_mask"))
     rows, step = real.nonzero(as_tuple=True)  # row-major: the order of real's True entries
     aligned = left_aligned(ids, pos, mask)
     if aligned is None:  # gaps in some row: its own mask
@@ -491,7 +489,7 @@ def response_log_probs(
     logits = without_placeholders(logits.float(), placeholder_token_ids(model.config))
     if temperature != 1.0:
         logits = logits / temperature
-    labels = data.batch["responses"][real].to(logits.device)
+    labels = data.tensors["responses"][real].to(logits.device)
     count = len(labels)
     if index is not None:
         labels = labels[index.to(logits.device)]

@@ -40,10 +40,10 @@ def prompt_groups(data: DataProto) -> list[tuple[int, int]]:
     n = len(data)
     if n == 0:
         return []
-    width = data.batch["input_ids"].shape[1] - data.batch["responses"].shape[1]
+    width = data.tensors["input_ids"].shape[1] - data.tensors["responses"].shape[1]
     same = torch.ones(n - 1, dtype=torch.bool)
     for key in ("input_ids", "attention_mask", "position_ids"):
-        prompt = data.batch[key][:, :width]
+        prompt = data.tensors[key][:, :width]
         same &= (prompt[1:] == prompt[:-1]).all(dim=1)
     starts = [0] + [i + 1 for i in torch.nonzero(~same).flatten().tolist()]
     return list(zip(starts, starts[1:] + [n]))
@@ -162,8 +162,8 @@ def pack_prefix_tree(
     shared only when their positions (3-D where given) and image keys agree too, so an image's tokens and
     its encoder pass are shared exactly when the image and everything before it are. ``None`` when no two
     rows begin with the same token: packing would then only trade padding for a wider mask."""
-    ids, mask, pos = (data.batch[k] for k in ("input_ids", "attention_mask", "position_ids"))
-    length = data.batch["responses"].shape[1]
+    ids, mask, pos = (data.tensors[k] for k in ("input_ids", "attention_mask", "position_ids"))
+    length = data.tensors["responses"].shape[1]
     width = ids.shape[1] - length
     trees: list[_Tree] = [_Tree()]
     predictors: list[tuple[int, list[int]]] = []  # per row: its tree, the node predicting each response token
@@ -232,8 +232,8 @@ def _layout(
 
 def _token_counts(data: DataProto, groups: list[tuple[int, int]], share_prompt: bool) -> list[int]:
     """Real tokens each group costs: one prompt per group when shared, one per row otherwise."""
-    mask = data.batch["attention_mask"]
-    width = mask.shape[1] - data.batch["responses"].shape[1]
+    mask = data.tensors["attention_mask"]
+    width = mask.shape[1] - data.tensors["responses"].shape[1]
     per_row = mask.sum(dim=1).tolist()
     prompt = mask[:, :width].sum(dim=1).tolist()
     return [
@@ -361,7 +361,7 @@ class PairBatching(MicroBatching):
 
     def split(self, data: DataProto, count: int = 0) -> list[tuple[DataProto, bool]]:
         """As ``MicroBatching.split``, with the cheapest whole pair as the filler (a loss over pairs needs one)."""
-        lengths = data.batch["attention_mask"].sum(dim=1)
+        lengths = data.tensors["attention_mask"].sum(dim=1)
         cheapest = int((lengths[0::2] + lengths[1::2]).argmin())
         filler = data[[2 * cheapest, 2 * cheapest + 1]]
         return [(data[idx], True) if len(idx) else (filler, False) for idx in self.indices(data, count)]
@@ -369,7 +369,7 @@ class PairBatching(MicroBatching):
 
 def _stand_in(data: DataProto) -> DataProto:
     """The row with the fewest real tokens: the cheapest forward that keeps a rank in step."""
-    return data[[int(data.batch["attention_mask"].sum(dim=1).argmin())]]
+    return data[[int(data.tensors["attention_mask"].sum(dim=1).argmin())]]
 
 
 def as_micro_batching(micro: int | MicroBatching) -> MicroBatching:
@@ -390,7 +390,9 @@ def batched(
     inverse = torch.from_numpy(np.argsort(np.concatenate(batches), kind="stable"))
 
     def merge(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
-        return None if parts[0] is None else torch.cat(parts)[inverse]
+        if parts[0] is None:  # a function that returns None (no entropy) does so for every part
+            return None
+        return torch.cat([p for p in parts if p is not None])[inverse]
 
     if isinstance(outputs[0], tuple):
         return tuple(merge([o[i] for o in outputs]) for i in range(len(outputs[0])))

@@ -25,13 +25,14 @@ that is not padding), so the folder is an ``AutoModelForSequenceClassification``
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
-from transformers import AutoModelForSequenceClassification
+from transformers import AutoModelForSequenceClassification, GenerationMixin, PreTrainedModel
 
 from hybridflow.algorithms import get_offline_objective, sequence_to_token_scores
 from hybridflow.config import RewardModelConfig
+from hybridflow.config.checks import required
 from hybridflow.config.offline import RMConfig
 from hybridflow.data.offline import Sample, collate_samples, reward_model_tokens
 from hybridflow.protocol import DataProto
@@ -44,6 +45,7 @@ from hybridflow.workers.packing import PairBatching
 from hybridflow.workers.sharding import (
     agreed_count,
     apply_lora,
+    as_hf_model,
     load_placement,
     reads_weights,
     resolve_strategy,
@@ -51,6 +53,7 @@ from hybridflow.workers.sharding import (
     unwrapped,
 )
 
+T = TypeVar("T")
 HEADS = ("score", "classifier")  # what transformers calls a sequence classifier's output layer
 
 
@@ -58,7 +61,7 @@ def dummy_scores(data: DataProto) -> torch.Tensor:
     """``(bs,)`` in [0, 1]: half for the response's length (its share of the response width), half for the
     share of distinct tokens in it. Deterministic, and 1.0 only for a full-width response of distinct
     tokens, so a smoke run's reward moves with what the policy writes instead of saturating at once."""
-    mask, responses = data.batch["response_mask"], data.batch["responses"]
+    mask, responses = data.tensors["response_mask"], data.tensors["responses"]
     lengths = mask.sum(-1)
     distinct = torch.tensor([len(set(row[:n].tolist())) for row, n in zip(responses, lengths.tolist())])
     return 0.5 * lengths.float() / mask.shape[-1] + 0.5 * distinct.float() / lengths.clamp(min=1).float()
@@ -69,7 +72,7 @@ def sequence_rewards(model: torch.nn.Module, data: DataProto) -> torch.Tensor:
     position ids keep a left-padded row's positions right), read where transformers reads it."""
     data = trimmed(data)
     device = next(model.parameters()).device
-    inputs = {k: data.batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")}
+    inputs = {k: data.tensors[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")}
     return model(**inputs, use_cache=False).logits[:, 0].float()
 
 
@@ -103,26 +106,43 @@ class RewardModelWorker(Worker):
         super().__init__(device)
         self.config, self.policy_tokenizer_path = config, policy_tokenizer_path
         self.train, self.seed = train, seed
-        self.model = self.engine = None
+        self.model: PreTrainedModel | None = None  # the scoring, judging or trained model (none: dummy)
+        self._engine: TrainingEngine | None = None
+        self.endpoint: EndpointJudge | None = None
+
+    @property
+    def loaded(self) -> PreTrainedModel:
+        """``model``, where one must be loaded."""
+        return _built(self.model, "model (init_model loads one; reward_model.dummy has none)")
+
+    @property
+    def engine(self) -> TrainingEngine:
+        return _built(self._engine, "training engine (it is built with train=RMConfig)")
+
+    @property
+    def trained(self) -> RMConfig:
+        """The reward-model training settings (``train``)."""
+        return _built(self.train, "training settings (train=RMConfig)")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         if self.train is not None:
             self._init_training(self.train)
             return
-        self.policy_tokenizer = load_tokenizer(self.policy_tokenizer_path)
-        self.endpoint = None
+        self.policy_tokenizer = load_tokenizer(
+            required(self.policy_tokenizer_path, "actor_rollout_ref.model.path")
+        )
         if self.config.dummy:
             return
         if self.config.style == "generative":
             self._init_judge()
             return
-        path = self.config.model.path
+        path = required(self.config.model.path, "reward_model.model.path")
         self.tokenizer = load_tokenizer(self.config.model.input_tokenizer or path)
-        self.model = load_model(
+        self.model = model = load_model(
             path, self.device, "auto", auto_cls=AutoModelForSequenceClassification, num_labels=1
         ).eval()
-        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        model.config.pad_token_id = self.tokenizer.pad_token_id
         has_template = bool(self.tokenizer.chat_template)
         self.chat = self.config.input_format == "chat" or (
             self.config.input_format == "auto" and has_template
@@ -152,16 +172,18 @@ class RewardModelWorker(Worker):
             on_meta=not reads_weights(strategy, m.lora_rank),
         )
         module.config.pad_token_id = self.tokenizer.pad_token_id
+        trained: torch.nn.Module = module
         if m.lora_rank > 0:  # adapters on the body; the fresh head trains in full, or nothing could learn
-            module = apply_lora(
+            trained = apply_lora(
                 module, m.lora_rank, m.lora_alpha, _body_targets(module, m.target_modules), None
             )
-            for name, parameter in unwrapped(module).named_parameters():
+            for name, parameter in unwrapped(trained).named_parameters():
                 if name.split(".")[0] in HEADS:
                     parameter.requires_grad_(True)
-        self.model = shard_module(module, m.fsdp_config, self.device) if strategy == "fsdp2" else module
-        self.engine = TrainingEngine(
-            self.model,
+        sharded = shard_module(trained, m.fsdp_config, self.device) if strategy == "fsdp2" else trained
+        self.model = as_hf_model(sharded)
+        self._engine = TrainingEngine(
+            self.loaded,
             train.optim,
             train.optim.clip_grad,
             "rm",
@@ -176,7 +198,7 @@ class RewardModelWorker(Worker):
         if judge.base_url:
             self.endpoint = EndpointJudge(judge)
             return
-        path = self.config.model.path
+        path = required(self.config.model.path, "reward_model.model.path")
         self.tokenizer = load_tokenizer(self.config.model.input_tokenizer or path)
         self.model = load_model(path, self.device, "auto").eval()
         self.answer_ids = [
@@ -186,9 +208,11 @@ class RewardModelWorker(Worker):
     def _judge_prompts(self, data: DataProto) -> list[str]:
         prompts = []
         for i in range(len(data)):
-            n_tokens = int(data.batch["response_mask"][i].sum())
-            response = self.policy_tokenizer.decode(
-                data.batch["responses"][i, :n_tokens], skip_special_tokens=True
+            n_tokens = int(data.tensors["response_mask"][i].sum())
+            response = str(  # one row of ids decodes to one string
+                self.policy_tokenizer.decode(
+                    data.tensors["responses"][i, :n_tokens], skip_special_tokens=True
+                )
             )
             question = last_user_message(data.non_tensor_batch["raw_prompt"][i])
             truth = (
@@ -213,13 +237,16 @@ class RewardModelWorker(Worker):
             ).to(self.device)
             if judge.parser == "yes_probability":
                 positions = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-                probs = self.model(**inputs, position_ids=positions).logits[:, -1].float().softmax(-1)
+                probs = self.loaded(**inputs, position_ids=positions).logits[:, -1].float().softmax(-1)
                 yes, no = (probs[:, ids].sum(-1) for ids in self.answer_ids)
                 verdicts += [
                     Verdict(float(p), f"p(yes)={float(p):.4f}") for p in yes / (yes + no).clamp(min=1e-12)
                 ]
                 continue
-            out = self.model.generate(
+            model = self.loaded
+            if not isinstance(model, GenerationMixin):
+                raise TypeError(f"a judge model generates; {type(model).__name__} cannot")
+            out = model.generate(
                 **inputs,
                 max_new_tokens=judge.max_tokens,
                 do_sample=False,
@@ -240,7 +267,7 @@ class RewardModelWorker(Worker):
         scores = torch.tensor([v.score for v in verdicts], dtype=torch.float32)
         failures = float(sum(v.failed for v in verdicts))
         return DataProto.from_dict(
-            {"rm_scores": sequence_to_token_scores(scores, data.batch["response_mask"])},
+            {"rm_scores": sequence_to_token_scores(scores, data.tensors["response_mask"])},
             non_tensors={"judge_verdict": [v.text for v in verdicts]},
             meta_info={
                 "metrics": {
@@ -255,11 +282,15 @@ class RewardModelWorker(Worker):
         """What the reward model reads for each sample (``reward_model_tokens``), laid out as a batch."""
         samples = []
         for i in range(len(data)):
-            n_tokens = int(data.batch["response_mask"][i].sum())
-            response = self.policy_tokenizer.decode(
-                data.batch["responses"][i, :n_tokens], skip_special_tokens=True
-            )
+            n_tokens = int(data.tensors["response_mask"][i].sum())
+            response = str(
+                self.policy_tokenizer.decode(
+                    data.tensors["responses"][i, :n_tokens], skip_special_tokens=True
+                )
+            )  # one row of ids decodes to one string
             messages = list(data.non_tensor_batch["raw_prompt"][i])  # chat messages: the dataset made them so
+            prompt: str | list[dict[str, Any]]
+            completion: str | list[dict[str, Any]]
             if self.chat:
                 prompt, completion = messages, [{"role": "assistant", "content": response}]
             else:
@@ -272,7 +303,7 @@ class RewardModelWorker(Worker):
     @torch.no_grad()
     def compute_rm_score(self, data: DataProto) -> DataProto:
         """``rm_scores`` ``(bs, L)``: the model's scalar on the last response token."""
-        mask = data.batch["response_mask"]
+        mask = data.tensors["response_mask"]
         if self.config.dummy:
             return DataProto.from_dict({"rm_scores": sequence_to_token_scores(dummy_scores(data), mask)})
         if self.config.style == "generative":
@@ -280,24 +311,24 @@ class RewardModelWorker(Worker):
         scores, reward_model = [], self.config
         for start in range(0, len(data), reward_model.micro_batch_size_per_gpu):
             chunk = data[start : start + reward_model.micro_batch_size_per_gpu]
-            scores.append(sequence_rewards(self.model, self._inputs(chunk)).cpu())
+            scores.append(sequence_rewards(self.loaded, self._inputs(chunk)).cpu())
         return DataProto.from_dict({"rm_scores": sequence_to_token_scores(torch.cat(scores), mask)})
 
     # ---------------------------------------------------------------- training
     def _batching(self) -> PairBatching:
-        d = self.train.data
+        d = self.trained.data
         return PairBatching(
             d.micro_batch_size_per_gpu, d.max_token_len_per_gpu if d.use_dynamic_bsz else None
         )
 
     def _loss(self, micro: DataProto, spec: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-        return get_offline_objective("rm").fn(sequence_rewards(self.model, micro), micro.batch, spec)
+        return get_offline_objective("rm").fn(sequence_rewards(self.loaded, micro), micro.tensors, spec)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_reward_model(self, data: DataProto) -> DataProto:
         """One optimiser step over this rank's shard of interleaved pairs (``data.meta_info["offline"]``: the
         loss settings); metrics (``loss``, ``rewards/*``, ``rm/grad_norm``, ``rm/lr``) in ``meta_info``."""
-        self.model.train()
+        self.loaded.train()
         loss = partial(self._loss, spec=data.meta_info["offline"])
         metrics = self.engine.update(
             data, len(data), self._batching(), loss, "seq-mean-token-sum", seed=self.seed
@@ -307,26 +338,33 @@ class RewardModelWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def evaluate_reward_model(self, data: DataProto) -> DataProto:
         """The loss and pair metrics on held-out pairs, without updating (averaged over pairs)."""
-        self.model.eval()
+        self.loaded.eval()
         spec, batching = data.meta_info["offline"], self._batching()
         sums: dict[str, float] = {}
         pairs = 0.0
         with torch.no_grad():
-            for micro, real in batching.split(data, agreed_count(batching, data, self.model)):
+            for micro, real in batching.split(data, agreed_count(batching, data, self.loaded)):
                 metrics = self._loss(micro, spec)[1]  # a filler's forward keeps sharded ranks in step
                 weight = len(micro) / 2 if real else 0.0
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + weight * value
                 pairs += weight
-        self.model.train()
+        self.loaded.train()
         return DataProto(meta_info={"metrics": {k: [v / max(pairs, 1e-8)] for k, v in sums.items()}})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
         """``path/huggingface``: an ``AutoModelForSequenceClassification`` folder (LoRA merged), plus the
         optimiser state (``workers.checkpointing``)."""
-        save_worker_state(path, self.model, self.tokenizer, self.engine, self.rank)
+        save_worker_state(path, self.loaded, self.tokenizer, self.engine, self.rank)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
-        load_worker_state(path, self.model, self.engine, self.rank)
+        load_worker_state(path, self.loaded, self.engine, self.rank)
+
+
+def _built(part: T | None, what: str) -> T:
+    """A part of the worker that ``init_model`` builds for its mode; a RuntimeError naming it when it has none."""
+    if part is None:
+        raise RuntimeError(f"RewardModelWorker has no {what}")
+    return part

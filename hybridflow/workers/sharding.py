@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import PreTrainedModel
 
 from hybridflow.config import FSDPConfig
 from hybridflow.models.vision import lora_targets
@@ -79,13 +80,22 @@ def wrap_model(
     device: torch.device,
     lora_rank: int = 0,
     lora_alpha: int = 16,
-    target_modules: list[str] | str = ("all-linear",),
+    target_modules: list[str] | str | tuple[str, ...] = ("all-linear",),
     weights: Callable[[nn.Module], Mapping[str, torch.Tensor]] | None = None,
-) -> nn.Module:
+) -> PreTrainedModel:
     """LoRA adapters (``lora_rank`` > 0), then FSDP2 sharding for ``strategy`` ``fsdp2`` (``weights``: rank 0's
-    source of full tensors for a module built on the meta device, ``shard_module``)."""
+    source of full tensors for a module built on the meta device, ``shard_module``).
+
+    Typed as the Hugging Face model it holds (``as_hf_model``)."""
     module = apply_lora(module, lora_rank, lora_alpha, list(target_modules))
-    return shard_module(module, fsdp_config, device, weights) if strategy == "fsdp2" else module
+    return as_hf_model(shard_module(module, fsdp_config, device, weights) if strategy == "fsdp2" else module)
+
+
+def as_hf_model(module: nn.Module) -> PreTrainedModel:
+    """A Hugging Face model, LoRA-wrapped or sharded, typed as the model it holds: FSDP2 keeps the model's
+    class (it subclasses it), and a peft wrapper forwards the model's attributes (``config``,
+    ``save_pretrained``...) to it."""
+    return cast(PreTrainedModel, module)
 
 
 def apply_lora(
@@ -426,7 +436,12 @@ def _base_name(name: str) -> str:
     return name.removeprefix("base_model.model.")
 
 
-def unwrapped(module: nn.Module) -> nn.Module:
+def unwrapped(module: nn.Module) -> PreTrainedModel:
     """The Hugging Face model under a peft wrapper (``module`` itself otherwise): its class and config
     describe what ``full_weights`` yields."""
-    return module.get_base_model() if is_lora(module) else module
+    from peft import PeftModel
+
+    model = module.get_base_model() if isinstance(module, PeftModel) else module
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"expected a Hugging Face model (under its peft wrapper), got {type(model).__name__}")
+    return model

@@ -34,12 +34,13 @@ May import: torch, transformers, ``hybridflow.protocol``, ``hybridflow.utils``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from transformers import PreTrainedModel
 
 from hybridflow.protocol import DataProto
 from hybridflow.utils.errors import UserError
@@ -57,7 +58,7 @@ class SequenceParallel:
     rank: int
 
 
-_GROUPS: dict[int, SequenceParallel] = {}
+_GROUPS: dict[int, SequenceParallel | None] = {}
 
 
 def sequence_parallel(size: int, key: str) -> SequenceParallel | None:
@@ -152,7 +153,7 @@ def spread(
 ) -> torch.Tensor:
     """``values`` ``(m, ...)`` of the tokens at ``index`` ``(m,)`` -> ``(count, ...)`` of every token on every rank
     of the group (each token's value computed by exactly one rank; gradients flow back to it)."""
-    if sp is None:
+    if sp is None or index is None:
         return values
     full = values.new_zeros((count, *values.shape[1:])).index_put((index.to(values.device),), values)
     return _Summed.apply(full, sp.group)
@@ -163,9 +164,9 @@ def gather_rows(data: DataProto, sp: SequenceParallel | None) -> DataProto:
     the worker group dispatched have equal sizes); ``meta_info`` kept, non-tensor columns left out."""
     if sp is None:
         return data
-    tensors = {}
-    for key in sorted(data.batch.keys()):
-        tensor = data.batch[key].contiguous()
+    tensors: dict[str, torch.Tensor] = {}
+    for key in sorted(str(k) for k in data.tensors.keys()):
+        tensor = data.tensors[key].contiguous()
         moved = tensor.to(_device_for(tensor, sp.group))
         parts = [torch.empty_like(moved) for _ in range(sp.size)]
         dist.all_gather(parts, moved, group=sp.group)
@@ -173,6 +174,10 @@ def gather_rows(data: DataProto, sp: SequenceParallel | None) -> DataProto:
     return DataProto.from_dict(tensors, meta_info=dict(data.meta_info))
 
 
+@overload
+def own_rows(values: torch.Tensor, sp: SequenceParallel | None) -> torch.Tensor: ...
+@overload
+def own_rows(values: None, sp: SequenceParallel | None) -> None: ...
 def own_rows(values: torch.Tensor | None, sp: SequenceParallel | None) -> torch.Tensor | None:
     """This rank's shard of per-row results computed over ``gather_rows``'s union."""
     if sp is None or values is None:
@@ -302,7 +307,7 @@ def _register() -> None:
         AttentionMaskInterface.register(ATTENTION_PREFIX + name, ALL_MASK_ATTENTION_FUNCTIONS[name])
 
 
-def enable_ulysses(model: nn.Module, size: int, key: str) -> None:
+def enable_ulysses(model: PreTrainedModel, size: int, key: str) -> None:
     """Let ``model``'s forwards run sequence-parallel over groups of ``size`` when called with ``ulysses=``
     (they behave as before otherwise). A ``UserError`` naming ``key`` for a model whose attention heads do not
     divide by ``size``, or whose attention is not plain softmax attention over the sequence."""
@@ -334,7 +339,7 @@ def _registered() -> set[str]:
     return set(AttentionInterface._global_mapping)
 
 
-def takes_4d_mask(model: nn.Module) -> bool:
+def takes_4d_mask(model: PreTrainedModel) -> bool:
     """Whether ``model``'s attention takes a 4-D mask (eager and SDPA do; flash-attention kernels do not)."""
     impl = model.config._attn_implementation.removeprefix(ATTENTION_PREFIX)
     return impl in ("eager", "sdpa")

@@ -80,9 +80,10 @@ class StreamedSafetensors:
         if tensor.dtype not in _DTYPES:
             raise TypeError(f"safetensors has no type for {name}'s {tensor.dtype}")
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        if self._out is None or (self._offset and self._offset + data.nbytes > self._max):
-            self._next_file()
-        self._out.write(memoryview(data))
+        out = self._out
+        if out is None or (self._offset and self._offset + data.nbytes > self._max):
+            out = self._next_file()
+        out.write(data.data)  # the array's own buffer, not a copy
         self._files[-1][1][name] = {
             "dtype": _DTYPES[tensor.dtype],
             "shape": list(tensor.shape),
@@ -90,13 +91,15 @@ class StreamedSafetensors:
         }
         self._offset += data.nbytes
 
-    def _next_file(self) -> None:
+    def _next_file(self) -> BinaryIO:
+        """Start the next part file (the current one finished); returns it."""
         self._finish_file()
         path = self.folder / f".part{len(self._files)}.safetensors"
-        self._out = open(path, "wb")  # noqa: SIM115 (kept open across add calls; closed in _finish_file)
-        self._out.write(b" " * (8 + self._reserve))
+        self._out = out = open(path, "wb")  # noqa: SIM115 (kept open across add calls; closed in _finish_file)
+        out.write(b" " * (8 + self._reserve))
         self._files.append((path, {}))
         self._offset = 0
+        return out
 
     def _finish_file(self) -> None:
         """Fill in the header of the file being written: its length (u64, little-endian), then the JSON,
@@ -188,7 +191,7 @@ class SafetensorsFolder(Mapping[str, torch.Tensor]):
         tensor = torch.empty(shape, dtype=dtype)
         with open(path, "rb") as f:
             f.seek(start)
-            if size and f.readinto(memoryview(tensor.reshape(-1).view(torch.uint8).numpy())) != size:
+            if size and f.readinto(tensor.reshape(-1).view(torch.uint8).numpy().data) != size:
                 raise OSError(f"{path} ends inside tensor {name}: the file is truncated")
         return tensor
 

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -137,8 +138,10 @@ class WeightLink:
         store = dist.TCPStore(
             address.host, address.port, address.size, member == 0, timeout=timeout, wait_for_workers=False
         )
+        # torch's stubs give the process-group classes neither their collectives nor NCCL's default options
+        self.group: Any
         if address.backend == "nccl":
-            self.group = dist.ProcessGroupNCCL(store, member, address.size)
+            self.group = dist.ProcessGroupNCCL(store, member, address.size)  # type: ignore[call-arg]
         else:
             self.group = dist.ProcessGroupGloo(store, member, address.size, timeout)
         self.segments: list[torch.Tensor] = []  # the shared-memory buckets, when every member can map them
@@ -181,7 +184,8 @@ class WeightLink:
 
     def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> SyncStats:
         """Stream ``weights`` (a generator that may gather as it goes) to every receiver."""
-        stats, in_flight, index = SyncStats(), [], -1
+        stats, index = SyncStats(), -1
+        in_flight: list[dist.Work] = []
         for index, bucket in enumerate(_buckets(weights, self.bucket_bytes, stats, self._buffer)):
             stats.bytes += bucket.flat.numel() * bucket.flat.element_size()
             stats.buckets += 1
@@ -294,10 +298,9 @@ def _buckets(
         if item is None:
             break
         name, tensor = item
-        full = bucket is not None and (
+        if bucket is not None and (
             bucket.used + tensor.numel() > bucket.limit or tensor.dtype != bucket.flat.dtype
-        )
-        if full:
+        ):  # full
             yield _trimmed(bucket)
             bucket, index = None, index + 1
         if bucket is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -121,6 +122,7 @@ class WeightMailbox:
 
 # ------------------------------------------------------------------------------------------ the workers' ends
 MB = 2**20
+T = TypeVar("T")
 
 
 def _module_name(name: str) -> str:
@@ -178,7 +180,9 @@ class WeightSyncEnds:
     _is_actor: bool
     _module_state: dict[str, torch.Tensor] | None = None  # a rollout worker's model's tensors by name
 
-    def _require(self, part: object, role: str, method: str) -> None: ...
+    def _require(self, part: T | None, role: str, method: str) -> T:
+        """``part`` if the worker has it (``ActorRolloutRefWorker._require``: else one line naming the role)."""
+        raise NotImplementedError
 
     def sends_adapters(self) -> bool:
         """Whether the weights that travel are LoRA adapters alone: LoRA, and a rollout engine that samples
@@ -192,19 +196,27 @@ class WeightSyncEnds:
     def _load_weights(self, named: Named, version: int, expected: int | None = None) -> None:
         """Weight ``version`` into this rollout worker's model, checked (``load_in_place``), and into its
         engine's own copy."""
+        rollout = self._require(self.rollout, "rollout", "loading weights")
         if self._module_state is None:  # the module's own tensors by name, looked up once
-            self._module_state = self.module.state_dict()
+            self._module_state = self._policy().state_dict()
         load_in_place(self._module_state, named, version, self._where(), expected)
-        if self.rollout.capabilities.own_weights:
-            taken = self.rollout.update_weights(named)
+        if rollout.capabilities.own_weights:
+            taken = rollout.update_weights(named)
             if taken != len(named):
                 raise WeightSyncError(
-                    f"{self._where()}: the rollout engine {type(self.rollout).__name__} took {taken} of the "
+                    f"{self._where()}: the rollout engine {type(rollout).__name__} took {taken} of the "
                     f"{len(named)} tensors of weight version {version}: the weights did not reach the engine"
                 )
 
+    def _policy(self) -> torch.nn.Module:
+        return self._require(self.module, "actor or rollout", "the weights")
+
+    def _dtype(self) -> torch.dtype:
+        return next(self._policy().parameters()).dtype
+
     def _sent(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return policy_weights(self.module, adapter_only=self.sends_adapters() and is_lora(self.module))
+        policy = self._policy()
+        return policy_weights(policy, adapter_only=self.sends_adapters() and is_lora(policy))
 
     # ------------------------------------------------------------------ in one process (local backend)
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -221,17 +233,15 @@ class WeightSyncEnds:
         """Load the actor's weights (``get_weights``) into this rollout worker's model and engine."""
         self._require(self.rollout, "rollout", "update_weights")
         self.weights_received += 1
-        self._load_weights(
-            list(from_numpy(weights, next(self.module.parameters()).dtype)), self.weights_received
-        )
+        self._load_weights(list(from_numpy(weights, self._dtype())), self.weights_received)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def post_weights(self, weights: dict[str, np.ndarray], version: int) -> None:
         """Keep the actor's weights (``get_weights``) as ``version`` for this rollout worker's next
         generations, or for the one in flight when it follows new weights; returns at once (a copy is made
         here, so the actor may train on)."""
-        self._require(self.mailbox, "rollout", "post_weights")
-        self.mailbox.post(version, list(from_numpy(weights, next(self.module.parameters()).dtype)))
+        mailbox = self._require(self.mailbox, "rollout", "post_weights")
+        mailbox.post(version, list(from_numpy(weights, self._dtype())))
 
     # ------------------------------------------------------------------ over the link (Ray)
     @register(dispatch_mode=Dispatch.RANK_ZERO)
@@ -248,7 +258,7 @@ class WeightSyncEnds:
         if member is None:
             self.weight_link = None
             return
-        largest = max(t.numel() * t.element_size() for t in self.module.state_dict().values())
+        largest = max(t.numel() * t.element_size() for t in self._policy().state_dict().values())
         bucket = self.config.rollout.weight_sync_bucket_mb * MB
         self.weight_link = WeightLink(address, member, self.device, bucket, largest if member == 0 else 0)
 
@@ -285,7 +295,7 @@ class WeightSyncEnds:
                 raise WeightSyncError(f"{self._where()}: weight version {version} arrived damaged")
             kept.extend((name, tensor.clone()) for name, tensor in named)
 
-        self._require(self.mailbox, "rollout", "receive_weights(staged=True)")
+        mailbox = self._require(self.mailbox, "rollout", "receive_weights(staged=True)")
         stats = self.weight_link.receive(keep)
-        self.mailbox.post(version, kept)
+        mailbox.post(version, kept)
         return stats.as_dict()

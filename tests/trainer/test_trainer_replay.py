@@ -138,7 +138,11 @@ def test_replay_keeps_exactly_the_columns_the_actor_update_reads():
     batch.batch["values"] = torch.zeros(2, 2)  # the critic's, which the actor update never reads
     batch.batch["ref_log_prob"] = torch.full((2, 2), -2.0)
     out = replay().mix(batch, step=0, metrics={})
-    assert set(out.batch.keys()) == {"prompts", *UPDATE_ACTOR_KEYS} - {"rollout_log_probs"}
+    # the rows carry no engine log-probs and no teacher's
+    assert set(out.batch.keys()) == {"prompts", *UPDATE_ACTOR_KEYS} - {
+        "rollout_log_probs",
+        "teacher_log_prob",
+    }
 
 
 def test_replay_logs_the_alpha_in_force():

@@ -52,7 +52,8 @@ def run(shapes_dir: Path, model: str, run_dir: Path, *overrides: str, steps: int
             *overrides,
         ]
     )
-    PPOTrainer(config).fit()
+    with PPOTrainer(config) as trainer:  # closed: a Ray run gives its CPUs back for the next test
+        trainer.fit()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     logged = [row for row in rows if "timing_s/step" in row]
     assert [row["step"] for row in logged] == list(range(1, steps + 1))

@@ -140,7 +140,7 @@ class RayWorkerGroup(WorkerGroup):
     def __init__(
         self,
         resource_pool: RayResourcePool,
-        cls_with_init: ClassWithInitArgs,
+        cls_with_init: ClassWithInitArgs[Any],
         name_prefix: str | None = None,
         setup: ProcessSetup = ProcessSetup(),
         call_timeout_s: float | None = None,
@@ -163,18 +163,19 @@ class RayWorkerGroup(WorkerGroup):
             resource_pool.release(name)
             raise
         self._resource_pool = resource_pool
+        self._ray = backend  # the Ray actors behind the group (the base class sees a WorkerBackend)
         super().__init__(backend, cls_with_init.cls, name)
 
     def shutdown(self) -> None:
         """Kill the actors and free the group's share of its pool (the pool's bundles stay reserved)."""
-        self._backend.kill()
+        self._ray.kill()
         self._resource_pool.release(self.name)
 
 
 class _RayBackend:
     """Submits calls to the host actors and waits for them, turning Ray's errors into ``WorkerError``."""
 
-    def __init__(self, actors: list, call_timeout_s: float | None) -> None:
+    def __init__(self, actors: list[Any], call_timeout_s: float | None) -> None:
         self._actors = actors
         self._call_timeout_s = call_timeout_s
         self._nodes: list[tuple[str, str]] = []  # (node id, IP) by rank, once started
@@ -183,7 +184,7 @@ class _RayBackend:
     def start(
         cls,
         pool: RayResourcePool,
-        cls_with_init: ClassWithInitArgs,
+        cls_with_init: ClassWithInitArgs[Any],
         group: str,
         setup: ProcessSetup,
         call_timeout_s: float | None,
@@ -235,20 +236,20 @@ class _RayBackend:
         return len(self._actors)
 
     @property
-    def workers(self) -> list:
+    def workers(self) -> list[Any]:
         return list(self._actors)
 
-    def submit(self, method: str, shards: Shards, group: str, label: str) -> list:
+    def submit(self, method: str, shards: Shards, group: str, label: str) -> list[Any]:
         shards = _put_repeated(shards)
         return [
             self._actors[rank].execute.remote(method, *args, **kwargs)
             for rank, (args, kwargs) in enumerate(zip(shards.args, shards.kwargs))
         ]
 
-    def fetch(self, handles: list, group: str, label: str, timeout_s: float | None = None) -> list:
+    def fetch(self, handles: list[Any], group: str, label: str, timeout_s: float | None = None) -> list[Any]:
         return self.wait(handles, group, label, self._call_timeout_s if timeout_s is None else timeout_s)
 
-    def wait(self, refs: list, group: str, label: str, timeout_s: float | None) -> list:
+    def wait(self, refs: list[Any], group: str, label: str, timeout_s: float | None) -> list[Any]:
         """Results of ``refs`` (one per rank); the first failure is raised at once, naming its rank."""
         try:
             return ray.get(refs, timeout=timeout_s)
@@ -273,8 +274,8 @@ class _RayBackend:
                 if isinstance(error, RayTaskError) and isinstance(error.cause, UserError)
                 else None
             )
-            raised, cause = worker_failure(kind(group, rank, label, _ANSI.sub("", str(error))), cause)
-            raise raised from cause
+            raised, reason = worker_failure(kind(group, rank, label, _ANSI.sub("", str(error))), cause)
+            raise raised from reason
 
     def kill(self) -> None:
         for actor in self._actors:
@@ -316,7 +317,7 @@ def _rank_env(
     }
 
 
-def _first_failure(refs: list, fallback: RayError) -> tuple[int, RayError]:
+def _first_failure(refs: list[Any], fallback: RayError) -> tuple[int, RayError]:
     """The lowest rank whose answer is an error (``ray.get`` of a list does not say which one failed)."""
     for rank, ref in enumerate(refs):
         if ray.wait([ref], timeout=0)[0]:
@@ -335,7 +336,7 @@ def _put_repeated(shards: Shards) -> Shards:
     counts = Counter(
         id(v) for args, kwargs in zip(shards.args, shards.kwargs) for v in (*args, *kwargs.values())
     )
-    stored: dict[int, ray.ObjectRef] = {}
+    stored: dict[int, ray.ObjectRef[Any]] = {}
 
     def share(value: Any) -> Any:
         if counts[id(value)] < 2 or not isinstance(value, _SHAREABLE):

@@ -115,12 +115,12 @@ class AgentLoop(Rollout):
                 f"RLHFDataset provides; the batch has {sorted(prompts.non_tensor_batch)}"
             )
         rows = prompts.repeat(int(prompts.meta_info.get("n", 1)), interleave=True)
-        mask = rows.batch["attention_mask"].bool()
+        mask = rows.tensors["attention_mask"].bool()
         images = rows.non_tensor_batch.get(IMAGES, [()] * len(rows))
         conversations = [
             Conversation(ids[m].tolist(), copy.deepcopy(list(messages)), tuple(pictures))
             for ids, m, messages, pictures in zip(
-                rows.batch["input_ids"], mask, rows.non_tensor_batch["raw_prompt"], images
+                rows.tensors["input_ids"], mask, rows.non_tensor_batch["raw_prompt"], images
             )
         ]
         sampling = {k: prompts.meta_info[k] for k in SAMPLING_OVERRIDES if k in prompts.meta_info}
@@ -150,14 +150,16 @@ class AgentLoop(Rollout):
             meta_info={**sampling, "n": 1, "response_length": budget},
         )
         out = self.engine.generate_sequences(batch)
-        lengths = out.batch["response_mask"].sum(-1).tolist()
-        for c, ids, lps, length in zip(live, out.batch["responses"], out.batch["rollout_log_probs"], lengths):
+        lengths = out.tensors["response_mask"].sum(-1).tolist()
+        for c, ids, lps, length in zip(
+            live, out.tensors["responses"], out.tensors["rollout_log_probs"], lengths
+        ):
             keep = min(int(length), self.response_length - len(c.ids))
             tokens = ids[:keep].tolist()
             c.append(tokens, from_model=True, log_probs=lps[:keep].tolist())
             c.assistant_turns += 1
             ended = bool(tokens) and tokens[-1] in self.eos_token_ids
-            text = self.tokenizer.decode(tokens[:-1] if ended else tokens, skip_special_tokens=False)
+            text = str(self.tokenizer.decode(tokens[:-1] if ended else tokens, skip_special_tokens=False))
             c.messages.append({"role": "assistant", "content": text})
             c.pending = parse_tool_calls(text, self.config.format)
             if c.pending:
@@ -198,7 +200,7 @@ class AgentLoop(Rollout):
         """(text for the model, reward, failed); a failing tool never stops the rollout."""
         if call.error is not None:
             return f"Error: {call.error}", 0.0, True
-        tool = self.tools.get(call.name)
+        tool = self.tools.get(call.name) if call.name is not None else None
         if tool is None:
             return f"Error: unknown tool {call.name!r}; available: {', '.join(sorted(self.tools))}", 0.0, True
         try:
@@ -223,7 +225,7 @@ class AgentLoop(Rollout):
             attention[i, :k] = 1
             log_probs[i, :k] = torch.tensor(c.log_probs, dtype=torch.float32)
         rows = attach_responses(rows, responses, response_mask, log_probs, attended=attention)
-        columns = {
+        columns: dict[str, list[Any]] = {
             "messages": [c.messages for c in conversations],
             "tool_calls": [c.tool_calls for c in conversations],
             "num_turns": [c.assistant_turns for c in conversations],

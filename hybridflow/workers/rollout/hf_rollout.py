@@ -98,9 +98,10 @@ def draw(probs: torch.Tensor, generator: Generators = None) -> torch.Tensor:
         )
     tokens = torch.searchsorted(cdf, point, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
     missed = probs.gather(-1, tokens[:, None]).squeeze(-1) == 0
-    for row in missed.nonzero().flatten().tolist() if isinstance(generator, list) else []:
-        tokens[row] = torch.multinomial(probs[row], 1, generator=generator[row]).squeeze(-1)
-    if missed.any() and not isinstance(generator, list):
+    if isinstance(generator, list):
+        for row in missed.nonzero().flatten().tolist():
+            tokens[row] = torch.multinomial(probs[row], 1, generator=generator[row]).squeeze(-1)
+    elif missed.any():
         tokens[missed] = torch.multinomial(probs[missed], 1, generator=generator).squeeze(-1)
     return tokens
 
@@ -189,9 +190,13 @@ class HFRollout(Rollout):
         """One generator per sample (prompt-major, as the rows are expanded), or None without a seed."""
         if self.seed is None:
             return None
-        device, generators, seen = next(self.model.parameters()).device, [], {}
+        device = next(self.model.parameters()).device
+        generators: list[torch.Generator] = []
+        seen: dict[int, int] = {}  # prompt key -> how many times it came before in this batch
         images = row_images(prompts) or [()] * len(prompts)
-        for ids, mask, pictures in zip(prompts.batch["input_ids"], prompts.batch["attention_mask"], images):
+        for ids, mask, pictures in zip(
+            prompts.tensors["input_ids"], prompts.tensors["attention_mask"], images
+        ):
             key = zlib.crc32(
                 ids[mask.bool()].cpu().numpy().tobytes() + "".join(im.key for im in pictures).encode()
             )
@@ -290,7 +295,7 @@ class HFRollout(Rollout):
     def _generate(self, prompts: DataProto, params: contract.SamplingParams) -> DataProto:
         device = next(self.model.parameters()).device
         ids, mask, positions = (
-            prompts.batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")
+            prompts.tensors[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")
         )
         prompt_mask, images = mask, row_images(prompts)
         logits, cache, mask = self._prefill(ids, mask, positions, images)

@@ -92,7 +92,7 @@ class VLLMRollout(Rollout):
         tokenizer: PreTrainedTokenizerBase,
         config: RolloutConfig,
         response_length: int,
-        max_model_len: int,
+        max_model_len: int | None,
         dtype: torch.dtype,
         device: torch.device,
         seed: int,
@@ -211,7 +211,7 @@ class VLLMRollout(Rollout):
         laid out exactly as ``HFRollout.generate_sequences`` returns them (``rollout_log_probs`` zero when
         greedy)."""
         params = SamplingParams.from_config(self.config, self.response_length, prompts.meta_info)
-        ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
+        ids, mask = prompts.tensors["input_ids"], prompts.tensors["attention_mask"].bool()
         firsts = [row[keep].tolist() for row, keep in zip(ids, mask)]
         with self.awake() as llm:
             if self.weights is None:
@@ -241,7 +241,9 @@ class VLLMRollout(Rollout):
         tokens at a time; between chunks the newest posted weights are taken, and the unfinished samples go
         on from their prompt plus their tokens so far. Returns each sample's tokens and log-probs, and the
         weight version of each token."""
-        chunk = self.config.partial_rollout_chunk
+        chunk, feed = self.config.partial_rollout_chunk, self.weights
+        if feed is None:  # _generate follows weights only when it was given a feed
+            raise RuntimeError("a partial rollout needs the weight feed (follow_weights)")
         prompts = [first for first in firsts for _ in range(params.n)]
         tokens: list[list[int]] = [[] for _ in prompts]
         logps: list[list[float]] = [[] for _ in prompts]
@@ -254,7 +256,7 @@ class VLLMRollout(Rollout):
                 for i in live
             ]
             outputs = llm.generate(requests, sampling, use_tqdm=False)
-            version, going = self.weights.version, []
+            version, going = feed.version, []
             for i, out in zip(live, outputs):
                 new, new_logps = _sampled(out.outputs[0], params)
                 tokens[i] += new
@@ -265,7 +267,7 @@ class VLLMRollout(Rollout):
                     going.append(i)
             live = going
             if live:
-                self.weights.refresh()  # newer weights, if posted: the engine drops its prefix cache
+                feed.refresh()  # newer weights, if posted: the engine drops its prefix cache
         return list(zip(tokens, logps)), versions
 
 
