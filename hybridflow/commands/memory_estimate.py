@@ -13,6 +13,10 @@ scoring), and a trial run costs as much. The arithmetic below follows what the w
   gathered on every rank unless ``rollout.sharded_generation``), and under ``fsdp2`` rank 0 reading a
   checkpoint it cannot stream tensor by tensor (the full weights, before the gradients and moments exist).
 
+With Ulysses sequence parallelism (``ulysses_sequence_parallel_size`` > 1) a group of ranks shares each
+micro-batch, every rank holding ``1 / size`` of its tokens' activations and logits (a micro-batch holds at least
+one whole sequence, however long: the case where only sequence parallelism or checkpointing help).
+
 Activations per token and layer are taken as ``(14 * hidden + 4 * intermediate)`` values (attention and
 MLP intermediates kept for backward; ``2 * hidden`` with gradient checkpointing), and the output layer's
 fp32 logits three times over (logits, log-softmax and their gradient) on the response positions only, plus
@@ -96,6 +100,9 @@ class MemoryEstimate:
     static: dict[str, float] = field(default_factory=dict)
     passes: dict[str, float] = field(default_factory=dict)
     host: float = 0.0
+    sequence_parallel: int = 1  #: ranks each policy-update sequence is split over
+    #: whether one policy-update micro-batch is a single sequence (only splitting it, or checkpointing, helps)
+    one_sequence: bool = False
 
     @property
     def largest_pass(self) -> str:
@@ -110,7 +117,8 @@ class MemoryEstimate:
     def summary(self) -> str:
         """What makes up the peak, for doctor's line: each static part, the largest pass, the runtime."""
         parts = [f"{name} {_gb(b)}" for name, b in self.static.items() if b]
-        parts.append(f"+ largest pass ({self.largest_pass}) {_gb(self.passes[self.largest_pass])}")
+        split = f", each sequence over {self.sequence_parallel} ranks" if self.sequence_parallel > 1 else ""
+        parts.append(f"+ largest pass ({self.largest_pass}{split}) {_gb(self.passes[self.largest_pass])}")
         return ", ".join(parts) + f" + runtime {_gb(RUNTIME_BYTES)}"
 
 
@@ -165,24 +173,29 @@ def estimate_memory(
         critic_width = DTYPE_BYTES[cfg.critic.model.dtype]
         est.static["critic weights+grads+AdamW"] = 4 * shape.params * critic_width / shards
     sequence = (data.max_prompt_length if prompt_tokens is None else prompt_tokens) + data.max_response_length
-    if actor.use_dynamic_bsz:
-        tokens = actor.ppo_max_token_len_per_gpu
+    sp = est.sequence_parallel = actor.ulysses_sequence_parallel_size
+    if actor.use_dynamic_bsz:  # the group's budget, but never less than one whole sequence
+        tokens = max(actor.ppo_max_token_len_per_gpu * sp, sequence)
         sequences = max(1, tokens // sequence)
     else:
         sequences = actor.ppo_micro_batch_size_per_gpu
         tokens = sequences * sequence
+    est.one_sequence = sequences == 1
     act_width = 4 if model.dtype == "fp32" else 2
     est.passes["policy update"] = _activations(
         shape,
-        tokens,
-        sequences * (data.max_response_length + 1),
+        tokens / sp,
+        sequences * (data.max_response_length + 1) / sp,
         act_width,
         model.enable_gradient_checkpointing,
         grad=True,
     )
-    micro = max(rollout.log_prob_micro_batch_size_per_gpu, arr.ref.log_prob_micro_batch_size_per_gpu)
-    est.passes["log-prob pass"] = _activations(
-        shape, micro * sequence, micro * (data.max_response_length + 1), act_width, False, grad=False
+    est.passes["log-prob pass"] = max(
+        _activations(shape, m * sequence / s, m * (data.max_response_length + 1) / s, act_width, False, False)
+        for m, s in (
+            (rollout.log_prob_micro_batch_size_per_gpu, sp),
+            (arr.ref.log_prob_micro_batch_size_per_gpu, arr.ref.ulysses_sequence_parallel_size),
+        )
     )
     per_worker = data.train_batch_size * rollout.n // max(world_size, 1)
     generating = (
@@ -212,6 +225,8 @@ def knob(cfg: Any, est: MemoryEstimate, workers_per_machine: int) -> str:
             "copy in this machine's memory)"
         )
     if est.passes[largest] >= static:
+        if largest == "policy update" and est.one_sequence and cfg.trainer.device == "cuda":
+            hints.append(_split_sequences(cfg))  # a micro-batch of one sequence: nothing smaller to cut
         if largest == "policy update":
             if arr.actor.use_dynamic_bsz:
                 hints.append(
@@ -250,3 +265,14 @@ def knob(cfg: Any, est: MemoryEstimate, workers_per_machine: int) -> str:
             )
         hints.append("a smaller model")
     return "; or ".join(hints)
+
+
+def _split_sequences(cfg: Any) -> str:
+    """The setting that splits each sequence over more GPUs (Ulysses), for a sequence too long for one."""
+    key = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+    now, workers = cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size, cfg.trainer.n_workers
+    wanted = 2 * now
+    where = (
+        f"of the {workers}" if workers % wanted == 0 else f"(with trainer.n_workers a multiple of {wanted})"
+    )
+    return f"{key}={wanted} (one sequence's activations split over {wanted} GPUs {where}; now {now})"

@@ -80,7 +80,6 @@ IGNORED_KEYS: tuple[IgnoredKey, ...] = (
     ),
     IgnoredKey("reward_model.model.fsdp_config", "the reward model is not sharded"),
     IgnoredKey("*.megatron", "the Megatron-LM backend is not supported"),
-    IgnoredKey("*.ulysses_sequence_parallel_size", "sequence parallelism is not supported"),
     IgnoredKey(
         "critic.forward_max_token_len_per_gpu",
         "the critic's value pass uses critic.ppo_max_token_len_per_gpu",
@@ -207,6 +206,9 @@ def _optim_ranges(prefix: str) -> dict[str, Range]:
 
 
 _ACTOR, _ROLLOUT = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+_SEQUENCE_PARALLEL_KEYS = tuple(
+    f"{r}.ulysses_sequence_parallel_size" for r in (_ACTOR, "actor_rollout_ref.ref", "critic")
+)
 # key -> (predicate, what it must be); a null (optional) value is not checked.
 _RANGES: dict[str, Range] = {
     **{
@@ -245,6 +247,7 @@ _RANGES: dict[str, Range] = {
             "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
         )
     },
+    **{key: _POSITIVE for key in _SEQUENCE_PARALLEL_KEYS},
     "actor_rollout_ref.model.lora_rank": _NON_NEGATIVE,
     **{f"reward_model.code.{k}": _POSITIVE for k in ("max_concurrent", "memory_limit_mb")},
     **{f"reward_model.code.{k}": _GREATER_THAN_0 for k in ("sample_timeout_s", "test_timeout_s")},
@@ -268,6 +271,7 @@ _RANGES: dict[str, Range] = {
             "micro_batch_size",
             "tensor_model_parallel_size",
             "partial_rollout_chunk",
+            "weight_sync_bucket_mb",
         )
     },
     f"{_ROLLOUT}.gpu_memory_utilization": _UNIT_NOT_0,
@@ -472,6 +476,14 @@ def check_cross_fields(cfg: Any) -> None:
             for key in (
                 f"{r}.fsdp_config.fsdp_size" for r in (_ACTOR, "actor_rollout_ref.ref", "critic.model")
             )
+        ),
+        *(
+            (
+                trainer.n_workers % get_key(cfg, key) != 0,
+                f"{key}={get_key(cfg, key)} does not divide trainer.n_workers ({trainer.n_workers}): each "
+                "sequence is split over a group of that many workers",
+            )
+            for key in _SEQUENCE_PARALLEL_KEYS
         ),
         *_async_problems(cfg),
         *_sample_efficiency_problems(cfg),

@@ -43,6 +43,7 @@ DERIVED_KEYS = (
     "critic.ppo_epochs",
     "critic.strategy",
     "actor_rollout_ref.ref.strategy",
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
     "*model.dtype",
     "actor_rollout_ref.rollout.dtype",
     "actor_rollout_ref.rollout.seed",
@@ -117,6 +118,12 @@ KEY_PAIRS: tuple[KeyPair, ...] = (
         ("custom_reward_function.name",),
         lambda cfg: cfg.custom_reward_function.path is None,
         "without custom_reward_function.path",
+    ),
+    KeyPair(
+        (f"{_ROLLOUT}.weight_sync_bucket_mb",),
+        lambda cfg: cfg.trainer.backend != "ray",
+        "without trainer.backend=ray (the weight link to a rollout worker of its own is Ray's; the local "
+        "backend hands the weights over inside its one process)",
     ),
     KeyPair(
         ("async_training.max_staleness", "async_training.partial_rollout"),

@@ -164,6 +164,9 @@ class ActorConfig(VisionTrainingConfig):
     #: micro-batches filled to ppo_max_token_len_per_gpu tokens, not a row count
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384  #: real tokens per micro-batch when use_dynamic_bsz
+    #: Ulysses sequence parallelism: each sequence split over this many workers (a divisor of trainer.n_workers
+    #: and of the attention heads), for sequences whose activations do not fit one; token budgets are x this
+    ulysses_sequence_parallel_size: int = 1
     ppo_epochs: int = 1  #: passes over each step's batch
     shuffle: bool = False  #: shuffle sequences between mini-batches
     clip_ratio: float = 0.2  #: PPO clip epsilon (both sides unless clip_ratio_low/high are set)
@@ -210,6 +213,8 @@ class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = 8  #: sequences per reference log-prob forward on one worker
     log_prob_use_dynamic_bsz: bool = False  #: reference log-prob micro-batches filled to a token budget
     log_prob_max_token_len_per_gpu: int = 16384  #: real tokens per reference log-prob micro-batch
+    #: sequence parallelism of the reference's log-prob pass (as actor's); null = the actor's
+    ulysses_sequence_parallel_size: int | None = None
 
 
 @dataclass
@@ -288,6 +293,9 @@ class RolloutConfig(SamplingConfig):
     seed: int | None = None
     #: vllm: longest sequence; null = data.max_prompt_length + max_response_length
     max_model_len: int | None = None
+    #: a rollout worker of its own (placement=split, async modes) on Ray is sent the weights over a process
+    #: group of its own in buckets of this many MB, each gathered from the shards while the last one travels
+    weight_sync_bucket_mb: int = 64
     #: sampling for validation (greedy by default)
     val_kwargs: SamplingConfig = field(
         default_factory=lambda: SamplingConfig(temperature=0.0, do_sample=False)
@@ -347,6 +355,8 @@ class CriticConfig:
     #: value and update micro-batches filled to ppo_max_token_len_per_gpu tokens
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 32768  #: real tokens per critic micro-batch when use_dynamic_bsz
+    #: sequence parallelism of the value model (as the actor's key)
+    ulysses_sequence_parallel_size: int = 1
     ppo_epochs: int | None = None  #: passes over each batch; null = the actor's
     cliprange_value: float = 0.5  #: value clipping range
     loss_agg_mode: LossAggMode = "token-mean"  #: how token losses become one number
@@ -663,7 +673,8 @@ class PPOConfig(Schema):
         Interpolations (``${trainer.project_name}``) are resolved, ``~`` expanded in paths, and:
         trainer.device auto -> cuda if available else cpu; model.dtype auto -> bf16 on cuda, fp32 on cpu
         (aliases like bfloat16 -> bf16); data.seed null -> trainer.seed; critic.enable null -> whether
-        algorithm.adv_estimator is gae; critic.model.path, ppo_mini_batch_size, ppo_epochs null and ref/critic strategy auto -> the actor's.
+        algorithm.adv_estimator is gae; critic.model.path, ppo_mini_batch_size, ppo_epochs null, ref/critic strategy auto and
+        ref.ulysses_sequence_parallel_size null -> the actor's.
         """
         cfg = PPOConfig.from_dict(self.to_dict())
         arr, critic, trainer = cfg.actor_rollout_ref, cfg.critic, cfg.trainer
@@ -687,6 +698,8 @@ class PPOConfig(Schema):
             critic.ppo_mini_batch_size = arr.actor.ppo_mini_batch_size
         if critic.ppo_epochs is None:
             critic.ppo_epochs = arr.actor.ppo_epochs
+        if arr.ref.ulysses_sequence_parallel_size is None:
+            arr.ref.ulysses_sequence_parallel_size = arr.actor.ulysses_sequence_parallel_size
         return cfg
 
     def validate(self) -> PPOConfig:

@@ -9,7 +9,8 @@ tokens. The producer generates the batches in order, one at a time, in a thread 
 worker it calls is a worker of its own (its own copy of the model: a second worker object on the local
 backend, the ``rollout`` pool's process with ``trainer.placement=split`` on Ray), so the actor trains
 meanwhile. After each step the trainer posts its weights to that worker as the next version
-(``post_weights``: a copy, returned at once); the producer may start batch ``b`` once version
+(``post_weights``: kept beside the weights it generates with, received while it generates; on Ray straight from
+the actor's rank 0, ``weight_transport.LinkedWeights``); the producer may start batch ``b`` once version
 ``b - max_staleness`` is posted, which is the whole staleness bound (the queue of finished batches never
 holds more than ``max_staleness + 1``).
 
@@ -54,6 +55,8 @@ from hybridflow.runs.stages import STAGE_GROUPS
 from hybridflow.single_controller import WorkerGroup
 from hybridflow.trainer.dynamic_sampling import GroupFilter
 from hybridflow.trainer.loop import endless
+from hybridflow.trainer.weight_transport import WeightTransport
+from hybridflow.utils.errors import UserError
 
 
 class PromptStream:
@@ -140,12 +143,14 @@ class AsyncRollouts:
     def __init__(
         self,
         generator: WorkerGroup,
+        weights: WeightTransport | None,
         n: int,
         max_staleness: int,
         exact: bool,
         refill: GroupFilter | None = None,
     ) -> None:
-        self.generator, self.n, self.max_staleness, self.exact = generator, n, max_staleness, exact
+        self.generator, self.weights = generator, weights
+        self.n, self.max_staleness, self.exact = n, max_staleness, exact
         self.refill = (
             refill  # dynamic sampling: the producer scores and refills each batch before queueing it
         )
@@ -178,6 +183,8 @@ class AsyncRollouts:
         with self._cond:
             while not self._done and self._error is None:
                 self._cond.wait()
+            if isinstance(self._error, UserError):  # as a worker's own: one line at the command line
+                raise self._error
             if self._error is not None:
                 raise RuntimeError("the rollout producer failed") from self._error
             done = self._done.popleft()
@@ -204,13 +211,15 @@ class AsyncRollouts:
         with self._generating:
             return self.generator.generate_sequences(_with_meta(prompts, weight_version=version))
 
-    def post_weights(self, actor: WorkerGroup, version: int) -> None:
-        """Hand the actor's weights to the rollout worker as ``version``; the producer may then start the
-        batches that this version lets within the bound."""
-        self.generator.post_weights(actor.get_weights()[0], version)
+    def post_weights(self, version: int) -> dict[str, float]:
+        """Hand the actor's weights to the rollout worker as ``version`` (it receives them while it generates:
+        the transfer overlaps generation); the producer may then start the batches that this version lets
+        within the bound. Returns what the sync cost."""
+        stats = self.weights.send(version, staged=True) if self.weights is not None else {}
         with self._cond:
             self._posted = max(self._posted, version)
             self._cond.notify_all()
+        return stats
 
     def stop(self) -> None:
         """Stop the producer after its current generation (what it made is dropped: regenerated on resume)."""

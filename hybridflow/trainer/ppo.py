@@ -50,6 +50,7 @@ from hybridflow.trainer.shaping import (
     without_truncated,
 )
 from hybridflow.trainer.two_stage_reward import TwoStageRewardFn
+from hybridflow.trainer.weight_transport import weight_transport
 from hybridflow.trainer.worker_groups import WorkerGroups, build_worker_groups
 from hybridflow.workers.modeling import load_image_prompts, load_tokenizer
 
@@ -186,13 +187,16 @@ class PPOTrainer(RunLoop):
                 reward_fn=None if two_stage else self.reward_fn,
                 overlapping=self.config.async_training.mode != "sync",
             )
+        own = (
+            self.groups.rollout
+        )  # a rollout worker of its own: sent the weights directly by the actor on Ray
+        actor = self.groups.actor_rollout
+        weights = None if own is None else weight_transport(self.config.trainer.backend, actor, own)
         alg, refill = self.config.algorithm, None
         if alg.filter_groups.enable:  # dynamic sampling: whoever generates scores and refills the batch
             size = self.config.data.train_batch_size
             refill = GroupFilter(alg.filter_groups, size, self.tokenizer.pad_token_id, self.compute_reward)
-        self._rollouts = build_rollouts(
-            self.config, self.groups.generator, self.groups.rollout is not None, refill
-        )
+        self._rollouts = build_rollouts(self.config, self.groups.generator, weights, refill)
 
     @property
     def rollouts(self) -> Rollouts:
@@ -201,11 +205,12 @@ class PPOTrainer(RunLoop):
             raise RuntimeError("PPOTrainer has no rollouts yet: call init_workers() first")
         return self._rollouts
 
-    def sync_rollout_weights(self, version: int) -> None:
+    def sync_rollout_weights(self, version: int) -> dict[str, float]:
         """Send the actor's weights (``version``: the steps they have trained) to a rollout worker of its own
-        (``trainer.placement=split``, or an asynchronous run), through Ray's object store on Ray; a rollout in
-        the actor's process syncs itself inside ``update_actor``."""
-        self.rollouts.post_weights(self.groups.actor_rollout, version)
+        (``trainer.placement=split``, or an asynchronous run): on Ray from the actor's rank 0 to the rollout
+        workers over a process group of their own, never through the driver; a rollout in the actor's process
+        syncs itself inside ``update_actor``. Returns what the sync cost (``weight_sync/*``)."""
+        return self.rollouts.post_weights(version)
 
     def close(self) -> None:
         if self._rollouts is not None:
@@ -367,7 +372,7 @@ class PPOTrainer(RunLoop):
                         self.replay.update_priorities(wg.actor_rollout, metrics)
             if wg.rollout is not None:
                 with timer("sync_weights", t):
-                    self.sync_rollout_weights(self.global_step + 1)
+                    metrics.update(self.sync_rollout_weights(self.global_step + 1))
         metrics.update(compute_data_metrics(batch, use_critic))
         metrics.update(group_reward_metrics(batch))
         metrics.update({f"timing_s/{k}": v for k, v in t.items()})

@@ -16,6 +16,7 @@ from hybridflow.rollout import tag_weight_versions
 from hybridflow.single_controller import WorkerGroup
 from hybridflow.trainer.async_rollout import AsyncRollouts, PromptStream
 from hybridflow.trainer.dynamic_sampling import GroupFilter
+from hybridflow.trainer.weight_transport import WeightTransport
 
 
 class Rollouts(Protocol):
@@ -32,21 +33,27 @@ class Rollouts(Protocol):
     def generate_now(self, prompts: DataProto, version: int) -> DataProto:
         """A generation outside training (validation) with the weights of ``version``."""
 
-    def post_weights(self, actor: WorkerGroup, version: int) -> None:
-        """The actor's weights after ``version`` steps, for whatever generates next."""
+    def post_weights(self, version: int) -> dict[str, float]:
+        """The actor's weights after ``version`` steps, for whatever generates next; returns what the sync
+        cost (``weight_sync/*``; empty when the rollout samples from the actor's module itself)."""
 
     def stop(self) -> None:
         """End the source (an asynchronous producer's thread stops after its current generation)."""
 
 
 class SyncRollouts:
-    """Lock-step: the trainer generates each batch when it needs it, with its current weights; ``refill``
-    (dynamic sampling) scores it and refills it with more of the step's prompts."""
+    """Lock-step: the trainer generates each batch when it needs it, with its current weights; a rollout
+    worker of its own (``placement=split``) is sent them through ``weights`` after each update; ``refill``
+    (dynamic sampling) scores each batch and refills it with more of the step's prompts."""
 
     def __init__(
-        self, generator: WorkerGroup, split: bool, n: int, refill: GroupFilter | None = None
+        self,
+        generator: WorkerGroup,
+        weights: WeightTransport | None,
+        n: int,
+        refill: GroupFilter | None = None,
     ) -> None:
-        self.generator, self.split, self.n, self.refill = generator, split, n, refill
+        self.generator, self.weights, self.n, self.refill = generator, weights, n, refill
 
     def start(self, stream: PromptStream, version: int, end: int) -> None:
         self.stream = stream
@@ -64,24 +71,26 @@ class SyncRollouts:
         """A generation outside training (validation) with the trainer's current weights."""
         return self.generator.generate_sequences(prompts)
 
-    def post_weights(self, actor: WorkerGroup, version: int) -> None:
+    def post_weights(self, version: int) -> dict[str, float]:
         """A rollout worker of its own (``placement=split``) is sent the new weights; a rollout in the
-        actor's process samples from the trained module itself."""
-        if self.split:
-            self.generator.update_weights(actor.get_weights()[0])
+        actor's process samples from the trained module itself. Returns what the sync cost."""
+        return self.weights.send(version, staged=False) if self.weights is not None else {}
 
     def stop(self) -> None:
         pass
 
 
 def build_rollouts(
-    config: Any, generator: WorkerGroup, split: bool, refill: GroupFilter | None = None
+    config: Any, generator: WorkerGroup, weights: WeightTransport | None, refill: GroupFilter | None = None
 ) -> Rollouts:
-    """The source of ``async_training.mode``: ``split`` says whether ``generator`` is a rollout worker of its
-    own (which a sync run sends the weights after each update); ``refill``: dynamic sampling, or None."""
+    """The source of ``async_training.mode``: ``weights`` moves the actor's weights to ``generator`` when it is
+    a rollout worker of its own (None: the rollout shares the actor's module); ``refill``: dynamic sampling, or
+    None."""
     run, n = config.async_training, config.actor_rollout_ref.rollout.n
     if run.mode == "sync":
-        return SyncRollouts(generator, split, n, refill)
+        return SyncRollouts(generator, weights, n, refill)
     if run.mode == "one_step_off":
-        return AsyncRollouts(generator, n, 1, exact=True, refill=refill)
-    return AsyncRollouts(generator, n, run.max_staleness, exact=not run.partial_rollout, refill=refill)
+        return AsyncRollouts(generator, weights, n, 1, exact=True, refill=refill)
+    return AsyncRollouts(
+        generator, weights, n, run.max_staleness, exact=not run.partial_rollout, refill=refill
+    )

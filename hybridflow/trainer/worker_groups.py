@@ -208,7 +208,8 @@ def role_inits(
         "device": device,
         "sandbox": config.sandbox,
     }
-    # the engine class, checked here on the driver, goes to whichever worker holds the rollout role
+    # the engine class, checked here on the driver, goes to whichever worker holds the rollout role, and to a
+    # split actor (what the engine declares decides which weights it sends: LoRA adapters alone or merged)
     rollout_kw = {"rollout_engine": rollout_engine(config)}
     # With LoRA the reference is the actor's module with the adapter off: the actor worker takes the role
     ref_in_actor = needs_ref(config) and arr.model.lora_rank > 0
@@ -222,7 +223,9 @@ def role_inits(
         }
     else:
         inits = {
-            "actor": ClassWithInitArgs(ActorRolloutRefWorker, arr, role=f"actor{with_ref}", **kw),
+            "actor": ClassWithInitArgs(
+                ActorRolloutRefWorker, arr, role=f"actor{with_ref}", **kw, **rollout_kw
+            ),
             "rollout": ClassWithInitArgs(
                 ActorRolloutRefWorker, arr, role="rollout", announce=True, **kw, **rollout_kw
             ),

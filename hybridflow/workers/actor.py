@@ -12,7 +12,6 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -64,7 +63,14 @@ from hybridflow.workers.sharding import (
     resolve_strategy,
     wrap_model,
 )
-from hybridflow.workers.weight_sync import WeightMailbox, from_numpy, policy_weights, to_numpy
+from hybridflow.workers.ulysses import (
+    SequenceParallel,
+    enable_ulysses,
+    gather_rows,
+    own_rows,
+    sequence_parallel,
+)
+from hybridflow.workers.weight_sync import WeightLink, WeightMailbox, WeightSyncEnds, policy_weights
 
 T = TypeVar("T")
 ROLES = ("actor", "rollout", "ref")
@@ -105,7 +111,7 @@ UPDATE_ACTOR_KEYS = (
 ZERO_ON_POLICY = ("actor/ppo_kl", "actor/pg_clipfrac", "actor/pg_clipfrac_lower")
 
 
-class ActorRolloutRefWorker(Worker):
+class ActorRolloutRefWorker(WeightSyncEnds, Worker):
     """``config``: the ``actor_rollout_ref`` config section; ``role``: roles joined by ``_``
     (``actor_rollout``, ``actor_rollout_ref``, ``ref``, ``rollout``...); ``device``: ``trainer.device``;
     ``announce``: print one line per generation (``[rollout] generated ...``); ``rollout_engine``: the
@@ -140,9 +146,13 @@ class ActorRolloutRefWorker(Worker):
         self.engine: TrainingEngine | None = None
         self.rollout: Rollout | None = None
         self.rollout_engine = rollout_engine
+        # sequence-parallel groups (ulysses_sequence_parallel_size > 1)
+        self.actor_sp: SequenceParallel | None = None
+        self.ref_sp: SequenceParallel | None = None
         self.mailbox: WeightMailbox | None = None  # a rollout-only worker's weight versions (async runs)
         self.sandbox = sandbox or SandboxConfig()
         self.weights_received = 0  # weight updates a rollout-only worker was sent
+        self.weight_link: WeightLink | None = None  # to or from the actor's rank 0 (split placement on Ray)
 
     def weight_version(self) -> int:
         """How many times the weights the rollout samples from have changed: the actor's optimiser steps, the
@@ -166,7 +176,7 @@ class ActorRolloutRefWorker(Worker):
         if self._is_actor or self._is_rollout:
             # a rollout-only worker (trainer.placement=split) holds a plain copy the actor's full weights load into
             strategy = resolve_strategy(actor.strategy, self.world_size) if self._is_actor else "ddp"
-            lora = model_cfg.lora_rank if self._is_actor else 0
+            lora = model_cfg.lora_rank if self._is_actor or self.sends_adapters() else 0
             placement = load_placement(strategy, model_cfg.dtype, self.device)
             module = load_model(
                 model_path,
@@ -176,6 +186,8 @@ class ActorRolloutRefWorker(Worker):
                 gradient_checkpointing=self._is_actor and model_cfg.enable_gradient_checkpointing,
                 on_meta=not reads_weights(strategy, lora, streamed=True),
             )
+            if self._is_actor:
+                self.actor_sp = self._sequence_parallel(module, actor.ulysses_sequence_parallel_size, "actor")
             if self._is_actor and actor.freeze_vision_tower:
                 freeze_vision_tower(module)
             self.module = wrap_model(
@@ -196,6 +208,7 @@ class ActorRolloutRefWorker(Worker):
                 "actor",
                 self.world_size,
                 actor.fsdp_config.optimizer_offload,
+                actor.ulysses_sequence_parallel_size,
             )
         if self._is_rollout:
             rollout = self.config.rollout
@@ -223,15 +236,30 @@ class ActorRolloutRefWorker(Worker):
                 on_meta=not reads_weights(strategy, streamed=True),
             ).eval()
             module.requires_grad_(False)
+            self.ref_sp = self._sequence_parallel(module, self._ref_sp_size(), "ref")
             self.ref_module = wrap_model(
                 module, strategy, ref.fsdp_config, self.device, weights=self._weights_source(placement[1])
             )
+        elif self._is_ref:  # LoRA: the reference is the actor's module with the adapter off
+            self.ref_sp = self._sequence_parallel(self.policy, self._ref_sp_size(), "ref")
 
     def _weights_source(self, dtype: str | None) -> Callable[[torch.nn.Module], Any]:
         """Where rank 0 of a sharded policy takes the full tensors it sends to the ranks (``weights_source``)."""
         model_cfg = self.config.model
         path = required(model_cfg.path, "actor_rollout_ref.model.path")
         return weights_source(path, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code)
+
+    def _ref_sp_size(self) -> int:
+        key = "actor_rollout_ref.ref.ulysses_sequence_parallel_size"  # resolve() sets it (null: the actor's)
+        return required(self.config.ref.ulysses_sequence_parallel_size, key)
+
+    def _sequence_parallel(self, module: PreTrainedModel, size: int, role: str) -> SequenceParallel | None:
+        """This rank's Ulysses group for ``role`` (None for size 1), with ``module`` made able to use it."""
+        key = f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size"
+        sp = sequence_parallel(size, key)
+        if sp is not None:
+            enable_ulysses(module, size, key)
+        return sp
 
     # ---------------------------------------------------------------- rollout
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -280,41 +308,11 @@ class ActorRolloutRefWorker(Worker):
             mailbox.follow = True
             rollout.follow_weights(mailbox)
 
-    def _load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        rollout = self._require(self.rollout, "rollout", "loading weights")
-        self.policy.load_state_dict(dict(named))
-        if rollout.capabilities.own_weights:
-            rollout.update_weights(named)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def post_weights(self, weights: dict[str, np.ndarray], version: int) -> None:
-        """Keep the actor's weights (``get_weights``) as ``version`` for this rollout worker's next
-        generations, or for the one in flight when it follows new weights; returns at once (a copy is made
-        here, so the actor may train on)."""
-        mailbox = self._require(self.mailbox, "rollout", "post_weights")
-        mailbox.post(version, list(from_numpy(weights, next(self.policy.parameters()).dtype)))
-
     def _sync_rollout(self) -> None:
         """After the actor's weights changed: a rollout engine with its own copy (vLLM) takes the new ones
         in memory; the Hugging Face rollout samples from the trained module itself and needs nothing."""
         if self._is_actor and self.rollout is not None and self.rollout.capabilities.own_weights:
             self.rollout.update_weights(policy_weights(self.policy))
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def get_weights(self) -> dict[str, np.ndarray] | None:
-        """The actor's full weights as numpy arrays on rank 0 (None elsewhere; every rank takes part, since
-        gathering FSDP2 shards is a collective), for a rollout worker in another process
-        (``trainer.placement=split``)."""
-        self._require(self.engine, "actor", "get_weights")
-        weights = to_numpy(policy_weights(self.policy))
-        return weights if self.rank == 0 else None
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def update_weights(self, weights: dict[str, np.ndarray]) -> None:
-        """Load the actor's weights (``get_weights``) into this rollout worker's model and engine."""
-        self._require(self.rollout, "rollout", "update_weights")
-        self._load_weights(list(from_numpy(weights, next(self.policy.parameters()).dtype)))
-        self.weights_received += 1
 
     # ---------------------------------------------------------------- log-probs
     def _log_probs(
@@ -324,21 +322,25 @@ class ActorRolloutRefWorker(Worker):
         with_entropy: bool,
         micro_batch_size: int,
         max_token_len: int | None,
+        sp: SequenceParallel | None = None,
     ) -> tuple[torch.Tensor, Any]:
-        """Log-probs without gradients: ``micro_batch_size`` rows, or ``max_token_len`` tokens, a forward."""
+        """Log-probs without gradients: ``micro_batch_size`` rows, or ``max_token_len`` tokens, a forward.
+        ``sp``: a Ulysses group, whose ranks score their rows together (a token budget per rank: x its size)."""
         was_training = module.training
         module.eval()
         share = self.config.model.share_prompt_prefix
-        micro = MicroBatching(micro_batch_size or len(data), max_token_len, share)
+        data = gather_rows(data, sp)
+        budget = max_token_len * sp.size if max_token_len and sp is not None else max_token_len
+        micro = MicroBatching(micro_batch_size or len(data), budget, share)
         temperature = self.config.rollout.temperature
         log_probs, entropy = batched(
-            lambda d: response_log_probs(module, d, temperature, with_entropy, share_prompt=share),
+            lambda d: response_log_probs(module, d, temperature, with_entropy, share_prompt=share, sp=sp),
             data,
             micro,
             agreed_count(micro, data, module),
         )
         module.train(was_training)
-        return log_probs, entropy
+        return own_rows(log_probs, sp), own_rows(entropy, sp)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
@@ -351,6 +353,7 @@ class ActorRolloutRefWorker(Worker):
             True,
             rollout.log_prob_micro_batch_size_per_gpu,
             rollout.log_prob_max_token_len_per_gpu if rollout.log_prob_use_dynamic_bsz else None,
+            self.actor_sp,
         )
         metrics = {}
         if "rollout_log_probs" in data.tensors.keys() and data.tensors["rollout_log_probs"].abs().sum() > 0:
@@ -378,10 +381,10 @@ class ActorRolloutRefWorker(Worker):
                     f"the reference is the actor with its adapter off, but it has none: {type(lora)}"
                 )
             with lora.disable_adapter():
-                log_probs, _ = self._log_probs(self.policy, data, False, micro, budget)
+                log_probs, _ = self._log_probs(self.policy, data, False, micro, budget, self.ref_sp)
         else:
             ref_module = self._require(self.ref_module, "ref", "compute_ref_log_prob")
-            log_probs, _ = self._log_probs(ref_module, data, False, micro, budget)
+            log_probs, _ = self._log_probs(ref_module, data, False, micro, budget, self.ref_sp)
         return DataProto.from_dict({"ref_log_prob": log_probs})
 
     # ---------------------------------------------------------------- training
@@ -397,6 +400,7 @@ class ActorRolloutRefWorker(Worker):
             with_entropy=True,
             entropy_grad=entropy_coeff != 0,
             share_prompt=self.config.model.share_prompt_prefix,
+            sp=self.actor_sp,
         )
         # On-policy shortcut: with one pass over the data the old policy *is* the current one, so the
         # driver may skip the extra forward pass and let the ratio start at exactly 1.
@@ -485,7 +489,11 @@ class ActorRolloutRefWorker(Worker):
     def _sft_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         """Supervised NLL on demonstration responses (prompt tokens masked out)."""
         log_prob, _ = response_log_probs(
-            self.policy, micro, temperature=1.0, share_prompt=self.config.model.share_prompt_prefix
+            self.policy,
+            micro,
+            temperature=1.0,
+            share_prompt=self.config.model.share_prompt_prefix,
+            sp=self.actor_sp,
         )
         loss = compute_sft_loss(
             log_prob, micro.tensors["response_mask"].float(), self.config.actor.loss_agg_mode
@@ -500,13 +508,18 @@ class ActorRolloutRefWorker(Worker):
         ``response_mask``...) adds ``sft_data.meta_info["loss_coef"]`` x its NLL to every optimiser step."""
         engine = self._require(self.engine, "actor", "update_actor")
         actor = self.config.actor
-        mini_batch = actor.ppo_mini_batch_size * self.config.rollout.n // self.world_size
+        sp = self.actor_sp  # a Ulysses group trains on its ranks' rows together
+        mini_batch = (
+            actor.ppo_mini_batch_size * self.config.rollout.n // self.world_size * (sp.size if sp else 1)
+        )
         keys = [k for k in UPDATE_ACTOR_KEYS if k in data.tensors.keys()]
-        data = data.select(batch_keys=keys, non_tensor_batch_keys=image_column(data), meta_info_keys=[])
+        selected = data.select(batch_keys=keys, non_tensor_batch_keys=image_column(data), meta_info_keys=[])
+        data = gather_rows(selected, sp)
         self.policy.train()
         extra = []
         if sft_data is not None and len(sft_data):
-            extra = [(sft_data, self._sft_loss, float(sft_data.meta_info["loss_coef"]))]
+            coef = float(sft_data.meta_info["loss_coef"])
+            extra = [(gather_rows(sft_data, sp), self._sft_loss, coef)]
         metrics = engine.update(
             data,
             mini_batch,
@@ -527,7 +540,9 @@ class ActorRolloutRefWorker(Worker):
         actor = self.config.actor
         return MicroBatching(
             actor.ppo_micro_batch_size_per_gpu,
-            actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None,
+            actor.ppo_max_token_len_per_gpu * actor.ulysses_sequence_parallel_size
+            if actor.use_dynamic_bsz
+            else None,
             self.config.model.share_prompt_prefix,
         )
 
@@ -537,7 +552,11 @@ class ActorRolloutRefWorker(Worker):
         policy's log-probs of ``responses`` (temperature 1: the model's own distribution)."""
         spec = micro.meta_info["offline"]
         log_prob, _ = response_log_probs(
-            self.policy, micro, temperature=1.0, share_prompt=self.config.model.share_prompt_prefix
+            self.policy,
+            micro,
+            temperature=1.0,
+            share_prompt=self.config.model.share_prompt_prefix,
+            sp=self.actor_sp,
         )
         return get_offline_objective(spec["loss"]).fn(log_prob, micro.tensors, spec)
 
@@ -548,6 +567,7 @@ class ActorRolloutRefWorker(Worker):
         ``data.meta_info["offline"]`` names the objective and its settings. Metrics in ``meta_info``."""
         engine = self._require(self.engine, "actor", "update_actor_offline")
         objective = get_offline_objective(data.meta_info["offline"]["loss"])
+        data = gather_rows(data, self.actor_sp)
         self.policy.train()
         metrics = engine.update(
             data,
@@ -565,6 +585,7 @@ class ActorRolloutRefWorker(Worker):
         micro-batches, weighted as the update weighs them (tokens for SFT, rows otherwise)."""
         policy = self._require(self.module, "actor", "evaluate_offline")
         by_tokens = get_offline_objective(data.meta_info["offline"]["loss"]).loss_agg_mode == "token-mean"
+        data = gather_rows(data, self.actor_sp)
         was_training = policy.training
         policy.eval()
         sums: dict[str, float] = {}

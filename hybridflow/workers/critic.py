@@ -28,6 +28,13 @@ from hybridflow.workers.sharding import (
     resolve_strategy,
     wrap_model,
 )
+from hybridflow.workers.ulysses import (
+    SequenceParallel,
+    enable_ulysses,
+    gather_rows,
+    own_rows,
+    sequence_parallel,
+)
 
 T = TypeVar("T")
 
@@ -44,6 +51,9 @@ class CriticWorker(Worker):
         self._module: PreTrainedModel | None = None
         self._engine: TrainingEngine | None = None
         self._tokenizer: PreTrainedTokenizerBase | None = None
+        self.sp: SequenceParallel | None = (
+            None  # the Ulysses group (critic.ulysses_sequence_parallel_size > 1)
+        )
 
     @property
     def module(self) -> PreTrainedModel:
@@ -79,6 +89,11 @@ class CriticWorker(Worker):
             on_meta=not reads_weights(strategy),
         )
         module.config.pad_token_id = self.tokenizer.pad_token_id
+        self.sp = sequence_parallel(
+            critic.ulysses_sequence_parallel_size, "critic.ulysses_sequence_parallel_size"
+        )
+        if self.sp is not None:
+            enable_ulysses(module, self.sp.size, "critic.ulysses_sequence_parallel_size")
         for part in module.modules():  # transformers puts a 0.1 dropout before the head: the update would fit
             if isinstance(
                 part, torch.nn.Dropout
@@ -94,6 +109,7 @@ class CriticWorker(Worker):
             "critic",
             self.world_size,
             model_cfg.fsdp_config.optimizer_offload,
+            critic.ulysses_sequence_parallel_size,
         )
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -102,26 +118,28 @@ class CriticWorker(Worker):
         self.module.eval()
         share = self.config.model.share_prompt_prefix
         micro = self._micro_batching()
+        union = gather_rows(data, self.sp)  # a Ulysses group scores its ranks' rows together
         values = batched(
-            lambda d: response_values(self.module, d, share),
-            data,
+            lambda d: response_values(self.module, d, share, self.sp),
+            union,
             micro,
-            agreed_count(micro, data, self.module),
+            agreed_count(micro, union, self.module),
         )
         self.module.train()
-        return DataProto.from_dict({"values": values * data.tensors["response_mask"]})
+        return DataProto.from_dict({"values": own_rows(values, self.sp) * data.tensors["response_mask"]})
 
     def _micro_batching(self) -> MicroBatching:
         critic = self.config
+        budget = critic.ppo_max_token_len_per_gpu * critic.ulysses_sequence_parallel_size
         return MicroBatching(
             critic.ppo_micro_batch_size_per_gpu,
-            critic.ppo_max_token_len_per_gpu if critic.use_dynamic_bsz else None,
+            budget if critic.use_dynamic_bsz else None,
             critic.model.share_prompt_prefix,
         )
 
     def _value_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         mask = micro.tensors["response_mask"].float()
-        vpreds = response_values(self.module, micro, self.config.model.share_prompt_prefix)
+        vpreds = response_values(self.module, micro, self.config.model.share_prompt_prefix, self.sp)
         vf_loss, clipfrac = compute_value_loss(
             vpreds,
             micro.tensors["returns"],
@@ -139,10 +157,12 @@ class CriticWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
         critic = self.config
+        groups = critic.ulysses_sequence_parallel_size  # a Ulysses group trains on its ranks' rows together
         mini_batch = (
             required(critic.ppo_mini_batch_size, "critic.ppo_mini_batch_size")
             * self.rollout_n
             // self.world_size
+            * groups
         )
         keys = [
             "responses",
@@ -153,7 +173,8 @@ class CriticWorker(Worker):
             "values",
             "returns",
         ]
-        data = data.select(batch_keys=keys, non_tensor_batch_keys=image_column(data), meta_info_keys=[])
+        selected = data.select(batch_keys=keys, non_tensor_batch_keys=image_column(data), meta_info_keys=[])
+        data = gather_rows(selected, self.sp)
         self.module.train()
         metrics = self.engine.update(
             data,

@@ -60,7 +60,9 @@ class TrainingEngine:
 
     ``optim``: an ``OptimConfig`` (``actor_rollout_ref.actor.optim`` or ``critic.optim``), read as is:
     its defaults are the schema's, not the engine's. ``optimizer_offload`` keeps the AdamW moments in CPU
-    memory except during the step (for a CUDA model; a CPU model's state is in CPU memory anyway)."""
+    memory except during the step (for a CUDA model; a CPU model's state is in CPU memory anyway).
+    ``sequence_parallel``: how many ranks hold each batch (a Ulysses group, ``workers.ulysses``: its ranks
+    train on the group's rows together), so a batch's weight is counted once, not once per rank."""
 
     def __init__(
         self,
@@ -70,9 +72,11 @@ class TrainingEngine:
         name: str,
         world_size: int = 1,
         optimizer_offload: bool = False,
+        sequence_parallel: int = 1,
     ) -> None:
         self.module = module
         self.name = name
+        self.sequence_parallel = sequence_parallel
         self.grad_clip = grad_clip
         self.world_size = world_size if dist.is_initialized() else 1
         self.sharded = is_sharded(module)
@@ -217,7 +221,7 @@ class TrainingEngine:
             mask = d.tensors["response_mask"]
             return float(mask.sum() if loss_agg_mode == "token-mean" else (mask.sum(dim=-1) > 0).sum())
 
-        total_weight = self._global_sum(weight(data))
+        total_weight = self._global_sum(weight(data)) / self.sequence_parallel
         batching = as_micro_batching(micro_batch_size)
         for micro, real in batching.split(data, agreed_count(batching, data, self.module)):
             loss, micro_metrics = loss_fn(micro)

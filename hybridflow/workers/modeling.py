@@ -50,6 +50,14 @@ from hybridflow.models.vision import (
 from hybridflow.protocol import DataProto
 from hybridflow.utils.errors import MissingInputError
 from hybridflow.workers.packing import TokenInputs, pack_prefix_tree
+from hybridflow.workers.ulysses import (
+    SequenceParallel,
+    causal_mask,
+    left_aligned,
+    split_columns,
+    spread,
+    takes_4d_mask,
+)
 from hybridflow.workers.weight_files import SafetensorsFolder
 
 logger = logging.getLogger(__name__)
@@ -344,17 +352,40 @@ def response_outputs(
     4-D mask); otherwise every row is run as it is, without the columns past its longest response
     (``trimmed``). ``keeps_logits``: the model takes ``logits_to_keep`` (causal LMs do; token-classification
     models do not)."""
+    outputs, _, real = _outputs(model, data, share_prompt, keeps_logits, None)
+    return outputs, real
+
+
+def _outputs(
+    model: PreTrainedModel,
+    data: DataProto,
+    share_prompt: bool,
+    keeps_logits: bool,
+    sp: SequenceParallel | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``response_outputs``, or with ``sp`` (a sequence-parallel group, ``workers.ulysses``) only the outputs
+    this rank's columns predict, ``(m, ...)``, with ``index`` ``(m,)``: which of the ``M`` tokens they are
+    (``ulysses.spread`` assembles them); ``index`` is None without ``sp``."""
     device = next(model.parameters()).device
     length = data.tensors["responses"].shape[1]
     real = data.tensors["attention_mask"][:, -length:].bool()
     images = row_images(data)
+    if sp is not None and images is not None:
+        raise ValueError(
+            "sequence parallelism (ulysses_sequence_parallel_size > 1) does not cover rows with images"
+        )
     # flash-attention kernels take no 4-D mask: those models score row by row
-    share_prompt = share_prompt and model.config._attn_implementation in ("eager", "sdpa")
+    share_prompt = share_prompt and takes_4d_mask(model)
     if share_prompt:
         extra = None
         if images is not None:
             extra = image_inputs(model, data.tensors["input_ids"], data.tensors["attention_mask"], images)
         packed = pack_prefix_tree(data, next(model.parameters()).dtype, extra=extra)
+        if packed is not None and sp is not None:
+            rows, cols = packed.predictors(real)
+            allowed = packed.attention_mask == 0
+            outputs = _split_outputs(model, packed.input_ids, packed.position_ids, allowed, packed.keep, sp)
+            return (*outputs(rows, cols, keeps_logits), real)
         if packed is not None:
             keep = packed.keep.to(device)
             inputs = {
@@ -363,16 +394,71 @@ def response_outputs(
                 "position_ids": packed.position_ids.to(device),
             }
             outputs = _forward(model, inputs, packed.images, keep, keeps_logits)
-            return packed.gather(outputs if keeps_logits else outputs[:, keep], real), real
+            return packed.gather(outputs if keeps_logits else outputs[:, keep], real), None, real
     data = trimmed(data)
     width = data.tensors["responses"].shape[1]
+    if sp is not None:
+        return (*_rows_split_outputs(model, data, real[:, :width], keeps_logits, sp), real)
     inputs = {k: data.tensors[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")}
     flat = [im for row in images or [] for im in row]
     positions = vision_positions(model, inputs["input_ids"], inputs["attention_mask"], flat) if flat else None
     if positions is not None:
         inputs["position_ids"] = positions
     outputs = _forward(model, inputs, flat, width + 1, keeps_logits)
-    return outputs[:, -width - 1 : -1][real[:, :width].to(device)], real
+    return outputs[:, -width - 1 : -1][real[:, :width].to(device)], None, real
+
+
+def _rows_split_outputs(
+    model: PreTrainedModel, data: DataProto, real: torch.Tensor, keeps_logits: bool, sp: SequenceParallel
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_outputs`` of plain (unpacked, ``trimmed``) rows under ``sp``; ``real`` ``(bs, width)``."""
+    width = real.shape[1]
+    ids, pos, mask = (data.tensors[k] for k in ("input_ids", "position_ids", "attention_mask"))
+    rows, step = real.nonzero(as_tuple=True)  # row-major: the order of real's True entries
+    aligned = left_aligned(ids, pos, mask)
+    if aligned is None:  # gaps in some row: its own mask
+        allowed, predictor = causal_mask(mask), ids.shape[1] - width - 1 + step
+    else:  # response token t of row r is predicted by column prompt_r - 1 + t
+        (ids, pos), allowed = aligned, None
+        predictor = mask[:, :-width].sum(1)[rows] - 1 + step
+    keep, cols = torch.unique(predictor, return_inverse=True)
+    return _split_outputs(model, ids, pos, allowed, keep, sp)(rows, cols, keeps_logits)
+
+
+def _split_outputs(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    allowed: torch.Tensor | None,
+    keep: torch.Tensor,
+    sp: SequenceParallel,
+) -> Any:
+    """A sequence-parallel forward over this rank's slice of the columns (``ulysses.split_columns``); returns
+    ``outputs(rows, cols, keeps_logits)``: for the tokens predicted by column ``keep[cols[i]]`` of packed row
+    ``rows[i]``, the outputs this rank computed and which ``i`` they are."""
+    device = next(model.parameters()).device
+    part = split_columns(input_ids, position_ids, allowed, sp)
+    local = (keep >= part.start) & (keep < part.start + part.width)
+    first = int((keep < part.start).sum())
+    columns = (keep[local] - part.start).to(device)
+
+    def outputs(
+        rows: torch.Tensor, cols: torch.Tensor, keeps_logits: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = model(
+            input_ids=part.input_ids.to(device),
+            position_ids=part.position_ids.to(device),
+            use_cache=False,
+            ulysses=sp,  # attention over the whole sequence, under its mask (none: the model makes a slice's)
+            ulysses_mask=None if part.attention_mask is None else part.attention_mask.to(device),
+            **({"logits_to_keep": columns} if keeps_logits else {}),
+        ).logits
+        out = out if keeps_logits else out[:, columns]
+        mine = local[cols]
+        index = mine.nonzero().flatten()
+        return out[rows[mine].to(device), (cols[mine] - first).to(device)], index
+
+    return outputs
 
 
 def per_token(values: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -388,6 +474,7 @@ def response_log_probs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     share_prompt: bool = True,
+    sp: SequenceParallel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of ``responses`` under ``model`` (logits divided by the sampling temperature,
     so they match what the rollout sampled from).
@@ -395,22 +482,30 @@ def response_log_probs(
     ``data.batch``: ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, T)`` and ``responses``
     ``(bs, L)``. Returns ``(log_probs (bs, L), entropy (bs, L) or None)``, zero at padding; gradients flow if
     enabled, and through the entropy only with ``entropy_grad`` (an entropy bonus): a metric-only entropy
-    keeps no graph. ``share_prompt``: shared runs of tokens computed once (see ``response_outputs``)."""
-    logits, real = response_outputs(model, data, share_prompt)
+    keeps no graph. ``share_prompt``: shared runs of tokens computed once (see ``response_outputs``).
+    ``sp``: a sequence-parallel group whose ranks all hold ``data`` (``workers.ulysses``): each computes its
+    columns' part, and all of them return the whole."""
+    logits, index, real = _outputs(model, data, share_prompt, True, sp)
     logits = without_placeholders(logits.float(), placeholder_token_ids(model.config))
     if temperature != 1.0:
         logits = logits / temperature
     labels = data.tensors["responses"][real].to(logits.device)
-    log_probs = per_token(logprobs_from_logits(logits, labels), real)
+    count = len(labels)
+    if index is not None:
+        labels = labels[index.to(logits.device)]
+    log_probs = per_token(spread(logprobs_from_logits(logits, labels), index, count, sp), real)
     entropy = None
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = per_token(entropy_from_logits(logits), real)
+            entropy = per_token(spread(entropy_from_logits(logits), index, count, sp), real)
     return log_probs, entropy
 
 
-def response_values(model: PreTrainedModel, data: DataProto, share_prompt: bool = True) -> torch.Tensor:
+def response_values(
+    model: PreTrainedModel, data: DataProto, share_prompt: bool = True, sp: SequenceParallel | None = None
+) -> torch.Tensor:
     """Values ``(bs, L)`` of a token-classification (value-head) model: the value at each position is
-    predicted from the state *before* the response token there, as GAE expects."""
-    values, real = response_outputs(model, data, share_prompt, keeps_logits=False)
-    return per_token(values.squeeze(-1).float(), real)
+    predicted from the state *before* the response token there, as GAE expects. ``sp``: as for
+    ``response_log_probs``."""
+    values, index, real = _outputs(model, data, share_prompt, False, sp)
+    return per_token(spread(values.squeeze(-1).float(), index, int(real.sum()), sp), real)

@@ -73,8 +73,13 @@ class PackedBatch:
         """``outputs`` ``(G, K, ...)`` (the model's outputs at columns ``keep``) -> ``(M, ...)``: the output
         that predicts each response token at ``real`` ``(bs, L)`` (row-major; a shared output repeated for
         each row it predicts a token of)."""
-        rows = self.rows[:, None].expand_as(self.cols)[real]
-        return outputs[rows.to(outputs.device), self.cols[real].to(outputs.device)]
+        rows, cols = self.predictors(real)
+        return outputs[rows.to(outputs.device), cols.to(outputs.device)]
+
+    def predictors(self, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each response token at ``real`` ``(bs, L)`` (row-major), the packed row and the index into
+        ``keep`` of the output that predicts it: ``(M,)`` each."""
+        return self.rows[:, None].expand_as(self.cols)[real], self.cols[real]
 
 
 class _Tree:

@@ -2,9 +2,12 @@
 own copy of the model (vLLM in the actor's process, or a rollout worker in another process).
 
 ``WeightMailbox`` is the receiving end of an asynchronous run: versions posted while the rollout generates.
+``WeightSyncEnds`` are the worker's methods that move them: over a ``weight_link.WeightLink`` between processes
+on Ray (never through the driver, in buckets of ``rollout.weight_sync_bucket_mb``, each load checked against
+the trainer's checksum), as arrays within one process on the local backend.
 
 Why one small module: every path that moves weights out of the trainer (in-memory sync into vLLM after
-each update, the Ray object store to a split rollout worker) reads them through ``policy_weights``, so a
+each update, the link to a split rollout worker) reads them through ``policy_weights``, so a
 sharded or adapter-wrapped actor only has to change this one function to gather full tensors.
 """
 
@@ -12,18 +15,33 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 import numpy as np
 import torch
 
-from hybridflow.workers.sharding import full_weights
+from hybridflow.config import ActorRolloutRefConfig
+from hybridflow.rollout import Rollout, RolloutEngine, rollout_class
+from hybridflow.single_controller import Dispatch, register
+from hybridflow.workers.engine import TrainingEngine
+from hybridflow.workers.sharding import full_weights, is_lora
+from hybridflow.workers.weight_link import (
+    LinkAddress,
+    Named,
+    WeightLink,
+    WeightSyncError,
+    checksum,
+    link_address,
+    verify_loaded,
+)
 
 
-def policy_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def policy_weights(module: torch.nn.Module, adapter_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the policy under its Hugging Face name (``model.layers.0.mlp.up_proj.weight``...),
     detached, on the module's device: gathered from FSDP2 shards (a collective: every rank iterates) and
-    with LoRA adapters merged (``sharding.full_weights``). Tied weights appear under each of their names."""
-    for name, tensor in full_weights(module, device=next(module.parameters()).device):
+    with LoRA adapters merged (``sharding.full_weights``), or with ``adapter_only`` the adapters alone under
+    peft's names. Tied weights appear under each of their names."""
+    for name, tensor in full_weights(module, adapter_only, device=next(module.parameters()).device):
         yield name, tensor.detach()
 
 
@@ -58,9 +76,9 @@ class WeightMailbox:
     backend, a second concurrent call on a Ray actor) and only stores the weights; the module is changed only
     by the generating thread itself (``use`` before a generation, ``refresh`` between its decoding steps), so
     a forward never sees half-loaded weights. ``load`` puts ``(name, tensor)`` pairs into the module (and the
-    engine's own copy, for vLLM)."""
+    engine's own copy, for vLLM) as a version."""
 
-    def __init__(self, load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> None:
+    def __init__(self, load: Callable[[Named, int], None]) -> None:
         self._load = load
         self._lock = threading.Lock()
         self._posted: dict[int, list[tuple[str, torch.Tensor]]] = {}
@@ -85,7 +103,7 @@ class WeightMailbox:
             if keep_from is not None:
                 self._posted = {v: w for v, w in self._posted.items() if v >= keep_from}
         if weights is not None:
-            self._load(weights)
+            self._load(weights, version)
             self.version = version
 
     def refresh(self) -> bool:
@@ -97,6 +115,187 @@ class WeightMailbox:
             weights = self._posted.get(newest) if newest > self.version else None
         if weights is None:
             return False
-        self._load(weights)
+        self._load(weights, newest)
         self.version = newest
         return True
+
+
+# ------------------------------------------------------------------------------------------ the workers' ends
+MB = 2**20
+T = TypeVar("T")
+
+
+def _module_name(name: str) -> str:
+    """A LoRA adapter's name as ``policy_weights(adapter_only=True)`` sends it (peft's saved form) -> the
+    receiving peft module's own (``...lora_A.default.weight``); other names are the module's already."""
+    for part in (".lora_A.", ".lora_B."):
+        if part in name and part + "default." not in name:
+            return name.replace(part, part + "default.")
+    return name
+
+
+def load_in_place(
+    state: dict[str, torch.Tensor], named: Named, version: int, where: str, expected: int | None = None
+) -> None:
+    """Copy ``named`` into a module's own tensors (``state``: its ``state_dict()``, whose tensors are the
+    module's; no second copy of the model is made), then read them back:
+    ``WeightSyncError`` naming ``version`` unless they hold exactly what was given (``expected``: the sender's
+    ``checksum`` of them; None: the given tensors' own). KeyError naming a tensor the module does not have."""
+    held = []
+    for name, tensor in named:
+        target = state[_module_name(name)]
+        target.copy_(tensor)
+        held.append(target)
+    verify_loaded(held, checksum(t for _, t in named) if expected is None else expected, version, where)
+
+
+class WeightSyncEnds:
+    """The weight-moving methods of ``ActorRolloutRefWorker``: the actor sends, a rollout worker of its own
+    (``trainer.placement=split``, asynchronous runs) receives.
+
+    On Ray they meet over a ``WeightLink`` the trainer forms when the run starts (``weight_link_address``, then
+    ``join_weight_link`` on both groups at once), and each sync is ``send_weights`` and ``receive_weights``
+    called together: the driver only orders it. In one process (the local backend) the driver is the workers'
+    own process, and ``get_weights`` / ``update_weights`` / ``post_weights`` hand the tensors over as arrays.
+
+    Every path ends in ``_load_weights``, which meets the rollout contract (``hybridflow.rollout``) by what the
+    engine declares: the worker's module takes the weights in place (an engine that samples from it, hf, needs
+    nothing more) and an engine with ``Capabilities.own_weights`` (vLLM) is handed them (``update_weights``),
+    and must say it took every tensor. A version received while the rollout generates goes to the mailbox,
+    the ``WeightFeed`` a rollout that ``follows_weights`` takes new weights from between decoding steps.
+
+    LoRA with an engine that samples from the worker's module (no ``own_weights``: hf): that module carries
+    the adapters too, so only they travel; an engine with weights of its own takes the merged weights."""
+
+    config: ActorRolloutRefConfig
+    module: torch.nn.Module | None
+    engine: TrainingEngine | None
+    rollout: Rollout | None
+    rollout_engine: type[RolloutEngine] | None
+    mailbox: WeightMailbox | None
+    weight_link: WeightLink | None
+    weights_received: int
+    rank: int
+    device: torch.device
+    _is_actor: bool
+    _module_state: dict[str, torch.Tensor] | None = None  # a rollout worker's model's tensors by name
+
+    def _require(self, part: T | None, role: str, method: str) -> T:
+        """``part`` if the worker has it (``ActorRolloutRefWorker._require``: else one line naming the role)."""
+        raise NotImplementedError
+
+    def sends_adapters(self) -> bool:
+        """Whether the weights that travel are LoRA adapters alone: LoRA, and a rollout engine that samples
+        from its worker's module (which then carries the adapters) rather than from weights of its own."""
+        engine = self.rollout_engine or rollout_class(self.config.rollout.name)
+        return self.config.model.lora_rank > 0 and not engine.capabilities.own_weights
+
+    def _where(self) -> str:
+        return f"rollout worker rank {self.rank}"
+
+    def _load_weights(self, named: Named, version: int, expected: int | None = None) -> None:
+        """Weight ``version`` into this rollout worker's model, checked (``load_in_place``), and into its
+        engine's own copy."""
+        rollout = self._require(self.rollout, "rollout", "loading weights")
+        if self._module_state is None:  # the module's own tensors by name, looked up once
+            self._module_state = self._policy().state_dict()
+        load_in_place(self._module_state, named, version, self._where(), expected)
+        if rollout.capabilities.own_weights:
+            taken = rollout.update_weights(named)
+            if taken != len(named):
+                raise WeightSyncError(
+                    f"{self._where()}: the rollout engine {type(rollout).__name__} took {taken} of the "
+                    f"{len(named)} tensors of weight version {version}: the weights did not reach the engine"
+                )
+
+    def _policy(self) -> torch.nn.Module:
+        return self._require(self.module, "actor or rollout", "the weights")
+
+    def _dtype(self) -> torch.dtype:
+        return next(self._policy().parameters()).dtype
+
+    def _sent(self) -> Iterator[tuple[str, torch.Tensor]]:
+        policy = self._policy()
+        return policy_weights(policy, adapter_only=self.sends_adapters() and is_lora(policy))
+
+    # ------------------------------------------------------------------ in one process (local backend)
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def get_weights(self) -> dict[str, np.ndarray] | None:
+        """The actor's full weights (or LoRA adapters, ``sends_adapters``) as numpy arrays on rank 0 (None
+        elsewhere; every rank takes part, since gathering FSDP2 shards is a collective), for a rollout worker
+        in this process (the local backend)."""
+        self._require(self.engine, "actor", "get_weights")
+        weights = to_numpy(self._sent())
+        return weights if self.rank == 0 else None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def update_weights(self, weights: dict[str, np.ndarray]) -> None:
+        """Load the actor's weights (``get_weights``) into this rollout worker's model and engine."""
+        self._require(self.rollout, "rollout", "update_weights")
+        self.weights_received += 1
+        self._load_weights(list(from_numpy(weights, self._dtype())), self.weights_received)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def post_weights(self, weights: dict[str, np.ndarray], version: int) -> None:
+        """Keep the actor's weights (``get_weights``) as ``version`` for this rollout worker's next
+        generations, or for the one in flight when it follows new weights; returns at once (a copy is made
+        here, so the actor may train on)."""
+        mailbox = self._require(self.mailbox, "rollout", "post_weights")
+        mailbox.post(version, list(from_numpy(weights, self._dtype())))
+
+    # ------------------------------------------------------------------ over the link (Ray)
+    @register(dispatch_mode=Dispatch.RANK_ZERO)
+    def weight_link_address(self, receivers: int) -> LinkAddress:
+        """A meeting point on the actor's rank 0 for itself and ``receivers`` rollout workers."""
+        return link_address(1 + receivers, self.device)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def join_weight_link(self, address: LinkAddress) -> None:
+        """Join the weight link (a new one replaces an old one): the actor's rank 0 as its sender, rollout
+        worker ``r`` as member ``r + 1``; the actor's other ranks only help gather. Blocks until every member
+        has joined, so the trainer calls it on both groups at once."""
+        member = (0 if self.rank == 0 else None) if self._is_actor else 1 + self.rank
+        if member is None:
+            self.weight_link = None
+            return
+        largest = max(t.numel() * t.element_size() for t in self._policy().state_dict().values())
+        bucket = self.config.rollout.weight_sync_bucket_mb * MB
+        self.weight_link = WeightLink(address, member, self.device, bucket, largest if member == 0 else 0)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def send_weights(self) -> dict[str, float] | None:
+        """Stream the actor's weights over the link (rank 0; the other ranks gather their shards with it);
+        returns rank 0's ``SyncStats``."""
+        self._require(self.engine, "actor", "send_weights")
+        weights = self._sent()
+        if self.weight_link is None:
+            for _ in weights:  # each tensor gathered with rank 0, then dropped
+                pass
+            return None
+        return self.weight_link.send(weights).as_dict()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def receive_weights(self, version: int, staged: bool) -> dict[str, float]:
+        """Take weight ``version`` from the link: loaded bucket by bucket into the model in place (a lock-step
+        run: nothing generates meanwhile), or with ``staged`` kept as a posted version (an asynchronous run
+        generating meanwhile takes it between generations or decoding steps, ``WeightMailbox``)."""
+        self._require(self.rollout, "rollout", "receive_weights")
+        if self.weight_link is None:
+            raise RuntimeError("receive_weights before join_weight_link: the trainer forms the link first")
+        if not staged:
+            stats = self.weight_link.receive(lambda named, sent: self._load_weights(named, version, sent))
+            self.weights_received += 1
+            return stats.as_dict()
+        kept: Named = []
+
+        def keep(
+            named: Named, expected: int
+        ) -> None:  # arrived intact: copied, kept until the version is used
+            if checksum(t for _, t in named) != expected:
+                raise WeightSyncError(f"{self._where()}: weight version {version} arrived damaged")
+            kept.extend((name, tensor.clone()) for name, tensor in named)
+
+        mailbox = self._require(self.mailbox, "rollout", "receive_weights(staged=True)")
+        stats = self.weight_link.receive(keep)
+        mailbox.post(version, kept)
+        return stats.as_dict()

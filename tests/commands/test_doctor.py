@@ -229,10 +229,10 @@ def test_config_error_fails_and_skips_what_needs_it(base):
     assert "did you mean 'actor_rollout_ref.actor.optim.lr'" in checks["config"].detail
 
 
-@pytest.mark.filterwarnings("ignore::hybridflow.config.checks.IgnoredKeyWarning")  # lora, fsdp2 (not yet)
-def test_memory_estimate_by_hand():
-    shape = ModelShape(
-        params=10_000_000,
+def small_shape(params: int) -> ModelShape:
+    """A 2-layer, 64-wide model shape with ``params`` parameters, for estimates checked by hand."""
+    return ModelShape(
+        params=params,
         vocab_size=1000,
         hidden_size=64,
         num_layers=2,
@@ -240,6 +240,11 @@ def test_memory_estimate_by_hand():
         kv_dim=32,
         linear_in_out=100_000,
     )
+
+
+@pytest.mark.filterwarnings("ignore::hybridflow.config.checks.IgnoredKeyWarning")  # lora, fsdp2 (not yet)
+def test_memory_estimate_by_hand():
+    shape = small_shape(10_000_000)
     cfg = load_config(
         [
             "data.train_files=x.parquet",
@@ -315,15 +320,7 @@ def test_memory_estimate_by_hand():
 
 
 def test_memory_knob_names_sharded_generation_when_the_gathered_model_does_not_fit():
-    shape = ModelShape(
-        params=1_000_000_000,
-        vocab_size=1000,
-        hidden_size=64,
-        num_layers=2,
-        intermediate_size=128,
-        kv_dim=32,
-        linear_in_out=100_000,
-    )
+    shape = small_shape(1_000_000_000)
     overrides = [
         "data.train_files=x.parquet",
         "algorithm.adv_estimator=grpo",
@@ -425,3 +422,36 @@ def test_dataset_check_counts_prompt_tokens_as_the_dataset_feeds_them(base, data
         in verdicts([*base, "data.apply_chat_template=false"])["dataset"].detail
     )
     assert f", max {templated} vs data.max_prompt_length" in verdicts(base)["dataset"].detail
+
+
+def test_memory_estimate_splits_a_long_sequence_and_names_sequence_parallelism():
+    shape = small_shape(1_000_000)
+    overrides = [
+        "data.train_files=x.parquet",
+        "algorithm.adv_estimator=grpo",
+        "data.max_prompt_length=8000",
+        "data.max_response_length=192",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
+        "trainer.backend=ray",
+        "trainer.n_workers=4",
+    ]
+    one = load_config(overrides)
+    four = load_config([*overrides, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=4"])
+    whole = estimate_memory(one, shape, world_size=4)
+    split = estimate_memory(four, shape, world_size=4)
+    update = 193 * 1000 * 4 * 3 + 8192 * 2 * (14 * 64 + 4 * 128) * 4  # logits x3 + activations, one sequence
+    assert whole.passes["policy update"] == update and whole.largest_pass == "policy update"
+    assert split.passes["policy update"] == update / 4  # each of 4 ranks holds a quarter of its tokens
+    assert "largest pass (policy update, each sequence over 4 ranks)" in split.summary()
+    for cfg in (one, four):
+        cfg.trainer.device = (
+            "cuda"  # each worker a GPU of its own: splitting a sequence lowers each one's peak
+        )
+    hint = "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2 (one sequence's activations split over 2 GPUs of the 4; now 1)"
+    assert knob(one, whole, workers_per_machine=1).startswith(hint)
+    assert (
+        "ulysses_sequence_parallel_size=8 (one sequence's activations split over 8 GPUs (with trainer.n_workers a multiple of 8); now 4)"
+        in knob(four, split, 1)
+    )

@@ -99,11 +99,27 @@ def test_verl_quickstart_line_parses_and_gpu_keys_warn():
 def test_gpu_only_keys_outside_the_schema_are_dropped_with_a_warning():
     with pytest.warns(
         IgnoredKeyWarning,
-        match=r"ignored on this backend: actor_rollout_ref\.actor\."
-        r"ulysses_sequence_parallel_size = 2",
+        match=r"ignored on this backend: actor_rollout_ref\.model\.use_remove_padding = True",
     ):
-        cfg = _load("+actor_rollout_ref.actor.ulysses_sequence_parallel_size=2")
-    assert "ulysses_sequence_parallel_size" not in cfg.to_dict()["actor_rollout_ref"]["actor"]
+        cfg = _load("+actor_rollout_ref.model.use_remove_padding=true")
+    assert "use_remove_padding" not in cfg.to_dict()["actor_rollout_ref"]["model"]
+
+
+def test_sequence_parallel_sizes_are_typed_the_reference_follows_the_actor_and_must_divide_the_workers():
+    four = ["trainer.n_workers=4", "trainer.backend=ray"]
+    four += [f"{r}.ppo_micro_batch_size_per_gpu=2" for r in ("actor_rollout_ref.actor", "critic")]
+    cfg = _load(
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+        "critic.ulysses_sequence_parallel_size=4",
+        *four,
+    )
+    assert cfg.actor_rollout_ref.ref.ulysses_sequence_parallel_size == 2  # null: the actor's
+    assert cfg.critic.ulysses_sequence_parallel_size == 4
+    assert _error("actor_rollout_ref.ref.ulysses_sequence_parallel_size=3", *four) == (
+        "actor_rollout_ref.ref.ulysses_sequence_parallel_size=3 does not divide trainer.n_workers (4): each "
+        "sequence is split over a group of that many workers"
+    )
+    assert "must be >= 1" in _error("critic.ulysses_sequence_parallel_size=0")
 
 
 def test_sharding_and_lora_keys_are_typed_and_ref_and_critic_follow_the_actor():

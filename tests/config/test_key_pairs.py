@@ -78,6 +78,7 @@ PPO_CASES = [
      [f"{R}.served_agent.path=/code/agent.py"]),
     (["replay_buffer.capacity=64"], "replay_buffer.capacity", "replay_buffer.enable=true", ["replay_buffer.enable=true"]),
     (["trainer.cpus_per_worker=0.5"], "trainer.cpus_per_worker", "trainer.backend=ray", ["trainer.backend=ray"]),
+    ([f"{R}.weight_sync_bucket_mb=16"], f"{R}.weight_sync_bucket_mb", "trainer.backend=ray", ["trainer.backend=ray"]),
 ]  # fmt: skip
 OFFLINE_CASES = [
     (["model.lora_alpha=32"], "model.lora_alpha", "model.lora_rank > 0", ["model.lora_rank=8"]),

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from hybridflow.config import ConfigError, load_config
 from hybridflow.protocol import DataProto
@@ -117,6 +118,54 @@ def test_a_registered_engine_runs_a_grpo_step(scripted, data_dir, tiny_model_pat
     assert all(torch.equal(sent[name], trained[name]) for name in trained)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["critic/score/mean"] == 0.5
+
+
+class Forgetful(ScriptedRollout):
+    """An engine with weights of its own that takes none of what it is sent (a filter on the wrong names)."""
+
+    def update_weights(self, weights) -> int:
+        super().update_weights(weights)
+        return 0
+
+
+@pytest.mark.parametrize("engine", [ScriptedRollout, Forgetful], ids=["takes them", "takes none"])
+def test_a_rollout_worker_of_its_own_passes_the_weights_to_an_engine_with_its_own(
+    scripted, data_dir, tiny_model_path, tmp_path, engine
+):
+    """One step off (a rollout worker of its own): the actor's update reaches the rollout worker's module,
+    checked against the trainer's checksum, and then its engine (``own_weights``), which must say it took
+    every tensor: an engine that took fewer stops the run naming the version."""
+    from hybridflow.workers.weight_link import WeightSyncError
+
+    name = "scripted" if engine is ScriptedRollout else "forgetful"
+    register_rollout(name)(engine)
+    config = _config(
+        data_dir,
+        tiny_model_path,
+        tmp_path,
+        f"actor_rollout_ref.rollout.name={name}",
+        "async_training.mode=one_step_off",
+        "trainer.total_training_steps=3",
+    )
+    try:
+        with PPOTrainer(config) as trainer:
+            if engine is Forgetful:
+                with pytest.raises(WeightSyncError, match=r"took 0 of the \d+ tensors of weight version 1"):
+                    trainer.fit()
+                return
+            trainer.fit()
+    finally:
+        registry._ENGINES.pop("forgetful", None)
+    (built,) = scripted.built  # the rollout worker's engine: the actor's worker has none
+    (version_1,) = (
+        built.received
+    )  # the third batch was drawn by version 1 (one step off), the update of step 1
+    held = built.spec.module.state_dict()  # the rollout worker's module, loaded in place and checked
+    assert set(version_1) == set(held) and all(torch.equal(version_1[k], held[k]) for k in held)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict()
+    assert any(
+        not torch.equal(version_1[k], initial[k]) for k in initial
+    )  # the trained weights, not the start
 
 
 def test_the_driver_hands_the_engine_to_rays_workers(

@@ -326,7 +326,7 @@ def test_the_source_of_the_samples_is_chosen_by_mode_and_both_follow_one_contrac
     from hybridflow.trainer.rollouts import Rollouts, SyncRollouts, build_rollouts
 
     def built(*overrides: str):
-        return build_rollouts(load_config(["data.train_files=[a.parquet]", *overrides]), None, False)
+        return build_rollouts(load_config(["data.train_files=[a.parquet]", *overrides]), None, None)
 
     assert type(built()) is SyncRollouts
     one_step_off = built("async_training.mode=one_step_off")

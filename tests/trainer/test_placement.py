@@ -8,12 +8,17 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import ray
+import torch
 from ray.util.placement_group import placement_group, remove_placement_group
+from transformers import AutoModelForCausalLM
 
+from hybridflow import DataProto
 from hybridflow.config.schema import ConfigError, TrainerConfig
 from hybridflow.single_controller.ray import shared_cpus
+from hybridflow.single_controller.ray.worker_group import _RayBackend
 from hybridflow.trainer import PPOTrainer, load_config
 from hybridflow.trainer.worker_groups import build_worker_groups, placement, ray_cpus_per_worker
 from hybridflow.utils.errors import UserError
@@ -61,9 +66,38 @@ def _steps(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_split_runs_roles_apart_and_trains_as_colocated(data_dir, tiny_model_path, tmp_path, ray_session):
+def _payload_bytes(value) -> int:
+    """Bytes of the arrays and tensors inside ``value`` (nested containers and DataProtos included)."""
+    if isinstance(value, np.ndarray | torch.Tensor):
+        return value.nbytes if isinstance(value, np.ndarray) else value.numel() * value.element_size()
+    if isinstance(value, DataProto):
+        return _payload_bytes(dict(value.batch.items()) if value.batch is not None else {})
+    if isinstance(value, dict):
+        return sum(_payload_bytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_payload_bytes(v) for v in value)
+    return 0
+
+
+def test_split_runs_roles_apart_and_trains_as_colocated(
+    data_dir, tiny_model_path, tmp_path, ray_session, monkeypatch
+):
     with PPOTrainer(_config(data_dir, tiny_model_path, tmp_path / "colocated")) as trainer:
         trainer.fit()
+    crossing = []  # (method, bytes) of what every call sent from and brought back to the driver
+    submit, fetch = _RayBackend.submit, _RayBackend.fetch
+
+    def watched_submit(self, method, shards, group, label):
+        crossing.append((label, _payload_bytes([shards.args, shards.kwargs])))
+        return submit(self, method, shards, group, label)
+
+    def watched_fetch(self, handles, group, label, timeout_s=None):
+        results = fetch(self, handles, group, label, timeout_s)
+        crossing.append((label, _payload_bytes(results)))
+        return results
+
+    monkeypatch.setattr(_RayBackend, "submit", watched_submit)
+    monkeypatch.setattr(_RayBackend, "fetch", watched_fetch)
     with PPOTrainer(
         _config(data_dir, tiny_model_path, tmp_path / "split", "trainer.placement=split")
     ) as trainer:
@@ -85,6 +119,15 @@ def test_split_runs_roles_apart_and_trains_as_colocated(data_dir, tiny_model_pat
     ]
     assert all(row["timing_s/sync_weights"] > 0 for row in split)
     assert "timing_s/sync_weights" not in colocated[0]
+    # the weights went from the actor's process to the rollout's directly: no call carried them through the
+    # driver (the largest payloads are batches, a fraction of the model's bytes)
+    model_bytes = sum(
+        t.numel() * t.element_size()
+        for t in AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict().values()
+    )
+    assert {label for label, _ in crossing} >= {"send_weights", "receive_weights", "update_actor"}
+    assert max(size for _, size in crossing) < model_bytes / 2, sorted(crossing, key=lambda c: -c[1])[:3]
+    assert all(row["weight_sync/mb"] * 2**20 >= model_bytes * 0.99 for row in split)
     assert colocated[-1]["actor/pg_loss"] != colocated[0]["actor/pg_loss"]  # it did train
     for a, b in zip(colocated, split):
         for key in (

@@ -32,6 +32,23 @@ class ShardProbe(ActorRolloutRefWorker):
         return dict(full_weights(self.module))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def perturb_adapters(self) -> None:
+        """Change every LoRA adapter tensor (their shards), the same way on every rank."""
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for name, p in self.module.named_parameters():
+                if "lora_" in name:
+                    p.add_(torch.randn_like(p) * 0.1)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def adapter_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in full_weights(self.module, adapter_only=True))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def use_version(self, version: int) -> None:
+        self.mailbox.use(version)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def adam_moments(self) -> dict[str, torch.Tensor]:
         state = self.engine.optimizer.state
         return {name: full(state[p]["exp_avg"]) for name, p in self.module.named_parameters() if p in state}

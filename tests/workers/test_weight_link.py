@@ -1,0 +1,147 @@
+"""``WeightLink`` (``hybridflow.workers.weight_sync``): the actor's weights stream from one process to two others
+over a gloo group of their own, in buckets, and land bit for bit in the receivers' models; a receiver whose
+model does not take what arrived stops naming the weight version; checksums tell tensors apart by place."""
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
+
+from hybridflow.workers.weight_link import LinkAddress, WeightLink, WeightSyncError, checksum, verify_loaded
+from hybridflow.workers.weight_sync import load_in_place, policy_weights
+
+
+def _member(member, address, path, out, broken, shared):
+    torch.set_num_threads(1)
+    link = WeightLink(
+        address, member, torch.device("cpu"), 64 * 1024, 2**20, timeout_s=60, shared_memory=shared
+    )
+    torch.manual_seed(member)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    if member == 0:  # the trainer's weights: the checkpoint's, changed
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.01)
+        stats = link.send(policy_weights(model))
+    else:
+        state = model.state_dict()
+
+        def load(named, expected):
+            if broken and member == 2:  # an engine that ignores what it is given
+                named = [(name, tensor + 1) for name, tensor in named]
+            load_in_place(state, named, 7, f"rollout worker rank {member - 1}", expected)
+
+        try:
+            stats = link.receive(load)
+        except WeightSyncError as error:
+            torch.save({"error": str(error)}, f"{out}/{member}.pt")
+            return
+    record = {"stats": stats.as_dict(), "weights": dict(model.state_dict()), "segments": len(link.segments)}
+    torch.save(record, f"{out}/{member}.pt")
+
+
+def _stream(path, out, broken=False, shared=True):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = LinkAddress("127.0.0.1", port, 3, "gloo")
+    # from a fork server, not forked from this process: a test process that has run Ray must not fork (the
+    # children broke its connection to Ray's control service, and the next placement group waited forever)
+    mp.start_processes(
+        _member, args=(address, path, str(out), broken, shared), nprocs=3, start_method="forkserver"
+    )
+    return [torch.load(out / f"{m}.pt") for m in range(3)]
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared memory", "over gloo"])
+def test_weights_stream_in_buckets_to_every_receiver(tiny_model_path, tmp_path, shared):
+    sender, *receivers = _stream(tiny_model_path, tmp_path, shared=shared)
+    sent = sender["weights"]
+    assert sender["segments"] == (
+        2 if shared else 0
+    )  # all three on one machine: shared memory, unless told not
+    assert not list(Path("/dev/shm").glob("hybridflow-weights-*"))  # unlinked once every member mapped them
+    assert sender["stats"]["buckets"] > 3  # 64 KiB buckets: the tiny model's ~1 MB goes in several
+    assert sender["stats"]["bytes"] == sum(t.numel() * t.element_size() for t in sent.values())
+    for receiver in receivers:
+        assert receiver["stats"]["buckets"] == sender["stats"]["buckets"]
+        for name, tensor in sent.items():
+            assert torch.equal(receiver["weights"][name], tensor), name
+
+
+def test_a_receiver_that_does_not_hold_what_arrived_stops_naming_the_version(tiny_model_path, tmp_path):
+    _, good, broken = _stream(tiny_model_path, tmp_path, broken=True)
+    assert "error" not in good
+    assert broken["error"].startswith(
+        "rollout worker rank 1: after loading weight version 7 its model does not hold the weights the trainer sent"
+    )
+
+
+def test_checksums_see_values_and_places():
+    a, b = torch.arange(6.0).view(2, 3), torch.ones(4)
+    assert checksum([a, b]) == checksum([a.clone(), b.clone()])
+    assert checksum([a, b]) != checksum([b, a])  # the same tensors under each other's names
+    assert checksum([a]) != checksum([a + 1e-7])  # one bit off
+    assert checksum([a.bfloat16()]) == checksum([a.bfloat16()])
+    odd = torch.arange(
+        7.0
+    )  # a view that starts mid-word, and one of odd length: the values decide, not the layout
+    assert checksum([odd[1:]]) == checksum([odd[1:].clone()]) and checksum([odd]) == checksum([odd.clone()])
+    with pytest.raises(WeightSyncError, match="after loading weight version 3"):
+        verify_loaded([a], checksum([a + 1]), 3, "rollout worker rank 0")
+
+
+def test_a_sharded_lora_actor_sends_its_adapters_alone_to_a_rollout_worker(tiny_model_path, ray_session):
+    """Ray: the actor on 2 FSDP2 ranks with LoRA, a rollout worker of its own (the hf engine, which takes
+    adapters): only the adapters travel, gathered from the shards, and the rollout's merged model then equals
+    the actor's, loaded in place (lock-step) or kept and taken as a version (asynchronous)."""
+    from test_fsdp2 import ShardProbe
+
+    from hybridflow.config.schema import PPOConfig
+    from hybridflow.single_controller import ClassWithInitArgs
+    from hybridflow.single_controller.ray import RayResourcePool, RayWorkerGroup
+    from hybridflow.trainer.weight_transport import LinkedWeights
+
+    cfg = PPOConfig()
+    arr = cfg.actor_rollout_ref
+    arr.model.path, arr.model.lora_rank, arr.actor.strategy = tiny_model_path, 4, "fsdp2"
+    arr.actor.optim.lr = 1e-2
+    arr = cfg.resolve().actor_rollout_ref
+    pools = [RayResourcePool([n], cpus_per_process=0.5, name=f"link{n}") for n in (2, 1)]
+    actor = RayWorkerGroup(
+        pools[0], ClassWithInitArgs(ShardProbe, arr, role="actor"), name_prefix="link_actor"
+    )
+    rollout = RayWorkerGroup(
+        pools[1], ClassWithInitArgs(ShardProbe, arr, role="rollout"), name_prefix="link_rollout"
+    )
+    try:
+        actor.init_model()
+        rollout.init_model()
+        link = LinkedWeights(actor, rollout)
+        actor.perturb_adapters()
+        stats = link.send(version=1, staged=False)
+        first = actor.weights()[0]
+        assert_same(rollout.weights()[0], first)
+        adapter_bytes = actor.adapter_bytes()[0]
+        assert (
+            stats["weight_sync/mb"] * 2**20 == adapter_bytes < sum(t.numel() * 4 for t in first.values()) / 10
+        )
+        actor.perturb_adapters()
+        link.send(version=2, staged=True)  # kept, not loaded: the rollout still holds version 1
+        assert_same(rollout.weights()[0], first)
+        rollout.use_version(2)
+        assert_same(rollout.weights()[0], actor.weights()[0])
+    finally:
+        for group in (actor, rollout):
+            group.shutdown()
+        for pool in pools:
+            pool.remove()
+
+
+def assert_same(got, want):
+    assert got.keys() == want.keys() and len(want) > 10
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-6, atol=1e-6, msg=name)
