@@ -168,7 +168,8 @@ class OfflineTrainer(RunLoop):
                 target_modules=list(m.target_modules),
             ),
             actor=actor,
-            ref=RefConfig(log_prob_micro_batch_size_per_gpu=rows),
+            # the offline trainers do not split sequences: the reference's group is one rank, as the actor's
+            ref=RefConfig(log_prob_micro_batch_size_per_gpu=rows, ulysses_sequence_parallel_size=1),
             rollout=RolloutConfig(temperature=1.0, log_prob_micro_batch_size_per_gpu=rows),
         )
 

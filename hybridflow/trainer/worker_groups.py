@@ -408,8 +408,13 @@ def _ppo_inits(
 def _init_views(
     views: dict[str, WorkerGroup], release: Callable[[], None] | None, inits: dict[str, ClassWithInitArgs]
 ) -> WorkerGroups:
-    for view in views.values():
-        view.init_model()
+    try:
+        for view in views.values():
+            view.init_model()
+    except BaseException:  # a worker that cannot load its model: the others give their CPUs back too
+        if release is not None:
+            release()
+        raise
     fields = dict(views)
     actor = str(Role.ACTOR_ROLLOUT) if str(Role.ACTOR_ROLLOUT) in fields else "actor"
     fields["actor_rollout"] = fields.pop(actor)

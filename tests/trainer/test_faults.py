@@ -456,3 +456,22 @@ def test_a_run_killed_at_random_moments_resumes_bit_identically(
     assert_identical_runs(run_dir, reference[0])
     assert not list(run_dir.glob(".tmp-*"))
     assert sorted(p.name for p in run_dir.glob("global_step_*")) == ["global_step_2", "global_step_3"]
+
+
+def test_ray_workers_that_cannot_load_their_model_give_their_cpus_back(
+    data_dir, tiny_model_path, tmp_path, ray_session
+):
+    """Before: a worker whose ``init_model`` raised left every placement group of the run reserved, so the
+    next run on the same Ray waited for CPUs it would never get. Checked by the cluster's state."""
+    from ray.util.placement_group import placement_group_table
+
+    model = tmp_path / "no_weights"  # the driver reads its tokenizer; the workers find no weights to load
+    shutil.copytree(tiny_model_path, model, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    reserved = {k for k, g in placement_group_table().items() if g["state"] != "REMOVED"}
+    config = load_config(
+        overrides(data_dir, str(model), tmp_path / "run", "trainer.backend=ray", "trainer.n_workers=2")
+    )
+    with pytest.raises(Exception, match="no_weights"):
+        with PPOTrainer(config) as trainer:
+            trainer.init_workers()
+    assert {k for k, g in placement_group_table().items() if g["state"] != "REMOVED"} == reserved
