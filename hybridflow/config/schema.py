@@ -5,7 +5,8 @@ mistake (an unknown key, a wrong type, batch sizes that do not divide) fails at 
 that names the key, instead of deep inside a training step.
 
 One definition per key: its type, its default and its one-line doc (the ``#:`` comment beside or above the
-field) live here and nowhere else (the sections every trainer shares: ``sections.py``). The shipped
+field) live here and nowhere else (the sections every trainer shares: ``sections.py``; the reward sections:
+``reward_sections.py``; the algorithm, replay, asynchronous and sandbox sections: ``algorithm_sections.py``). The shipped
 ``config/yaml/ppo_trainer.yaml`` is generated from them (``hybridflow config yaml --write``, ``docs.py``; a test
 fails when it is stale), ``hybridflow config keys`` lists them, and the workers read these typed fields
 without defaults of their own.
@@ -25,6 +26,16 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from hybridflow.config.algorithm_sections import (
+    AlgorithmConfig,
+    AsyncTrainingConfig,
+    FilterGroupsConfig,
+    KLControlConfig,
+    KLEstimator,
+    ReplayBufferConfig,
+    ReplayScheduleEntry,
+    SandboxConfig,
+)
 from hybridflow.config.checks import (
     DTYPE_ALIASES,
     IGNORED_KEYS,
@@ -44,6 +55,16 @@ from hybridflow.config.checks import (
 )
 from hybridflow.config.key_pairs import UnusedKeyWarning, check_key_pairs
 from hybridflow.config.loader import Schema, apply_flat_keywords, known_keys, load
+from hybridflow.config.reward_sections import (
+    DEFAULT_JUDGE_TEMPLATE,
+    CodeRewardConfig,
+    CustomRewardFunctionConfig,
+    JudgeConfig,
+    OverlongBufferConfig,
+    RewardModelConfig,
+    RewardModelPathConfig,
+    TwoStageRewardConfig,
+)
 from hybridflow.config.sections import (
     YAML_DIR,
     DataFilesConfig,
@@ -57,8 +78,23 @@ from hybridflow.config.sections import (
     resolve_shared,
 )
 
-__all__ = [
+__all__ = [  # with the sections defined in reward_sections.py and algorithm_sections.py, public here as before
     "DEFAULT_CONFIG_PATH",
+    "DEFAULT_JUDGE_TEMPLATE",
+    "AlgorithmConfig",
+    "AsyncTrainingConfig",
+    "CodeRewardConfig",
+    "CustomRewardFunctionConfig",
+    "FilterGroupsConfig",
+    "JudgeConfig",
+    "KLControlConfig",
+    "OverlongBufferConfig",
+    "ReplayBufferConfig",
+    "ReplayScheduleEntry",
+    "RewardModelConfig",
+    "RewardModelPathConfig",
+    "SandboxConfig",
+    "TwoStageRewardConfig",
     "IGNORED_KEYS",
     "SECTION_CLASSES",
     "ConfigError",
@@ -74,9 +110,6 @@ DEFAULT_CONFIG_PATH = YAML_DIR / "ppo_trainer.yaml"
 
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-_KLBase = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
-#: a trailing "+" (k1+, k3+, ...) keeps the estimate's value with k2's gradient (verl's straight-through)
-KLEstimator = Literal[_KLBase, "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
 
 
 @dataclass
@@ -363,189 +396,6 @@ class CriticConfig:
     grad_clip: float = 1.0  #: max gradient norm
 
 
-@dataclass
-class RewardModelPathConfig:
-    """Where a learned reward model lives and which tokenizer its inputs are re-templated with."""
-
-    path: str | None = None  #: the reward model folder or hub id
-    input_tokenizer: str | None = None  #: tokenizer to re-template inputs with; null = the reward model's own
-
-
-@dataclass
-class TwoStageRewardConfig:
-    """Score everything with the cheap reward, then only the top share with the reward model."""
-
-    enable: bool = False  #: turn two-stage scoring on (needs reward_model.enable)
-    top_k_ratio: float = 0.3  #: share of responses per batch sent to the reward model
-    threshold: float | None = None  #: alternatively, send responses whose cheap score is >= threshold
-    unselected: Literal["keep", "scale", "zero"] = "keep"  #: reward of the others: keep | scale | zero
-    unselected_scale: float = 1.0  #: factor for unselected: scale
-
-
-@dataclass
-class CodeRewardConfig:
-    """Code scored by running it against its tests (data_source code, humaneval, mbpp, apps, taco...), one
-    sandbox per sample (the python tool's; hybridflow extension, verl's sandbox_fusion names where they fit)."""
-
-    #: sandboxes running at once; null = 4 per CPU core (a sandbox mostly waits on process start and teardown)
-    max_concurrent: int | None = None
-    memory_limit_mb: int = 1024  #: address-space limit of a sample's sandbox, in MB
-    sample_timeout_s: float = (
-        10.0  #: wall-clock limit of one sample, all its tests together (the rest then fail)
-    )
-    test_timeout_s: float = 3.0  #: wall-clock (and, rounded up, CPU) limit of one test
-    #: all_or_nothing = 1 only when every test passes; fraction = the share of tests passed
-    score: Literal["all_or_nothing", "fraction"] = "all_or_nothing"
-
-
-DEFAULT_JUDGE_TEMPLATE = (
-    "Grade the answer to the question. Question: {prompt} Reference answer: {ground_truth} Answer: {response} "
-    "How correct is the answer, from 0 (wrong) to 10 (fully correct)? Reply with the number only."
-)
-
-
-@dataclass
-class JudgeConfig:
-    """A judge model that scores responses (reward_model.style=generative): the causal LM at
-    reward_model.model.path in the reward model's worker, or an OpenAI-compatible endpoint (hybridflow extension)."""
-
-    #: an OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (hybridflow serve's default, on loopback);
-    #: null = the causal LM at reward_model.model.path, in the reward model's worker
-    base_url: str | None = None
-    model: str | None = None  #: the model name sent to the endpoint; null = the first its /models lists
-    api_key_env: str = "OPENAI_API_KEY"  #: environment variable with the endpoint's key (sent when set)
-    #: the judge's user message; {prompt} (the last user message), {response} and {ground_truth} are filled in
-    prompt_template: str = DEFAULT_JUDGE_TEMPLATE
-    #: number (the first number, on score_range) | verdict (yes_words 1, no_words 0) | yes_probability (of the
-    #: first yes word's token as the reply's first token)
-    parser: Literal["number", "verdict", "yes_probability"] = "number"
-    score_range: list[float] = field(default_factory=lambda: [0.0, 10.0])  #: number: [low, high] -> [0, 1]
-    yes_words: list[str] = field(default_factory=lambda: ["yes", "correct"])  #: verdict words that score 1
-    no_words: list[str] = field(
-        default_factory=lambda: ["no", "incorrect", "wrong"]
-    )  #: verdict words that score 0
-    max_tokens: int = 16  #: tokens the judge may write (yes_probability reads only the first)
-    micro_batch_size_per_gpu: int = 8  #: prompts per generation of the worker's judge
-    max_concurrent: int = 8  #: endpoint calls in flight at once
-    request_timeout_s: float = 60.0  #: seconds per endpoint call
-    failure_score: float = (
-        0.0  #: the score of a failed call or an unparsable verdict (counted in reward/judge/failures)
-    )
-
-
-@dataclass
-class OverlongBufferConfig:
-    """DAPO's overlong reward shaping: a penalty growing linearly over the last ``len`` tokens of
-    data.max_response_length, from 0 to -penalty_factor (added to each sample's score)."""
-
-    enable: bool = False  #: add the penalty to the scores
-    len: int = 0  #: the buffer: tokens before data.max_response_length where the penalty starts
-    penalty_factor: float = 1.0  #: the penalty at data.max_response_length tokens
-
-
-@dataclass
-class RewardModelConfig:
-    """A learned reward model (off by default: rule-based rewards come from the reward manager)."""
-
-    enable: bool = False  #: score responses with a learned reward model
-    #: discriminative = a sequence classifier's scalar; generative = a judge model's parsed verdict (judge.*)
-    style: Literal["discriminative", "generative"] = "discriminative"
-    model: RewardModelPathConfig = field(default_factory=RewardModelPathConfig)  #: the reward model
-    micro_batch_size_per_gpu: int = 8  #: sequences per reward-model forward on one worker
-    #: what the reward model reads: chat (the conversation in its tokenizer's chat template), plain (the prompt
-    #: text, a newline, the response: for classifiers without a template), auto (chat when it has a template)
-    input_format: Literal["auto", "chat", "plain"] = "auto"
-    #: a stand-in reward model for smoke runs: loads nothing, scores each response by its length and the
-    #: share of distinct tokens in it (in [0, 1], so rewards move as the responses change)
-    dummy: bool = False
-    #: cheap reward for all, reward model only for the best share (hybridflow extension)
-    two_stage: TwoStageRewardConfig = field(default_factory=TwoStageRewardConfig)
-    #: how code rows are run and scored (the rule scorer of the code data sources)
-    code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
-    judge: JudgeConfig = field(default_factory=JudgeConfig)  #: the judge of style generative
-    #: the reward is model_weight x the reward model's (or judge's) score + rule_weight x the rule scorer's
-    model_weight: float = 1.0
-    #: weight of the rule (or custom) scorer in that sum; 0 = the model's score alone (reward_model.two_stage
-    #: instead: the rule ranks, the model re-scores the best)
-    rule_weight: float = 0.0
-    #: DAPO's overlong reward shaping (applies to every scorer, not only a reward model)
-    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
-
-
-@dataclass
-class CustomRewardFunctionConfig:
-    """A user reward function ``name`` in the Python file ``path``."""
-
-    path: str | None = None  #: Python file with your reward function; null = the built-in scorers
-    name: str = "compute_score"  #: function name in that file
-
-
-@dataclass
-class KLControlConfig:
-    """The KL coefficient of the in-reward penalty: fixed, or adapted towards ``target_kl``."""
-
-    type: Literal["fixed", "adaptive"] = "fixed"  #: fixed | adaptive KL coefficient
-    kl_coef: float = 0.001  #: (initial) KL coefficient
-    horizon: int = 10000  #: adaptive controller horizon
-    target_kl: float = 0.1  #: adaptive controller target
-
-
-@dataclass
-class FilterGroupsConfig:
-    """DAPO's dynamic sampling (``hybridflow.trainer.dynamic_sampling``): groups whose samples all have the same
-    ``metric`` (all right, all wrong: zero advantage) are dropped and more prompts are generated until
-    data.train_batch_size groups are left (the surplus of the last generation batch is dropped)."""
-
-    enable: bool = False  #: filter zero-variance groups and refill the batch
-    #: what must vary within a group: seq_reward (the sample's summed score) | acc, score or any other key the
-    #: reward function returns in its dict | seq_final_reward (the same as seq_reward: the filter runs before
-    #: the in-reward KL penalty, so it is refused with algorithm.use_kl_in_reward)
-    metric: str = "seq_reward"
-    #: most generation batches per step; then the step trains on the groups it has (logged); 0 = no limit
-    #: (verl's default, which can loop forever on data the model always or never solves)
-    max_num_gen_batches: int = 10
-
-
-@dataclass
-class AlgorithmConfig:
-    """Advantage estimation and the KL penalty in the reward."""
-
-    gamma: float = 1.0  #: discount factor
-    lam: float = 1.0  #: GAE lambda
-    #: registered estimator: gae | grpo | rloo | reinforce_plus_plus | remax | ... (gae, as in verl)
-    adv_estimator: str = "gae"
-    norm_adv_by_std_in_grpo: bool = True  #: divide GRPO advantages by the group's std
-    use_kl_in_reward: bool = False  #: subtract a KL-to-reference penalty from the reward
-    kl_penalty: KLEstimator = "kl"  #: KL estimator for that penalty
-    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)  #: the in-reward KL coefficient
-    #: DAPO's dynamic sampling: drop zero-variance groups, generate more prompts
-    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
-
-
-@dataclass
-class ReplayScheduleEntry:
-    """Until ``until_step`` (exclusive), sample with ``strategy`` (and ``alpha``, if given)."""
-
-    until_step: int  #: this phase covers the steps before it
-    strategy: str  #: uniform | priority
-    alpha: float | None = None  #: prioritization exponent; null = replay_buffer.alpha
-
-
-@dataclass
-class ReplayBufferConfig:
-    """Past rollouts replayed in the actor update (hybridflow extension; ``hybridflow.trainer.replay``)."""
-
-    enable: bool = False  #: keep every step's rollouts and add replayed ones to each actor update
-    capacity: int = 1024  #: most sequences kept (the oldest leave first)
-    sample_size: int = 0  #: sequences replayed per update; 0 = as many as a step generates
-    #: uniform | priority (priority = mean |advantage|, refreshed after each replay)
-    strategy: str = "uniform"
-    alpha: float = 0.6  #: prioritization exponent (0 = uniform, 1 = proportional to the priority)
-    beta: float = 0.4  #: importance-sampling correction exponent (weights scale replayed advantages)
-    #: list of {until_step, strategy, alpha}: used before until_step; the keys above after the last
-    schedule: list[ReplayScheduleEntry] | None = None
-
-
 #: Names users bring from TRL, OpenRLHF or Hugging Face ``TrainingArguments`` -> the hybridflow key.
 ALIASES: dict[str, str] = {
     "output_dir": "trainer.default_local_dir",
@@ -592,34 +442,6 @@ ALIASES: dict[str, str] = {
     "pretrain": "actor_rollout_ref.model.path",
     "gradient_checkpointing": "actor_rollout_ref.model.enable_gradient_checkpointing",
 }
-
-
-@dataclass
-class AsyncTrainingConfig:
-    """Rollout and training overlapping (``hybridflow.trainer.async_rollout``): generation runs ahead of the
-    trainer on weights up to ``max_staleness`` updates old."""
-
-    #: sync = generate, then train (lock-step); one_step_off = the rollout of step k+1 runs while step k
-    #: trains, on the weights of step k-1 (deterministic); fully_async = the rollout runs up to max_staleness
-    #: updates ahead, and with partial_rollout each update reaches the generations in flight
-    mode: Literal["sync", "one_step_off", "fully_async"] = "sync"
-    #: fully_async: most weight updates between the weights a token was sampled with and the weights that
-    #: train on it (0 = lock-step, as sync)
-    max_staleness: int = 1
-    #: fully_async: a weight update reaches generations in flight (their KV cache is recomputed under the new
-    #: weights); false = a batch is generated whole by one weight version
-    partial_rollout: bool = True
-
-
-@dataclass
-class SandboxConfig:
-    """The sandbox model-written code runs in (``hybridflow.tools.sandbox``): the python tool's, and any reward
-    that executes code."""
-
-    #: run code with limits only where this machine can create no sandbox (no root, no unprivileged user
-    #: namespaces, no bubblewrap): the code then runs as your own user and can read your files and kill your
-    #: processes; false = refuse to start with a line saying how to enable a sandbox
-    unsafe_without_isolation: bool = False
 
 
 @dataclass(init=False)
@@ -770,6 +592,6 @@ SECTION_CLASSES: dict[str, type] = {
     for name, obj in list(globals().items())
     if isinstance(obj, type)
     and dataclasses.is_dataclass(obj)
-    and obj.__module__ in (__name__, "hybridflow.config.sections")
+    and obj.__module__.rpartition(".")[2] in ("schema", "sections", "reward_sections", "algorithm_sections")
     and obj is not PPOConfig
 }
