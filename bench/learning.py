@@ -5,6 +5,7 @@ distillation, on two tasks, over seeds.
     .venv/bin/python bench/learning.py                        # the whole bench (about an hour on 2 cores)
     .venv/bin/python bench/learning.py --tasks arithmetic --arms baseline,filter --seeds 0
     .venv/bin/python bench/learning.py --model tiny --samples 64,128 --steps 2,4   # a smoke run, minutes
+    .venv/bin/python bench/learning.py --tasks countdown --arms baseline,filter --resume   # more, same --out
 
 Every run is the demo's GRPO (8 prompts x 4 samples a step, up to 16 new tokens, T 0.7, top-k 50, lr 1e-5) on
 SmolLM2-135M-Instruct with one method on (the ``baseline`` arm: none) and ``trainer.seed`` set to the seed
@@ -23,7 +24,10 @@ tokens), scored by the built-in rules, ``acc`` the share of exactly right answer
 (``hybridflow sft``; its held-out accuracy is measured too) into the base model: the teacher's per-token
 reverse KL is a reward beside the task's (``actor_rollout_ref.teacher`` at its defaults).
 
-Prints a table (mean and min-max over the seeds) and writes JSON (``--out``). Run it alone, under the heavy
+Prints a table (mean and min-max over the seeds) and writes JSON (``--out``) after every task and seed, so a
+bench cut short keeps what it measured; ``--resume`` keeps the runs and base accuracies ``--out`` holds
+(measured with the same ``--samples`` and ``--steps``), runs only the missing ones, and tabulates them all
+(the teacher's SFT is reused from the ``--work`` folder). Run it alone, under the heavy
 lock on a shared machine: other jobs on the same cores slow the runs unevenly.
 """
 
@@ -185,6 +189,9 @@ def make_teacher(work: Path, model: str, steps: int) -> str:
         ["arithmetic", str(data), "--format", "sft", "--train-size", "1000", "--test-size", str(TEST)]
     )
     run_dir = work / "runs" / "teacher_sft"
+    folder = run_dir / f"global_step_{steps}" / "actor" / "huggingface"
+    if (folder / "config.json").exists():  # made by an earlier run of the bench in this --work folder
+        return str(folder)
     command = [
         sys.executable,
         "-m",
@@ -202,7 +209,7 @@ def make_teacher(work: Path, model: str, steps: int) -> str:
     out = subprocess.run(command, env=env, capture_output=True, text=True)
     if out.returncode:
         sys.exit(f"the teacher's SFT failed:\n{out.stderr[-4000:]}")
-    return str(run_dir / f"global_step_{steps}" / "actor" / "huggingface")
+    return str(folder)
 
 
 def prepare(work: Path, tasks: list[str], seed: int = 0) -> None:
@@ -293,6 +300,9 @@ def main() -> None:
     parser.add_argument("--model", default="default", help="default (the embedded model), tiny, or a folder")
     parser.add_argument("--work", default="runs/bench_learning")
     parser.add_argument("--out", default="bench/results/learning.json")
+    parser.add_argument(
+        "--resume", action="store_true", help="keep the runs (and base accuracies) --out holds; run the rest"
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process: one run, printed as JSON
     args = parser.parse_args()
     if args.one:
@@ -312,47 +322,64 @@ def main() -> None:
 
         model = str(default_model_path())
     prepare(work, tasks)
+    done = json.loads(Path(args.out).read_text()) if args.resume and Path(args.out).exists() else {}
     teacher = None
     if "opd" in arms and "arithmetic" in tasks:
         teacher = make_teacher(work, model, args.teacher_steps)
     spec = {"work": str(work), "model": model, "teacher": teacher, "samples": samples, "steps": steps}
-    first = [{**spec, "task": task, "arm": "base", "seed": 0} for task in tasks]
-    if teacher:  # the teacher's own held-out accuracy
-        first.append(
-            {**spec, "model": teacher, "task": "arithmetic", "arm": "base", "seed": 0, "of": "teacher"}
-        )
-    results = children(first)
-    base = {r["task"]: r["points"][0]["acc"] for r in results if "of" not in r}
-    teacher_acc = next((r["points"][0]["acc"] for r in results if "of" in r), None)
+    base, teacher_acc = before_training(spec, tasks, done)
     if teacher:
         print(f"the opd teacher ({args.teacher_steps} SFT steps): {teacher_acc:.0%} held out", flush=True)
-    results = [r for r in results if "of" not in r]
+    results = list(done.get("runs", []))
+    finished = {(r["task"], r["arm"], r["seed"]) for r in results}
     for seed in ints(args.seeds):  # every arm of a seed before the next seed: a cut-short run still compares
         for task in tasks:
             group = [{**spec, "task": task, "arm": arm, "seed": seed} for arm in arms]
-            results += children([g for g in group if task in ONLY.get(g["arm"], (task,))])
+            todo = [g for g in group if task in ONLY.get(g["arm"], (task,))]
+            todo = [g for g in todo if (task, g["arm"], seed) not in finished]
+            results += children(todo) if todo else []
+            # a cut-short bench keeps its runs (--resume goes on from them)
+            write(args.out, {"partial": True, "base": base, "teacher_acc": teacher_acc, "runs": results})
     rows = summarise(results, base, samples, steps)
     minutes = (time.perf_counter() - started) / 60
     print(
         f"\nGRPO on {Path(model).name}, 8 prompts x 4 samples a step; seeds {args.seeds}; {minutes:.0f} minutes "
         f"in all; load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
     )
-    if teacher:
+    if teacher_acc is not None:
         print(f"opd teacher: {teacher_acc:.0%} held-out accuracy")
     print_table(rows, samples, steps)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(
-        json.dumps(
+    report = {"table": rows, "base": base, "teacher_acc": teacher_acc, "runs": results, "minutes": minutes}
+    write(args.out, {**report, "load_average": [load, os.getloadavg()[0]]})
+
+
+def before_training(spec: dict, tasks: list[str], done: dict) -> tuple[dict[str, float], float | None]:
+    """The base model's held-out accuracy per task and the opd teacher's (None without one), measured where
+    ``done`` (an earlier report, for --resume) does not hold them already."""
+    base, teacher_acc = dict(done.get("base", {})), done.get("teacher_acc")
+    first = [{**spec, "task": task, "arm": "base", "seed": 0} for task in tasks if task not in base]
+    if spec["teacher"] and teacher_acc is None:  # the teacher's own held-out accuracy
+        first.append(
             {
-                "table": rows,
-                "runs": results,
-                "teacher_acc": teacher_acc,
-                "minutes": minutes,
-                "load_average": [load, os.getloadavg()[0]],
-            },
-            indent=2,
+                **spec,
+                "model": spec["teacher"],
+                "task": "arithmetic",
+                "arm": "base",
+                "seed": 0,
+                "of": "teacher",
+            }
         )
-    )
+    for r in children(first) if first else []:
+        if "of" in r:
+            teacher_acc = r["points"][0]["acc"]
+        else:
+            base[r["task"]] = r["points"][0]["acc"]
+    return base, teacher_acc
+
+
+def write(out: str, report: dict) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -337,6 +337,7 @@ def main() -> None:
                 "results": [{"generation": g, "ranks": n, **r} for (g, n), r in results.items()],
             },
             indent=2,
+            default=str,  # paths (--log)
         )
     )
     print(f"\nwrote {args.out}")
