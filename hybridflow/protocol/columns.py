@@ -209,3 +209,24 @@ def deserialize_tensordict(encoded: tuple[tuple[int, ...], str | None, dict[str,
         else:
             raise ValueError(f"deserialize_tensordict: key {key!r} has {len(value)} fields, not 2 or 3")
     return TensorDict(decoded, batch_size=list(batch_size), device=device)
+
+
+def is_object_column(value: Any) -> bool:
+    """A 1-D numpy array of Python objects: a non-tensor column as DataProto stores it."""
+    return isinstance(value, np.ndarray) and value.dtype == object and value.ndim == 1
+
+
+def type_info(value: Any) -> str:
+    """``list[int]``, ``dict[str: float]``, ``ndarray(3,) (int64)``: the shape of a meta value for a log line."""
+    if isinstance(value, list):
+        return f"list[{'|'.join(sorted({type_info(v) for v in value[:3]})) or '...'}]"
+    if isinstance(value, tuple):
+        return f"tuple({', '.join(type_info(v) for v in value)})"
+    if isinstance(value, dict):
+        if not value:
+            return "dict"
+        key, item = next(iter(value.items()))
+        return f"dict[{type_info(key)}: {type_info(item)}]"
+    if isinstance(value, np.ndarray):
+        return f"ndarray{value.shape} ({value.dtype})"
+    return type(value).__name__

@@ -33,12 +33,14 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 from hybridflow.protocol.columns import (
     check_union,
     deserialize_tensordict,
+    is_object_column,
     merge_metrics,
     object_array,
     serialize_tensordict,
     tensor_items,
     tensors_equal,
     top_keys,
+    type_info,
     union_numpy_dict,
     union_tensor_dict,
 )
@@ -121,7 +123,7 @@ class DataProto:
             if len(set(sizes.values())) != 1 or None in sizes.values():
                 raise ValueError(f"DataProto tensors must share their first dimension; got sizes {sizes}")
             batch = TensorDict(dict(tensors), batch_size=[len(next(iter(tensors.values())))])
-        columns = {k: v if _is_object_column(v) else object_array(v) for k, v in non_tensors.items()}
+        columns = {k: v if is_object_column(v) else object_array(v) for k, v in non_tensors.items()}
         meta = dict(meta_info or {})
         if auto_padding:
             meta[AUTO_PADDING_KEY] = True
@@ -247,7 +249,7 @@ class DataProto:
         lines.append("non_tensor_batch")
         lines += [f"  {k}: ndarray{a.shape} ({a.dtype})" for k, a in self.non_tensor_batch.items()]
         lines.append("meta_info")
-        lines += [f"  {k}: {_type_info(v)}" for k, v in self.meta_info.items()]
+        lines += [f"  {k}: {type_info(v)}" for k, v in self.meta_info.items()]
         return "\n".join(lines)
 
     @overload
@@ -598,23 +600,3 @@ class DataProto:
         if not isinstance(data, DataProto):
             raise ValueError(f"{filepath} holds a {type(data).__name__}, not a DataProto")
         return data
-
-
-def _is_object_column(value: Any) -> bool:
-    return isinstance(value, np.ndarray) and value.dtype == object and value.ndim == 1
-
-
-def _type_info(value: Any) -> str:
-    """``list[int]``, ``dict[str: float]``, ``ndarray(3,) (int64)``: the shape of a meta value for a log line."""
-    if isinstance(value, list):
-        return f"list[{'|'.join(sorted({_type_info(v) for v in value[:3]})) or '...'}]"
-    if isinstance(value, tuple):
-        return f"tuple({', '.join(_type_info(v) for v in value)})"
-    if isinstance(value, dict):
-        if not value:
-            return "dict"
-        key, item = next(iter(value.items()))
-        return f"dict[{_type_info(key)}: {_type_info(item)}]"
-    if isinstance(value, np.ndarray):
-        return f"ndarray{value.shape} ({value.dtype})"
-    return type(value).__name__
