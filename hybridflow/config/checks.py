@@ -397,6 +397,38 @@ def check_cross_fields(cfg: Any) -> None:
             cfg.algorithm.adv_estimator == "gae" and not cfg.critic.enable,
             "algorithm.adv_estimator 'gae' needs a value model, but critic.enable is false",
         ),
+        *_reward_problems(cfg),
+        (
+            trainer.resume_mode == "resume_path" and not trainer.resume_from_path,
+            "trainer.resume_mode 'resume_path' needs trainer.resume_from_path",
+        ),
+        (
+            trainer.resume_mode != "resume_path" and trainer.resume_from_path is not None,
+            f"trainer.resume_from_path is set but trainer.resume_mode is {trainer.resume_mode!r}; "
+            "set trainer.resume_mode=resume_path to resume from it",
+        ),
+        *_placement_problems(cfg),
+        *_async_problems(cfg),
+        *_sample_efficiency_problems(cfg),
+    ]
+    for failed, message in problems:
+        if failed:
+            raise ConfigError(message)
+    steps = [entry.until_step for entry in cfg.replay_buffer.schedule or []]
+    if steps != sorted(set(steps)):
+        raise ConfigError(f"replay_buffer.schedule until_step values must strictly increase, got {steps}")
+    if cfg.replay_buffer.enable:  # the sampler checks its own settings: its refusal is a config mistake
+        try:
+            ScheduledSampler.from_config(cfg.replay_buffer)
+        except ValueError as err:
+            raise ConfigError(f"replay_buffer: {err}") from err
+
+
+def _reward_problems(cfg: Any) -> list[tuple[bool, str]]:
+    """A reward model or judge needs what it reads, a judge's settings must parse, and the rule score combines
+    with a model's one way at a time."""
+    rm = cfg.reward_model
+    return [
         (
             rm.enable
             and not rm.dummy
@@ -435,15 +467,14 @@ def check_cross_fields(cfg: Any) -> None:
             rm.two_stage.enable and not rm.enable,
             "reward_model.two_stage.enable=true needs reward_model.enable=true",
         ),
-        (
-            trainer.resume_mode == "resume_path" and not trainer.resume_from_path,
-            "trainer.resume_mode 'resume_path' needs trainer.resume_from_path",
-        ),
-        (
-            trainer.resume_mode != "resume_path" and trainer.resume_from_path is not None,
-            f"trainer.resume_from_path is set but trainer.resume_mode is {trainer.resume_mode!r}; "
-            "set trainer.resume_mode=resume_path to resume from it",
-        ),
+    ]
+
+
+def _placement_problems(cfg: Any) -> list[tuple[bool, str]]:
+    """Where the roles run: Ray placement needs the Ray backend, cuda a GPU, and every strategy's group sizes
+    must divide the workers."""
+    trainer = cfg.trainer
+    return [
         (
             trainer.backend == "local"
             and (
@@ -485,20 +516,7 @@ def check_cross_fields(cfg: Any) -> None:
             )
             for key in _SEQUENCE_PARALLEL_KEYS
         ),
-        *_async_problems(cfg),
-        *_sample_efficiency_problems(cfg),
     ]
-    for failed, message in problems:
-        if failed:
-            raise ConfigError(message)
-    steps = [entry.until_step for entry in cfg.replay_buffer.schedule or []]
-    if steps != sorted(set(steps)):
-        raise ConfigError(f"replay_buffer.schedule until_step values must strictly increase, got {steps}")
-    if cfg.replay_buffer.enable:  # the sampler checks its own settings: its refusal is a config mistake
-        try:
-            ScheduledSampler.from_config(cfg.replay_buffer)
-        except ValueError as err:
-            raise ConfigError(f"replay_buffer: {err}") from err
 
 
 def _async_problems(cfg: Any) -> list[tuple[bool, str]]:
