@@ -336,37 +336,14 @@ class PPOTrainer(RunLoop):
                 with timer("values", t):
                     batch = batch.union(critic.compute_values(batch))
             with timer("adv", t):
-                if cfg.algorithm.use_kl_in_reward:
-                    batch, kl_metrics = apply_kl_penalty(batch, self.kl_ctrl, cfg.algorithm.kl_penalty)
-                    metrics.update(kl_metrics)
-                else:
-                    batch.tensors["token_level_rewards"] = batch.tensors["token_level_scores"]
-                teacher = cfg.actor_rollout_ref.teacher
-                if wg.teacher is not None and teacher.signal == "reward":
-                    metrics.update(with_distillation_reward(batch, teacher))
-                batch = compute_advantage(
-                    batch,
-                    cfg.algorithm.adv_estimator,
-                    gamma=cfg.algorithm.gamma,
-                    lam=cfg.algorithm.lam,
-                    norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
-                    config=cfg.algorithm,  # what an estimator written for verl reads as its config
-                )
+                batch = self._advantages(batch, metrics)
             self.hooks.emit("after_advantage", self, self.global_step, metrics, batch)
             if critic is not None:
                 with timer("update_critic", t):
                     metrics.update(reduce_metrics(critic.update_critic(batch).meta_info["metrics"]))
             if self.global_step >= cfg.trainer.critic_warmup:
                 with timer("update_actor", t):
-                    sft = self._next_sft_batch()
-                    rows = self.replay.mix(batch, self.global_step, metrics) if self.replay else batch
-                    if cfg.actor_rollout_ref.actor.mask_truncated_samples:
-                        rows, masked = without_truncated(
-                            rows, cfg.data.max_response_length, [self.tokenizer.eos_token_id]
-                        )
-                        metrics.update(masked)
-                    out = wg.actor_rollout.update_actor(rows, sft)
-                    metrics.update(reduce_metrics(out.meta_info["metrics"]))
+                    self._update_actor(batch, metrics)
                 if self.replay:
                     with timer("replay_priorities", t):
                         self.replay.update_priorities(wg.actor_rollout, metrics)
@@ -378,6 +355,41 @@ class PPOTrainer(RunLoop):
         metrics.update({f"timing_s/{k}": v for k, v in t.items()})
         metrics.update(compute_throughput_metrics(batch, t, wg.actor_rollout.world_size))
         return batch
+
+    def _advantages(self, batch: DataProto, metrics: dict[str, float]) -> DataProto:
+        """Token rewards (the scores, less the in-reward KL penalty; plus the teacher's signal as a reward),
+        then the configured estimator's advantages."""
+        cfg = self.config
+        if cfg.algorithm.use_kl_in_reward:
+            batch, kl_metrics = apply_kl_penalty(batch, self.kl_ctrl, cfg.algorithm.kl_penalty)
+            metrics.update(kl_metrics)
+        else:
+            batch.tensors["token_level_rewards"] = batch.tensors["token_level_scores"]
+        teacher = cfg.actor_rollout_ref.teacher
+        if self.groups.teacher is not None and teacher.signal == "reward":
+            metrics.update(with_distillation_reward(batch, teacher))
+        return compute_advantage(
+            batch,
+            cfg.algorithm.adv_estimator,
+            gamma=cfg.algorithm.gamma,
+            lam=cfg.algorithm.lam,
+            norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+            config=cfg.algorithm,  # what an estimator written for verl reads as its config
+        )
+
+    def _update_actor(self, batch: DataProto, metrics: dict[str, float]) -> None:
+        """The policy update on this step's rows (with replayed ones, without truncated ones where the config
+        says so) and the next supervised batch of a mixed run."""
+        cfg = self.config
+        sft = self._next_sft_batch()
+        rows = self.replay.mix(batch, self.global_step, metrics) if self.replay else batch
+        if cfg.actor_rollout_ref.actor.mask_truncated_samples:
+            rows, masked = without_truncated(
+                rows, cfg.data.max_response_length, [self.tokenizer.eos_token_id]
+            )
+            metrics.update(masked)
+        out = self.groups.actor_rollout.update_actor(rows, sft)
+        metrics.update(reduce_metrics(out.meta_info["metrics"]))
 
     def _union_with_metrics(self, batch: DataProto, out: DataProto, metrics: dict[str, float]) -> DataProto:
         metrics.update(reduce_metrics(out.meta_info.pop("metrics", {})))
