@@ -142,39 +142,52 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
+        """Load what this worker's roles need: the policy (trained by the actor, sampled by the rollout), its
+        optimiser, the rollout engine, the frozen reference."""
         torch.manual_seed(self.seed + self.rank)
         self.init_process_group()
-        model_cfg, actor, ref = self.config.model, self.config.actor, self.config.ref
+        model_cfg = self.config.model
         model_path = required(model_cfg.path, "actor_rollout_ref.model.path")
         self.tokenizer = load_tokenizer(model_path, model_cfg.trust_remote_code)
         self.processor = load_image_prompts(model_path, self.tokenizer, model_cfg.trust_remote_code)
         if self._is_actor or self._is_rollout:
-            # a rollout-only worker (trainer.placement=split) holds a plain copy the actor's full weights load into
-            strategy = resolve_strategy(actor.strategy, self.world_size) if self._is_actor else "ddp"
-            lora = model_cfg.lora_rank if self._is_actor or self.sends_adapters() else 0
-            placement = load_placement(strategy, model_cfg.dtype, self.device)
-            module = load_model(
-                model_path,
-                *placement,
-                trust_remote_code=model_cfg.trust_remote_code,
-                disable_dropout=model_cfg.disable_dropout,
-                gradient_checkpointing=self._is_actor and model_cfg.enable_gradient_checkpointing,
-                on_meta=not reads_weights(strategy, lora, streamed=True),
-            )
-            if self._is_actor:
-                self.actor_sp = self._sequence_parallel(module, actor.ulysses_sequence_parallel_size, "actor")
-            if self._is_actor and actor.freeze_vision_tower:
-                freeze_vision_tower(module)
-            self.module = wrap_model(
-                module,
-                strategy,
-                actor.fsdp_config,
-                self.device,
-                lora,
-                model_cfg.lora_alpha,
-                model_cfg.target_modules,
-                self._weights_source(placement[1]),
-            )
+            self._init_policy(model_path)
+        if self._is_rollout:
+            self._init_rollout(model_path)
+        if self._is_ref and not (self.module is not None and is_lora(self.module)):
+            self._init_ref(model_path)
+        elif self._is_ref:  # LoRA: the reference is the actor's module with the adapter off
+            self.ref_sp = self._sequence_parallel(self.policy, self._ref_sp_size(), "ref")
+
+    def _init_policy(self, model_path: str) -> None:
+        """The policy module, wrapped for its strategy (LoRA, sharding), and the actor's training engine."""
+        model_cfg, actor = self.config.model, self.config.actor
+        # a rollout-only worker (trainer.placement=split) holds a plain copy the actor's full weights load into
+        strategy = resolve_strategy(actor.strategy, self.world_size) if self._is_actor else "ddp"
+        lora = model_cfg.lora_rank if self._is_actor or self.sends_adapters() else 0
+        placement = load_placement(strategy, model_cfg.dtype, self.device)
+        module = load_model(
+            model_path,
+            *placement,
+            trust_remote_code=model_cfg.trust_remote_code,
+            disable_dropout=model_cfg.disable_dropout,
+            gradient_checkpointing=self._is_actor and model_cfg.enable_gradient_checkpointing,
+            on_meta=not reads_weights(strategy, lora, streamed=True),
+        )
+        if self._is_actor:
+            self.actor_sp = self._sequence_parallel(module, actor.ulysses_sequence_parallel_size, "actor")
+        if self._is_actor and actor.freeze_vision_tower:
+            freeze_vision_tower(module)
+        self.module = wrap_model(
+            module,
+            strategy,
+            actor.fsdp_config,
+            self.device,
+            lora,
+            model_cfg.lora_alpha,
+            model_cfg.target_modules,
+            self._weights_source(placement[1]),
+        )
         if self._is_actor:
             self.engine = TrainingEngine(
                 self.policy,
@@ -185,38 +198,47 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
                 actor.fsdp_config.optimizer_offload,
                 actor.ulysses_sequence_parallel_size,
             )
-        if self._is_rollout:
-            rollout = self.config.rollout
-            spec = EngineSpec(
-                rollout,
-                self.policy,
-                self.tokenizer,
-                self.response_length,
-                model_location(model_path),
-                (self.seed if rollout.seed is None else rollout.seed) + self.rank,
-            )
-            self.rollout = build_rollout(
-                spec, self.rollout_engine, self.weight_version, self.sandbox.unsafe_without_isolation
-            )
-            if not self._is_actor:
-                self.mailbox = WeightMailbox(self._load_weights)
-        if self._is_ref and not (self.module is not None and is_lora(self.module)):
-            strategy = resolve_strategy(ref.strategy, self.world_size, "actor_rollout_ref.ref.strategy")
-            placement = load_placement(strategy, model_cfg.dtype, self.device)
-            module = load_model(
-                model_path,
-                *placement,
-                trust_remote_code=model_cfg.trust_remote_code,
-                disable_dropout=model_cfg.disable_dropout,
-                on_meta=not reads_weights(strategy, streamed=True),
-            ).eval()
-            module.requires_grad_(False)
-            self.ref_sp = self._sequence_parallel(module, self._ref_sp_size(), "ref")
-            self.ref_module = wrap_model(
-                module, strategy, ref.fsdp_config, self.device, weights=self._weights_source(placement[1])
-            )
-        elif self._is_ref:  # LoRA: the reference is the actor's module with the adapter off
-            self.ref_sp = self._sequence_parallel(self.policy, self._ref_sp_size(), "ref")
+
+    def _init_rollout(self, model_path: str) -> None:
+        """The rollout engine over the policy (a rollout-only worker also gets the mailbox its weights arrive in)."""
+        rollout = self.config.rollout
+        spec = EngineSpec(
+            rollout,
+            self.policy,
+            self.tokenizer,
+            self.response_length,
+            model_location(model_path),
+            (self.seed if rollout.seed is None else rollout.seed) + self.rank,
+        )
+        self.rollout = build_rollout(
+            spec, self.rollout_engine, self.weight_version, self.sandbox.unsafe_without_isolation
+        )
+        if not self._is_actor:
+            self.mailbox = WeightMailbox(self._load_weights)
+
+    def _init_ref(self, model_path: str) -> None:
+        """The reference policy: a frozen copy of the model, wrapped for the reference's own strategy."""
+        model_cfg = self.config.model
+        strategy = resolve_strategy(
+            self.config.ref.strategy, self.world_size, "actor_rollout_ref.ref.strategy"
+        )
+        placement = load_placement(strategy, model_cfg.dtype, self.device)
+        module = load_model(
+            model_path,
+            *placement,
+            trust_remote_code=model_cfg.trust_remote_code,
+            disable_dropout=model_cfg.disable_dropout,
+            on_meta=not reads_weights(strategy, streamed=True),
+        ).eval()
+        module.requires_grad_(False)
+        self.ref_sp = self._sequence_parallel(module, self._ref_sp_size(), "ref")
+        self.ref_module = wrap_model(
+            module,
+            strategy,
+            self.config.ref.fsdp_config,
+            self.device,
+            weights=self._weights_source(placement[1]),
+        )
 
     def _weights_source(self, dtype: str | None) -> Callable[[torch.nn.Module], Any]:
         """Where rank 0 of a sharded policy takes the full tensors it sends to the ranks (``weights_source``)."""
