@@ -320,21 +320,36 @@ def build_worker_groups(
     (default: ``role_inits``, the PPO roles; keys: a role or its group name) says which workers to start.
     ``overlapping``: the rollout generates while the actor trains (an asynchronous run), so it is a worker of
     its own on the local backend too, and on Ray takes a second call (posted weights) while it generates."""
-    trainer = config.trainer
     given = None if inits is None else {str(name): init for name, init in inits.items()}
-    if trainer.backend != "ray":
-        if trainer.return_freed_memory:  # the local backend's workers live in this process
-            return_freed_memory()
-        # an asynchronous run generates while the actor trains: the rollout is a worker of its own
-        inits = given or _ppo_inits(config, {"actor": "main", "rollout": "rollout"} if overlapping else None)
-        views = {}
-        for names in ([n for n in inits if n != "rollout"], [n for n in inits if n == "rollout"]):
-            members = {name: inits[name] for name in names}
-            if members:
-                local = LocalWorkerGroup(create_colocated_worker_cls(members), 1, name_prefix="hybridflow")
-                views.update(local.spawn(prefix_set=names))
-        return _init_views(views, None, inits)
+    if config.trainer.backend != "ray":
+        return _local_worker_groups(config, given, overlapping)
+    return _ray_worker_groups(config, reward_fn, given, overlapping)
 
+
+def _local_worker_groups(
+    config: PPOConfig | OfflineConfig, given: dict[str, ClassWithInitArgs] | None, overlapping: bool
+) -> WorkerGroups:
+    """``build_worker_groups`` on the local backend: the workers live in this process."""
+    if config.trainer.return_freed_memory:
+        return_freed_memory()
+    # an asynchronous run generates while the actor trains: the rollout is a worker of its own
+    inits = given or _ppo_inits(config, {"actor": "main", "rollout": "rollout"} if overlapping else None)
+    views = {}
+    for names in ([n for n in inits if n != "rollout"], [n for n in inits if n == "rollout"]):
+        members = {name: inits[name] for name in names}
+        if members:
+            local = LocalWorkerGroup(create_colocated_worker_cls(members), 1, name_prefix="hybridflow")
+            views.update(local.spawn(prefix_set=names))
+    return _init_views(views, None, inits)
+
+
+def _ray_worker_groups(
+    config: PPOConfig | OfflineConfig,
+    reward_fn: Callable[..., dict] | None,
+    given: dict[str, ClassWithInitArgs] | None,
+    overlapping: bool,
+) -> WorkerGroups:
+    """``build_worker_groups`` on Ray: a worker group per resource pool, placed as ``trainer.placement`` says."""
     from hybridflow.single_controller.ray import (
         ProcessSetup,
         RayWorkerGroup,
@@ -343,6 +358,7 @@ def build_worker_groups(
         processes_per_node,
     )
 
+    trainer = config.trainer
     pools, roles = placement(trainer)
     extra = pool_resources(trainer, pools)
     inits = given or _ppo_inits(config, roles, reward_fn)
