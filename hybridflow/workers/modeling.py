@@ -157,35 +157,19 @@ def load_model(
     if auto_cls is AutoModelForImageTextToText:
         new_head = None  # a value head is put in place of the output layer below, not loaded
         kwargs.pop("num_labels", None)
+    torch_dtype = resolve_dtype(dtype, device)
     if on_meta:
         config = AutoConfig.from_pretrained(
             model_location(path), trust_remote_code=trust_remote_code, **kwargs
         )
         with parameters_on_meta():
-            model = auto_cls.from_config(
-                config, dtype=resolve_dtype(dtype, device), trust_remote_code=trust_remote_code
-            )
+            model = auto_cls.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     elif new_head is None:
         model = auto_cls.from_pretrained(
-            model_location(path),
-            dtype=resolve_dtype(dtype, device),
-            trust_remote_code=trust_remote_code,
-            **kwargs,
+            model_location(path), dtype=torch_dtype, trust_remote_code=trust_remote_code, **kwargs
         )
     else:
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
-        try:
-            model, info = auto_cls.from_pretrained(
-                model_location(path),
-                dtype=resolve_dtype(dtype, device),
-                trust_remote_code=trust_remote_code,
-                output_loading_info=True,
-                **kwargs,
-            )
-        finally:
-            hf_logging.set_verbosity(verbosity)
-        _report_new_head(model, sorted(info.get("missing_keys", [])), new_head, path)
+        model = _with_new_head(auto_cls, path, torch_dtype, trust_remote_code, new_head, kwargs)
     if value_head:
         model = with_value_head(model)
     if not on_meta:
@@ -194,6 +178,32 @@ def load_model(
         without_dropout(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _with_new_head(
+    auto_cls: Any,
+    path: str,
+    dtype: torch.dtype,
+    trust_remote_code: bool,
+    new_head: str,
+    kwargs: dict[str, Any],
+) -> PreTrainedModel:
+    """``from_pretrained`` of a checkpoint expected to lack ``new_head``: transformers' table of missing keys
+    silenced, the fresh head reported in one line (``_report_new_head``)."""
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = auto_cls.from_pretrained(
+            model_location(path),
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            output_loading_info=True,
+            **kwargs,
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    _report_new_head(model, sorted(info.get("missing_keys", [])), new_head, path)
     return model
 
 
