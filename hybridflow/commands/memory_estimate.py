@@ -173,6 +173,27 @@ def estimate_memory(
         critic_width = DTYPE_BYTES[cfg.critic.model.dtype]
         est.static["critic weights+grads+AdamW"] = 4 * shape.params * critic_width / shards
     sequence = (data.max_prompt_length if prompt_tokens is None else prompt_tokens) + data.max_response_length
+    _activation_passes(cfg, shape, sequence, est)
+    per_worker = data.train_batch_size * rollout.n // max(world_size, 1)
+    generating = (
+        min(per_worker, rollout.micro_batch_size * rollout.n) if rollout.micro_batch_size else per_worker
+    )
+    kv_cache = 2 * shape.num_layers * shape.kv_dim * width * generating * sequence
+    # a sharded actor generates from its gathered weights, unless it gathers one layer at a time
+    sharded = actor.strategy == "fsdp2" and shards > 1
+    gathered = weights * (shards - 1) if sharded and not rollout.sharded_generation else 0.0
+    est.passes["generation"] = kv_cache + generating * shape.vocab_size * 4 + gathered
+    if sharded and not shape.streams_checkpoint:
+        # rank 0 loads the checkpoint whole (transformers converts it) before gradients and moments exist
+        est.passes["checkpoint read by rank 0"] = max(0.0, shape.params * width - grads - optimizer)
+    return est
+
+
+def _activation_passes(cfg: Any, shape: ModelShape, sequence: int, est: MemoryEstimate) -> None:
+    """The activations of the policy update's micro-batch and of the largest log-prob pass (old policy or
+    reference), for sequences of ``sequence`` tokens split over the sequence-parallel ranks: into ``est``."""
+    arr, data = cfg.actor_rollout_ref, cfg.data
+    actor, rollout, model = arr.actor, arr.rollout, arr.model
     sp = est.sequence_parallel = actor.ulysses_sequence_parallel_size
     if actor.use_dynamic_bsz:  # the group's budget, but never less than one whole sequence
         tokens = max(actor.ppo_max_token_len_per_gpu * sp, sequence)
@@ -197,19 +218,6 @@ def estimate_memory(
             (arr.ref.log_prob_micro_batch_size_per_gpu, arr.ref.ulysses_sequence_parallel_size),
         )
     )
-    per_worker = data.train_batch_size * rollout.n // max(world_size, 1)
-    generating = (
-        min(per_worker, rollout.micro_batch_size * rollout.n) if rollout.micro_batch_size else per_worker
-    )
-    kv_cache = 2 * shape.num_layers * shape.kv_dim * width * generating * sequence
-    # a sharded actor generates from its gathered weights, unless it gathers one layer at a time
-    sharded = actor.strategy == "fsdp2" and shards > 1
-    gathered = weights * (shards - 1) if sharded and not rollout.sharded_generation else 0.0
-    est.passes["generation"] = kv_cache + generating * shape.vocab_size * 4 + gathered
-    if sharded and not shape.streams_checkpoint:
-        # rank 0 loads the checkpoint whole (transformers converts it) before gradients and moments exist
-        est.passes["checkpoint read by rank 0"] = max(0.0, shape.params * width - grads - optimizer)
-    return est
 
 
 def knob(cfg: Any, est: MemoryEstimate, workers_per_machine: int) -> str:
