@@ -249,10 +249,15 @@ def steady_seconds(run: dict, steps: int) -> float:
 
 
 def summarise(
-    results: list[dict], base: dict[str, float], samples: list[int], steps: list[int]
+    results: list[dict],
+    base: dict[str, float],
+    samples: list[int],
+    steps: list[int],
+    timed: list[int] | None = None,
 ) -> list[dict]:
     """Per task and arm, over seeds: accuracy at each samples and steps point, samples at the last steps
-    point, training seconds to the last samples point, and the gain per 1000 samples and per minute."""
+    point, training seconds to the last samples point, and the gain per 1000 samples and per minute (the
+    seconds over the seeds in ``timed`` only, when given: those that ran alone on the machine)."""
     rows = []
     for task, arm in dict.fromkeys((r["task"], r["arm"]) for r in results if r["arm"] != "base"):
         runs = [r for r in results if (r["task"], r["arm"]) == (task, arm)]
@@ -260,6 +265,12 @@ def summarise(
         by_steps = {n: [at(r["points"], "step", n) for r in runs] for n in steps}
         last = [p for p in by_samples[samples[-1]] if p]
         gain = [p["acc"] - base[task] for p in last]
+        reached = [(r, p) for r, p in zip(runs, by_samples[samples[-1]]) if p]
+        clocked = [  # (gain, seconds) of the runs whose clock counts
+            (p["acc"] - base[task], steady_seconds(r, p["step"]))
+            for r, p in reached
+            if timed is None or r["seed"] in timed
+        ]
         rows.append(
             {
                 "task": task,
@@ -270,13 +281,11 @@ def summarise(
                 "steps_at_samples": {n: [p["step"] for p in ps if p] for n, ps in by_samples.items()},
                 "acc_at_steps": {n: [p["acc"] for p in ps if p] for n, ps in by_steps.items()},
                 "samples_at_steps": {n: [p["samples"] for p in ps if p] for n, ps in by_steps.items()},
-                "train_s": [steady_seconds(r, p["step"]) for r, p in zip(runs, by_samples[samples[-1]]) if p],
+                "train_s": [seconds for _, seconds in clocked],
                 "train_s_as_measured": [p["train_s"] for p in last],
                 "gain_per_1k_samples": [1000 * g / p["samples"] for g, p in zip(gain, last)],
-                "gain_per_minute": [
-                    60 * g / steady_seconds(r, p["step"])
-                    for g, r, p in zip(gain, [r for r, p in zip(runs, by_samples[samples[-1]]) if p], last)
-                ],
+                "gain_per_minute": [60 * g / seconds for g, seconds in clocked],
+                "timed_seeds": timed,
             }
         )
     return rows
@@ -321,6 +330,9 @@ def main() -> None:
     parser.add_argument(
         "--resume", action="store_true", help="keep the runs (and base accuracies) --out holds; run the rest"
     )
+    parser.add_argument(
+        "--timing-seeds", help="seeds whose runs had the machine alone: only their seconds go into the table"
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process: one run, printed as JSON
     args = parser.parse_args()
     if args.one:
@@ -358,7 +370,8 @@ def main() -> None:
             results += children(todo) if todo else []
             # a cut-short bench keeps its runs (--resume goes on from them)
             write(args.out, {"partial": True, "base": base, "teacher_acc": teacher_acc, "runs": results})
-    rows = summarise(results, base, samples, steps)
+    timed = ints(args.timing_seeds) if args.timing_seeds else None
+    rows = summarise(results, base, samples, steps, timed)
     minutes = (time.perf_counter() - started) / 60
     print(
         f"\nGRPO on {Path(model).name}, 8 prompts x 4 samples a step; seeds {args.seeds}; {minutes:.0f} minutes "
