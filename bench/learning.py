@@ -7,8 +7,8 @@ distillation, on two tasks, over seeds.
     .venv/bin/python bench/learning.py --model tiny --samples 64,128 --steps 2,4   # a smoke run, minutes
     .venv/bin/python bench/learning.py --tasks countdown --arms baseline,filter --resume   # more, same --out
 
-Every run is the demo's GRPO (8 prompts x 4 samples a step, up to 16 new tokens, T 0.7, top-k 50, lr 1e-5) on
-SmolLM2-135M-Instruct with one method on (the ``baseline`` arm: none) and ``trainer.seed`` set to the seed
+Every run is the demo's GRPO without its dynamic sampling (8 prompts x 4 samples a step, up to 16 new tokens,
+T 0.7, top-k 50, lr 1e-5) on SmolLM2-135M-Instruct with one method on (the ``baseline`` arm: none) and ``trainer.seed`` set to the seed
 (which also orders the data); the arms of one task and seed run one after the other in a process of their
 own. Held-out greedy accuracy is measured on the task's 64 test problems when the run has generated each
 ``--samples`` count (at the step that first reaches it) and at each ``--steps`` count: for every arm but
@@ -83,9 +83,14 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 def settings(task: str, arm: str, seed: int, work: Path, model: str, teacher: str | None) -> list[str]:
     """The config of one run: the demo's GRPO, the task's files and length, the arm's method, the seed."""
-    from hybridflow.commands.demo import DEMO_SETTINGS
+    from hybridflow.commands.demo import DEMO_FILTER, DEMO_SETTINGS
 
-    kept = [s for s in DEMO_SETTINGS if not s.startswith(("trainer.", "data.max_response_length"))]
+    # the baseline arm is plain GRPO: the demo's dynamic sampling is the filter arm's method
+    kept = [
+        s
+        for s in DEMO_SETTINGS
+        if s != DEMO_FILTER and not s.startswith(("trainer.", "data.max_response_length"))
+    ]
     length = TASKS[task]["response_length"]
     arm_settings = [item.format(quarter=length // 4) for item in ARMS.get(arm, [])]
     if arm == "opd":

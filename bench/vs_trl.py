@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.commands.demo import DEMO_SETTINGS
+from hybridflow.commands.demo import DEMO_FILTER, DEMO_SETTINGS
 from hybridflow.config.schema import load_config
 from hybridflow.data.prepare import main as prepare_data
 from hybridflow.models import default_model_path
@@ -102,7 +102,7 @@ def main() -> None:
             f"data.train_files={data_dir / 'train.parquet'}",
             f"trainer.default_local_dir={run_dir}",
             f"actor_rollout_ref.model.path={default_model_path()}",
-            *DEMO_SETTINGS,
+            *(s for s in DEMO_SETTINGS if s != DEMO_FILTER),  # TRL's sampler: every group trains
             "trainer.logger=[console]",
             f"trainer.total_training_steps={args.steps + 1}",
         ]

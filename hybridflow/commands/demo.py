@@ -27,8 +27,13 @@ from hybridflow.trainer.ppo import PPOTrainer
 RUN_DIR = Path(os.environ.get("HYBRIDFLOW_DEMO_DIR", "runs/demo"))
 ACC = "val/arithmetic/acc/mean@1"
 
+#: DAPO's dynamic sampling (zero-variance groups dropped, more prompts drawn), on in the demo since
+#: ``bench/learning.py`` measured it over 3 seeds: at least as much held-out accuracy per generated sample as
+#: plain GRPO, more per second of training and far more per step (README, "Learning more from each sample")
+DEMO_FILTER = "algorithm.filter_groups.enable=true"
 DEMO_SETTINGS = [
     "algorithm.adv_estimator=grpo",
+    DEMO_FILTER,
     "data.train_batch_size=8",  # prompts per step
     "actor_rollout_ref.rollout.n=4",  # samples per prompt: GRPO's group
     "actor_rollout_ref.rollout.temperature=0.7",
