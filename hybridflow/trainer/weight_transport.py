@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from hybridflow.single_controller import WorkerGroup
+from hybridflow.single_controller import NodeLostError, WorkerDiedError, WorkerError, WorkerGroup
+
+#: how long a failed send waits to learn whether a receiver died (Ray reports a lost node within seconds)
+LOSS_WAIT_S = 60.0
 
 
 class WeightTransport(Protocol):
@@ -58,7 +61,19 @@ class LinkedWeights:
         """Weight ``version`` to every rollout worker, loaded there at once (lock-step) or kept as a version
         (``staged``: an asynchronous run generating meanwhile); the sender's and the slowest receiver's times."""
         sent, received = self.actor.send_weights(), self.rollout.receive_weights(version, staged)
-        sender, receivers = sent.get()[0], received.get()
+        try:
+            sender = sent.get()[0]
+        except WorkerError as failure:
+            # a receiver whose process or machine is gone shows on the sender as a broken link: the run stops
+            # with the receiver's loss (which names the node, and which auto-resume acts on) where it is one
+            try:
+                received.get(timeout_s=LOSS_WAIT_S)
+            except (WorkerDiedError, NodeLostError) as lost:
+                raise lost from failure
+            except WorkerError:
+                pass  # the receivers are alive (or only slow): the sender's own error is the one
+            raise
+        receivers = received.get()
         slowest = max(receivers, key=lambda r: r["transfer_s"] + r["load_s"])
         return {
             "weight_sync/gather_s": sender["gather_s"],
