@@ -268,12 +268,12 @@ def summarise(
         runs = [r for r in results if (r["task"], r["arm"]) == (task, arm)]
         by_samples = {n: [at(r["points"], "samples", n) for r in runs] for n in samples}
         by_steps = {n: [at(r["points"], "step", n) for r in runs] for n in steps}
-        last = [p for p in by_samples[samples[-1]] if p]
+        reached = [(r, p) for r, p in zip(runs, by_samples[samples[-1]]) if p]  # the runs at the last point
+        last = [p for _, p in reached]
         gain = [p["acc"] - base[task] for p in last]
-        reached = [(r, p) for r, p in zip(runs, by_samples[samples[-1]]) if p]
         clocked = [  # (gain, seconds) of the runs whose clock counts
-            (p["acc"] - base[task], steady_seconds(r, p["step"]))
-            for r, p in reached
+            (g, steady_seconds(r, p["step"]))
+            for g, (r, p) in zip(gain, reached)
             if timed is None or r["seed"] in timed
         ]
         rows.append(
