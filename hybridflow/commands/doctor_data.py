@@ -50,6 +50,12 @@ def check_dataset(ctx: Context) -> Check:
     }
     if image_info:
         info["image_tokens"] = image_info
+    return _length_verdict(data, lengths, over, detail, info)
+
+
+def _length_verdict(data: Any, lengths: list[int], over: int, detail: str, info: dict[str, Any]) -> Check:
+    """What the ``over`` prompts longer than ``data.max_prompt_length`` mean for a run: refused, all dropped,
+    some dropped or truncated, or none."""
     raise_to = f"raise data.max_prompt_length to {max(lengths)}"
     if over and not data.filter_overlong_prompts and data.truncation == "error":
         return Check(
