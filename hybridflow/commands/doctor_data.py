@@ -7,7 +7,7 @@ from typing import Any
 
 from hybridflow.commands.diagnosis import Check, Context
 from hybridflow.config.checks import check_batch_sizes
-from hybridflow.config.schema import ConfigError
+from hybridflow.config.schema import ConfigError, DataConfig
 
 DATASET_ROWS = 1000  # rows read per data file: enough for length percentiles, quick on any file
 
@@ -53,7 +53,9 @@ def check_dataset(ctx: Context) -> Check:
     return _length_verdict(data, lengths, over, detail, info)
 
 
-def _length_verdict(data: Any, lengths: list[int], over: int, detail: str, info: dict[str, Any]) -> Check:
+def _length_verdict(
+    data: DataConfig, lengths: list[int], over: int, detail: str, info: dict[str, Any]
+) -> Check:
     """What the ``over`` prompts longer than ``data.max_prompt_length`` mean for a run: refused, all dropped,
     some dropped or truncated, or none."""
     raise_to = f"raise data.max_prompt_length to {max(lengths)}"
