@@ -65,7 +65,7 @@ def save_worker_state(
     elif rank == 0:
         torch.save(engine.state_dict(), path / "optim.pt")
     if lora:
-        adapter = dict(full_weights(module, adapter_only=True))
+        adapter = dict(full_weights(module, adapter_only=True, root=0))
         if rank == 0:
             module.peft_config["default"].save_pretrained(path / ADAPTER_DIR)
             save_file(
@@ -86,9 +86,9 @@ def save_worker_state(
 def _save_hf_folder(folder: Path, module: PreTrainedModel, rank: int) -> None:
     """A plain Hugging Face folder of ``module``'s full weights, written by rank 0.
 
-    A sharded or LoRA model's full tensors are gathered one at a time (a collective: every rank takes part);
-    rank 0 writes each to the safetensors file as it comes (``StreamedSafetensors``) and the other ranks drop
-    theirs at once, so no rank ever holds a second copy of the model. Models whose weights transformers
+    A sharded or LoRA model's full tensors are gathered to rank 0 a group at a time (a collective: every rank
+    takes part); rank 0 writes each to the safetensors file as it comes (``StreamedSafetensors``), so no rank
+    ever holds a second copy of the model. Models whose weights transformers
     renames or fuses on saving (``save_pretrained`` reverts what loading converted) are collected on rank 0
     and saved by ``save_pretrained`` itself."""
     if not (is_lora(module) or is_sharded(module)):  # full replica, no adapters: save as it is
@@ -103,8 +103,8 @@ def _save_hf_folder(folder: Path, module: PreTrainedModel, rank: int) -> None:
         model.save_pretrained(folder, state_dict={}, safe_serialization=True)
     writer = StreamedSafetensors(folder, expected) if rank == 0 and streamed else None
     collected = {}
-    for name, tensor in full_weights(module):
-        if rank != 0 or name in tied:
+    for name, tensor in full_weights(module, root=0):  # rank 0 receives every tensor, the others none
+        if name in tied:
             continue
         if writer is not None:
             writer.add(name, tensor)

@@ -34,6 +34,7 @@ from transformers import PreTrainedModel
 from hybridflow.config import FSDPConfig
 from hybridflow.models.vision import lora_targets
 from hybridflow.protocol import DataProto
+from hybridflow.workers.gathering import whole_tensors
 from hybridflow.workers.packing import MicroBatching
 
 STRATEGIES = ("auto", "ddp", "fsdp2", "single")
@@ -377,18 +378,16 @@ def _ranks_wanting(mine: int) -> int:
     return int(value.item())
 
 
-def _full(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-    return full.detach().to(device)
-
-
 def full_weights(
-    module: nn.Module, adapter_only: bool = False, device: torch.device | str = "cpu"
+    module: nn.Module,
+    adapter_only: bool = False,
+    device: torch.device | str = "cpu",
+    root: int | None = None,
+    group_bytes: int = 64 * 2**20,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's full weights as ``(name, tensor on device)`` pairs, one tensor gathered at a time
-    (``device="cuda"`` keeps them on the GPU for an in-memory weight sync into another engine).
+    """The model's full weights as ``(name, tensor on device)`` pairs (``device="cuda"`` keeps them on the GPU
+    for an in-memory weight sync into another engine), gathered from FSDP2 shards up to ``group_bytes`` of
+    tensors per collective (``gathering.whole_tensors``).
 
     Names are the base Hugging Face model's (``model.layers.0.self_attn.q_proj.weight``), what
     ``save_pretrained``, vLLM's ``load_weights`` and ``load_state_dict`` of an unwrapped model expect. A LoRA
@@ -397,7 +396,8 @@ def full_weights(
     ``base_model.model.<...>.lora_A.weight``).
 
     A collective on a sharded module: every rank must iterate it to the end, in step; all ranks receive
-    the same tensors. Unsharded tensors already on ``device`` are the module's own (read, do not modify)."""
+    the same tensors, or with ``root`` that rank alone (the others yield nothing). Unsharded tensors already on
+    ``device`` are the module's own (read, do not modify)."""
     lora = is_lora(module)
     scaling = {}
     if lora:
@@ -407,11 +407,11 @@ def full_weights(
             name: sub.scaling["default"] for name, sub in module.named_modules() if isinstance(sub, LoraLayer)
         }
     pending: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in module.state_dict().items():
+    state: Iterable[tuple[str, torch.Tensor]] = module.state_dict().items()
+    if adapter_only:
+        state = [(name, t) for name, t in state if lora and any(marker in name for marker in LORA_MARKERS)]
+    for name, tensor in whole_tensors(state, device, root, group_bytes):
         is_adapter = lora and any(marker in name for marker in LORA_MARKERS)
-        if adapter_only and not is_adapter:
-            continue
-        tensor = _full(tensor, device)
         if not lora:
             yield name, tensor
             continue

@@ -35,13 +35,19 @@ from hybridflow.workers.weight_link import (
     verify_loaded,
 )
 
+MB = 2**20
 
-def policy_weights(module: torch.nn.Module, adapter_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+
+def policy_weights(
+    module: torch.nn.Module, adapter_only: bool = False, root: int | None = None, bucket_bytes: int = 64 * MB
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the policy under its Hugging Face name (``model.layers.0.mlp.up_proj.weight``...),
-    detached, on the module's device: gathered from FSDP2 shards (a collective: every rank iterates) and
-    with LoRA adapters merged (``sharding.full_weights``), or with ``adapter_only`` the adapters alone under
-    peft's names. Tied weights appear under each of their names."""
-    for name, tensor in full_weights(module, adapter_only, device=next(module.parameters()).device):
+    detached, on the module's device: gathered from FSDP2 shards about ``bucket_bytes`` at a time (a
+    collective: every rank iterates; with ``root`` only that rank receives and yields) and with LoRA adapters
+    merged (``sharding.full_weights``), or with ``adapter_only`` the adapters alone under peft's names. Tied
+    weights appear under each of their names."""
+    device = next(module.parameters()).device
+    for name, tensor in full_weights(module, adapter_only, device, root, bucket_bytes):
         yield name, tensor.detach()
 
 
@@ -121,7 +127,6 @@ class WeightMailbox:
 
 
 # ------------------------------------------------------------------------------------------ the workers' ends
-MB = 2**20
 T = TypeVar("T")
 
 
@@ -215,8 +220,12 @@ class WeightSyncEnds:
         return next(self._policy().parameters()).dtype
 
     def _sent(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What travels to a rollout worker, gathered to rank 0 alone (the only rank that sends)."""
         policy = self._policy()
-        return policy_weights(policy, adapter_only=self.sends_adapters() and is_lora(policy))
+        adapters = self.sends_adapters() and is_lora(policy)
+        return policy_weights(
+            policy, adapters, root=0, bucket_bytes=self.config.rollout.weight_sync_bucket_mb * MB
+        )
 
     # ------------------------------------------------------------------ in one process (local backend)
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -269,7 +278,7 @@ class WeightSyncEnds:
         self._require(self.engine, "actor", "send_weights")
         weights = self._sent()
         if self.weight_link is None:
-            for _ in weights:  # each tensor gathered with rank 0, then dropped
+            for _ in weights:  # the ranks > 0 yield nothing: they only send their shards to rank 0
                 pass
             return None
         return self.weight_link.send(weights).as_dict()

@@ -116,10 +116,10 @@ def test_rank0_reads_the_checkpoint_and_sharded_generation_matches_gathered(
                 assert torch.equal(weights[rank][role][name], tensor), (rank, role, name)
     assert [len(rows[0]) for rows in sharded_out] == [2, 7]
     assert sharded_out == gathered_out
-    # every rank gathers each full tensor for the consolidated folder and drops it once written (rank 0) or at
-    # once (the others): alive at once are the one just gathered, the one before it and at most two more that
-    # gloo's threads still hold, never the whole model (21 tensors)
-    assert [count for count, _ in holding] == [len(plain)] * 2 and all(most <= 4 for _, most in holding)
+    # the full tensors for the consolidated folder are gathered to rank 0 alone (rank 1 only sends its shards),
+    # which drops each once written: alive at once are the one just gathered, the one before it and at most two
+    # more that gloo's threads still hold, never the whole model (21 tensors)
+    assert [count for count, _ in holding] == [len(plain), 0] and all(most <= 4 for _, most in holding)
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "huggingface").state_dict()
     for name, tensor in plain.items():
         assert torch.equal(saved[name], tensor), name
