@@ -183,6 +183,7 @@ class TrainingEngine:
                 "optim.lr or check the inputs for NaN."
             )
         self._step()
+        self.optimizer.zero_grad(set_to_none=True)  # spent: not held through the next generation and passes
         self._check_finite_weights()
         out = {key: sum(values) / len(values) for key, values in metrics.items()}
         out[f"{self.name}/grad_norm"] = grad_norm

@@ -102,6 +102,8 @@ def test_update_actor_raises_log_prob_of_rewarded_response(actor_group, chat_pro
     gain = ((after - before) * mask).sum(-1)
     assert gain[0] > 0 > gain[1]
     assert metrics["actor/lr"] == [1e-2] and metrics["actor/grad_norm"][0] > 0
+    # the gradients are freed once applied: not held through the next generation and passes
+    assert all(p.grad is None for p in worker.module.parameters())
     # on-policy shortcut: the ratio starts at exactly 1, so the KL to the old policy and the clip fractions are 0
     # by construction and left out; given the old log-probs (the data used again), they are reported
     assert not {"actor/ppo_kl", "actor/pg_clipfrac", "actor/pg_clipfrac_lower"} & set(metrics)

@@ -11,11 +11,25 @@ from hybridflow.workers import ActorRolloutRefWorker
 
 
 class GradProbe(ActorRolloutRefWorker):
-    """The actor, plus a look at the gradients it applied in its last update (all-reduced across ranks)."""
+    """The actor, plus the gradients its last update applied (all-reduced across ranks; full tensors of FSDP2
+    shards), kept by a hook before each optimiser step: the engine frees them after it."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        super().init_model()
+        if self.engine is not None:  # a role that trains
+            self.engine.optimizer.register_step_pre_hook(self._keep_grads)
+
+    def _keep_grads(self, optimizer, args, kwargs) -> None:
+        self.kept_grads = {  # full_tensor: a collective, run by every rank's step alike
+            name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+            for name, p in self.module.named_parameters()
+            if p.grad is not None
+        }
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def applied_grads(self) -> dict[str, torch.Tensor]:
-        return {name: p.grad.clone() for name, p in self.module.named_parameters() if p.grad is not None}
+        return self.kept_grads
 
 
 def config(path: str, strategy: str = "auto"):

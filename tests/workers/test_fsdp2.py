@@ -4,11 +4,10 @@ resumes on 2 ranks and on 1 rank, with a ``huggingface/`` folder that plain tran
 
 import pytest
 import torch
-from test_data_parallel import config, grpo_batch
+from test_data_parallel import GradProbe, config, grpo_batch
 from transformers import AutoModelForCausalLM
 
 from hybridflow.single_controller import ClassWithInitArgs, Dispatch, LocalWorkerGroup, register
-from hybridflow.workers import ActorRolloutRefWorker
 from hybridflow.workers.sharding import full_weights, gathered, is_sharded
 
 
@@ -16,16 +15,8 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.clone()
 
 
-class ShardProbe(ActorRolloutRefWorker):
+class ShardProbe(GradProbe):
     """The actor, plus full (gathered) views of its gradients and weights: collectives on every rank."""
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def applied_grads(self) -> dict[str, torch.Tensor]:
-        grads = {}
-        for name, p in self.module.named_parameters():
-            if p.grad is not None:
-                grads[name] = full(p.grad)
-        return grads
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def weights(self) -> dict[str, torch.Tensor]:
