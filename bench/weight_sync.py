@@ -62,9 +62,16 @@ class MeasuredWorker(ActorRolloutRefWorker):
         )
 
 
-def memcpy_floor(nbytes: int, repeats: int, device: str = "cpu") -> float:
+def memcpy_floor(nbytes: int, repeats: int, device: str = "cpu", threads: int | None = None) -> float:
     """Seconds of one ``copy_`` of ``nbytes`` between two buffers in one process (the best of ``repeats``):
-    host memory, or on ``cuda`` one GPU's."""
+    host memory, or on ``cuda`` one GPU's; on the CPU with ``threads`` torch threads (None: this process's)."""
+    if threads is not None:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return memcpy_floor(nbytes, repeats, device)
+        finally:
+            torch.set_num_threads(previous)
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # pages touched before timing
@@ -161,19 +168,22 @@ def main() -> None:
             row = {"model": name, **setting(path, ranks, args.bucket_mb, args.repeats, args.device)}
             row["memcpy_s"] = memcpy_floor(int(row["mb"] * MB), 5, args.device)
             row["vs_memcpy"] = row["sync_s"] / row["memcpy_s"]
+            if args.device == "cpu":  # each worker process has one core's share of this machine's threads
+                row["memcpy_1thread_s"] = memcpy_floor(int(row["mb"] * MB), 5, threads=1)
+                row["vs_memcpy_1thread"] = row["sync_s"] / row["memcpy_1thread_s"]
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
     print(
-        "\n| model | actor ranks | MB | memcpy s | sync s | x memcpy | gather s | send s | receive s | load+check s "
-        "| peak rise per actor rank MB | rollout peak rise MB |"
+        "\n| model | actor ranks | MB | memcpy s | sync s | x memcpy | x memcpy, 1 thread | gather s | send s "
+        "| receive s | load+check s | peak rise per actor rank MB | rollout peak rise MB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         actor_rises = " / ".join(f"{v:.0f}" for v in r["actor_rank_peak_rise_mb"])
         print(
             f"| {r['model']} | {r['ranks']} | {r['mb']:.0f} | {r['memcpy_s']:.3f} | {r['sync_s']:.2f} | "
-            f"{r['vs_memcpy']:.1f} | {r['gather_s']:.2f} | {r['send_s']:.2f} | {r['receive_s']:.2f} | "
-            f"{r['load_s']:.2f} | {actor_rises} | {r['rollout_peak_rise_mb']:.0f} |"
+            f"{r['vs_memcpy']:.1f} | {r.get('vs_memcpy_1thread', float('nan')):.1f} | {r['gather_s']:.2f} | "
+            f"{r['send_s']:.2f} | {r['receive_s']:.2f} | {r['load_s']:.2f} | {actor_rises} | {r['rollout_peak_rise_mb']:.0f} |"
         )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
