@@ -183,6 +183,8 @@ def estimate_memory(
     sharded = actor.strategy == "fsdp2" and shards > 1
     gathered = weights * (shards - 1) if sharded and not rollout.sharded_generation else 0.0
     est.passes["generation"] = kv_cache + generating * shape.vocab_size * 4 + gathered
+    for name in ("generation", "log-prob pass"):  # between updates: the gradients are freed after each step
+        est.passes[name] -= grads
     if sharded and not shape.streams_checkpoint:
         # rank 0 loads the checkpoint whole (transformers converts it) before gradients and moments exist
         est.passes["checkpoint read by rank 0"] = max(0.0, shape.params * width - grads - optimizer)

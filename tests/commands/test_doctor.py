@@ -263,7 +263,8 @@ def test_memory_estimate_by_hand():
     assert est.static == {"actor weights": 40e6, "actor grads": 40e6, "AdamW state": 80e6}
     update = 2 * 9 * 1000 * 4 * 3 + 2 * 32 * 2 * (14 * 64 + 4 * 128) * 4  # logits x3 + activations
     assert est.passes["policy update"] == update
-    assert est.passes["generation"] == 2 * 2 * 32 * 4 * 8 * 32 + 8 * 1000 * 4  # all 8 sequences
+    # all 8 sequences' cache and logits, without the 40 MB of gradients (freed after each update)
+    assert est.passes["generation"] == 2 * 2 * 32 * 4 * 8 * 32 + 8 * 1000 * 4 - 40e6
     assert est.device == 160e6 + update + RUNTIME_BYTES
     # with the data read, its longest prompt (10 tokens) sets the length, not data.max_prompt_length
     short = estimate_memory(cfg, shape, world_size=1, prompt_tokens=10)
@@ -302,10 +303,10 @@ def test_memory_estimate_by_hand():
         "AdamW state": 20e6,
         "reference weights": 10e6,
     }
-    # generation gathers the other 3 ranks' shards (30 MB); rank 0 reads the whole checkpoint (40 MB) before
-    # the gradients and moments (30 MB) exist
+    # generation gathers the other 3 ranks' shards (30 MB) where the freed gradients were (10 MB); rank 0 reads
+    # the whole checkpoint (40 MB) before the gradients and moments (30 MB) exist
     kv = 2 * 2 * 32 * 4 * 2 * 576 + 2 * 1000 * 4  # 8 prompts x 1 over 4 ranks, 512 + 64 tokens
-    assert fsdp.passes["generation"] == kv + 30e6
+    assert fsdp.passes["generation"] == kv + 30e6 - 10e6
     assert fsdp.passes["checkpoint read by rank 0"] == 40e6 - 30e6
     fsdp_cfg = load_config(
         [
@@ -315,7 +316,7 @@ def test_memory_estimate_by_hand():
             "actor_rollout_ref.rollout.sharded_generation=true",
         ]
     )
-    assert estimate_memory(fsdp_cfg, shape, world_size=4).passes["generation"] == kv
+    assert estimate_memory(fsdp_cfg, shape, world_size=4).passes["generation"] == kv - 10e6
     assert est.device < GB
 
 
