@@ -19,6 +19,15 @@ class ShardProbe(GradProbe):
     """The actor, plus full (gathered) views of its gradients and weights: collectives on every rank."""
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def prefetches_only_itself(self) -> list[bool]:
+        """For each FSDP2 unit, whether its backward prefetches nothing but itself (FSDP2's default when not
+        told otherwise: the next unit in the reverse order of the forward)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        states = [unit._get_fsdp_state() for unit in self.module.modules() if isinstance(unit, FSDPModule)]
+        return [state._states_to_backward_prefetch == [state] for state in states]
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def weights(self) -> dict[str, torch.Tensor]:
         return dict(full_weights(self.module))
 
@@ -88,12 +97,15 @@ def test_fsdp2_update_generation_and_resharding_checkpoints(
         group.save_checkpoint(str(tmp_path / "ckpt"))
         two_weights, two_moments = group.weights()[0], group.adam_moments()[0]
         two_next = group.update_actor(batch).meta_info["metrics"]
+        prefetches = group.prefetches_only_itself()
     finally:
         group.shutdown()
         pool.remove()
     one = single.update_actor(batch).meta_info["metrics"]
     one_grads = single.applied_grads()[0]
 
+    # on CPU no unit gathers the next one early in the backward: it would overlap nothing and hold two layers
+    assert all(len(units) == 3 and all(units) for units in prefetches), prefetches  # 2 layers and the root
     # both ranks gathered the same gradient, equal to the single rank's
     assert one_grads.keys() == two_grads[0].keys() and len(one_grads) > 10
     for name, grad in one_grads.items():
