@@ -79,29 +79,43 @@ def _padded_numel(tensor: DTensor, world: int) -> tuple[int, int]:
 def _gather_group(
     group: list[tuple[str, DTensor]], device: torch.device | str, root: int | None, receives: bool
 ) -> Iterator[Named]:
-    """One collective for ``group``'s shards; on the receiving ranks, each whole tensor in turn."""
+    """One collective for ``group``'s shards; on the receiving ranks, each whole tensor in turn. A tensor
+    alone whose rows divide by the ranks is gathered as it is, into the tensor yielded (no copy either side)."""
     mesh = group[0][1].device_mesh
     world, process_group = mesh.size(), mesh.get_group()
     layout = [_padded_numel(tensor, world) for _, tensor in group]
     sizes = [rows * row for rows, row in layout]
-    local = torch.zeros(sum(sizes), dtype=group[0][1].dtype, device=group[0][1].to_local().device)
-    offset = 0
-    for (_, tensor), size in zip(group, sizes):
-        shard = tensor.to_local().reshape(-1)
-        local[offset : offset + shard.numel()].copy_(shard)
-        offset += size
-    parts = [torch.empty_like(local) for _ in range(world)] if receives else None
+    local = _packed(group, sizes)
+    whole = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device) if receives else None
+    parts = list(whole.chunk(world)) if whole is not None else None
     if root is None:
         dist.all_gather(parts, local, group=process_group)
     else:
         dist.gather(local, parts, dst=root, group=process_group)
-    if parts is None:
+    if whole is None:
+        return
+    if len(group) == 1 and group[0][1].shape[0] % world == 0:  # the ranks' rows end to end: the tensor
+        yield group[0][0], whole.view(group[0][1].shape).to(device)
         return
     offset = 0
     for (name, tensor), (rows, row), size in zip(group, layout, sizes):
         pieces = []
-        for rank, part in enumerate(parts):
+        for rank, part in enumerate(whole.chunk(world)):
             held = max(0, min(rows, tensor.shape[0] - rank * rows))  # torch.chunk's rows on this rank
             pieces.append(part[offset : offset + held * row])
         yield name, torch.cat(pieces).view(tensor.shape).to(device)
         offset += size
+
+
+def _packed(group: list[tuple[str, DTensor]], sizes: list[int]) -> torch.Tensor:
+    """This rank's shards of ``group`` end to end, each padded to ``sizes`` elements: the shard itself when it
+    is alone and needs no padding."""
+    shards = [tensor.to_local().reshape(-1) for _, tensor in group]
+    if len(shards) == 1 and shards[0].numel() == sizes[0] and shards[0].is_contiguous():
+        return shards[0]
+    local = torch.zeros(sum(sizes), dtype=shards[0].dtype, device=shards[0].device)
+    offset = 0
+    for shard, size in zip(shards, sizes):
+        local[offset : offset + shard.numel()].copy_(shard)
+        offset += size
+    return local

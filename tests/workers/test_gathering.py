@@ -1,6 +1,7 @@
-"""``full_weights`` over FSDP2 shards (``hybridflow.workers.gathering``): on 3 gloo ranks, so that no tensor's
-rows divide evenly and a 2-row tensor leaves a rank empty, the gathered weights equal the unsharded model's bit
-for bit, in its order, to every rank or to rank 0 alone, with one collective per group of tensors."""
+"""``full_weights`` over FSDP2 shards (``hybridflow.workers.gathering``): on 3 gloo ranks, so that most tensors'
+rows do not divide evenly, a 2-row tensor leaves a rank empty and a 6-row one is gathered alone as it is, the
+gathered weights equal the unsharded model's bit for bit, in its order, to every rank or to rank 0 alone, with
+one collective per group of tensors."""
 
 import socket
 
@@ -22,6 +23,7 @@ def _model(path):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(path)
     model.tiny_head = nn.Linear(4, 2)  # 2 rows over 3 ranks: the last rank holds none
+    model.even_head = nn.Linear(400, 6)  # rows that divide by the ranks: gathered alone, as it is
     return model
 
 
