@@ -216,8 +216,12 @@ def test_token_budget_update_equals_fixed_size_update(tiny_model_path, agg):
                 -log_probs * part.batch["advantages"], part.batch["response_mask"].float(), agg
             ), {}
 
-        engine.train_mini_batch(data, micro, loss_fn, agg)  # the gradients stay on the parameters
-        return {name: p.grad for name, p in model.named_parameters()}
+        applied = {}  # the gradients as the step takes them (the engine frees them after it)
+        engine.optimizer.register_step_pre_hook(
+            lambda *_: applied.update({name: p.grad.clone() for name, p in model.named_parameters()})
+        )
+        engine.train_mini_batch(data, micro, loss_fn, agg)
+        return applied
 
     fixed, budget = updated(MicroBatching(2, share_prompt=False)), updated(MicroBatching(0, max_token_len=25))
     assert len(MicroBatching(0, max_token_len=25).indices(data)) > 2  # really cut differently
