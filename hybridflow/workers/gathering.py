@@ -92,7 +92,7 @@ def _gather_group(
         dist.all_gather(parts, local, group=process_group)
     else:
         dist.gather(local, parts, dst=root, group=process_group)
-    if whole is None:
+    if whole is None or parts is None:
         return
     if len(group) == 1 and group[0][1].shape[0] % world == 0:  # the ranks' rows end to end: the tensor
         yield group[0][0], whole.view(group[0][1].shape).to(device)
@@ -100,7 +100,7 @@ def _gather_group(
     offset = 0
     for (name, tensor), (rows, row), size in zip(group, layout, sizes):
         pieces = []
-        for rank, part in enumerate(whole.chunk(world)):
+        for rank, part in enumerate(parts):
             held = max(0, min(rows, tensor.shape[0] - rank * rows))  # torch.chunk's rows on this rank
             pieces.append(part[offset : offset + held * row])
         yield name, torch.cat(pieces).view(tensor.shape).to(device)

@@ -205,7 +205,7 @@ def shard_module(
         if not dist.is_initialized():  # one GPU: a process group of one rank, in memory
             dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     lora = is_lora(module)
     if lora:
@@ -231,15 +231,22 @@ def shard_module(
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if fsdp_config.param_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
+    _wrap(module, kwargs, device)
+    if not lora:
+        _receive_shards(module, full, torch.device("cpu") if "offload_policy" in kwargs else device)
+    return module
+
+
+def _wrap(module: nn.Module, kwargs: dict[str, Any], device: torch.device) -> None:
+    """``fully_shard`` every decoder layer, then the root, with ``kwargs``; on CPU without backward prefetch."""
+    from torch.distributed.fsdp import fully_shard
+
     layers = _decoder_layers(module)
     for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(module, **kwargs)
     if device.type == "cpu":
         _without_backward_prefetch([*layers, module])
-    if not lora:
-        _receive_shards(module, full, torch.device("cpu") if "offload_policy" in kwargs else device)
-    return module
 
 
 def _without_backward_prefetch(units: list[nn.Module]) -> None:
