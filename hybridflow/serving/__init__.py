@@ -13,10 +13,16 @@ serve`` (``commands/serve.py``) loads a checkpoint and hands its engine in. It i
 and ``data`` only.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from hybridflow.serving.batcher import Batcher, GenerationRequest
 from hybridflow.serving.rollout import ServedRollout, agent_sample
-from hybridflow.serving.server import PolicyServer
 from hybridflow.serving.sessions import CallRecord, sequences
+
+if TYPE_CHECKING:
+    from hybridflow.serving.server import PolicyServer
 
 __all__ = [
     "Batcher",
@@ -27,3 +33,13 @@ __all__ = [
     "agent_sample",
     "sequences",
 ]
+
+
+def __getattr__(name: str) -> type:
+    """``PolicyServer`` on first use: every worker process imports this package (the served rollout is a rollout
+    mode), and only those that serve should load aiohttp (~8 MiB each)."""
+    if name == "PolicyServer":
+        from hybridflow.serving.server import PolicyServer
+
+        return PolicyServer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

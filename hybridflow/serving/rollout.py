@@ -42,7 +42,6 @@ from hybridflow.models.vision import IMAGES
 from hybridflow.protocol import DataProto
 from hybridflow.rewards.manager import checked_score
 from hybridflow.rollout import Capabilities, Rollout, attach_responses, attach_scores
-from hybridflow.serving.server import PolicyServer
 from hybridflow.serving.sessions import Sequence, sequences
 from hybridflow.utils.errors import InputError, UserError
 from hybridflow.utils.user_code import load_user_function
@@ -98,6 +97,9 @@ class ServedRollout(Rollout):
         self.engine, self.tokenizer, self.response_length = engine, tokenizer, response_length
         self.eos_token_ids = list(engine.eos_token_ids)
         self.capabilities = Capabilities(own_weights=engine.capabilities.own_weights)
+        # aiohttp is loaded only where a rollout serves (see the package's __getattr__)
+        from hybridflow.serving.server import PolicyServer
+
         self.server = PolicyServer(
             engine,
             tokenizer,

@@ -3,6 +3,7 @@ build the model with its parameters on the meta device and receive their shards)
 and samples what generation from the gathered model samples, and saving the consolidated Hugging Face folder
 holds no more than two gathered tensors at once on any rank."""
 
+import sys
 import weakref
 from unittest import mock
 
@@ -75,6 +76,12 @@ class LoadProbe(ActorRolloutRefWorker):
         return len(alive), most
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def libraries(self) -> list[str]:
+        """Whether the served rollout's web stack (aiohttp, ~8 MiB a process) was loaded; pyarrow is not asked
+        about: Ray imports it into every worker itself (its serializers for Ray Data)."""
+        return [name for name in ("aiohttp",) if name in sys.modules]
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def greedy(self, prompts, sharded: bool) -> list[list[int]]:
         """Rank r decodes 2 + 5r tokens from the same prompts, so the ranks run different numbers of forwards."""
         self.rollout.response_length = 2 + 5 * self.rank
@@ -96,6 +103,7 @@ def test_rank0_reads_the_checkpoint_and_sharded_generation_matches_gathered(
         gathered_out = group.greedy(prompts, False)
         sharded_out = group.greedy(prompts, True)
         holding = group.save_holding(str(tmp_path / "ckpt"))
+        libraries = group.libraries()
     finally:
         group.shutdown()
         pool.remove()
@@ -123,6 +131,8 @@ def test_rank0_reads_the_checkpoint_and_sharded_generation_matches_gathered(
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "huggingface").state_dict()
     for name, tensor in plain.items():
         assert torch.equal(saved[name], tensor), name
+    # a Ray worker that built, generated and saved did not load the server's web stack
+    assert libraries == [[], []]
 
 
 def _tokenizer(path: str):
