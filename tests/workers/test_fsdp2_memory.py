@@ -76,10 +76,10 @@ class LoadProbe(ActorRolloutRefWorker):
         return len(alive), most
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def libraries(self) -> list[str]:
+    def loaded_aiohttp(self) -> bool:
         """Whether the served rollout's web stack (aiohttp, ~8 MiB a process) was loaded; pyarrow is not asked
         about: Ray imports it into every worker itself (its serializers for Ray Data)."""
-        return [name for name in ("aiohttp",) if name in sys.modules]
+        return "aiohttp" in sys.modules
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def greedy(self, prompts, sharded: bool) -> list[list[int]]:
@@ -103,7 +103,7 @@ def test_rank0_reads_the_checkpoint_and_sharded_generation_matches_gathered(
         gathered_out = group.greedy(prompts, False)
         sharded_out = group.greedy(prompts, True)
         holding = group.save_holding(str(tmp_path / "ckpt"))
-        libraries = group.libraries()
+        loaded_aiohttp = group.loaded_aiohttp()
     finally:
         group.shutdown()
         pool.remove()
@@ -132,7 +132,7 @@ def test_rank0_reads_the_checkpoint_and_sharded_generation_matches_gathered(
     for name, tensor in plain.items():
         assert torch.equal(saved[name], tensor), name
     # a Ray worker that built, generated and saved did not load the server's web stack
-    assert libraries == [[], []]
+    assert loaded_aiohttp == [False, False]
 
 
 def _tokenizer(path: str):
