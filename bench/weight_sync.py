@@ -30,7 +30,13 @@ import torch
 from hybridflow.config.schema import PPOConfig
 from hybridflow.models import make_tiny_model, resolve_model_path
 from hybridflow.single_controller import ClassWithInitArgs, Dispatch, register
-from hybridflow.single_controller.ray import RayResourcePool, RayWorkerGroup, init_ray
+from hybridflow.single_controller.ray import (
+    ProcessSetup,
+    RayResourcePool,
+    RayWorkerGroup,
+    init_ray,
+    processes_per_node,
+)
 from hybridflow.trainer.weight_transport import LinkedWeights
 from hybridflow.workers import ActorRolloutRefWorker
 
@@ -99,8 +105,10 @@ def setting(model: str, ranks: int, bucket_mb: int, repeats: int, device: str = 
     cpus = 1.0 if gpu else 2.0 / (ranks + 1)
     pools = [RayResourcePool([n], use_gpu=gpu, cpus_per_process=cpus, name=f"ws{n}") for n in (ranks, 1)]
     init = lambda role: ClassWithInitArgs(MeasuredWorker, arr, role=role, device=device)  # noqa: E731
-    actor = RayWorkerGroup(pools[0], init("actor"), name_prefix="ws_actor")
-    rollout = RayWorkerGroup(pools[1], init("rollout"), name_prefix="ws_rollout")
+    # the torch threads a run gives them: the machine's cores shared among every worker process on it
+    setup = ProcessSetup(node_processes=processes_per_node(pools))
+    actor = RayWorkerGroup(pools[0], init("actor"), name_prefix="ws_actor", setup=setup)
+    rollout = RayWorkerGroup(pools[1], init("rollout"), name_prefix="ws_rollout", setup=setup)
     try:
         actor.init_model()
         rollout.init_model()

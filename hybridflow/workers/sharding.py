@@ -405,6 +405,7 @@ def full_weights(
     device: torch.device | str = "cpu",
     root: int | None = None,
     group_bytes: int = 64 * 2**20,
+    tied_once: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's full weights as ``(name, tensor on device)`` pairs (``device="cuda"`` keeps them on the GPU
     for an in-memory weight sync into another engine), gathered from FSDP2 shards up to ``group_bytes`` of
@@ -414,7 +415,9 @@ def full_weights(
     ``save_pretrained``, vLLM's ``load_weights`` and ``load_state_dict`` of an unwrapped model expect. A LoRA
     model yields its base weights with the adapters merged in (``W + alpha/r * B @ A``); with
     ``adapter_only`` it yields only the adapter tensors under peft's names (what ``PeftModel`` saves:
-    ``base_model.model.<...>.lora_A.weight``).
+    ``base_model.model.<...>.lora_A.weight``). A tied tensor (SmolLM2's embedding and ``lm_head``) comes under
+    each of its names, or with ``tied_once`` under its first alone, gathered once: what a receiver whose
+    model ties them too needs (a weight sync; 113 MB less for SmolLM2).
 
     A collective on a sharded module: every rank must iterate it to the end, in step; all ranks receive
     the same tensors, or with ``root`` that rank alone (the others yield nothing). Unsharded tensors already on
@@ -431,6 +434,10 @@ def full_weights(
     state: Iterable[tuple[str, torch.Tensor]] = module.state_dict().items()
     if adapter_only:
         state = [(name, t) for name, t in state if lora and any(marker in name for marker in LORA_MARKERS)]
+    if tied_once:
+        first = {name for name, _ in module.named_parameters()}  # a shared parameter under its first name
+        aliases = {name for name, _ in module.named_parameters(remove_duplicate=False)} - first
+        state = [(name, t) for name, t in state if name not in aliases]
     for name, tensor in whole_tensors(state, device, root, group_bytes):
         is_adapter = lora and any(marker in name for marker in LORA_MARKERS)
         if not lora:

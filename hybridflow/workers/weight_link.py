@@ -46,10 +46,20 @@ class WeightSyncError(UserError):
     stops (an engine that silently kept old weights trains on samples of a policy nobody is updating)."""
 
 
+#: bytes copied, then read back for the checksum, at a time: the copy is still in the core's cache when it is
+#: read (a second pass over the weights would read them from memory again)
+CHUNK_BYTES = 2**20
+
+
 def checksum(tensors: Iterable[torch.Tensor]) -> int:
     """An exact fingerprint of tensors' bits, in order: the sum of each tensor's raw bits as integers, each
     weighted by its place (a tensor loaded under another name changes it). Cheap: one read of each tensor."""
-    return sum(place * _bits_sum(tensor) for place, tensor in enumerate(tensors, 1))
+    return placed(_bits_sum(tensor) for tensor in tensors)
+
+
+def placed(sums: Iterable[int]) -> int:
+    """``checksum`` from each tensor's ``_bits_sum`` (or ``copy_summed``), in order."""
+    return sum(place * value for place, value in enumerate(sums, 1))
 
 
 def _bits_sum(tensor: torch.Tensor) -> int:
@@ -59,16 +69,35 @@ def _bits_sum(tensor: torch.Tensor) -> int:
     flat = tensor.detach().contiguous().reshape(-1)
     width = flat.element_size()
     if (flat.numel() * width) % 8 == 0:  # the words line up unless the tensor starts mid-word: then a copy
-        words = flat if (flat.storage_offset() * width) % 8 == 0 else flat.clone()
+        words = flat if _starts_on_a_word(flat) else flat.clone()
         return int(words.view(torch.int64).sum())
     bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[width]
     return int(flat.view(bits).sum(dtype=bits))
 
 
-def verify_loaded(held: Iterable[torch.Tensor], expected: int, version: int, where: str) -> None:
-    """``WeightSyncError`` unless the tensors the engine holds now (``held``, read back after loading) have the
-    ``checksum`` the trainer computed for weight ``version``."""
-    found = checksum(held)
+def _starts_on_a_word(flat: torch.Tensor) -> bool:
+    return (flat.storage_offset() * flat.element_size()) % 8 == 0
+
+
+def copy_summed(target: torch.Tensor, source: torch.Tensor) -> int:
+    """Copy ``source`` into ``target`` (contiguous, as many elements) and return ``_bits_sum`` of what
+    ``target`` then holds, each ``CHUNK_BYTES`` read back right after its copy, from cache. Where the words do
+    not line up (or the dtypes differ) it copies, then reads ``target`` back whole: the same value."""
+    flat, width = target.view(-1), target.element_size()
+    if target.dtype != source.dtype or (flat.numel() * width) % 8 or not _starts_on_a_word(flat):
+        target.copy_(source.reshape(target.shape))
+        return _bits_sum(target)
+    given, step, total = source.reshape(-1), CHUNK_BYTES // width, 0
+    for start in range(0, flat.numel(), step):
+        part = flat[start : start + step]
+        part.copy_(given[start : start + step])
+        total += int(part.view(torch.int64).sum())
+    return (total + 2**63) % 2**64 - 2**63  # wrapped as one sum of the whole would be
+
+
+def verify_loaded(found: int, expected: int, version: int, where: str) -> None:
+    """``WeightSyncError`` unless what the engine holds now (``found``: the ``checksum`` of its tensors, read
+    back after loading) is what the trainer computed for weight ``version``."""
     if found != expected:
         raise WeightSyncError(
             f"{where}: after loading weight version {version} its model does not hold the weights the trainer "
@@ -267,10 +296,9 @@ class Bucket:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         count = tensor.numel()
-        self.flat[self.used : self.used + count].copy_(tensor.reshape(-1))
         self.names.append(name)
         self.shapes.append(tuple(tensor.shape))
-        self.checksum += len(self.names) * _bits_sum(tensor)
+        self.checksum += len(self.names) * copy_summed(self.flat[self.used : self.used + count], tensor)
         self.used += count
 
     def header(self, segment: int | None) -> torch.Tensor:

@@ -31,7 +31,9 @@ from hybridflow.workers.weight_link import (
     WeightLink,
     WeightSyncError,
     checksum,
+    copy_summed,
     link_address,
+    placed,
     verify_loaded,
 )
 
@@ -39,15 +41,19 @@ MB = 2**20
 
 
 def policy_weights(
-    module: torch.nn.Module, adapter_only: bool = False, root: int | None = None, bucket_bytes: int = 64 * MB
+    module: torch.nn.Module,
+    adapter_only: bool = False,
+    root: int | None = None,
+    bucket_bytes: int = 64 * MB,
+    tied_once: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the policy under its Hugging Face name (``model.layers.0.mlp.up_proj.weight``...),
     detached, on the module's device: gathered from FSDP2 shards about ``bucket_bytes`` at a time (a
     collective: every rank iterates; with ``root`` only that rank receives and yields) and with LoRA adapters
     merged (``sharding.full_weights``), or with ``adapter_only`` the adapters alone under peft's names. Tied
-    weights appear under each of their names."""
+    weights appear under each of their names, or with ``tied_once`` under the first alone."""
     device = next(module.parameters()).device
-    for name, tensor in full_weights(module, adapter_only, device, root, bucket_bytes):
+    for name, tensor in full_weights(module, adapter_only, device, root, bucket_bytes, tied_once):
         yield name, tensor.detach()
 
 
@@ -143,15 +149,11 @@ def load_in_place(
     state: dict[str, torch.Tensor], named: Named, version: int, where: str, expected: int | None = None
 ) -> None:
     """Copy ``named`` into a module's own tensors (``state``: its ``state_dict()``, whose tensors are the
-    module's; no second copy of the model is made), then read them back:
+    module's; no second copy of the model is made), reading each back as it is copied (``copy_summed``):
     ``WeightSyncError`` naming ``version`` unless they hold exactly what was given (``expected``: the sender's
     ``checksum`` of them; None: the given tensors' own). KeyError naming a tensor the module does not have."""
-    held = []
-    for name, tensor in named:
-        target = state[_module_name(name)]
-        target.copy_(tensor)
-        held.append(target)
-    verify_loaded(held, checksum(t for _, t in named) if expected is None else expected, version, where)
+    found = placed(copy_summed(state[_module_name(name)], tensor) for name, tensor in named)
+    verify_loaded(found, checksum(t for _, t in named) if expected is None else expected, version, where)
 
 
 class WeightSyncEnds:
@@ -220,12 +222,12 @@ class WeightSyncEnds:
         return next(self._policy().parameters()).dtype
 
     def _sent(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """What travels to a rollout worker, gathered to rank 0 alone (the only rank that sends)."""
+        """What travels to a rollout worker, gathered to rank 0 alone (the only rank that sends); a tied tensor
+        once (the rollout's model, built from the same config, ties it too)."""
         policy = self._policy()
         adapters = self.sends_adapters() and is_lora(policy)
-        return policy_weights(
-            policy, adapters, root=0, bucket_bytes=self.config.rollout.weight_sync_bucket_mb * MB
-        )
+        bucket = self.config.rollout.weight_sync_bucket_mb * MB
+        return policy_weights(policy, adapters, root=0, bucket_bytes=bucket, tied_once=True)
 
     # ------------------------------------------------------------------ in one process (local backend)
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -297,12 +299,12 @@ class WeightSyncEnds:
             return stats.as_dict()
         kept: Named = []
 
-        def keep(
-            named: Named, expected: int
-        ) -> None:  # arrived intact: copied, kept until the version is used
-            if checksum(t for _, t in named) != expected:
+        def keep(named: Named, expected: int) -> None:  # copied, checked, kept until the version is used
+            copies = [(name, torch.empty_like(tensor)) for name, tensor in named]
+            found = placed(copy_summed(copy, given) for (_, copy), (_, given) in zip(copies, named))
+            if found != expected:
                 raise WeightSyncError(f"{self._where()}: weight version {version} arrived damaged")
-            kept.extend((name, tensor.clone()) for name, tensor in named)
+            kept.extend(copies)
 
         mailbox = self._require(self.mailbox, "rollout", "receive_weights(staged=True)")
         stats = self.weight_link.receive(keep)

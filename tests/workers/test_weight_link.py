@@ -10,11 +10,19 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-from hybridflow.workers.weight_link import LinkAddress, WeightLink, WeightSyncError, checksum, verify_loaded
+from hybridflow.workers import weight_link
+from hybridflow.workers.weight_link import (
+    LinkAddress,
+    WeightLink,
+    WeightSyncError,
+    checksum,
+    copy_summed,
+    verify_loaded,
+)
 from hybridflow.workers.weight_sync import load_in_place, policy_weights
 
 
-def _member(member, address, path, out, broken, shared):
+def _member(member, address, path, out, broken, shared, tied_once):
     torch.set_num_threads(1)
     link = WeightLink(
         address, member, torch.device("cpu"), 64 * 1024, 2**20, timeout_s=60, shared_memory=shared
@@ -25,7 +33,7 @@ def _member(member, address, path, out, broken, shared):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.01)
-        stats = link.send(policy_weights(model))
+        stats = link.send(policy_weights(model, tied_once=tied_once))
     else:
         state = model.state_dict()
 
@@ -43,7 +51,7 @@ def _member(member, address, path, out, broken, shared):
     torch.save(record, f"{out}/{member}.pt")
 
 
-def _stream(path, out, broken=False, shared=True):
+def _stream(path, out, broken=False, shared=True, tied_once=False):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -51,7 +59,10 @@ def _stream(path, out, broken=False, shared=True):
     # from a fork server, not forked from this process: a test process that has run Ray must not fork (the
     # children broke its connection to Ray's control service, and the next placement group waited forever)
     mp.start_processes(
-        _member, args=(address, path, str(out), broken, shared), nprocs=3, start_method="forkserver"
+        _member,
+        args=(address, path, str(out), broken, shared, tied_once),
+        nprocs=3,
+        start_method="forkserver",
     )
     return [torch.load(out / f"{m}.pt") for m in range(3)]
 
@@ -68,6 +79,17 @@ def test_weights_stream_in_buckets_to_every_receiver(tiny_model_path, tmp_path, 
     assert sender["stats"]["bytes"] == sum(t.numel() * t.element_size() for t in sent.values())
     for receiver in receivers:
         assert receiver["stats"]["buckets"] == sender["stats"]["buckets"]
+        for name, tensor in sent.items():
+            assert torch.equal(receiver["weights"][name], tensor), name
+
+
+def test_a_tied_tensor_travels_once_and_reaches_every_name_it_has(tiny_model_path, tmp_path):
+    sender, *receivers = _stream(tiny_model_path, tmp_path, tied_once=True)
+    sent = sender["weights"]
+    assert sent["lm_head.weight"].data_ptr() == sent["model.embed_tokens.weight"].data_ptr()  # tied
+    unique = sum(t.numel() * t.element_size() for name, t in sent.items() if name != "lm_head.weight")
+    assert sender["stats"]["bytes"] == unique  # the embedding once
+    for receiver in receivers:
         for name, tensor in sent.items():
             assert torch.equal(receiver["weights"][name], tensor), name
 
@@ -91,7 +113,25 @@ def test_checksums_see_values_and_places():
     )  # a view that starts mid-word, and one of odd length: the values decide, not the layout
     assert checksum([odd[1:]]) == checksum([odd[1:].clone()]) and checksum([odd]) == checksum([odd.clone()])
     with pytest.raises(WeightSyncError, match="after loading weight version 3"):
-        verify_loaded([a], checksum([a + 1]), 3, "rollout worker rank 0")
+        verify_loaded(checksum([a]), checksum([a + 1]), 3, "rollout worker rank 0")
+
+
+def test_a_copy_read_back_chunk_by_chunk_sums_as_the_whole(monkeypatch):
+    """``copy_summed`` copies and returns the copy's ``checksum`` term, whatever the chunking: sums that wrap
+    past 64 bits, a tensor that ends mid-chunk, a target that starts mid-word, another dtype, an odd length."""
+    monkeypatch.setattr(weight_link, "CHUNK_BYTES", 64)  # 8 words a chunk: a 100-word tensor takes 13
+    big = torch.full((100,), 2**62, dtype=torch.int64)  # 100 * 2**62 wraps around 2**64 many times
+    cases = [
+        (torch.empty(100, dtype=torch.int64), big),
+        (torch.empty(3, 5), torch.randn(3, 5)),  # 60 bytes: no whole number of words
+        (torch.empty(33)[1:], torch.randn(32)),  # starts mid-word
+        (torch.empty(40, dtype=torch.float64), torch.randn(40)),  # converted while copied
+        (torch.empty(64, dtype=torch.bfloat16), torch.randn(64).bfloat16()),
+    ]
+    for target, source in cases:
+        expected = checksum([source.to(target.dtype)])
+        assert copy_summed(target, source) == expected and torch.equal(target, source.to(target.dtype))
+    assert copy_summed(torch.empty(100, dtype=torch.int64), big) == int(big.sum())  # torch's own wrap
 
 
 def test_a_sharded_lora_actor_sends_its_adapters_alone_to_a_rollout_worker(tiny_model_path, ray_session):
