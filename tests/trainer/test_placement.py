@@ -121,9 +121,9 @@ def test_split_runs_roles_apart_and_trains_as_colocated(
     assert "timing_s/sync_weights" not in colocated[0]
     # the weights went from the actor's process to the rollout's directly: no call carried them through the
     # driver (the largest payloads are batches, a fraction of the model's bytes)
-    model_bytes = sum(
+    model_bytes = sum(  # every tensor once (parameters() lists the tied embedding once, as the link sends it)
         t.numel() * t.element_size()
-        for t in AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict().values()
+        for t in AutoModelForCausalLM.from_pretrained(tiny_model_path).parameters()
     )
     assert {label for label, _ in crossing} >= {"send_weights", "receive_weights", "update_actor"}
     assert max(size for _, size in crossing) < model_bytes / 2, sorted(crossing, key=lambda c: -c[1])[:3]
