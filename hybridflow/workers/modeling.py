@@ -48,6 +48,7 @@ from hybridflow.models.vision import (
     without_placeholders,
 )
 from hybridflow.protocol import DataProto
+from hybridflow.utils.cores import follow
 from hybridflow.utils.errors import MissingInputError
 from hybridflow.workers.packing import TokenInputs, pack_prefix_tree
 from hybridflow.workers.ulysses import (
@@ -178,7 +179,7 @@ def load_model(
         without_dropout(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
+    return follow(model)  # where this process shares its cores, its layers rebalance them
 
 
 def _with_new_head(

@@ -2,6 +2,7 @@
 
 import os
 import re
+import threading
 import time
 
 import pytest
@@ -24,6 +25,7 @@ from hybridflow.single_controller.ray import (
     processes_per_node,
 )
 from hybridflow.single_controller.ray.worker_group import usable_cpus
+from hybridflow.utils.cores import shared_folder
 
 
 def _alive(pid: int) -> bool:
@@ -66,26 +68,60 @@ def test_colocated_roles_share_a_process_and_a_killed_actor_is_reported(ray_sess
         pool.remove()
 
 
-def test_processes_of_two_pools_on_one_node_split_its_cpus(ray_session):
-    """Split placement on one machine: each process takes half the CPUs as torch threads, not all of them
-    (two pools' processes that each took every CPU ran an update 2-3x slower beside a generating rollout)."""
+def _two_pools_on_one_node(setup: dict) -> tuple[list[RayWorkerGroup], list[RayResourcePool]]:
     manager = ResourcePoolManager(
         {"train": [1], "gen": [1]}, {"actor": "train", "rollout": "gen"}, cpus_per_process=0.1
     )
     pools = manager.create_resource_pool()
-    groups = []
+    node = ray.get_runtime_context().get_node_id()
+    assert processes_per_node(pools.values()) == {node: 2}
+    process_setup = ProcessSetup(node_processes=processes_per_node(pools.values()), **setup)
+    groups = [
+        RayWorkerGroup(pool, ClassWithInitArgs(CriticPart), name_prefix=name, setup=process_setup)
+        for name, pool in pools.items()
+    ]
+    return groups, list(pools.values())
+
+
+def _shut(groups: list[RayWorkerGroup], pools: list[RayResourcePool]) -> None:
+    for group in groups:
+        group.shutdown()
+    for pool in pools:
+        pool.remove()
+
+
+def test_processes_of_two_pools_on_one_node_split_its_cpus(ray_session):
+    """Split placement on one machine, the fixed share: each process takes half the CPUs as torch threads, not
+    all of them (two pools' processes that each took every CPU ran an update 2-3x slower beside a generating
+    rollout)."""
+    groups, pools = _two_pools_on_one_node({"share_cores": False, "return_freed_memory": True})
     try:
-        node = ray.get_runtime_context().get_node_id()
-        assert processes_per_node(pools.values()) == {node: 2}
-        setup = ProcessSetup(node_processes=processes_per_node(pools.values()), return_freed_memory=True)
-        for name, pool in pools.items():
-            groups.append(RayWorkerGroup(pool, ClassWithInitArgs(CriticPart), name_prefix=name, setup=setup))
         assert [g.torch_threads() for g in groups] == [[max(1, usable_cpus() // 2)]] * 2
     finally:
-        for group in groups:
-            group.shutdown()
-        for pool in pools.values():
-            pool.remove()
+        _shut(groups, pools)
+
+
+def test_a_process_takes_the_cores_of_one_that_waits(ray_session, tmp_path):
+    """The shared cores (the default): a process alone at work takes every CPU; beside one at work, half."""
+    groups, pools = _two_pools_on_one_node({})
+    released = tmp_path / "released"
+    try:
+        train, gen = groups
+        assert train.torch_threads() == [usable_cpus()] and gen.torch_threads() == [usable_cpus()]
+        [gen_pid] = gen.pid()  # asked first: the actor runs one call at a time
+        working = threading.Thread(target=gen.work_until, args=(str(released),))
+        working.start()
+        busy = shared_folder() / f"{gen_pid}.busy"
+        start = time.monotonic()
+        while not busy.exists() and time.monotonic() - start < 60:  # the call has reached the worker
+            time.sleep(0.01)
+        assert train.torch_threads() == [max(1, usable_cpus() // 2)]
+        released.touch()
+        working.join()
+        assert train.torch_threads() == [usable_cpus()]
+    finally:
+        released.touch()
+        _shut(groups, pools)
 
 
 def test_resource_pool_manager_says_which_resources_are_missing(ray_session):

@@ -13,6 +13,7 @@ node and the role, instead of a worker traceback.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -41,6 +42,7 @@ from hybridflow.single_controller.worker_group import (
     WorkerGroup,
     worker_failure,
 )
+from hybridflow.utils.cores import CoreShare, share_cores
 from hybridflow.utils.errors import UserError
 from hybridflow.utils.memory import return_freed_memory
 
@@ -62,11 +64,15 @@ class ProcessSetup:
     or, for a node not listed, among the group's own processes on it. Without it Ray's rule holds: one
     thread for an actor with a fraction of a CPU. Two processes that each think the node is theirs run
     twice the threads the node has, and a spinning thread pool then slows both by 2-3x (measured: an
-    update beside a generating rollout on 2 cores). ``return_freed_memory``: the allocator hands freed
-    blocks back to the OS at once (``hybridflow.utils.memory``)."""
+    update beside a generating rollout on 2 cores). ``share_cores`` (with ``torch_threads``): that share is
+    the start; while a call runs, the process takes the node's CPUs divided among the processes at work at
+    that moment instead (``hybridflow.utils.cores``), so a trainer takes the cores of a rollout that waits.
+    ``return_freed_memory``: the allocator hands freed blocks back to the OS at once
+    (``hybridflow.utils.memory``)."""
 
     torch_threads: bool = True
     node_processes: Mapping[str, int] = field(default_factory=dict)
+    share_cores: bool = True
     return_freed_memory: bool = False
 
 
@@ -75,6 +81,7 @@ class _WorkerHost:
 
     def __init__(self) -> None:
         self._worker: Any = None
+        self._cores: CoreShare | None = None
 
     def master_address(self) -> tuple[str, int]:
         """This node's IP and a port free right now, for rank 0 to host the process-group rendezvous."""
@@ -109,12 +116,19 @@ class _WorkerHost:
             node = ray.get_runtime_context().get_node_id()
             sharing = setup.node_processes.get(node, int(env["LOCAL_WORLD_SIZE"]))
             torch.set_num_threads(max(1, usable_cpus() // sharing))
+            if setup.share_cores:
+                self._cores = share_cores(usable_cpus())
         if setup.return_freed_memory:
             return_freed_memory()
-        self._worker = cloudpickle.loads(cls_with_init)()
+        with self._working():
+            self._worker = cloudpickle.loads(cls_with_init)()
+
+    def _working(self) -> contextlib.AbstractContextManager[None]:
+        return self._cores.working() if self._cores is not None else contextlib.nullcontext()
 
     def execute(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self._worker, method)(*args, **kwargs)
+        with self._working():
+            return getattr(self._worker, method)(*args, **kwargs)
 
 
 _RemoteHost = ray.remote(_WorkerHost)
