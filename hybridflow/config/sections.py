@@ -142,6 +142,10 @@ class TrainerConfig:
     #: worker processes hand freed blocks of 4 MiB and more back to the OS at once (glibc; no effect on other
     #: C libraries), so a rank's peak memory shrinks with its shards instead of keeping what it freed
     return_freed_memory: bool = True
+    #: Ray worker processes on one machine share its cores as their work comes and goes: a process at work
+    #: takes the cores divided among those at work at that moment (a trainer takes a waiting rollout's); off,
+    #: each keeps a fixed equal share. The local backend runs in one process and shares nothing
+    share_cores: bool = True
     save_freq: int = -1  #: save a checkpoint every N steps; -1 = never
     test_freq: int = -1  #: validate every N steps; -1 = never
     val_before_train: bool = True  #: validate once before the first step

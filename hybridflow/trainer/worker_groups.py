@@ -379,6 +379,7 @@ def _ray_worker_groups(
     resource_pools = manager.create_resource_pool()
     setup = ProcessSetup(
         node_processes=processes_per_node(resource_pools.values()),
+        share_cores=trainer.share_cores,
         return_freed_memory=trainer.return_freed_memory,
     )
     groups, views = [], {}
