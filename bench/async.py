@@ -9,8 +9,9 @@ asynchronous modes overlap the two. Each mode runs in its own process on the emb
 (fp32, 8 prompts x 4 samples a step, T 0.7, top-k 50, lr 1e-5) for the same number of steps, so the same
 number of samples, then evaluates greedily on 64 held-out (short) problems. sync runs in one process
 (the local backend) with both cores as torch threads; the asynchronous modes run on Ray with split
-placement (``--async-backend ray``, the default): the actor in one process and the rollout in another, one
-core each. ``--async-backend local`` runs them as threads of one process instead (one torch thread each),
+placement (``--async-backend ray``, the default): the actor in one process and the rollout in another,
+sharing the cores as their work comes and goes (``trainer.share_cores``; ``one_step_off_fixed`` runs
+one-step-off with one core each instead). ``--async-backend local`` runs them as threads of one process instead (one torch thread each),
 where the Python-bound decoding loop and the trainer share one interpreter lock. Prints steps per hour,
 samples per second (the first step, which also warms up, and the last, which also validates and saves, are
 not counted), the idle fractions and held-out accuracy; writes JSON.
@@ -55,8 +56,11 @@ MODES = {
         "async_training.max_staleness=1",
         "actor_rollout_ref.actor.off_policy_mask=token",
     ],
+    # one-step-off with each Ray process keeping half the cores (what ran before trainer.share_cores)
+    "one_step_off_fixed": ["async_training.mode=one_step_off", "trainer.share_cores=false"],
 }
-# where the asynchronous modes run; Ray gives each of its 2 processes half the cores as torch threads
+# where the asynchronous modes run; Ray's processes share the cores (trainer.share_cores): each at work takes
+# the cores divided among those at work at that moment
 BACKENDS = {"ray": ["trainer.backend=ray", "trainer.placement=split"], "local": []}
 ACC = "val/arithmetic/acc/mean@1"
 
@@ -131,7 +135,8 @@ def summary(result: dict, samples_per_step: int) -> dict[str, float]:
         "trainer_idle": trainer_idle,
         "staleness_mean": statistics.mean(r.get("async/staleness_mean", 0.0) for r in rows),
         "response_length_max": max(r["response_length/max"] for r in rows),
-        "response_length_mean": statistics.mean(r["response_length/mean"] for r in rows),
+        # over the counted steps: answers that ran long cost their step time, whatever the mode
+        "response_length_mean": statistics.mean(r["response_length/mean"] for r in rows[1:-1]),
         "acc": result["acc"],
     }
 
@@ -188,14 +193,14 @@ def main() -> None:
         f"explanation), SmolLM2-135M-Instruct, async modes on {args.async_backend}, overrides {args.set}, load average {os.getloadavg()[0]:.1f}"
     )
     print(
-        "| mode | steps/h | samples/s | vs sync | rollout idle | trainer idle | staleness | "
-        "held-out acc |\n|---|---|---|---|---|---|---|---|"
+        "| mode | steps/h | samples/s | vs sync | rollout idle | trainer idle | staleness | mean answer | "
+        "held-out acc |\n|---|---|---|---|---|---|---|---|---|"
     )
     for mode, row in table.items():
         print(
             f"| {mode} | {row['steps_per_hour']:.0f} | {row['samples_per_s']:.2f} | "
             f"{row['samples_per_s'] / base:.2f}x | {row['rollout_idle']:.0%} | {row['trainer_idle']:.0%} | "
-            f"{row['staleness_mean']:.2f} | {row['acc']:.0%} |"
+            f"{row['staleness_mean']:.2f} | {row['response_length_mean']:.1f} | {row['acc']:.0%} |"
         )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(

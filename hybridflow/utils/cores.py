@@ -28,11 +28,13 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 RECHECK_S = 0.01  #: how often, at most, a computing thread re-reads who works (seconds)
 _BUSY = ".busy"
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
 
 def shared_folder() -> Path:
@@ -149,7 +151,7 @@ def _after_layer(_module: torch.nn.Module, _args: object, output: object) -> Non
         first.register_hook(_rebalance)
 
 
-def follow(model: torch.nn.Module) -> torch.nn.Module:
+def follow(model: ModuleT) -> ModuleT:
     """Rebalance before each layer's forward and backward: the members of every ``ModuleList`` of ``model``
     (a transformer's blocks). Nothing is added where this process does not share its cores."""
     if _share is None:
