@@ -11,10 +11,12 @@ number of samples, then evaluates greedily on 64 held-out (short) problems. sync
 (the local backend) with both cores as torch threads; the asynchronous modes run on Ray with split
 placement (``--async-backend ray``, the default): the actor in one process and the rollout in another,
 sharing the cores as their work comes and goes (``trainer.share_cores``; ``one_step_off_fixed`` runs
-one-step-off with one core each instead). ``--async-backend local`` runs them as threads of one process instead (one torch thread each),
-where the Python-bound decoding loop and the trainer share one interpreter lock. Prints steps per hour,
-samples per second (the first step, which also warms up, and the last, which also validates and saves, are
-not counted), the idle fractions and held-out accuracy; writes JSON.
+one-step-off with one core each instead). ``--async-backend local`` runs them as threads of one process
+(one torch thread each), where the Python-bound decoding loop and the trainer share one interpreter lock. Prints steps per hour,
+samples per second and answer tokens per second (the first step, which also warms up, and the last, which
+also validates and saves, are not counted; stale weights learn other answer lengths, which samples per
+second rewards and tokens per second does not), the idle fractions and held-out accuracy; writes JSON
+(``--table`` prints the table of one again).
 
 Run it alone: two benchmarks on the same 2 cores measure each other.
 """
@@ -121,6 +123,9 @@ def summary(result: dict, samples_per_step: int) -> dict[str, float]:
     stamps, rows = result["stamps"], [r for r in result["rows"] if "timing_s/step" in r]
     # between the ends of steps 1 and N-1: not the first step (warm-up), nor the last (validation, checkpoint)
     step_s = statistics.mean(b - a for a, b in zip(stamps[:-2], stamps[1:-1]))
+    # the modes' policies differ (stale weights), so do their answers' lengths: tokens a second compares the
+    # work done where samples a second would favour the mode that learned to answer shorter
+    tokens = samples_per_step * sum(r["response_length/mean"] for r in rows[1:-1])
     if result["mode"] == "sync":  # the rollout idles while the actor trains, the actor while it generates
         rollout_idle = statistics.mean(1 - r["timing_s/gen"] / r["timing_s/step"] for r in rows[1:])
         trainer_idle = statistics.mean(r["timing_s/gen"] / r["timing_s/step"] for r in rows[1:])
@@ -131,6 +136,7 @@ def summary(result: dict, samples_per_step: int) -> dict[str, float]:
         "step_s": step_s,
         "steps_per_hour": 3600 / step_s,
         "samples_per_s": samples_per_step / step_s,
+        "tokens_per_s": tokens / (stamps[-2] - stamps[0]),
         "rollout_idle": rollout_idle,
         "trainer_idle": trainer_idle,
         "staleness_mean": statistics.mean(r.get("async/staleness_mean", 0.0) for r in rows),
@@ -139,6 +145,44 @@ def summary(result: dict, samples_per_step: int) -> dict[str, float]:
         "response_length_mean": statistics.mean(r["response_length/mean"] for r in rows[1:-1]),
         "acc": result["acc"],
     }
+
+
+def run_modes(args: argparse.Namespace, work: Path) -> dict[str, dict]:
+    """Each mode in a process of its own (threads and Ray's state are per process), in order."""
+    results = {}
+    for mode in args.modes.split(","):
+        threads = args.threads.split(",")[0 if mode == "sync" else 1]
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": str(Path(__file__).parents[1])}
+        backend = [] if mode == "sync" else BACKENDS[args.async_backend]
+        out = subprocess.run(
+            [sys.executable, __file__, "--one", mode, "--steps", str(args.steps), "--work", str(work)]
+            + [f"--set={override}" for override in [*backend, *args.set]],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        line = [row for row in out.stdout.splitlines() if row.startswith("RESULT ")]
+        if out.returncode or not line:
+            sys.exit(f"{mode} failed:\n{out.stderr[-3000:]}")
+        results[mode] = json.loads(line[0][len("RESULT ") :])
+        print(f"{mode}: done in {results[mode]['wall_s']:.0f} s", flush=True)
+    return results
+
+
+def print_table(table: dict[str, dict[str, float]]) -> None:
+    first = table.get("sync", next(iter(table.values())))
+    base, base_tokens = first["samples_per_s"], first["tokens_per_s"]
+    print(
+        "| mode | steps/h | samples/s | vs sync | answer tokens/s | vs sync | rollout idle | trainer idle | "
+        "staleness | mean answer | held-out acc |\n|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    for mode, row in table.items():
+        print(
+            f"| {mode} | {row['steps_per_hour']:.0f} | {row['samples_per_s']:.2f} | "
+            f"{row['samples_per_s'] / base:.2f}x | {row['tokens_per_s']:.1f} | "
+            f"{row['tokens_per_s'] / base_tokens:.2f}x | {row['rollout_idle']:.0%} | {row['trainer_idle']:.0%} | "
+            f"{row['staleness_mean']:.2f} | {row['response_length_mean']:.1f} | {row['acc']:.0%} |"
+        )
 
 
 def main() -> None:
@@ -161,6 +205,7 @@ def main() -> None:
     )
     parser.add_argument("--samples-per-step", type=int, default=32, help="train_batch_size x rollout.n")
     parser.add_argument("--test-size", type=int, default=TEST, help="held-out problems")
+    parser.add_argument("--table", help="print the table of a JSON this bench wrote, running nothing")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process: run this mode, print JSON
     args = parser.parse_args()
     work = Path(args.work)
@@ -168,40 +213,19 @@ def main() -> None:
         result = run_mode(args.one, work / "data", work / args.one, args.steps, args.set)
         print("RESULT " + json.dumps(result))
         return
+    if args.table:
+        runs = json.loads(Path(args.table).read_text())["runs"]
+        print_table({mode: summary(result, args.samples_per_step) for mode, result in runs.items()})
+        return
     long_tail_data(work / "data", args.test_size)
-    results = {}
-    for mode in args.modes.split(","):
-        threads = args.threads.split(",")[0 if mode == "sync" else 1]
-        env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": str(Path(__file__).parents[1])}
-        backend = [] if mode == "sync" else BACKENDS[args.async_backend]
-        out = subprocess.run(
-            [sys.executable, __file__, "--one", mode, "--steps", str(args.steps), "--work", str(work)]
-            + [f"--set={override}" for override in [*backend, *args.set]],
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        line = [row for row in out.stdout.splitlines() if row.startswith("RESULT ")]
-        if out.returncode or not line:
-            sys.exit(f"{mode} failed:\n{out.stderr[-3000:]}")
-        results[mode] = json.loads(line[0][len("RESULT ") :])
-        print(f"{mode}: done in {results[mode]['wall_s']:.0f} s", flush=True)
+    results = run_modes(args, work)
     table = {mode: summary(result, args.samples_per_step) for mode, result in results.items()}
-    base = table.get("sync", next(iter(table.values())))["samples_per_s"]
     print(
         f"\n{args.steps} steps, {args.samples_per_step} samples each (1 prompt in {LONG_EVERY} asks for an "
-        f"explanation), SmolLM2-135M-Instruct, async modes on {args.async_backend}, overrides {args.set}, load average {os.getloadavg()[0]:.1f}"
+        f"explanation), SmolLM2-135M-Instruct, async modes on {args.async_backend}, overrides {args.set}, "
+        f"load average {os.getloadavg()[0]:.1f}"
     )
-    print(
-        "| mode | steps/h | samples/s | vs sync | rollout idle | trainer idle | staleness | mean answer | "
-        "held-out acc |\n|---|---|---|---|---|---|---|---|---|"
-    )
-    for mode, row in table.items():
-        print(
-            f"| {mode} | {row['steps_per_hour']:.0f} | {row['samples_per_s']:.2f} | "
-            f"{row['samples_per_s'] / base:.2f}x | {row['rollout_idle']:.0%} | {row['trainer_idle']:.0%} | "
-            f"{row['staleness_mean']:.2f} | {row['response_length_mean']:.1f} | {row['acc']:.0%} |"
-        )
+    print_table(table)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
         json.dumps({"table": table, "runs": results, "load_average": os.getloadavg()}, indent=2)
