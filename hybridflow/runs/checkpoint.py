@@ -35,6 +35,7 @@ from pathlib import Path
 
 from hybridflow.config.checks import required
 from hybridflow.utils.errors import MissingInputError, UserError
+from hybridflow.utils.processes import process_alive
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
     removed = []
     for entry in Path(folder).glob(f"{_TMP_PREFIX}*"):
         match = _TMP_PID.search(entry.name)
-        if match and int(match[1]) != os.getpid() and not _process_alive(int(match[1])):
+        if match and int(match[1]) != os.getpid() and not process_alive(int(match[1])):
             _remove(entry)
             removed.append(entry)
     return removed
@@ -340,16 +341,6 @@ class CheckpointManager:
         if resume_mode == "auto":
             return self.latest_intact()
         return resolve_checkpoint(required(resume_from_path, "trainer.resume_from_path"))  # resume_path
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 def _file_table(folder: Path) -> dict[str, dict[str, int]]:

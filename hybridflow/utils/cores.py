@@ -15,7 +15,7 @@ so it is changed by the thread that computes, where it can: at every call, befor
 each thread re-reads the folder at most every ``RECHECK_S``. Between two such points a process can run one
 layer with more threads than its share.
 
-May import: nothing of hybridflow.
+May import: ``hybridflow.utils.processes``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from typing import TypeVar
 
 import torch
 
+from hybridflow.utils.processes import process_alive
+
 RECHECK_S = 0.01  #: how often, at most, a computing thread re-reads who works (seconds)
 _BUSY = ".busy"
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
@@ -41,16 +43,6 @@ def shared_folder() -> Path:
     """The folder of this machine's sharing processes: in memory where the OS has one (cleared at boot)."""
     root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     return root / f"hybridflow-cores-{os.getuid() if hasattr(os, 'getuid') else 0}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process, alive
-        return True
-    return True
 
 
 class CoreShare:
@@ -101,7 +93,7 @@ class CoreShare:
             pid_text = name.removesuffix(_BUSY)
             if not pid_text.isdigit() or int(pid_text) == self._pid:
                 continue
-            if not _alive(int(pid_text)):
+            if not process_alive(int(pid_text)):
                 (self.folder / name).unlink(missing_ok=True)
             elif name.endswith(_BUSY):
                 count += 1
