@@ -12,11 +12,11 @@ number of samples, then evaluates greedily on 64 held-out (short) problems. sync
 placement (``--async-backend ray``, the default): the actor in one process and the rollout in another,
 sharing the cores as their work comes and goes (``trainer.share_cores``; ``one_step_off_fixed`` runs
 one-step-off with one core each instead). ``--async-backend local`` runs them as threads of one process
-(one torch thread each), where the Python-bound decoding loop and the trainer share one interpreter lock. Prints steps per hour,
-samples per second and answer tokens per second (the first step, which also warms up, and the last, which
-also validates and saves, are not counted; stale weights learn other answer lengths, which samples per
-second rewards and tokens per second does not), the idle fractions and held-out accuracy; writes JSON
-(``--table`` prints the table of one again).
+(one torch thread each), where the Python-bound decoding loop and the trainer share one interpreter lock.
+Prints steps per hour, samples per second and answer tokens per second (the first step, which also warms up,
+and the last, which also validates and saves, are not counted; stale weights learn other answer lengths,
+which samples per second rewards and tokens per second does not), the idle fractions and held-out accuracy;
+writes JSON (``--table`` prints the table of one again).
 
 Run it alone: two benchmarks on the same 2 cores measure each other.
 """
