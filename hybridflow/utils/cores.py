@@ -131,9 +131,15 @@ def share_cores(cores: int, folder: Path | None = None) -> CoreShare:
     return _share
 
 
-def _rebalance(*_: object) -> None:
+def rebalance() -> None:
+    """Retake this thread's share of the cores, at most every ``RECHECK_S``, where this process shares them: for
+    a loop of work that runs no model ``follow`` was given (a weight sync's buckets), at each step."""
     if _share is not None:
         _share.rebalance()
+
+
+def _rebalance(*_: object) -> None:
+    rebalance()
 
 
 def _after_layer(_module: torch.nn.Module, _args: object, output: object) -> None:

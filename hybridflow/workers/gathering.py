@@ -43,7 +43,7 @@ def whole_tensors(
         if group and not _joins(group, tensor, group_bytes):
             yield from _gather_group(group, device, root, receives)
             group = []
-        if _groupable(tensor):
+        if rows_sharded(tensor):
             group.append((name, tensor))
             continue
         whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
@@ -53,7 +53,7 @@ def whole_tensors(
         yield from _gather_group(group, device, root, receives)
 
 
-def _groupable(tensor: torch.Tensor) -> TypeGuard[DTensor]:
+def rows_sharded(tensor: torch.Tensor) -> TypeGuard[DTensor]:
     """A DTensor FSDP2 shards on its first dimension over a one-dimensional mesh of the whole world."""
     if not isinstance(tensor, DTensor) or tensor.dim() == 0:
         return False
@@ -65,13 +65,13 @@ def _groupable(tensor: torch.Tensor) -> TypeGuard[DTensor]:
 def _joins(group: list[tuple[str, DTensor]], tensor: torch.Tensor, group_bytes: int) -> bool:
     """Whether ``tensor`` goes into the same collective as ``group``: the same dtype and mesh, and room left."""
     first = group[0][1]
-    if not _groupable(tensor) or tensor.dtype != first.dtype or tensor.device_mesh != first.device_mesh:
+    if not rows_sharded(tensor) or tensor.dtype != first.dtype or tensor.device_mesh != first.device_mesh:
         return False
     used = sum(t.numel() for _, t in group) * first.element_size()
     return used + tensor.numel() * tensor.element_size() <= group_bytes
 
 
-def _padded_numel(tensor: DTensor, world: int) -> tuple[int, int]:
+def padded_rows(tensor: DTensor, world: int) -> tuple[int, int]:
     """Rows per rank after padding (``ceil(rows / world)``) and the elements of one row."""
     return math.ceil(tensor.shape[0] / world), math.prod(tensor.shape[1:])
 
@@ -83,7 +83,7 @@ def _gather_group(
     alone whose rows divide by the ranks is gathered as it is, into the tensor yielded (no copy either side)."""
     mesh = group[0][1].device_mesh
     world, process_group = mesh.size(), mesh.get_group()
-    layout = [_padded_numel(tensor, world) for _, tensor in group]
+    layout = [padded_rows(tensor, world) for _, tensor in group]
     sizes = [rows * row for rows, row in layout]
     local = _packed(group, sizes)
     whole = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device) if receives else None

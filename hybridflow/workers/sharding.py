@@ -431,13 +431,7 @@ def full_weights(
             name: sub.scaling["default"] for name, sub in module.named_modules() if isinstance(sub, LoraLayer)
         }
     pending: dict[str, dict[str, torch.Tensor]] = {}
-    state: Iterable[tuple[str, torch.Tensor]] = module.state_dict().items()
-    if adapter_only:
-        state = [(name, t) for name, t in state if lora and any(marker in name for marker in LORA_MARKERS)]
-    if tied_once:
-        first = {name for name, _ in module.named_parameters()}  # a shared parameter under its first name
-        aliases = {name for name, _ in module.named_parameters(remove_duplicate=False)} - first
-        state = [(name, t) for name, t in state if name not in aliases]
+    state = weight_state(module, adapter_only, tied_once)
     for name, tensor in whole_tensors(state, device, root, group_bytes):
         is_adapter = lora and any(marker in name for marker in LORA_MARKERS)
         if not lora:
@@ -458,6 +452,23 @@ def full_weights(
                 del pending[owner]
         elif not is_adapter:
             yield _base_name(name), tensor
+
+
+def weight_state(
+    module: nn.Module, adapter_only: bool = False, tied_once: bool = False
+) -> list[tuple[str, torch.Tensor]]:
+    """The module's own tensors (``state_dict``: on a sharded module, each rank's shards as DTensors) that
+    ``full_weights`` makes whole, in order: with ``adapter_only`` a LoRA model's adapters alone, with
+    ``tied_once`` a tied tensor under its first name alone."""
+    lora = is_lora(module)
+    state = list(module.state_dict().items())
+    if adapter_only:
+        state = [(name, t) for name, t in state if lora and any(marker in name for marker in LORA_MARKERS)]
+    if tied_once:
+        first = {name for name, _ in module.named_parameters()}  # a shared parameter under its first name
+        aliases = {name for name, _ in module.named_parameters(remove_duplicate=False)} - first
+        state = [(name, t) for name, t in state if name not in aliases]
+    return state
 
 
 def _base_name(name: str) -> str:

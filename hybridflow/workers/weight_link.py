@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hybridflow.utils.cores import rebalance
 from hybridflow.utils.errors import UserError
 
 Named = list[tuple[str, torch.Tensor]]
@@ -54,15 +55,15 @@ CHUNK_BYTES = 2**20
 def checksum(tensors: Iterable[torch.Tensor]) -> int:
     """An exact fingerprint of tensors' bits, in order: the sum of each tensor's raw bits as integers, each
     weighted by its place (a tensor loaded under another name changes it). Cheap: one read of each tensor."""
-    return placed(_bits_sum(tensor) for tensor in tensors)
+    return placed(bits_sum(tensor) for tensor in tensors)
 
 
 def placed(sums: Iterable[int]) -> int:
-    """``checksum`` from each tensor's ``_bits_sum`` (or ``copy_summed``), in order."""
+    """``checksum`` from each tensor's ``bits_sum`` (or ``copy_summed``), in order."""
     return sum(place * value for place, value in enumerate(sums, 1))
 
 
-def _bits_sum(tensor: torch.Tensor) -> int:
+def bits_sum(tensor: torch.Tensor) -> int:
     """The tensor's bytes read as integers and summed with wrap-around (so in any order, exactly): as 8-byte
     words when its size is a whole number of them (as fast as reading them; widening narrower words as they
     are summed is 20x slower), else as words of the element's width. Depends on the values only."""
@@ -80,13 +81,13 @@ def _starts_on_a_word(flat: torch.Tensor) -> bool:
 
 
 def copy_summed(target: torch.Tensor, source: torch.Tensor) -> int:
-    """Copy ``source`` into ``target`` (contiguous, as many elements) and return ``_bits_sum`` of what
+    """Copy ``source`` into ``target`` (contiguous, as many elements) and return ``bits_sum`` of what
     ``target`` then holds, each ``CHUNK_BYTES`` read back right after its copy, from cache. Where the words do
     not line up (or the dtypes differ) it copies, then reads ``target`` back whole: the same value."""
     flat, width = target.view(-1), target.element_size()
     if target.dtype != source.dtype or (flat.numel() * width) % 8 or not _starts_on_a_word(flat):
         target.copy_(source.reshape(target.shape))
-        return _bits_sum(target)
+        return bits_sum(target)
     given, step, total = source.reshape(-1), CHUNK_BYTES // width, 0
     for start in range(0, flat.numel(), step):
         part = flat[start : start + step]
@@ -128,8 +129,8 @@ def link_address(size: int, device: torch.device) -> LinkAddress:
 
 @dataclass
 class SyncStats:
-    """What one sync cost on one member: seconds waiting for tensors (the sender's gather from the shards),
-    in transfers (and, with shared memory, waiting for the receivers to be done with a segment), and loading
+    """What one sync cost on one member: seconds filling the buckets (the sender's: gathering the tensors
+    from the shards and copying them in), in transfers (and, with shared memory, waiting for the receivers to be done with a segment), and loading
     (a receiver's copies into its model and their check), the bytes moved, the buckets."""
 
     gather_s: float = 0.0
@@ -150,7 +151,9 @@ class WeightLink:
     blocks until all have); member 0 sends (``send``), the others receive (``receive``), both called together
     for each sync. ``bucket_bytes`` and ``largest_bytes`` (the largest tensor that will travel) size the
     sender's buckets and shared memory; ``shared_memory`` false (the sender's say) sends every bucket over the
-    group even on one machine."""
+    group even on one machine. ``on_segments(paths, bytes)``, the sender's, is called with the shared-memory
+    segments (none when the buckets travel over the group) before they are unlinked: the processes that fill
+    buckets with the sender (the actor's other ranks, ``weight_shards``) map them then."""
 
     def __init__(
         self,
@@ -161,6 +164,7 @@ class WeightLink:
         largest_bytes: int = 0,
         timeout_s: float = 600.0,
         shared_memory: bool = True,
+        on_segments: Callable[[list[str], int], None] | None = None,
     ) -> None:
         timeout = timedelta(seconds=timeout_s)
         self.device, self.bucket_bytes = device, bucket_bytes
@@ -174,13 +178,23 @@ class WeightLink:
         else:
             self.group = dist.ProcessGroupGloo(store, member, address.size, timeout)
         self.segments: list[torch.Tensor] = []  # the shared-memory buckets, when every member can map them
+        paths: list[str] = []
+        capacity = 0
         if address.backend == "gloo":
-            self._share_memory(store, member, address.size, max(bucket_bytes, largest_bytes), shared_memory)
+            capacity = max(bucket_bytes, largest_bytes)
+            paths, capacity = self._share_memory(store, member, address.size, capacity, shared_memory)
+        if member == 0:
+            if on_segments is not None:
+                on_segments(paths, capacity)
+            for path in paths:  # the memory lives while a process maps it: a killed run leaves nothing behind
+                os.unlink(path)
 
-    def _share_memory(self, store: dist.Store, member: int, size: int, capacity: int, wanted: bool) -> None:
+    def _share_memory(
+        self, store: dist.Store, member: int, size: int, capacity: int, wanted: bool
+    ) -> tuple[list[str], int]:
         """When every member runs on the sender's machine: two segments in shared memory, which the sender
-        creates, every member maps, and the sender then unlinks (the memory lives while a member maps it, so
-        a killed run leaves nothing behind)."""
+        creates and every member maps; their paths and size once every member has (the sender then unlinks
+        them)."""
         store.set(f"host/{member}", socket.gethostname())
         if member == 0:
             hosts = {store.get(f"host/{m}").decode() for m in range(size)}
@@ -189,13 +203,9 @@ class WeightLink:
             paths = [_new_segment(capacity) for _ in range(2)] if shared else []
             store.set("segments", json.dumps([paths, capacity]))
         paths, capacity = json.loads(store.get("segments"))
-        self.segments = [
-            torch.from_file(path, shared=True, size=capacity, dtype=torch.uint8) for path in paths
-        ]
+        self.segments = map_segments(paths, capacity)
         self._all_done().wait()  # every member has mapped them
-        if member == 0:
-            for path in paths:
-                os.unlink(path)
+        return paths, capacity
 
     def _broadcast(self, tensor: torch.Tensor) -> dist.Work:
         options = dist.BroadcastOptions()
@@ -213,9 +223,14 @@ class WeightLink:
 
     def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> SyncStats:
         """Stream ``weights`` (a generator that may gather as it goes) to every receiver."""
+        return self.send_buckets(_buckets(weights, self.bucket_bytes, self._buffer))
+
+    def send_buckets(self, buckets: Iterable[Bucket]) -> SyncStats:
+        """Stream ``buckets`` (a generator that fills each as it goes: bucket ``i`` in ``self.segments[i % 2]``
+        when there are segments, once the receivers are done with bucket ``i - 2``) to every receiver."""
         stats, index = SyncStats(), -1
         in_flight: list[dist.Work] = []
-        for index, bucket in enumerate(_buckets(weights, self.bucket_bytes, stats, self._buffer)):
+        for index, bucket in enumerate(_timed(buckets, stats)):
             stats.bytes += bucket.flat.numel() * bucket.flat.element_size()
             stats.buckets += 1
             if self.segments:  # the receivers are done with the bucket before; this one is in shared memory
@@ -245,6 +260,7 @@ class WeightLink:
         once the stream has ended (the sender is not left waiting)."""
         stats, failure = SyncStats(), None
         while True:
+            rebalance()
             start = time.perf_counter()
             length = _length(0, self.device)
             self._broadcast(length).wait()
@@ -274,6 +290,11 @@ class WeightLink:
             stats.buckets += 1
             if segment is not None:
                 self._all_done().wait()
+
+
+def map_segments(paths: list[str], capacity: int) -> list[torch.Tensor]:
+    """The shared-memory segments at ``paths``, ``capacity`` bytes each, mapped into this process."""
+    return [torch.from_file(path, shared=True, size=capacity, dtype=torch.uint8) for path in paths]
 
 
 def _new_segment(capacity: int) -> str:
@@ -307,36 +328,54 @@ class Bucket:
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
+def bucket_limit(bucket_bytes: int, first: torch.Tensor) -> int:
+    """Elements a bucket that starts with ``first`` may hold: ``bucket_bytes`` of its dtype, or ``first`` alone
+    when it is larger (a tensor is never split)."""
+    return max(bucket_bytes // first.element_size(), first.numel())
+
+
+def joins(bucket: Bucket | None, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` goes into ``bucket``: one of its dtype, with room left."""
+    return (
+        bucket is not None
+        and bucket.used + tensor.numel() <= bucket.limit
+        and tensor.dtype == bucket.flat.dtype
+    )
+
+
 def _buckets(
     weights: Iterable[tuple[str, torch.Tensor]],
     bucket_bytes: int,
-    stats: SyncStats,
     buffer: Callable[[int, torch.dtype, int], torch.Tensor],
 ) -> Iterator[Bucket]:
-    """``weights`` in buckets of one dtype and at most ``bucket_bytes`` (a larger tensor travels alone), each
-    tensor copied into its bucket (``buffer(index, dtype, elements)``) as it comes, so a gathered tensor is
-    dropped at once; the time spent waiting for the next tensor (the gather from the shards) goes to
-    ``stats.gather_s``."""
+    """``weights`` in buckets of one dtype and at most ``bucket_bytes`` (``bucket_limit``), each tensor copied
+    into its bucket (``buffer(index, dtype, elements)``) as it comes, so a gathered tensor is dropped at once."""
     bucket: Bucket | None = None
-    iterator, index = iter(weights), 0
-    while True:
-        start = time.perf_counter()
-        item = next(iterator, None)
-        stats.gather_s += time.perf_counter() - start
-        if item is None:
-            break
-        name, tensor = item
-        if bucket is not None and (
-            bucket.used + tensor.numel() > bucket.limit or tensor.dtype != bucket.flat.dtype
-        ):  # full
+    index = 0
+    for name, tensor in weights:
+        if bucket is not None and not joins(bucket, tensor):  # full
             yield _trimmed(bucket)
             bucket, index = None, index + 1
         if bucket is None:
-            limit = max(bucket_bytes // tensor.element_size(), tensor.numel())
+            limit = bucket_limit(bucket_bytes, tensor)
             bucket = Bucket(buffer(index, tensor.dtype, limit), limit)
         bucket.add(name, tensor)
     if bucket is not None:
         yield _trimmed(bucket)
+
+
+def _timed(buckets: Iterable[Bucket], stats: SyncStats) -> Iterator[Bucket]:
+    """``buckets``, the time spent filling each (gathering its tensors from the shards and copying them in)
+    added to ``stats.gather_s``."""
+    iterator = iter(buckets)
+    while True:
+        rebalance()  # the processes at work change as the actor's ranks and the receivers join the sync
+        start = time.perf_counter()
+        bucket = next(iterator, None)
+        stats.gather_s += time.perf_counter() - start
+        if bucket is None:
+            return
+        yield bucket
 
 
 def _trimmed(bucket: Bucket) -> Bucket:

@@ -19,12 +19,13 @@ from typing import TypeVar
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from hybridflow.config import ActorRolloutRefConfig
 from hybridflow.rollout import Rollout, RolloutEngine, rollout_class
 from hybridflow.single_controller import Dispatch, register
 from hybridflow.workers.engine import TrainingEngine
-from hybridflow.workers.sharding import full_weights, is_lora
+from hybridflow.workers.sharding import full_weights, is_lora, weight_state
 from hybridflow.workers.weight_link import (
     LinkAddress,
     Named,
@@ -36,6 +37,7 @@ from hybridflow.workers.weight_link import (
     placed,
     verify_loaded,
 )
+from hybridflow.workers.weight_shards import map_shared_segments, shard_buckets, share_segments
 
 MB = 2**20
 
@@ -136,6 +138,12 @@ class WeightMailbox:
 T = TypeVar("T")
 
 
+def _several_ranks() -> bool:
+    """Whether this process is one of several ranks of its worker group (the actor's other ranks take part in
+    the link's forming and in every send)."""
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
 def _module_name(name: str) -> str:
     """A LoRA adapter's name as ``policy_weights(adapter_only=True)`` sends it (peft's saved form) -> the
     receiving peft module's own (``...lora_A.default.weight``); other names are the module's already."""
@@ -181,6 +189,9 @@ class WeightSyncEnds:
     rollout_engine: type[RolloutEngine] | None
     mailbox: WeightMailbox | None
     weight_link: WeightLink | None
+    shard_segments: list[
+        torch.Tensor
+    ] = []  # the actor's other ranks: the link's segments, to fill with rank 0
     weights_received: int
     rank: int
     device: torch.device
@@ -255,6 +266,12 @@ class WeightSyncEnds:
         mailbox.post(version, list(from_numpy(weights, self._dtype())))
 
     # ------------------------------------------------------------------ over the link (Ray)
+    def _fills_in_place(self, policy: torch.nn.Module) -> bool:
+        """Whether the actor's ranks fill the link's shared-memory buckets with their shards in place
+        (``weight_shards``), rather than gathering whole tensors to rank 0: when there are several, and the
+        weights that travel are the module's own (LoRA merges or picks adapters from whole tensors)."""
+        return _several_ranks() and not is_lora(policy)
+
     @register(dispatch_mode=Dispatch.RANK_ZERO)
     def weight_link_address(self, receivers: int) -> LinkAddress:
         """A meeting point on the actor's rank 0 for itself and ``receivers`` rollout workers."""
@@ -263,21 +280,40 @@ class WeightSyncEnds:
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def join_weight_link(self, address: LinkAddress) -> None:
         """Join the weight link (a new one replaces an old one): the actor's rank 0 as its sender, rollout
-        worker ``r`` as member ``r + 1``; the actor's other ranks only help gather. Blocks until every member
+        worker ``r`` as member ``r + 1``; the actor's other ranks help fill the buckets (in shared memory,
+        ``weight_shards``, when the link's buckets are there) or gather to rank 0. Blocks until every member
         has joined, so the trainer calls it on both groups at once."""
         member = (0 if self.rank == 0 else None) if self._is_actor else 1 + self.rank
-        if member is None:
+        if member is None:  # the segments the link's buckets lie in, if they are shared, to fill with rank 0
             self.weight_link = None
+            self.shard_segments = map_shared_segments()
             return
         largest = max(t.numel() * t.element_size() for t in self._policy().state_dict().values())
         bucket = self.config.rollout.weight_sync_bucket_mb * MB
-        self.weight_link = WeightLink(address, member, self.device, bucket, largest if member == 0 else 0)
+        self.weight_link = WeightLink(
+            address,
+            member,
+            self.device,
+            bucket,
+            largest if member == 0 else 0,
+            on_segments=share_segments if member == 0 and _several_ranks() else None,
+        )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def send_weights(self) -> dict[str, float] | None:
-        """Stream the actor's weights over the link (rank 0; the other ranks gather their shards with it);
-        returns rank 0's ``SyncStats``."""
+        """Stream the actor's weights over the link (rank 0; the other ranks write their shards into its
+        shared-memory buckets with it, or send them to rank 0); returns rank 0's ``SyncStats``."""
         self._require(self.engine, "actor", "send_weights")
+        policy = self._policy()
+        segments = self.weight_link.segments if self.weight_link is not None else self.shard_segments
+        if segments and self._fills_in_place(policy):  # every rank writes its shards into the buckets
+            bucket = self.config.rollout.weight_sync_bucket_mb * MB
+            buckets = shard_buckets(weight_state(policy, tied_once=True), segments, bucket)
+            if self.weight_link is None:
+                for _ in buckets:  # the ranks > 0 yield nothing
+                    pass
+                return None
+            return self.weight_link.send_buckets(buckets).as_dict()
         weights = self._sent()
         if self.weight_link is None:
             for _ in weights:  # the ranks > 0 yield nothing: they only send their shards to rank 0

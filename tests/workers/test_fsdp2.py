@@ -33,12 +33,20 @@ class ShardProbe(GradProbe):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def perturb_adapters(self) -> None:
-        """Change every LoRA adapter tensor (their shards), the same way on every rank."""
+        """Change every LoRA adapter tensor (their shards), or with no LoRA every tensor, the same way on
+        every rank."""
         torch.manual_seed(1)
+        lora = any("lora_" in name for name, _ in self.module.named_parameters())
         with torch.no_grad():
             for name, p in self.module.named_parameters():
-                if "lora_" in name:
+                if "lora_" in name or not lora:
                     p.add_(torch.randn_like(p) * 0.1)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def fills_in_place(self) -> bool:
+        """Whether this rank writes its shards into the weight link's shared buckets (``weight_shards``)."""
+        segments = self.weight_link.segments if self.weight_link is not None else self.shard_segments
+        return bool(segments) and self._fills_in_place(self.module)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def adapter_bytes(self) -> int:

@@ -134,10 +134,12 @@ def test_a_copy_read_back_chunk_by_chunk_sums_as_the_whole(monkeypatch):
     assert copy_summed(torch.empty(100, dtype=torch.int64), big) == int(big.sum())  # torch's own wrap
 
 
-def test_a_sharded_lora_actor_sends_its_adapters_alone_to_a_rollout_worker(tiny_model_path, ray_session):
-    """Ray: the actor on 2 FSDP2 ranks with LoRA, a rollout worker of its own (the hf engine, which takes
-    adapters): only the adapters travel, gathered from the shards, and the rollout's merged model then equals
-    the actor's, loaded in place (lock-step) or kept and taken as a version (asynchronous)."""
+@pytest.mark.parametrize("lora_rank", [4, 0], ids=["lora adapters", "full weights in place"])
+def test_a_sharded_actor_reaches_a_rollout_worker_of_its_own(tiny_model_path, ray_session, lora_rank):
+    """Ray: the actor on 2 FSDP2 ranks, a rollout worker of its own (the hf engine, which takes adapters). With
+    LoRA only the adapters travel, gathered from the shards; without, each rank writes its own shards into
+    the link's shared-memory buckets. Either way the rollout's (merged) model then equals the actor's, loaded
+    in place (lock-step) or kept and taken as a version (asynchronous)."""
     from test_fsdp2 import ShardProbe
 
     from hybridflow.config.schema import PPOConfig
@@ -147,7 +149,7 @@ def test_a_sharded_lora_actor_sends_its_adapters_alone_to_a_rollout_worker(tiny_
 
     cfg = PPOConfig()
     arr = cfg.actor_rollout_ref
-    arr.model.path, arr.model.lora_rank, arr.actor.strategy = tiny_model_path, 4, "fsdp2"
+    arr.model.path, arr.model.lora_rank, arr.actor.strategy = tiny_model_path, lora_rank, "fsdp2"
     arr.actor.optim.lr = 1e-2
     arr = cfg.resolve().actor_rollout_ref
     pools = [RayResourcePool([n], cpus_per_process=0.5, name=f"link{n}") for n in (2, 1)]
@@ -165,10 +167,13 @@ def test_a_sharded_lora_actor_sends_its_adapters_alone_to_a_rollout_worker(tiny_
         stats = link.send(version=1, staged=False)
         first = actor.weights()[0]
         assert_same(rollout.weights()[0], first)
-        adapter_bytes = actor.adapter_bytes()[0]
-        assert (
-            stats["weight_sync/mb"] * 2**20 == adapter_bytes < sum(t.numel() * 4 for t in first.values()) / 10
-        )
+        assert actor.fills_in_place() == [not lora_rank] * 2
+        whole_bytes = sum(t.numel() * 4 for name, t in first.items() if name != "lm_head.weight")  # tied
+        if lora_rank:
+            adapter_bytes = actor.adapter_bytes()[0]
+            assert stats["weight_sync/mb"] * 2**20 == adapter_bytes < whole_bytes / 10
+        else:
+            assert stats["weight_sync/mb"] * 2**20 == whole_bytes
         actor.perturb_adapters()
         link.send(version=2, staged=True)  # kept, not loaded: the rollout still holds version 1
         assert_same(rollout.weights()[0], first)
