@@ -6,9 +6,12 @@ modes) over the weight link, against a plain memcpy of the same bytes on this ma
 
 Real workers on Ray: the actor (FSDP2 over ``--ranks`` processes; 1 = one unsharded rank) and one rollout
 worker, each its own process; the trainer's ``LinkedWeights`` forms the link and runs each sync (the actor's
-rank 0 streams buckets it gathers from the shards, the rollout loads each in place and reads it back against
-the trainer's checksum). Per setting, after one warm-up sync, the median of ``--repeats`` syncs, split into
-what the sender waited for (gathering the next tensors from the shards; the transfers) and what the receiver
+rank 0 streams buckets, the rollout loads each in place and reads it back against the trainer's checksum). A
+sharded actor runs twice, side by side: its ranks filling the shared-memory buckets with their shards in
+place (``weight_shards``, what a run does here) and gathering whole tensors to rank 0 (what every sync did
+before, and still does for LoRA and across machines). Per setting, after one warm-up sync, the median of
+``--repeats`` syncs, split into what the sender spent (filling the buckets: gathering or writing the shards;
+the transfers) and what the receiver
 did (receiving; loading and checking), and each process's peak resident memory during the syncs above what it
 held before them (the kernel's high-water mark, reset through ``/proc/self/clear_refs``), next to the bucket
 size. ``--model`` is the embedded SmolLM2-135M (fp32) by default; ``--random-model HIDDEN,LAYERS`` adds a
@@ -50,7 +53,16 @@ def _status(field: str) -> int:
 
 class MeasuredWorker(ActorRolloutRefWorker):
     """The policy worker, plus its memory (resident memory on CPU, allocated GPU memory on CUDA): ``mark``
-    resets the peak and returns what it holds now, ``peak`` the highest since."""
+    resets the peak and returns what it holds now, ``peak`` the highest since. With ``to_rank0`` a sharded
+    actor gathers whole tensors to its rank 0 even where its ranks could fill the shared buckets in place
+    (what every sync did before ``weight_shards``; still the way for LoRA and across machines)."""
+
+    def __init__(self, *args, to_rank0: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.to_rank0 = to_rank0
+
+    def _fills_in_place(self, policy: torch.nn.Module) -> bool:
+        return not self.to_rank0 and super()._fills_in_place(policy)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def mark(self) -> int:
@@ -93,7 +105,9 @@ def memcpy_floor(nbytes: int, repeats: int, device: str = "cpu", threads: int | 
     return best
 
 
-def setting(model: str, ranks: int, bucket_mb: int, repeats: int, device: str = "cpu") -> dict:
+def setting(
+    model: str, ranks: int, bucket_mb: int, repeats: int, device: str = "cpu", to_rank0: bool = False
+) -> dict:
     cfg = PPOConfig()
     cfg.trainer.device = device
     arr = cfg.actor_rollout_ref
@@ -104,7 +118,9 @@ def setting(model: str, ranks: int, bucket_mb: int, repeats: int, device: str = 
     gpu = device == "cuda"  # then each process has a GPU of its own
     cpus = 1.0 if gpu else 2.0 / (ranks + 1)
     pools = [RayResourcePool([n], use_gpu=gpu, cpus_per_process=cpus, name=f"ws{n}") for n in (ranks, 1)]
-    init = lambda role: ClassWithInitArgs(MeasuredWorker, arr, role=role, device=device)  # noqa: E731
+    init = lambda role: ClassWithInitArgs(  # noqa: E731
+        MeasuredWorker, arr, role=role, device=device, to_rank0=to_rank0
+    )
     # the torch threads a run gives them: the machine's cores shared among every worker process on it
     setup = ProcessSetup(node_processes=processes_per_node(pools))
     actor = RayWorkerGroup(pools[0], init("actor"), name_prefix="ws_actor", setup=setup)
@@ -130,6 +146,7 @@ def setting(model: str, ranks: int, bucket_mb: int, repeats: int, device: str = 
     rises = [(peak - held) / MB for peak, held in zip(peaks, before)]
     return {
         "ranks": ranks,
+        "fill": "to rank 0" if to_rank0 or ranks == 1 else "in place",
         "bucket_mb": bucket_mb,
         "mb": stats["weight_sync/mb"],
         "sync_s": seconds,
@@ -172,8 +189,13 @@ def main() -> None:
     init_ray(num_cpus=None if args.device == "cuda" else 2)
     rows = []
     for name, path in models.items():
-        for ranks in args.ranks:
-            row = {"model": name, **setting(path, ranks, args.bucket_mb, args.repeats, args.device)}
+        for ranks, to_rank0 in [
+            (r, way) for r in args.ranks for way in ((False, True) if r > 1 else (False,))
+        ]:
+            row = {
+                "model": name,
+                **setting(path, ranks, args.bucket_mb, args.repeats, args.device, to_rank0),
+            }
             row["memcpy_s"] = memcpy_floor(int(row["mb"] * MB), 5, args.device)
             row["vs_memcpy"] = row["sync_s"] / row["memcpy_s"]
             if args.device == "cpu":  # each worker process has one core's share of this machine's threads
@@ -182,14 +204,14 @@ def main() -> None:
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
     print(
-        "\n| model | actor ranks | MB | memcpy s | sync s | x memcpy | x memcpy, 1 thread | gather s | send s "
+        "\n| model | actor ranks | buckets filled | MB | memcpy s | sync s | x memcpy | x memcpy, 1 thread | gather s | send s "
         "| receive s | load+check s | peak rise per actor rank MB | rollout peak rise MB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         actor_rises = " / ".join(f"{v:.0f}" for v in r["actor_rank_peak_rise_mb"])
         print(
-            f"| {r['model']} | {r['ranks']} | {r['mb']:.0f} | {r['memcpy_s']:.3f} | {r['sync_s']:.2f} | "
+            f"| {r['model']} | {r['ranks']} | {r['fill']} | {r['mb']:.0f} | {r['memcpy_s']:.3f} | {r['sync_s']:.2f} | "
             f"{r['vs_memcpy']:.1f} | {r.get('vs_memcpy_1thread', float('nan')):.1f} | {r['gather_s']:.2f} | "
             f"{r['send_s']:.2f} | {r['receive_s']:.2f} | {r['load_s']:.2f} | {actor_rises} | {r['rollout_peak_rise_mb']:.0f} |"
         )
