@@ -6,13 +6,17 @@ modes) over the weight link, against a plain memcpy of the same bytes on this ma
 
 Real workers on Ray: the actor (FSDP2 over ``--ranks`` processes; 1 = one unsharded rank) and one rollout
 worker, each its own process; the trainer's ``LinkedWeights`` forms the link and runs each sync (the actor's
-rank 0 streams buckets, the rollout loads each in place and reads it back against the trainer's checksum). A
-sharded actor runs twice, side by side: its ranks filling the shared-memory buckets with their shards in
-place (``weight_shards``, what a run does here) and gathering whole tensors to rank 0 (what every sync did
-before, and still does for LoRA and across machines). Per setting, after one warm-up sync, the median of
-``--repeats`` syncs, split into what the sender spent (filling the buckets: gathering or writing the shards;
-the transfers) and what the receiver
-did (receiving; loading and checking), and each process's peak resident memory during the syncs above what it
+rank 0 streams buckets, the rollout loads each in place and reads it back against the trainer's checksum).
+Side by side:
+- a sharded actor's ranks filling the shared-memory buckets with their shards in place (``weight_shards``,
+  what a run does here), and gathering whole tensors to rank 0 (what every sync did before, and still does
+  for LoRA and across machines);
+- the rollout receiving as an asynchronous run does (``staged``: it copies the version to keep it, then
+  takes it before its next generation, outside the timing), into the memory of the version it forgot, and
+  into new memory (what every staged sync did before).
+Per setting, after one warm-up sync, the median of ``--repeats`` syncs, split into what the sender spent
+(filling the buckets: gathering or writing the shards; the transfers) and what the receiver did (receiving;
+loading or keeping, and checking), and each process's peak resident memory during the syncs above what it
 held before them (the kernel's high-water mark, reset through ``/proc/self/clear_refs``), next to the bucket
 size. ``--model`` is the embedded SmolLM2-135M (fp32) by default; ``--random-model HIDDEN,LAYERS`` adds a
 random Llama built from a config (vocabulary 8k, MLP 3x hidden; 1024,16 is about 200M parameters).
@@ -65,6 +69,16 @@ class MeasuredWorker(ActorRolloutRefWorker):
         return not self.to_rank0 and super()._fills_in_place(policy)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def take_version(self, version: int, spare: bool) -> None:
+        """What an asynchronous run's rollout does before its next generation: load ``version`` and forget
+        the older ones; without ``spare`` the forgotten one is dropped (what every sync did before), so the
+        next version is received into new memory."""
+        assert self.mailbox is not None
+        self.mailbox.use(version, keep_from=version)
+        if not spare:
+            self.mailbox.take_spare()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def mark(self) -> int:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -106,7 +120,14 @@ def memcpy_floor(nbytes: int, repeats: int, device: str = "cpu", threads: int | 
 
 
 def setting(
-    model: str, ranks: int, bucket_mb: int, repeats: int, device: str = "cpu", to_rank0: bool = False
+    model: str,
+    ranks: int,
+    bucket_mb: int,
+    repeats: int,
+    device: str = "cpu",
+    to_rank0: bool = False,
+    staged: bool = False,
+    spare: bool = True,
 ) -> dict:
     cfg = PPOConfig()
     cfg.trainer.device = device
@@ -129,13 +150,17 @@ def setting(
         actor.init_model()
         rollout.init_model()
         link = LinkedWeights(actor, rollout)
-        link.send(version=1, staged=False)  # warm-up: buffers, pages, the link's first use
+        link.send(version=1, staged=staged)  # warm-up: buffers, pages, the link's first use
+        if staged:
+            rollout.take_version(1, spare)
         before = actor.mark() + rollout.mark()
         syncs = []
         for version in range(2, 2 + repeats):
             start = time.perf_counter()
-            stats = link.send(version, staged=False)
+            stats = link.send(version, staged=staged)
             syncs.append((time.perf_counter() - start, stats))
+            if staged:
+                rollout.take_version(version, spare)
         peaks = actor.peak() + rollout.peak()
     finally:
         for group in (actor, rollout):
@@ -147,6 +172,7 @@ def setting(
     return {
         "ranks": ranks,
         "fill": "to rank 0" if to_rank0 or ranks == 1 else "in place",
+        "received": ("kept, into a spare" if spare else "kept, into new memory") if staged else "loaded",
         "bucket_mb": bucket_mb,
         "mb": stats["weight_sync/mb"],
         "sync_s": seconds,
@@ -189,12 +215,13 @@ def main() -> None:
     init_ray(num_cpus=None if args.device == "cuda" else 2)
     rows = []
     for name, path in models.items():
-        for ranks, to_rank0 in [
-            (r, way) for r in args.ranks for way in ((False, True) if r > 1 else (False,))
+        modes = ((False, False, True), (True, False, True), (False, True, True), (False, True, False))
+        for ranks, (to_rank0, staged, spare) in [
+            (r, m) for r in args.ranks for m in modes if r > 1 or not m[0]
         ]:
             row = {
                 "model": name,
-                **setting(path, ranks, args.bucket_mb, args.repeats, args.device, to_rank0),
+                **setting(path, ranks, args.bucket_mb, args.repeats, args.device, to_rank0, staged, spare),
             }
             row["memcpy_s"] = memcpy_floor(int(row["mb"] * MB), 5, args.device)
             row["vs_memcpy"] = row["sync_s"] / row["memcpy_s"]
@@ -204,14 +231,14 @@ def main() -> None:
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
     print(
-        "\n| model | actor ranks | buckets filled | MB | memcpy s | sync s | x memcpy | x memcpy, 1 thread | gather s | send s "
+        "\n| model | actor ranks | buckets filled | received | MB | memcpy s | sync s | x memcpy | x memcpy, 1 thread | gather s | send s "
         "| receive s | load+check s | peak rise per actor rank MB | rollout peak rise MB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         actor_rises = " / ".join(f"{v:.0f}" for v in r["actor_rank_peak_rise_mb"])
         print(
-            f"| {r['model']} | {r['ranks']} | {r['fill']} | {r['mb']:.0f} | {r['memcpy_s']:.3f} | {r['sync_s']:.2f} | "
+            f"| {r['model']} | {r['ranks']} | {r['fill']} | {r['received']} | {r['mb']:.0f} | {r['memcpy_s']:.3f} | {r['sync_s']:.2f} | "
             f"{r['vs_memcpy']:.1f} | {r.get('vs_memcpy_1thread', float('nan')):.1f} | {r['gather_s']:.2f} | "
             f"{r['send_s']:.2f} | {r['receive_s']:.2f} | {r['load_s']:.2f} | {actor_rises} | {r['rollout_peak_rise_mb']:.0f} |"
         )

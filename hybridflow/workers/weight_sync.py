@@ -90,12 +90,18 @@ class WeightMailbox:
     backend, a second concurrent call on a Ray actor) and only stores the weights; the module is changed only
     by the generating thread itself (``use`` before a generation, ``refresh`` between its decoding steps), so
     a forward never sees half-loaded weights. ``load`` puts ``(name, tensor)`` pairs into the module (and the
-    engine's own copy, for vLLM) as a version."""
+    engine's own copy, for vLLM) as a version.
+
+    Once a receiver has asked for one (``take_spare``), a version forgotten (``use``'s ``keep_from``) is kept
+    as the spare the next one is received into: fresh memory for a model's worth of copies costs its page faults every sync (measured
+    for SmolLM2's 513 MB on one thread: 0.6-1.8 s into new tensors, 0.14 s into reused ones)."""
 
     def __init__(self, load: Callable[[Named, int], None]) -> None:
         self._load = load
         self._lock = threading.Lock()
         self._posted: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        self._spare: list[tuple[str, torch.Tensor]] = []  # a forgotten version's tensors
+        self._recycles = False  # whether a receiver takes spares (none is held for nobody)
         self.version = 0  #: the version the module holds (0: the weights it was loaded with)
         self.follow = False  #: whether ``refresh`` takes newer versions (a partial rollout in progress)
 
@@ -115,10 +121,20 @@ class WeightMailbox:
             if version != self.version and weights is None:
                 raise KeyError(f"weight version {version} was not posted (posted: {sorted(self._posted)})")
             if keep_from is not None:
+                forgotten = [w for v, w in self._posted.items() if v < keep_from and w is not weights]
+                if forgotten and self._recycles:
+                    self._spare = forgotten[-1]
                 self._posted = {v: w for v, w in self._posted.items() if v >= keep_from}
         if weights is not None:
             self._load(weights, version)
             self.version = version
+
+    def take_spare(self) -> dict[str, torch.Tensor]:
+        """The tensors of a version no longer kept, by name, to receive the next version into (empty when
+        there is none); they are the caller's from now on."""
+        with self._lock:
+            spare, self._spare, self._recycles = self._spare, [], True
+        return dict(spare)
 
     def refresh(self) -> bool:
         """While ``follow``: load the newest posted version if it is newer than the module's; whether it did."""
@@ -151,6 +167,14 @@ def _module_name(name: str) -> str:
         if part in name and part + "default." not in name:
             return name.replace(part, part + "default.")
     return name
+
+
+def _like(spare: torch.Tensor | None, tensor: torch.Tensor) -> torch.Tensor:
+    """Where a copy of ``tensor`` goes: ``spare`` (a forgotten version's tensor of that name) when it has its
+    shape and dtype, else new memory."""
+    if spare is not None and spare.shape == tensor.shape and spare.dtype == tensor.dtype:
+        return spare
+    return torch.empty_like(tensor)
 
 
 def load_in_place(
@@ -334,15 +358,16 @@ class WeightSyncEnds:
             self.weights_received += 1
             return stats.as_dict()
         kept: Named = []
+        mailbox = self._require(self.mailbox, "rollout", "receive_weights(staged=True)")
+        spare = mailbox.take_spare()
 
         def keep(named: Named, expected: int) -> None:  # copied, checked, kept until the version is used
-            copies = [(name, torch.empty_like(tensor)) for name, tensor in named]
+            copies = [(name, _like(spare.pop(name, None), tensor)) for name, tensor in named]
             found = placed(copy_summed(copy, given) for (_, copy), (_, given) in zip(copies, named))
             if found != expected:
                 raise WeightSyncError(f"{self._where()}: weight version {version} arrived damaged")
             kept.extend(copies)
 
-        mailbox = self._require(self.mailbox, "rollout", "receive_weights(staged=True)")
         stats = self.weight_link.receive(keep)
         mailbox.post(version, kept)
         return stats.as_dict()

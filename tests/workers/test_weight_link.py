@@ -19,7 +19,7 @@ from hybridflow.workers.weight_link import (
     copy_summed,
     verify_loaded,
 )
-from hybridflow.workers.weight_sync import load_in_place, policy_weights
+from hybridflow.workers.weight_sync import WeightMailbox, load_in_place, policy_weights
 
 
 def _member(member, address, path, out, broken, shared, tied_once):
@@ -190,3 +190,23 @@ def assert_same(got, want):
     assert got.keys() == want.keys() and len(want) > 10
     for name, tensor in want.items():
         torch.testing.assert_close(got[name], tensor, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_a_forgotten_version_is_the_spare_the_next_one_is_received_into():
+    """``WeightMailbox``: once a receiver asks for spares, a version ``use`` forgets is handed out as the
+    memory the next version is copied into, never the version being loaded, and none is held for nobody."""
+    loaded = []
+    mailbox = WeightMailbox(lambda named, version: loaded.append(version))
+    versions = {v: [("w", torch.full((3,), float(v))), ("b", torch.zeros(2))] for v in (1, 2, 3)}
+    mailbox.post(1, versions[1])
+    mailbox.post(2, versions[2])
+    mailbox.use(2, keep_from=2)
+    assert mailbox.take_spare() == {}  # nobody asked before: version 1 went
+    mailbox.post(3, versions[3])
+    mailbox.use(3, keep_from=3)
+    spare = mailbox.take_spare()
+    assert spare.keys() == {"w", "b"} and spare["w"] is versions[2][0][1]  # version 2's own memory
+    assert mailbox.take_spare() == {}  # handed out once
+    mailbox.post(4, versions[1])
+    mailbox.use(4, keep_from=5)  # the version being loaded is never the spare
+    assert loaded == [2, 3, 4] and mailbox.take_spare()["w"] is versions[3][0][1]
