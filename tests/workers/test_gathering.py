@@ -3,15 +3,12 @@ rows do not divide evenly, a 2-row tensor leaves a rank empty and a 6-row one is
 gathered weights equal the unsharded model's bit for bit, in its order, to every rank or to rank 0 alone, with
 one collective per group of tensors."""
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from fsdp_gloo import free_ports, shard_over_ranks
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
 from hybridflow.workers.sharding import full_weights
@@ -37,12 +34,7 @@ def _count(function, calls):
 
 def _rank(rank, port, path, out):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    model = _model(path)
-    mesh = init_device_mesh("cpu", (WORLD,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = shard_over_ranks(_model(path), rank, port, WORLD)
     calls = []
     dist.all_gather, dist.gather = _count(dist.all_gather, calls), _count(dist.gather, calls)
     results = {}
@@ -57,9 +49,7 @@ def _rank(rank, port, path, out):
 
 @pytest.fixture
 def gathered(tiny_model_path, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    (port,) = free_ports(1)
     # from a fork server: a test process that has run Ray must not fork
     mp.start_processes(
         _rank, args=(port, tiny_model_path, str(tmp_path)), nprocs=WORLD, start_method="forkserver"
