@@ -60,7 +60,9 @@ class LinkedWeights:
     def send(self, version: int, staged: bool) -> dict[str, float]:
         """Weight ``version`` to every rollout worker, loaded there at once (lock-step) or kept as a version
         (``staged``: an asynchronous run generating meanwhile); the sender's and the slowest receiver's times."""
-        sent, received = self.actor.send_weights(), self.rollout.receive_weights(version, staged)
+        # lock-step, the rollout does not generate meanwhile: straight into its model where the link can
+        sent = self.actor.send_weights(into_model=not staged)
+        received = self.rollout.receive_weights(version, staged)
         try:
             sender = sent.get()[0]
         except WorkerError as failure:

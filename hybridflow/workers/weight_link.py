@@ -11,6 +11,11 @@ while the sender fills the next. How a bucket travels:
   (the receivers copy a bucket out of one while the next fills the other, and say when they are done with it),
   with only its header over the group. A sync then costs about two copies of the weights, not a trip through
   the network stack (gloo's TCP moved about 1 GB/s over loopback on the 2-core machine, a memcpy 10 GB/s);
+- and where there is one receiver and the model's buckets are known when the link forms (``model_bytes``), a
+  third segment the size of the whole model (``MODEL_SEGMENT``): a lock-step sync (nothing generates while it
+  runs) writes each bucket at its own place there (``into_model``), the receiver's model adopts those tensors
+  as its own at the first such sync, and every later one writes straight into the rollout's model: one copy of
+  the weights, and the receiver only reads them back for the check;
 - otherwise (another machine, or GPUs): the bucket itself over the group (nccl on GPUs), broadcast
   asynchronously so the next one fills meanwhile.
 
@@ -21,6 +26,7 @@ loading and compares (``verify_loaded``), so an engine that silently kept old we
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import tempfile
@@ -37,8 +43,12 @@ import torch.distributed as dist
 from hybridflow.utils.cores import rebalance
 from hybridflow.utils.errors import UserError
 
+logger = logging.getLogger(__name__)
 Named = list[tuple[str, torch.Tensor]]
+MB = 2**20
 SHARED_MEMORY = "/dev/shm"
+MODEL_SEGMENT = 2  #: the link's segment a lock-step sync writes the whole model into (after the two buckets)
+ALIGN = 64  #: bytes each bucket's place in the model segment is aligned to (a cache line)
 
 
 # ------------------------------------------------------------------------------------------ checks
@@ -83,8 +93,14 @@ def _starts_on_a_word(flat: torch.Tensor) -> bool:
 def copy_summed(target: torch.Tensor, source: torch.Tensor) -> int:
     """Copy ``source`` into ``target`` (contiguous, as many elements) and return ``bits_sum`` of what
     ``target`` then holds, each ``CHUNK_BYTES`` read back right after its copy, from cache. Where the words do
-    not line up (or the dtypes differ) it copies, then reads ``target`` back whole: the same value."""
+    not line up (or the dtypes differ) it copies, then reads ``target`` back whole: the same value; where
+    ``target`` is ``source`` itself it only reads it."""
     flat, width = target.view(-1), target.element_size()
+    if target.data_ptr() == source.data_ptr() and (target.dtype, target.numel()) == (
+        source.dtype,
+        source.numel(),
+    ):
+        return bits_sum(target)  # the same memory (a model that holds the link's segment): only the check
     if target.dtype != source.dtype or (flat.numel() * width) % 8 or not _starts_on_a_word(flat):
         target.copy_(source.reshape(target.shape))
         return bits_sum(target)
@@ -150,10 +166,12 @@ class WeightLink:
     """One member of the link (see the module docstring). Every member constructs it at the same time (it
     blocks until all have); member 0 sends (``send``), the others receive (``receive``), both called together
     for each sync. ``bucket_bytes`` and ``largest_bytes`` (the largest tensor that will travel) size the
-    sender's buckets and shared memory; ``shared_memory`` false (the sender's say) sends every bucket over the
-    group even on one machine. ``on_segments(paths, bytes)``, the sender's, is called with the shared-memory
-    segments (none when the buckets travel over the group) before they are unlinked: the processes that fill
-    buckets with the sender (the actor's other ranks, ``weight_shards``) map them then."""
+    sender's buckets and shared memory, ``model_bytes`` (the sender's: ``weight_shards.model_layout``; 0:
+    none) the model segment, made where there is one receiver; ``shared_memory`` false (the sender's say)
+    sends every bucket over the group even on one machine. ``on_segments(paths, sizes)``, the sender's, is
+    called with the shared-memory segments and their bytes (none when the buckets travel over the group)
+    before they are unlinked: the processes that fill buckets with the sender (the actor's other ranks,
+    ``weight_shards``) map them then."""
 
     def __init__(
         self,
@@ -164,7 +182,8 @@ class WeightLink:
         largest_bytes: int = 0,
         timeout_s: float = 600.0,
         shared_memory: bool = True,
-        on_segments: Callable[[list[str], int], None] | None = None,
+        on_segments: Callable[[list[str], list[int]], None] | None = None,
+        model_bytes: int = 0,
     ) -> None:
         timeout = timedelta(seconds=timeout_s)
         self.device, self.bucket_bytes = device, bucket_bytes
@@ -179,33 +198,34 @@ class WeightLink:
             self.group = dist.ProcessGroupGloo(store, member, address.size, timeout)
         self.segments: list[torch.Tensor] = []  # the shared-memory buckets, when every member can map them
         paths: list[str] = []
-        capacity = 0
+        sizes: list[int] = []
         if address.backend == "gloo":
-            capacity = max(bucket_bytes, largest_bytes)
-            paths, capacity = self._share_memory(store, member, address.size, capacity, shared_memory)
+            wanted = [max(bucket_bytes, largest_bytes)] * 2 + ([model_bytes] if model_bytes else [])
+            if address.size != 2:  # the model segment is one receiver's model
+                wanted = wanted[:MODEL_SEGMENT]
+            paths, sizes = self._share_memory(store, member, address.size, wanted, shared_memory)
         if member == 0:
             if on_segments is not None:
-                on_segments(paths, capacity)
+                on_segments(paths, sizes)
             for path in paths:  # the memory lives while a process maps it: a killed run leaves nothing behind
                 os.unlink(path)
 
     def _share_memory(
-        self, store: dist.Store, member: int, size: int, capacity: int, wanted: bool
-    ) -> tuple[list[str], int]:
-        """When every member runs on the sender's machine: two segments in shared memory, which the sender
-        creates and every member maps; their paths and size once every member has (the sender then unlinks
-        them)."""
+        self, store: dist.Store, member: int, size: int, wanted: list[int], shared: bool
+    ) -> tuple[list[str], list[int]]:
+        """When every member runs on the sender's machine: segments of the ``wanted`` sizes (the sender's say)
+        in shared memory, which the sender creates and every member maps; their paths and sizes once every
+        member has (the sender then unlinks them)."""
         store.set(f"host/{member}", socket.gethostname())
         if member == 0:
             hosts = {store.get(f"host/{m}").decode() for m in range(size)}
-            shared = wanted and len(hosts) == 1 and os.access(SHARED_MEMORY, os.W_OK)
-            capacity = -(-capacity // 8) * 8
-            paths = [_new_segment(capacity) for _ in range(2)] if shared else []
-            store.set("segments", json.dumps([paths, capacity]))
-        paths, capacity = json.loads(store.get("segments"))
-        self.segments = map_segments(paths, capacity)
+            shared = shared and len(hosts) == 1 and os.access(SHARED_MEMORY, os.W_OK)
+            sizes = _fitting([-(-n // ALIGN) * ALIGN for n in wanted], _free_bytes()) if shared else []
+            store.set("segments", json.dumps([[_new_segment(n) for n in sizes], sizes]))
+        paths, sizes = json.loads(store.get("segments"))
+        self.segments = map_segments(paths, sizes)
         self._all_done().wait()  # every member has mapped them
-        return paths, capacity
+        return paths, sizes
 
     def _broadcast(self, tensor: torch.Tensor) -> dist.Work:
         options = dist.BroadcastOptions()
@@ -217,31 +237,48 @@ class WeightLink:
         that bucket's segment."""
         return self.group.allreduce([torch.zeros(1, device=self.device)])
 
-    def _announce(self, bucket: Bucket, segment: int | None) -> list[dist.Work]:
-        header = bucket.header(segment).to(self.device)
+    def _announce(self, bucket: Bucket, place: tuple[int, int] | None) -> list[dist.Work]:
+        header = bucket.header(place).to(self.device)
         return [self._broadcast(t) for t in (_length(len(header), self.device), header)]
 
-    def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> SyncStats:
-        """Stream ``weights`` (a generator that may gather as it goes) to every receiver."""
-        return self.send_buckets(_buckets(weights, self.bucket_bytes, self._buffer))
+    def place(self, tensor: torch.Tensor) -> tuple[int, int] | None:
+        """The shared-memory segment ``tensor`` lies in and its byte offset there; None: memory of its own."""
+        base = tensor.untyped_storage().data_ptr()
+        for index, segment in enumerate(self.segments):
+            if segment.untyped_storage().data_ptr() == base:
+                return index, int(tensor.storage_offset()) * tensor.element_size()
+        return None
+
+    def send(
+        self, weights: Iterable[tuple[str, torch.Tensor]], offsets: list[int] | None = None
+    ) -> SyncStats:
+        """Stream ``weights`` (a generator that may gather as it goes) to every receiver; with ``offsets`` (the
+        buckets' places, ``weight_shards.model_layout``, where the link has a model segment) into it."""
+        buffer: Callable[[int, torch.dtype, int], torch.Tensor] = self._buffer
+        if offsets is not None:
+            model, places = self.segments[MODEL_SEGMENT], offsets
+            buffer = lambda index, dtype, _: region(model, places[index], places[index + 1], dtype)  # noqa: E731
+        return self.send_buckets(_buckets(weights, self.bucket_bytes, buffer))
 
     def send_buckets(self, buckets: Iterable[Bucket]) -> SyncStats:
         """Stream ``buckets`` (a generator that fills each as it goes: bucket ``i`` in ``self.segments[i % 2]``
-        when there are segments, once the receivers are done with bucket ``i - 2``) to every receiver."""
-        stats, index = SyncStats(), -1
-        in_flight: list[dist.Work] = []
-        for index, bucket in enumerate(_timed(buckets, stats)):
+        when there are segments, once the receivers are done with bucket ``i - 2``, or at its own place in the
+        model segment) to every receiver."""
+        stats = SyncStats()
+        in_flight: list[dist.Work] = []  # what the receivers must be done with before the next bucket
+        for bucket in _timed(buckets, stats):
             stats.bytes += bucket.flat.numel() * bucket.flat.element_size()
             stats.buckets += 1
-            if self.segments:  # the receivers are done with the bucket before; this one is in shared memory
-                stats.transfer_s += _wait([self._all_done()] if index else [])
-                stats.transfer_s += _wait(self._announce(bucket, index % 2))
+            place = self.place(bucket.flat)
+            if place is None:  # over the group: the bucket before must have arrived, a third is not filled
+                works = [*self._announce(bucket, None), self._broadcast(bucket.flat)]
+                stats.transfer_s += _wait(in_flight)
+                in_flight = works
                 continue
-            works = [*self._announce(bucket, None), self._broadcast(bucket.flat)]
-            stats.transfer_s += _wait(in_flight)  # the bucket before arrived: a third is not filled meanwhile
-            in_flight = works
-        last = [self._all_done()] if self.segments and index >= 0 else in_flight
-        stats.transfer_s += _wait(last) + _wait([self._broadcast(_length(0, self.device))])
+            stats.transfer_s += _wait(in_flight)  # the receivers are done with the other bucket segment
+            stats.transfer_s += _wait(self._announce(bucket, place))
+            in_flight = [self._all_done()] if place[0] < MODEL_SEGMENT else []
+        stats.transfer_s += _wait(in_flight) + _wait([self._broadcast(_length(0, self.device))])
         return stats
 
     def _buffer(self, index: int, dtype: torch.dtype, count: int) -> torch.Tensor:
@@ -255,7 +292,8 @@ class WeightLink:
 
     def receive(self, load: Callable[[Named, int], None]) -> SyncStats:
         """Take every bucket the sender streams; ``load(named, checksum)`` puts each into the engine (or copies
-        it to keep: the tensors are valid during the call only) as it arrives, ``checksum`` the sender's for
+        it to keep: the tensors are valid during the call only, or where they lie in the model segment,
+        ``place``, until the next sync into the model) as it arrives, ``checksum`` the sender's for
         the bucket's tensors (what the engine must end up holding). A ``WeightSyncError`` of ``load`` is raised
         once the stream has ended (the sender is not left waiting)."""
         stats, failure = SyncStats(), None
@@ -271,13 +309,15 @@ class WeightLink:
                 return stats
             header = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
             self._broadcast(header).wait()
-            names, shapes, dtype, expected, segment = json.loads(header.cpu().numpy().tobytes())
+            names, shapes, dtype, expected, place = json.loads(header.cpu().numpy().tobytes())
             count = sum(_numel(s) for s in shapes)
-            if segment is None:
+            if place is None:
                 flat = torch.empty(count, dtype=getattr(torch, dtype), device=self.device)
                 self._broadcast(flat).wait()
             else:
-                flat = self.segments[segment].view(getattr(torch, dtype))[:count]
+                segment, offset = place
+                kind = getattr(torch, dtype)
+                flat = region(self.segments[segment], offset, offset + count * kind.itemsize, kind)
             stats.transfer_s += time.perf_counter() - start
             start = time.perf_counter()
             if failure is None:
@@ -288,13 +328,43 @@ class WeightLink:
             stats.load_s += time.perf_counter() - start
             stats.bytes += flat.numel() * flat.element_size()
             stats.buckets += 1
-            if segment is not None:
+            if place is not None and place[0] < MODEL_SEGMENT:  # the sender may refill that segment now
                 self._all_done().wait()
 
 
-def map_segments(paths: list[str], capacity: int) -> list[torch.Tensor]:
-    """The shared-memory segments at ``paths``, ``capacity`` bytes each, mapped into this process."""
-    return [torch.from_file(path, shared=True, size=capacity, dtype=torch.uint8) for path in paths]
+def map_segments(paths: list[str], sizes: list[int]) -> list[torch.Tensor]:
+    """The shared-memory segments at ``paths``, of ``sizes`` bytes, mapped into this process."""
+    return [torch.from_file(path, shared=True, size=n, dtype=torch.uint8) for path, n in zip(paths, sizes)]
+
+
+def region(segment: torch.Tensor, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+    """A segment's bytes ``start`` to ``end`` (``start`` a multiple of ``ALIGN``) as ``dtype``: a bucket that
+    outgrew its place fails to copy rather than write over the next one."""
+    return segment[start:end].view(dtype)
+
+
+def _free_bytes() -> int:
+    st = os.statvfs(SHARED_MEMORY)
+    return st.f_bavail * st.f_frsize
+
+
+def _fitting(wanted: list[int], free: int) -> list[int]:
+    """The segments ``free`` bytes of shared memory hold: every one ``wanted``, else the two buckets alone
+    (lock-step syncs then copy out of them), else none (the buckets travel over the group). A tmpfs fills
+    as it is written, so a segment larger than what is left would kill its writer mid-sync (SIGBUS)."""
+    for count in (len(wanted), MODEL_SEGMENT):
+        if sum(wanted[:count]) <= free:
+            if count < len(wanted):
+                logger.warning(_SMALL_SHARED_MEMORY, free // MB, sum(wanted) // MB, "copy out of two buckets")
+            return wanted[:count]
+    logger.warning(_SMALL_SHARED_MEMORY, free // MB, sum(wanted) // MB, "travel over the group (slower)")
+    return []
+
+
+_SMALL_SHARED_MEMORY = (
+    "weight link: %d MB free in " + SHARED_MEMORY + " where its segments want %d MB: the weights %s; "
+    "a larger " + SHARED_MEMORY + " (docker: --shm-size) makes syncs faster"
+)
 
 
 def _new_segment(capacity: int) -> str:
@@ -322,9 +392,11 @@ class Bucket:
         self.checksum += len(self.names) * copy_summed(self.flat[self.used : self.used + count], tensor)
         self.used += count
 
-    def header(self, segment: int | None) -> torch.Tensor:
+    def header(self, place: tuple[int, int] | None) -> torch.Tensor:
+        """What the receivers read first: the tensors, their dtype, checksum, and where in shared memory the
+        bucket lies (segment, byte offset; None: it follows over the group)."""
         dtype = str(self.flat.dtype).removeprefix("torch.")
-        raw = json.dumps([self.names, self.shapes, dtype, self.checksum, segment]).encode()
+        raw = json.dumps([self.names, self.shapes, dtype, self.checksum, place]).encode()
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
@@ -334,13 +406,9 @@ def bucket_limit(bucket_bytes: int, first: torch.Tensor) -> int:
     return max(bucket_bytes // first.element_size(), first.numel())
 
 
-def joins(bucket: Bucket | None, tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` goes into ``bucket``: one of its dtype, with room left."""
-    return (
-        bucket is not None
-        and bucket.used + tensor.numel() <= bucket.limit
-        and tensor.dtype == bucket.flat.dtype
-    )
+def fits(dtype: torch.dtype, used: int, limit: int, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` goes into a bucket of ``dtype`` that holds ``used`` of its ``limit`` elements."""
+    return tensor.dtype == dtype and used + tensor.numel() <= limit
 
 
 def _buckets(
@@ -353,7 +421,7 @@ def _buckets(
     bucket: Bucket | None = None
     index = 0
     for name, tensor in weights:
-        if bucket is not None and not joins(bucket, tensor):  # full
+        if bucket is not None and not fits(bucket.flat.dtype, bucket.used, bucket.limit, tensor):  # full
             yield _trimmed(bucket)
             bucket, index = None, index + 1
         if bucket is None:

@@ -9,9 +9,12 @@ tensor straight to where they lie in the whole tensor in the bucket: a tensor is
 written, no shard crosses a socket, and the copies run on every rank at once.
 
 Every rank lays out the same buckets from the tensors' global shapes (``plan_buckets``, the link's own rule:
-one dtype, ``bucket_limit``). Per bucket two small collectives cross the actor's group: a barrier before
-writing (rank 0 reaches it once the receivers are done with the segment's previous bucket) and the ranks'
-checksums of their parts after (an all-gather: the bucket is whole when it returns). A tensor's checksum term
+one dtype, ``bucket_limit``), and each bucket's place in the link's model segment (``model_layout``, which
+also sizes that segment when the link forms; a single unsharded rank fills the same places). Per bucket two
+small collectives cross the actor's group: a barrier before writing into one of the two bucket segments (rank
+0 reaches it once the receivers are done with the segment's previous bucket; a bucket's place in the model
+segment is its own, so there is none) and the ranks' checksums of their parts after (an all-gather: the
+bucket is whole when it returns). A tensor's checksum term
 is the sum of its parts' (they add with wrap-around) when every part starts on a word of the whole tensor;
 otherwise rank 0 reads the whole tensor back. Tensors sharded otherwise (a two-dimensional mesh) are made
 whole by ``full_tensor()`` on every rank and written by rank 0, as are plain tensors.
@@ -30,22 +33,25 @@ from torch.distributed.tensor import DTensor
 from hybridflow.utils.cores import rebalance
 from hybridflow.workers.gathering import padded_rows, rows_sharded
 from hybridflow.workers.weight_link import (
+    ALIGN,
+    MODEL_SEGMENT,
     Bucket,
     bits_sum,
     bucket_limit,
     copy_summed,
-    joins,
+    fits,
     map_segments,
     placed,
+    region,
 )
 
 Named = list[tuple[str, torch.Tensor]]
 
 
-def share_segments(paths: list[str], capacity: int) -> None:
+def share_segments(paths: list[str], sizes: list[int]) -> None:
     """Rank 0 (``WeightLink``'s ``on_segments``): the actor's other ranks map the link's segments (none: the
     buckets travel over the link's group); returns once they have, so that rank 0 may unlink them."""
-    dist.broadcast_object_list([paths, capacity], src=0)
+    dist.broadcast_object_list([paths, sizes], src=0)
     dist.barrier()
 
 
@@ -53,9 +59,9 @@ def map_shared_segments() -> list[torch.Tensor]:
     """The actor's other ranks, while rank 0 forms the link: the segments ``share_segments`` names, mapped."""
     named: list[object] = [None, None]
     dist.broadcast_object_list(named, src=0)
-    paths, capacity = named
-    assert isinstance(paths, list) and isinstance(capacity, int)
-    segments = map_segments(paths, capacity)
+    paths, sizes = named
+    assert isinstance(paths, list) and isinstance(sizes, list)
+    segments = map_segments(paths, sizes)
     dist.barrier()
     return segments
 
@@ -64,28 +70,47 @@ def plan_buckets(state: Named, bucket_bytes: int) -> list[Named]:
     """``state``'s tensors in the buckets ``WeightLink.send`` would make of the whole tensors, by their global
     shapes: the same on every rank."""
     plans: list[Named] = []
-    bucket: Bucket | None = None
+    used = limit = 0
     for name, tensor in state:
-        if not joins(bucket, tensor):
-            limit = bucket_limit(bucket_bytes, tensor)
-            bucket = Bucket(torch.empty(0, dtype=tensor.dtype), limit)
+        if not plans or not fits(plans[-1][0][1].dtype, used, limit, tensor):
             plans.append([])
-        assert bucket is not None
-        bucket.used += tensor.numel()
+            used, limit = 0, bucket_limit(bucket_bytes, tensor)
+        used += tensor.numel()
         plans[-1].append((name, tensor))
     return plans
 
 
-def shard_buckets(state: Named, segments: list[torch.Tensor], bucket_bytes: int) -> Iterator[Bucket]:
+def model_layout(plans: list[Named]) -> list[int]:
+    """Where each planned bucket starts in the link's model segment (end to end, each on an ``ALIGN``-byte
+    boundary), and last where the segment ends (its size): bucket ``i`` lies between entries ``i`` and
+    ``i + 1``."""
+    offsets = [0]
+    for tensors in plans:
+        offsets.append(
+            offsets[-1] + -(-sum(t.numel() * t.element_size() for _, t in tensors) // ALIGN) * ALIGN
+        )
+    return offsets
+
+
+def shard_buckets(
+    state: Named, segments: list[torch.Tensor], bucket_bytes: int, into_model: bool = False
+) -> Iterator[Bucket]:
     """Every actor rank, in step: ``state`` (``sharding.weight_state``) written bucket by bucket into
-    ``segments`` (bucket ``i`` into ``segments[i % 2]``), each rank its own rows; rank 0 yields each whole
-    bucket with its checksum, the others yield nothing. Rank 0 iterates it inside ``WeightLink.send_buckets``,
-    which waits for the receivers to be done with bucket ``i - 2`` before it asks for bucket ``i``."""
+    ``segments`` (bucket ``i`` into ``segments[i % 2]``, or with ``into_model`` at its place in the model
+    segment), each rank its own rows; rank 0 yields each whole bucket with its checksum, the others yield
+    nothing. Rank 0 iterates it inside ``WeightLink.send_buckets``, which waits for the receivers to be done
+    with bucket ``i - 2`` before it asks for bucket ``i`` (in the model segment it need not)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    for index, tensors in enumerate(plan_buckets(state, bucket_bytes)):
-        dist.barrier()  # rank 0 comes here once segment index % 2 is free again
+    plans = plan_buckets(state, bucket_bytes)
+    offsets = model_layout(plans)
+    for index, tensors in enumerate(plans):
+        dtype = tensors[0][1].dtype
+        if into_model:
+            flat = region(segments[MODEL_SEGMENT], offsets[index], offsets[index + 1], dtype)
+        else:
+            dist.barrier()  # rank 0 comes here once segment index % 2 is free again
+            flat = segments[index % 2].view(dtype)
         rebalance()
-        flat = segments[index % 2].view(tensors[0][1].dtype)
         parts, slots, used = [], [], 0
         for _, tensor in tensors:
             slots.append(flat[used : used + tensor.numel()])

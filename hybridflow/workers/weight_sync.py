@@ -27,8 +27,10 @@ from hybridflow.single_controller import Dispatch, register
 from hybridflow.workers.engine import TrainingEngine
 from hybridflow.workers.sharding import full_weights, is_lora, weight_state
 from hybridflow.workers.weight_link import (
+    MODEL_SEGMENT,
     LinkAddress,
     Named,
+    SyncStats,
     WeightLink,
     WeightSyncError,
     checksum,
@@ -37,7 +39,13 @@ from hybridflow.workers.weight_link import (
     placed,
     verify_loaded,
 )
-from hybridflow.workers.weight_shards import map_shared_segments, shard_buckets, share_segments
+from hybridflow.workers.weight_shards import (
+    map_shared_segments,
+    model_layout,
+    plan_buckets,
+    shard_buckets,
+    share_segments,
+)
 
 MB = 2**20
 
@@ -160,6 +168,12 @@ def _several_ranks() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _in_model(link: WeightLink, named: Named) -> bool:
+    """Whether a bucket's tensors lie in the link's model segment (they stay valid after the bucket)."""
+    place = link.place(named[0][1]) if named else None
+    return place is not None and place[0] == MODEL_SEGMENT
+
+
 def _module_name(name: str) -> str:
     """A LoRA adapter's name as ``policy_weights(adapter_only=True)`` sends it (peft's saved form) -> the
     receiving peft module's own (``...lora_A.default.weight``); other names are the module's already."""
@@ -186,6 +200,21 @@ def load_in_place(
     ``checksum`` of them; None: the given tensors' own). KeyError naming a tensor the module does not have."""
     found = placed(copy_summed(state[_module_name(name)], tensor) for name, tensor in named)
     verify_loaded(found, checksum(t for _, t in named) if expected is None else expected, version, where)
+
+
+def adopt(module: torch.nn.Module, named: Named) -> bool:
+    """The module's tensors of ``named``'s names (and dtypes and shapes) made ``named``'s own tensors (their
+    memory: the link's model segment, which later syncs write straight into); whether any changed."""
+    own = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers())
+    changed = False
+    for name, tensor in named:
+        mine = own.get(_module_name(name))
+        if mine is None or (mine.dtype, mine.shape) != (tensor.dtype, tensor.shape):
+            continue  # not the module's to hold: loaded (or refused) by copying, as ever
+        if mine.data_ptr() != tensor.data_ptr():
+            mine.data = tensor
+            changed = True
+    return changed
 
 
 class WeightSyncEnds:
@@ -235,10 +264,15 @@ class WeightSyncEnds:
     def _where(self) -> str:
         return f"rollout worker rank {self.rank}"
 
-    def _load_weights(self, named: Named, version: int, expected: int | None = None) -> None:
+    def _load_weights(
+        self, named: Named, version: int, expected: int | None = None, hold: bool = False
+    ) -> None:
         """Weight ``version`` into this rollout worker's model, checked (``load_in_place``), and into its
-        engine's own copy."""
+        engine's own copy; with ``hold`` (lock-step, ``named`` in the link's model segment) the model takes
+        ``named``'s tensors as its own (``adopt``) and loading is only the check."""
         rollout = self._require(self.rollout, "rollout", "loading weights")
+        if hold and adopt(self._policy(), named):
+            self._module_state = None  # its tensors are others now
         if self._module_state is None:  # the module's own tensors by name, looked up once
             self._module_state = self._policy().state_dict()
         load_in_place(self._module_state, named, version, self._where(), expected)
@@ -321,29 +355,48 @@ class WeightSyncEnds:
             bucket,
             largest if member == 0 else 0,
             on_segments=share_segments if member == 0 and _several_ranks() else None,
+            model_bytes=self._model_bytes() if member == 0 else 0,
         )
 
+    def _model_bytes(self) -> int:
+        """The size of the link's model segment (``weight_shards.model_layout``) for the weights a lock-step
+        sync writes straight into the rollout's model; 0 (none) where they are not the module's own (LoRA)."""
+        policy = self._policy()
+        if is_lora(policy):
+            return 0
+        return model_layout(self._plan(policy))[-1]
+
+    def _plan(self, policy: torch.nn.Module) -> list[Named]:
+        """The buckets a sync sends, by the tensors' global shapes (``weight_shards.plan_buckets``)."""
+        bucket = self.config.rollout.weight_sync_bucket_mb * MB
+        return plan_buckets(weight_state(policy, tied_once=True), bucket)
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def send_weights(self) -> dict[str, float] | None:
+    def send_weights(self, into_model: bool = False) -> dict[str, float] | None:
         """Stream the actor's weights over the link (rank 0; the other ranks write their shards into its
-        shared-memory buckets with it, or send them to rank 0); returns rank 0's ``SyncStats``."""
+        shared-memory buckets with it, or send them to rank 0); returns rank 0's ``SyncStats``. With
+        ``into_model`` (a lock-step sync: the rollout does not generate meanwhile) into the link's model
+        segment where it has one, which the rollout's model holds."""
         self._require(self.engine, "actor", "send_weights")
         policy = self._policy()
         segments = self.weight_link.segments if self.weight_link is not None else self.shard_segments
+        into_model = into_model and len(segments) > MODEL_SEGMENT
+        send: Callable[[WeightLink], SyncStats]
         if segments and self._fills_in_place(policy):  # every rank writes its shards into the buckets
             bucket = self.config.rollout.weight_sync_bucket_mb * MB
-            buckets = shard_buckets(weight_state(policy, tied_once=True), segments, bucket)
-            if self.weight_link is None:
-                for _ in buckets:  # the ranks > 0 yield nothing
-                    pass
-                return None
-            return self.weight_link.send_buckets(buckets).as_dict()
-        weights = self._sent()
+            buckets = shard_buckets(weight_state(policy, tied_once=True), segments, bucket, into_model)
+            stream: Iterable[object] = buckets
+            send = lambda link: link.send_buckets(buckets)  # noqa: E731
+        else:  # gathered to rank 0
+            weights = self._sent()
+            stream = weights
+            offsets = model_layout(self._plan(policy)) if into_model else None
+            send = lambda link: link.send(weights, offsets)  # noqa: E731
         if self.weight_link is None:
-            for _ in weights:  # the ranks > 0 yield nothing: they only send their shards to rank 0
+            for _ in stream:  # the ranks > 0 yield nothing: they write their shards, or send them to rank 0
                 pass
             return None
-        return self.weight_link.send(weights).as_dict()
+        return send(self.weight_link).as_dict()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def receive_weights(self, version: int, staged: bool) -> dict[str, float]:
@@ -354,7 +407,10 @@ class WeightSyncEnds:
         if self.weight_link is None:
             raise RuntimeError("receive_weights before join_weight_link: the trainer forms the link first")
         if not staged:
-            stats = self.weight_link.receive(lambda named, sent: self._load_weights(named, version, sent))
+            link = self.weight_link
+            stats = link.receive(
+                lambda named, sent: self._load_weights(named, version, sent, hold=_in_model(link, named))
+            )
             self.weights_received += 1
             return stats.as_dict()
         kept: Named = []

@@ -23,7 +23,7 @@ class DiesOnReceive(ActorRolloutRefWorker):
 
 class FailsToSend(ActorRolloutRefWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def send_weights(self) -> dict[str, float] | None:
+    def send_weights(self, into_model: bool = False) -> dict[str, float] | None:
         raise RuntimeError("the sender's own failure")
 
 

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from hybridflow.single_controller import ClassWithInitArgs, Dispatch, LocalWorkerGroup, register
 from hybridflow.workers.sharding import full_weights, gathered, is_sharded
+from hybridflow.workers.weight_link import MODEL_SEGMENT
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -47,6 +48,12 @@ class ShardProbe(GradProbe):
         """Whether this rank writes its shards into the weight link's shared buckets (``weight_shards``)."""
         segments = self.weight_link.segments if self.weight_link is not None else self.shard_segments
         return bool(segments) and self._fills_in_place(self.module)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def held_by_the_link(self) -> bool:
+        """Whether every tensor of this rollout worker's model lies in the weight link's model segment."""
+        places = [self.weight_link.place(t) for t in self.module.state_dict().values()]
+        return all(place is not None and place[0] == MODEL_SEGMENT for place in places)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def adapter_bytes(self) -> int:

@@ -2,12 +2,12 @@
 over a gloo group of their own, in buckets, and land bit for bit in the receivers' models; a receiver whose
 model does not take what arrived stops naming the weight version; checksums tell tensors apart by place."""
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from fsdp_gloo import free_ports
 from transformers import AutoModelForCausalLM
 
 from hybridflow.workers import weight_link
@@ -52,9 +52,7 @@ def _member(member, address, path, out, broken, shared, tied_once):
 
 
 def _stream(path, out, broken=False, shared=True, tied_once=False):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    (port,) = free_ports(1)
     address = LinkAddress("127.0.0.1", port, 3, "gloo")
     # from a fork server, not forked from this process: a test process that has run Ray must not fork (the
     # children broke its connection to Ray's control service, and the next placement group waited forever)
@@ -139,7 +137,8 @@ def test_a_sharded_actor_reaches_a_rollout_worker_of_its_own(tiny_model_path, ra
     """Ray: the actor on 2 FSDP2 ranks, a rollout worker of its own (the hf engine, which takes adapters). With
     LoRA only the adapters travel, gathered from the shards; without, each rank writes its own shards into
     the link's shared-memory buckets. Either way the rollout's (merged) model then equals the actor's, loaded
-    in place (lock-step) or kept and taken as a version (asynchronous)."""
+    in place (lock-step: without LoRA straight into the rollout's model, which holds the link's model segment)
+    or kept and taken as a version (asynchronous)."""
     from test_fsdp2 import ShardProbe
 
     from hybridflow.config.schema import PPOConfig
@@ -168,6 +167,8 @@ def test_a_sharded_actor_reaches_a_rollout_worker_of_its_own(tiny_model_path, ra
         first = actor.weights()[0]
         assert_same(rollout.weights()[0], first)
         assert actor.fills_in_place() == [not lora_rank] * 2
+        # the full weights went straight into the rollout's model, which holds the link's model segment now
+        assert rollout.held_by_the_link() == [not lora_rank]
         whole_bytes = sum(t.numel() * 4 for name, t in first.items() if name != "lm_head.weight")  # tied
         if lora_rank:
             adapter_bytes = actor.adapter_bytes()[0]
@@ -179,6 +180,7 @@ def test_a_sharded_actor_reaches_a_rollout_worker_of_its_own(tiny_model_path, ra
         assert_same(rollout.weights()[0], first)
         rollout.use_version(2)
         assert_same(rollout.weights()[0], actor.weights()[0])
+        assert rollout.held_by_the_link() == [not lora_rank]  # a kept version is copied into it
     finally:
         for group in (actor, rollout):
             group.shutdown()
@@ -210,3 +212,22 @@ def test_a_forgotten_version_is_the_spare_the_next_one_is_received_into():
     mailbox.post(4, versions[1])
     mailbox.use(4, keep_from=5)  # the version being loaded is never the spare
     assert loaded == [2, 3, 4] and mailbox.take_spare()["w"] is versions[3][0][1]
+
+
+def test_shared_memory_takes_only_the_segments_it_has_room_for(caplog):
+    """A tmpfs fills as it is written: a segment larger than what is left would kill its writer mid-sync, so
+    the link drops the model segment first (lock-step syncs copy out of the buckets), then the buckets (they
+    travel over the group), and says so in one line."""
+    mb = 2**20
+    wanted = [64 * mb, 64 * mb, 512 * mb]  # two buckets, then the model
+    assert weight_link._fitting(wanted, 640 * mb) == wanted and not caplog.records
+    assert weight_link._fitting(wanted, 639 * mb) == wanted[:2]
+    assert weight_link._fitting(wanted, 127 * mb) == []
+    assert weight_link._fitting(wanted[:2], 128 * mb) == wanted[:2]
+    tail = "; a larger /dev/shm (docker: --shm-size) makes syncs faster"
+    assert [r.getMessage() for r in caplog.records] == [
+        "weight link: 639 MB free in /dev/shm where its segments want 640 MB: the weights copy out of two "
+        "buckets" + tail,
+        "weight link: 127 MB free in /dev/shm where its segments want 640 MB: the weights travel over the "
+        "group (slower)" + tail,
+    ]
