@@ -11,6 +11,9 @@ Side by side:
 - a sharded actor's ranks filling the shared-memory buckets with their shards in place (``weight_shards``,
   what a run does here), and gathering whole tensors to rank 0 (what every sync did before, and still does
   for LoRA and across machines);
+- a lock-step sync written straight into the rollout's model (the link's model segment, which the rollout's
+  model holds: what a run does here), and through the two bucket segments, copied out of them by the
+  rollout (what every lock-step sync did before);
 - the rollout receiving as an asynchronous run does (``staged``: it copies the version to keep it, then
   takes it before its next generation, outside the timing), into the memory of the version it forgot, and
   into new memory (what every staged sync did before).
@@ -30,6 +33,7 @@ import argparse
 import json
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,18 +59,53 @@ def _status(field: str) -> int:
         return int(next(line for line in f if line.startswith(field + ":")).split()[1]) * 1024
 
 
+@dataclass(frozen=True)
+class Mode:
+    """How one setting syncs: ``to_rank0``, a sharded actor gathers whole tensors to its rank 0 even where its
+    ranks could fill the shared buckets in place (what every sync did before ``weight_shards``; still the way
+    for LoRA and across machines); ``via_buckets``, a lock-step sync goes through the two bucket segments even
+    where the link has a model segment (what every lock-step sync did before it); ``staged``, received as an
+    asynchronous run does, into the ``spare`` (the version it forgot) or into new memory."""
+
+    to_rank0: bool = False
+    via_buckets: bool = False
+    staged: bool = False
+    spare: bool = True
+
+    def fill(self, ranks: int) -> str:
+        return "to rank 0" if self.to_rank0 or ranks == 1 else "in place"
+
+    def received(self) -> str:
+        if self.staged:
+            return "kept, into a spare" if self.spare else "kept, into new memory"
+        return "loaded, via buckets" if self.via_buckets else "loaded, into the model"
+
+
+#: what each row compares: lock-step into the model segment and through the buckets, filled in place and
+#: gathered to rank 0 (sharded actors only), and an asynchronous run's receive into a spare and new memory
+MODES = (
+    Mode(),
+    Mode(via_buckets=True),
+    Mode(to_rank0=True),
+    Mode(staged=True),
+    Mode(staged=True, spare=False),
+)
+
+
 class MeasuredWorker(ActorRolloutRefWorker):
     """The policy worker, plus its memory (resident memory on CPU, allocated GPU memory on CUDA): ``mark``
-    resets the peak and returns what it holds now, ``peak`` the highest since. With ``to_rank0`` a sharded
-    actor gathers whole tensors to its rank 0 even where its ranks could fill the shared buckets in place
-    (what every sync did before ``weight_shards``; still the way for LoRA and across machines)."""
+    resets the peak and returns what it holds now, ``peak`` the highest since; it syncs as ``mode`` says."""
 
-    def __init__(self, *args, to_rank0: bool = False, **kwargs) -> None:
+    def __init__(self, *args, mode: Mode = Mode(), **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.to_rank0 = to_rank0
+        self.mode = mode
 
     def _fills_in_place(self, policy: torch.nn.Module) -> bool:
-        return not self.to_rank0 and super()._fills_in_place(policy)
+        return not self.mode.to_rank0 and super()._fills_in_place(policy)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def send_weights(self, into_model: bool = False) -> dict[str, float] | None:
+        return super().send_weights(into_model and not self.mode.via_buckets)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def take_version(self, version: int, spare: bool) -> None:
@@ -125,9 +164,7 @@ def setting(
     bucket_mb: int,
     repeats: int,
     device: str = "cpu",
-    to_rank0: bool = False,
-    staged: bool = False,
-    spare: bool = True,
+    mode: Mode = Mode(),
 ) -> dict:
     cfg = PPOConfig()
     cfg.trainer.device = device
@@ -140,7 +177,7 @@ def setting(
     cpus = 1.0 if gpu else 2.0 / (ranks + 1)
     pools = [RayResourcePool([n], use_gpu=gpu, cpus_per_process=cpus, name=f"ws{n}") for n in (ranks, 1)]
     init = lambda role: ClassWithInitArgs(  # noqa: E731
-        MeasuredWorker, arr, role=role, device=device, to_rank0=to_rank0
+        MeasuredWorker, arr, role=role, device=device, mode=mode
     )
     # the torch threads a run gives them: the machine's cores shared among every worker process on it
     setup = ProcessSetup(node_processes=processes_per_node(pools))
@@ -150,17 +187,17 @@ def setting(
         actor.init_model()
         rollout.init_model()
         link = LinkedWeights(actor, rollout)
-        link.send(version=1, staged=staged)  # warm-up: buffers, pages, the link's first use
-        if staged:
-            rollout.take_version(1, spare)
+        link.send(version=1, staged=mode.staged)  # warm-up: buffers, pages, the link's first use
+        if mode.staged:
+            rollout.take_version(1, mode.spare)
         before = actor.mark() + rollout.mark()
         syncs = []
         for version in range(2, 2 + repeats):
             start = time.perf_counter()
-            stats = link.send(version, staged=staged)
+            stats = link.send(version, staged=mode.staged)
             syncs.append((time.perf_counter() - start, stats))
-            if staged:
-                rollout.take_version(version, spare)
+            if mode.staged:
+                rollout.take_version(version, mode.spare)
         peaks = actor.peak() + rollout.peak()
     finally:
         for group in (actor, rollout):
@@ -171,8 +208,8 @@ def setting(
     rises = [(peak - held) / MB for peak, held in zip(peaks, before)]
     return {
         "ranks": ranks,
-        "fill": "to rank 0" if to_rank0 or ranks == 1 else "in place",
-        "received": ("kept, into a spare" if spare else "kept, into new memory") if staged else "loaded",
+        "fill": mode.fill(ranks),
+        "received": mode.received(),
         "bucket_mb": bucket_mb,
         "mb": stats["weight_sync/mb"],
         "sync_s": seconds,
@@ -215,14 +252,8 @@ def main() -> None:
     init_ray(num_cpus=None if args.device == "cuda" else 2)
     rows = []
     for name, path in models.items():
-        modes = ((False, False, True), (True, False, True), (False, True, True), (False, True, False))
-        for ranks, (to_rank0, staged, spare) in [
-            (r, m) for r in args.ranks for m in modes if r > 1 or not m[0]
-        ]:
-            row = {
-                "model": name,
-                **setting(path, ranks, args.bucket_mb, args.repeats, args.device, to_rank0, staged, spare),
-            }
+        for ranks, mode in [(r, m) for r in args.ranks for m in MODES if r > 1 or not m.to_rank0]:
+            row = {"model": name, **setting(path, ranks, args.bucket_mb, args.repeats, args.device, mode)}
             row["memcpy_s"] = memcpy_floor(int(row["mb"] * MB), 5, args.device)
             row["vs_memcpy"] = row["sync_s"] / row["memcpy_s"]
             if args.device == "cpu":  # each worker process has one core's share of this machine's threads
