@@ -1,12 +1,13 @@
 """The batch protocol: ``DataProto`` and its helpers, under verl's names (``verl.protocol`` ->
 ``hybridflow.protocol``).
 
-``dataproto`` holds the class, ``columns`` what it does to columns (the union conflict rule, metrics
+``dataproto`` holds the class, ``auto_padding`` verl's process-wide padding switch, ``columns`` what it does to columns (the union conflict rule, metrics
 merging, tensors as bytes), ``reshape`` padding and folding rows.
 
 May import: ``utils`` (today it needs nothing of hybridflow: numpy, torch and tensordict only).
 """
 
+from hybridflow.protocol.auto_padding import DataProtoConfig
 from hybridflow.protocol.columns import (
     deserialize_single_tensor,
     deserialize_tensordict,
@@ -16,7 +17,7 @@ from hybridflow.protocol.columns import (
     union_numpy_dict,
     union_tensor_dict,
 )
-from hybridflow.protocol.dataproto import DataProto, DataProtoConfig, DataProtoItem
+from hybridflow.protocol.dataproto import DataProto, DataProtoItem
 from hybridflow.protocol.reshape import (
     fold_batch_dim,
     pad_dataproto_to_divisor,

@@ -18,7 +18,6 @@ through a slow copying path (measured on a 2-core machine: 0.2 s against 3.5-6.8
 from __future__ import annotations
 
 import copy
-import os
 import pickle
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ import tensordict
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
+from hybridflow.protocol.auto_padding import AUTO_PADDING_KEY, DataProtoConfig
 from hybridflow.protocol.columns import (
     check_union,
     deserialize_tensordict,
@@ -46,30 +46,7 @@ from hybridflow.protocol.columns import (
 )
 
 Index = int | slice | Sequence[int] | np.ndarray | torch.Tensor
-AUTO_PADDING_KEY = "_verl_auto_padding"  # verl's meta_info key, so a batch built by either reads the same
 _ITERATOR_OPTIONS = {"shuffle", "drop_last"}
-
-
-class _DataProtoConfigMeta(type):
-    @property
-    def auto_padding(cls) -> bool:
-        by_env = os.getenv("VERL_AUTO_PADDING", "FALSE").upper() in ("TRUE", "1")
-        return by_env or cls._auto_padding
-
-    @auto_padding.setter
-    def auto_padding(cls, enabled: bool) -> None:
-        if not isinstance(enabled, bool):
-            raise TypeError(f"DataProtoConfig.auto_padding must be a bool, got {enabled!r}")
-        cls._auto_padding = enabled
-
-
-class DataProtoConfig(metaclass=_DataProtoConfigMeta):
-    """Process-wide switch ``DataProtoConfig.auto_padding`` (or ``VERL_AUTO_PADDING=1``), as in verl.
-
-    Worker-group dispatch here always pads a batch to a multiple of the ranks and removes the padding from
-    the result, so the switch changes nothing there; ``DataProto.is_padding_enabled`` reports it."""
-
-    _auto_padding = False
 
 
 @dataclass
