@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_runs import reward_written, run_settings
 
 from hybridflow import DataProto
 from hybridflow.config.schema import ConfigError
@@ -108,31 +109,24 @@ def test_a_filter_metric_the_reward_function_does_not_return_is_refused():
 # ------------------------------------------------------------------------------- runs on the tiny model
 @pytest.fixture(scope="module")
 def reward_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("reward") / "parity.py"
-    path.write_text(PARITY_REWARD)
-    return path
+    return reward_written(tmp_path_factory, "parity.py", PARITY_REWARD)
 
 
 def config(data_dir: Path, model: str, reward: Path, run_dir: Path, *overrides: str):
     return load_config(
-        [
+        run_settings(
+            data_dir,
+            model,
+            run_dir,
             f"custom_reward_function.path={reward}",
-            f"data.train_files={data_dir / 'train.parquet'}",
-            f"actor_rollout_ref.model.path={model}",
-            f"trainer.default_local_dir={run_dir}",
-            "data.max_prompt_length=64",
             "data.max_response_length=6",
-            "data.train_batch_size=4",
-            "actor_rollout_ref.rollout.n=2",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
             "actor_rollout_ref.actor.optim.lr=1e-2",
             "algorithm.adv_estimator=grpo",
             "algorithm.filter_groups.enable=true",
             "trainer.total_training_steps=4",
-            "trainer.logger=[file]",
             *overrides,
-        ]
+        )
     )
 
 

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_runs import run_settings
 
 from hybridflow.commands.cli import main as cli
 from hybridflow.data.dataset import read_rows
@@ -38,23 +39,18 @@ def data_dir(arithmetic_data) -> Path:
 
 def overrides(data_dir: Path, model: str, run_dir: Path, *extra: str) -> list[str]:
     """GRPO without a reference model: 3 steps of 4 prompts x 2 samples, a checkpoint every step."""
-    return [
-        f"data.train_files={data_dir / 'train.parquet'}",
-        f"actor_rollout_ref.model.path={model}",
-        f"trainer.default_local_dir={run_dir}",
+    return run_settings(
+        data_dir,
+        model,
+        run_dir,
         "algorithm.adv_estimator=grpo",
-        "data.max_prompt_length=64",
         "data.max_response_length=4",
-        "data.train_batch_size=4",
-        "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.actor.optim.lr=1e-3",
         f"trainer.total_training_steps={STEPS}",
         "trainer.save_freq=1",
-        "trainer.logger=[file]",
         *extra,
-    ]
+    )
 
 
 def logged(run_dir: Path) -> dict[int, dict]:

@@ -5,6 +5,7 @@ import math
 from pathlib import Path
 
 import pytest
+from tiny_runs import run_settings
 
 from hybridflow.trainer import PPOTrainer, load_config
 
@@ -37,23 +38,18 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 def config(data_dir: Path, model: str, run_dir: Path, *overrides: str):
     return load_config(
-        [
-            f"data.train_files={data_dir / 'train.parquet'}",
+        run_settings(
+            data_dir,
+            model,
+            run_dir,
             f"data.val_files={data_dir / 'test.parquet'}",
-            f"actor_rollout_ref.model.path={model}",
-            f"trainer.default_local_dir={run_dir}",
-            "data.max_prompt_length=64",
             "data.max_response_length=4",
-            "data.train_batch_size=4",
-            "actor_rollout_ref.rollout.n=2",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
             "actor_rollout_ref.actor.optim.lr=1e-3",
             "critic.ppo_micro_batch_size_per_gpu=4",
             "trainer.total_training_steps=3",
-            "trainer.logger=[file]",
             *overrides,
-        ]
+        )
     )
 
 

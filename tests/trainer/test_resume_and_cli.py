@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_runs import run_settings
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hybridflow
@@ -110,24 +111,19 @@ def data_dir(arithmetic_data) -> Path:
 
 
 def overrides(data_dir: Path, model: str, run_dir: Path, *extra: str) -> list[str]:
-    return [
-        f"data.train_files={data_dir / 'train.parquet'}",
+    return run_settings(
+        data_dir,
+        model,
+        run_dir,
         f"data.val_files={data_dir / 'test.parquet'}",
-        f"actor_rollout_ref.model.path={model}",
-        f"trainer.default_local_dir={run_dir}",
-        "data.max_prompt_length=64",
         "data.max_response_length=4",
-        "data.train_batch_size=4",
-        "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.actor.optim.lr=1e-3",
         "critic.ppo_micro_batch_size_per_gpu=4",
         "trainer.total_training_steps=3",
         "trainer.save_freq=1",
-        "trainer.logger=[file]",
         *extra,
-    ]
+    )
 
 
 def logged(run_dir: Path) -> dict[int, dict]:

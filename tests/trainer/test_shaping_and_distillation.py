@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_runs import reward_written, run_settings
 
 from hybridflow import DataProto
 from hybridflow.models.tiny import make_tiny_model, teach_conversations
@@ -21,30 +22,23 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 @pytest.fixture(scope="module")
 def reward_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("reward") / "constant.py"
-    path.write_text(CONSTANT_REWARD)
-    return path
+    return reward_written(tmp_path_factory, "constant.py", CONSTANT_REWARD)
 
 
 def config(data_dir: Path, model: str, reward: Path, run_dir: Path, *overrides: str):
     return load_config(
-        [
+        run_settings(
+            data_dir,
+            model,
+            run_dir,
             f"custom_reward_function.path={reward}",
-            f"data.train_files={data_dir / 'train.parquet'}",
-            f"actor_rollout_ref.model.path={model}",
-            f"trainer.default_local_dir={run_dir}",
-            "data.max_prompt_length=64",
             "data.max_response_length=4",
-            "data.train_batch_size=4",
-            "actor_rollout_ref.rollout.n=2",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
             "actor_rollout_ref.actor.optim.lr=1e-2",
             "algorithm.adv_estimator=grpo",
             "trainer.total_training_steps=1",
-            "trainer.logger=[file]",
             *overrides,
-        ]
+        )
     )
 
 
