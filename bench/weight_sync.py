@@ -72,6 +72,11 @@ class Mode:
     staged: bool = False
     spare: bool = True
 
+    def applies(self, ranks: int, device: str) -> bool:
+        """Whether this mode differs from the others for an actor of ``ranks`` on ``device``: only several
+        ranks gather to rank 0, and only CPU links have shared memory to choose a segment in."""
+        return (ranks > 1 or not self.to_rank0) and (device == "cpu" or not self.via_buckets)
+
     def fill(self, ranks: int) -> str:
         return "to rank 0" if self.to_rank0 or ranks == 1 else "in place"
 
@@ -252,7 +257,7 @@ def main() -> None:
     init_ray(num_cpus=None if args.device == "cuda" else 2)
     rows = []
     for name, path in models.items():
-        for ranks, mode in [(r, m) for r in args.ranks for m in MODES if r > 1 or not m.to_rank0]:
+        for ranks, mode in [(r, m) for r in args.ranks for m in MODES if m.applies(r, args.device)]:
             row = {"model": name, **setting(path, ranks, args.bucket_mb, args.repeats, args.device, mode)}
             row["memcpy_s"] = memcpy_floor(int(row["mb"] * MB), 5, args.device)
             row["vs_memcpy"] = row["sync_s"] / row["memcpy_s"]
