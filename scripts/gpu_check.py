@@ -327,10 +327,10 @@ def _fsdp_single(out: str) -> int:
     return 0
 
 
-def _weight_sync_one_gpu(out: str) -> int:
+def _weight_sync_one_gpu(out: str, device: str = "cuda", model_path: str = "default") -> int:
     """The sender's share of a sync on one GPU: the embedded model's weights copied into 64 MB buckets and
     checksummed (what ``WeightLink.send`` does before a bucket travels), against a device memcpy of the same
-    bytes."""
+    bytes. ``device`` and ``model_path`` let a test run it on the CPU with a tiny model."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -338,25 +338,28 @@ def _weight_sync_one_gpu(out: str) -> int:
     from weight_sync import memcpy_floor
 
     from hybridflow.models import resolve_model_path
-    from hybridflow.workers.weight_link import SyncStats, _buckets
+    from hybridflow.workers.weight_link import _buckets
     from hybridflow.workers.weight_sync import policy_weights
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path("default"), dtype=torch.float32).cuda()
+    path = resolve_model_path(model_path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
 
-    def _new_bucket(index: int, dtype: torch.dtype, count: int) -> torch.Tensor:  # as a link over nccl fills
-        return torch.empty(count, dtype=dtype, device="cuda")
+    def new_bucket(index: int, dtype: torch.dtype, count: int) -> torch.Tensor:  # as a link over nccl fills
+        return torch.empty(count, dtype=dtype, device=device)
+
+    def synchronize() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
 
     times, nbytes = [], 0
     for _ in range(3):
-        torch.cuda.synchronize()
+        synchronize()
         start, nbytes = time.perf_counter(), 0
-        for bucket in _buckets(
-            policy_weights(model), 64 * 2**20, SyncStats(), _new_bucket
-        ):  # copied and checksummed
+        for bucket in _buckets(policy_weights(model), 64 * 2**20, new_bucket):  # copied and checksummed
             nbytes += bucket.flat.numel() * bucket.flat.element_size()
-        torch.cuda.synchronize()
+        synchronize()
         times.append(time.perf_counter() - start)
-    floor = memcpy_floor(nbytes, 5, "cuda")
+    floor = memcpy_floor(nbytes, 5, device)
     result = {"mb": nbytes / 2**20, "bucket_and_checksum_s": min(times), "memcpy_s": floor}
     result["vs_memcpy"] = result["bucket_and_checksum_s"] / floor
     Path(out).write_text(json.dumps(result, indent=2))

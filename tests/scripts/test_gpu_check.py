@@ -83,3 +83,20 @@ def test_the_vllm_and_weight_sync_stages_follow_what_the_machine_has(gpu_check, 
     assert "bench/weight_sync.py" in stages["weight_sync"].command(two)
     assert "tests/vllm_engine" in stages["vllm"].command(two)
     assert "trainer.placement=split" in " ".join(stages["async"].command(two))
+
+
+def test_the_one_gpu_weight_sync_check_runs_its_buckets(gpu_check, tiny_model_path, tmp_path):
+    """The weight-sync stage's one-GPU check, run on the CPU with the tiny model: it cuts the weights into
+    buckets as the link does and reports the bytes (every tensor, the tied one under both names) and a time
+    against the memcpy floor (the check fell out of step with the link's bucketing once, unseen without a GPU)."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "weight_sync.json"
+    assert gpu_check._weight_sync_one_gpu(str(out), device="cpu", model_path=tiny_model_path) == 0
+    result = json.loads(out.read_text())
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    expected = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert result["mb"] == expected / 2**20
+    assert result["bucket_and_checksum_s"] > 0 and result["vs_memcpy"] == (
+        result["bucket_and_checksum_s"] / result["memcpy_s"]
+    )
