@@ -49,7 +49,10 @@ def _sync(tiny_model_path, actor_class, rollout_class, name):
             pool.remove()
 
 
-def test_a_receiver_lost_mid_sync_stops_the_run_with_its_loss(tiny_model_path, ray_session):
+def test_a_receiver_lost_mid_sync_stops_the_run_with_its_loss(tiny_model_path, ray_session, monkeypatch):
+    # the wait ends when Ray reports the loss; on a loaded machine (Ray's workers run at nice 15) that took
+    # longer than the run's 60 s, and the sender's broken link was raised instead
+    monkeypatch.setattr(weight_transport, "LOSS_WAIT_S", 600.0)
     with pytest.raises(WorkerDiedError) as lost:
         _sync(tiny_model_path, ActorRolloutRefWorker, DiesOnReceive, "wtdie")
     assert "receive_weights" in str(lost.value) and "wtdier" in str(lost.value)
