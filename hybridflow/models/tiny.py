@@ -36,13 +36,14 @@ from typing import Any, cast
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    AutoModelForCausalLM,
     GenerationConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
+
+from hybridflow.models.families import TINY_FAMILIES, tiny_config
 
 IM_START, IM_END, END_OF_TEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 SPECIAL_TOKENS = [END_OF_TEXT, IM_START, IM_END]
@@ -172,8 +173,10 @@ def make_tiny_model(
     intermediate_size: int | None = None,
     max_position_embeddings: int = 2048,
     attention_dropout: float = 0.0,
+    family: str = "llama",
 ) -> str:
-    """Write a randomly initialised small LlamaForCausalLM and its tokenizer to `out_dir`.
+    """Write a randomly initialised small causal LM (LlamaForCausalLM unless ``family`` names another of
+    ``hybridflow.models.families.TINY_FAMILIES``) and its tokenizer to `out_dir`.
 
     The folder is a plain Hugging Face checkpoint (safetensors, tokenizer files, generation config
     with eos/pad set) that `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained` load without
@@ -185,22 +188,19 @@ def make_tiny_model(
     tokenizer = make_tiny_tokenizer(vocab_size)
     eos_id = token_id(tokenizer, IM_END)
     bos_id = token_id(tokenizer, IM_START)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        attention_dropout=attention_dropout,
-        tie_word_embeddings=True,
-        bos_token_id=bos_id,
-        eos_token_id=eos_id,
-        pad_token_id=eos_id,
-    )
+    shape = {
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size or 2 * hidden_size,
+        "num_attention_heads": num_heads,
+        "max_position_embeddings": max_position_embeddings,
+        "attention_dropout": attention_dropout,
+    }
+    if family == "llama" or "num_key_value_heads" not in TINY_FAMILIES[family].settings:
+        shape |= {"num_key_value_heads": num_kv_heads, "head_dim": hidden_size // num_heads}
+    special = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": eos_id}
+    config = tiny_config(family, len(tokenizer), num_layers, special, **shape)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=eos_id)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -531,6 +531,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--family",
+        choices=list(TINY_FAMILIES),
+        default="llama",
+        help="the text model family (default: llama); gemma3_text, gpt_oss and mistral get a 16-token window",
+    )
+    parser.add_argument(
         "--vlm",
         choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"],
         help="a tiny vision-language model of this family instead (vision tower, image tokens, image processor)",
@@ -546,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
             hidden_size=args.hidden_size,
             num_layers=args.num_layers,
             seed=args.seed,
+            family=args.family,
         )
-    print(f"wrote tiny {args.vlm or 'llama'} model to {path} in {time.perf_counter() - start:.1f} s")
+    print(f"wrote tiny {args.vlm or args.family} model to {path} in {time.perf_counter() - start:.1f} s")
     return 0

@@ -37,6 +37,7 @@ from transformers.utils import logging as hf_logging
 from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
 from hybridflow.data.images import ImagePrompts
 from hybridflow.models import resolve_model_path
+from hybridflow.models.layers import LayerLayout, layer_layout
 from hybridflow.models.vision import (
     IMAGES,
     ImageInput,
@@ -50,7 +51,7 @@ from hybridflow.models.vision import (
 from hybridflow.protocol import DataProto
 from hybridflow.utils.cores import follow
 from hybridflow.utils.errors import MissingInputError
-from hybridflow.workers.packing import TokenInputs, pack_prefix_tree
+from hybridflow.workers.packing import PackedBatch, TokenInputs, flatten_rows, pack_prefix_tree
 from hybridflow.workers.ulysses import (
     SequenceParallel,
     causal_mask,
@@ -335,11 +336,16 @@ def image_inputs(
 
 
 def _forward(
-    model: PreTrainedModel, inputs: dict[str, torch.Tensor], images: list, keep: Any, keeps_logits: bool
+    model: PreTrainedModel,
+    inputs: Mapping[str, torch.Tensor | dict[str, torch.Tensor]],
+    images: list,
+    keep: Any,
+    keeps_logits: bool,
 ):
-    """The model's outputs over ``inputs`` (ids, mask, positions) with ``images`` (in token order) fed to
-    its vision tower; ``keep``: ``logits_to_keep`` for models that take it."""
-    device = inputs["input_ids"].device
+    """The model's outputs over ``inputs`` (ids, mask, positions; the mask may be one per layer type) with
+    ``images`` (in token order) fed to its vision tower; ``keep``: ``logits_to_keep`` for models that take
+    it."""
+    device = next(model.parameters()).device
     return model(
         **inputs,
         **model_image_inputs(images, device),
@@ -349,7 +355,11 @@ def _forward(
 
 
 def response_outputs(
-    model: PreTrainedModel, data: DataProto, share_prompt: bool = True, keeps_logits: bool = True
+    model: PreTrainedModel,
+    data: DataProto,
+    share_prompt: bool = True,
+    keeps_logits: bool = True,
+    remove_padding: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's outputs that predict the response tokens a row attends to: ``(M, ...)`` (logits, or one
     value) in row-major order, and where those tokens are, ``real`` ``(bs, L)`` bool (``per_token`` puts
@@ -361,9 +371,12 @@ def response_outputs(
     (a group's prompt, a system prompt, the same image), each shared run of tokens is computed once, an
     image's encoder pass included (``hybridflow.workers.packing``; eager and SDPA attention, which take a
     4-D mask); otherwise every row is run as it is, without the columns past its longest response
-    (``trimmed``). ``keeps_logits``: the model takes ``logits_to_keep`` (causal LMs do; token-classification
-    models do not)."""
-    outputs, _, real = _outputs(model, data, share_prompt, keeps_logits, None)
+    (``trimmed``), or with ``remove_padding`` their real tokens end to end in one row (``flatten_rows``).
+    Each is exact for the model it is used on: a model whose layers carry a state from token to token
+    (linear attention) is never packed, and sliding-window layers get masks of their own window
+    (``packs_as_tree``, ``tree_masks``). ``keeps_logits``: the model takes ``logits_to_keep`` (causal LMs
+    do; token-classification models do not)."""
+    outputs, _, real = _outputs(model, data, share_prompt, keeps_logits, None, remove_padding)
     return outputs, real
 
 
@@ -373,11 +386,11 @@ def _outputs(
     share_prompt: bool,
     keeps_logits: bool,
     sp: SequenceParallel | None,
+    remove_padding: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``response_outputs``, or with ``sp`` (a sequence-parallel group, ``workers.ulysses``) only the outputs
     this rank's columns predict, ``(m, ...)``, with ``index`` ``(m,)``: which of the ``M`` tokens they are
     (``ulysses.spread`` assembles them); ``index`` is None without ``sp``."""
-    device = next(model.parameters()).device
     length = data.tensors["responses"].shape[1]
     real = data.tensors["attention_mask"][:, -length:].bool()
     images = row_images(data)
@@ -385,38 +398,100 @@ def _outputs(
         raise ValueError(
             "sequence parallelism (ulysses_sequence_parallel_size > 1) does not cover rows with images"
         )
-    # flash-attention kernels take no 4-D mask: those models score row by row
-    share_prompt = share_prompt and takes_4d_mask(model)
-    if share_prompt:
-        extra = None
-        if images is not None:
-            extra = image_inputs(model, data.tensors["input_ids"], data.tensors["attention_mask"], images)
-        packed = pack_prefix_tree(data, next(model.parameters()).dtype, extra=extra)
-        if packed is not None and sp is not None:
-            rows, cols = packed.predictors(real)
-            allowed = packed.attention_mask == 0
-            outputs = _split_outputs(model, packed.input_ids, packed.position_ids, allowed, packed.keep, sp)
-            return (*outputs(rows, cols, keeps_logits), real)
-        if packed is not None:
-            keep = packed.keep.to(device)
-            inputs = {
-                "input_ids": packed.input_ids.to(device),
-                "attention_mask": packed.attention_mask.to(device),
-                "position_ids": packed.position_ids.to(device),
-            }
-            outputs = _forward(model, inputs, packed.images, keep, keeps_logits)
-            return packed.gather(outputs if keeps_logits else outputs[:, keep], real), None, real
+    layout = layer_layout(model.config)
+    remove_padding = remove_padding and not layout.recurrent  # a state would run from one row into the next
+    if (share_prompt or remove_padding) and packs_as_tree(model, layout):
+        found = _tree_outputs(model, data, layout, keeps_logits, sp, real, share_prompt, remove_padding)
+        if found is not None:
+            return found
     data = trimmed(data)
     width = data.tensors["responses"].shape[1]
     if sp is not None:
         return (*_rows_split_outputs(model, data, real[:, :width], keeps_logits, sp), real)
+    flat = flatten_rows(data) if remove_padding and images is None else None
+    if flat is not None:  # flash attention: transformers finds the rows from their positions
+        device = next(model.parameters()).device
+        inputs = {"input_ids": flat.input_ids.to(device), "position_ids": flat.position_ids.to(device)}
+        keep = flat.keep.to(device)
+        outputs = _forward(model, inputs, [], keep, keeps_logits)
+        return (outputs if keeps_logits else outputs[:, keep])[0], None, real
+    return _row_outputs(model, data, images, keeps_logits, real[:, :width]), None, real
+
+
+def packs_as_tree(model: PreTrainedModel, layout: LayerLayout | None = None) -> bool:
+    """Whether a prefix tree's 4-D masks express ``model`` exactly: its attention takes a 4-D mask (eager
+    and SDPA do, flash-attention kernels do not) and no layer carries a state from token to token (a
+    linear-attention or state-space layer would run down the tree's columns as one sequence)."""
+    layout = layout or layer_layout(model.config)
+    return takes_4d_mask(model) and not layout.recurrent
+
+
+def tree_masks(
+    packed: PackedBatch, layout: LayerLayout, dtype: torch.dtype
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The attention mask a packed forward takes: one ``(G, 1, W, W)`` mask when every attention layer sees
+    the same tokens, else one per layer type, each with its own window (transformers' models that list
+    ``layer_types`` take them as a dict keyed by type)."""
+    windows = layout.windows
+    by_window = {window: packed.attention_mask(dtype, window) for window in set(windows.values())}
+    if len(by_window) == 1:
+        return next(iter(by_window.values()))
+    return {kind: by_window[window] for kind, window in windows.items()}
+
+
+def _tree_outputs(
+    model: PreTrainedModel,
+    data: DataProto,
+    layout: LayerLayout,
+    keeps_logits: bool,
+    sp: SequenceParallel | None,
+    real: torch.Tensor,
+    share: bool,
+    always: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
+    """``_outputs`` of ``data`` packed as prefix trees (``share``: what rows begin alike with computed once;
+    else each row a chain of its own, padding-free); None when nothing is shared and not ``always``."""
+    images = row_images(data)
+    extra = None
+    if images is not None:
+        extra = image_inputs(model, data.tensors["input_ids"], data.tensors["attention_mask"], images)
+    packed = pack_prefix_tree(data, extra=extra, share=share, always=always)
+    if packed is None:
+        return None
+    if sp is not None:  # sequence parallelism refuses sliding windows (enable_ulysses): one full mask
+        rows, cols = packed.predictors(real)
+        outputs = _split_outputs(
+            model, packed.input_ids, packed.position_ids, packed.allowed[:, None], packed.keep, sp
+        )
+        return (*outputs(rows, cols, keeps_logits), real)
+    parameter = next(model.parameters())
+    masks = tree_masks(packed, layout, parameter.dtype)
+    device = parameter.device
+    inputs = {
+        "input_ids": packed.input_ids.to(device),
+        "attention_mask": {k: m.to(device) for k, m in masks.items()}
+        if isinstance(masks, dict)
+        else masks.to(device),
+        "position_ids": packed.position_ids.to(device),
+    }
+    keep = packed.keep.to(device)
+    outputs = _forward(model, inputs, packed.images, keep, keeps_logits)
+    return packed.gather(outputs if keeps_logits else outputs[:, keep], real), None, real
+
+
+def _row_outputs(
+    model: PreTrainedModel, data: DataProto, images: list | None, keeps_logits: bool, real: torch.Tensor
+) -> torch.Tensor:
+    """``_outputs`` of plain (``trimmed``) rows, padded as they are; ``real`` ``(bs, width)``."""
+    device = next(model.parameters()).device
+    width = real.shape[1]
     inputs = {k: data.tensors[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")}
     flat = [im for row in images or [] for im in row]
     positions = vision_positions(model, inputs["input_ids"], inputs["attention_mask"], flat) if flat else None
     if positions is not None:
         inputs["position_ids"] = positions
     outputs = _forward(model, inputs, flat, width + 1, keeps_logits)
-    return outputs[:, -width - 1 : -1][real[:, :width].to(device)], None, real
+    return outputs[:, -width - 1 : -1][real.to(device)]
 
 
 def _rows_split_outputs(
@@ -486,6 +561,7 @@ def response_log_probs(
     entropy_grad: bool = False,
     share_prompt: bool = True,
     sp: SequenceParallel | None = None,
+    remove_padding: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of ``responses`` under ``model`` (logits divided by the sampling temperature,
     so they match what the rollout sampled from).
@@ -495,8 +571,9 @@ def response_log_probs(
     enabled, and through the entropy only with ``entropy_grad`` (an entropy bonus): a metric-only entropy
     keeps no graph. ``share_prompt``: shared runs of tokens computed once (see ``response_outputs``).
     ``sp``: a sequence-parallel group whose ranks all hold ``data`` (``workers.ulysses``): each computes its
-    columns' part, and all of them return the whole."""
-    logits, index, real = _outputs(model, data, share_prompt, True, sp)
+    columns' part, and all of them return the whole. ``remove_padding``: rows scored end to end without
+    padding where no prefix tree is used (see ``response_outputs``)."""
+    logits, index, real = _outputs(model, data, share_prompt, True, sp, remove_padding)
     logits = without_placeholders(logits.float(), placeholder_token_ids(model.config))
     if temperature != 1.0:
         logits = logits / temperature
@@ -513,10 +590,14 @@ def response_log_probs(
 
 
 def response_values(
-    model: PreTrainedModel, data: DataProto, share_prompt: bool = True, sp: SequenceParallel | None = None
+    model: PreTrainedModel,
+    data: DataProto,
+    share_prompt: bool = True,
+    sp: SequenceParallel | None = None,
+    remove_padding: bool = False,
 ) -> torch.Tensor:
     """Values ``(bs, L)`` of a token-classification (value-head) model: the value at each position is
     predicted from the state *before* the response token there, as GAE expects. ``sp``: as for
     ``response_log_probs``."""
-    values, index, real = _outputs(model, data, share_prompt, False, sp)
+    values, index, real = _outputs(model, data, share_prompt, False, sp, remove_padding)
     return per_token(spread(values.squeeze(-1).float(), index, int(real.sum()), sp), real)

@@ -55,19 +55,34 @@ class PackedBatch:
     gathered back into per-response positions with ``rows`` and ``cols``.
 
     ``input_ids`` ``(G, W)``; ``position_ids`` ``(G, W)``, or ``(3, G, W)`` for 3-D rotary positions;
-    ``attention_mask`` ``(G, 1, W, W)`` additive (0 or the dtype's minimum); ``keep`` ``(K,)`` the columns
-    whose outputs predict a response token (in some packed row); ``rows`` ``(bs,)`` the packed row of each
-    original row; ``cols`` ``(bs, L)`` the index into ``keep`` of the output that predicts each response
-    token (0 where the row has no token there); ``images``: the images of the packed rows in the order
-    their tokens appear (each shared image once)."""
+    ``allowed`` ``(G, W, W)`` bool: column ``i`` attends to column ``j`` (``j`` is ``i`` or one of its
+    ancestors); ``depth`` ``(G, W)``: each column's index among its row's real tokens (0 at padding), which
+    a sliding window counts in (``attention_mask``); ``keep`` ``(K,)`` the columns whose outputs predict a
+    response token (in some packed row); ``rows`` ``(bs,)`` the packed row of each original row; ``cols``
+    ``(bs, L)`` the index into ``keep`` of the output that predicts each response token (0 where the row has
+    no token there); ``images``: the images of the packed rows in the order their tokens appear (each shared
+    image once)."""
 
     input_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    allowed: torch.Tensor
+    depth: torch.Tensor
     position_ids: torch.Tensor
     keep: torch.Tensor
     rows: torch.Tensor
     cols: torch.Tensor
     images: list[Any] = field(default_factory=list)
+
+    def visible(self, window: int | None = None) -> torch.Tensor:
+        """``allowed``, and with a sliding ``window`` only the ancestors fewer than ``window`` tokens back
+        (a token and the ``window - 1`` before it in its row, as transformers' sliding layers see them)."""
+        if window is None:
+            return self.allowed
+        return self.allowed & (self.depth[:, :, None] - self.depth[:, None, :] < window)
+
+    def attention_mask(self, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+        """The additive ``(G, 1, W, W)`` mask (0 or the dtype's minimum) of ``visible(window)``."""
+        visible = self.visible(window)
+        return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
 
     def gather(self, outputs: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """``outputs`` ``(G, K, ...)`` (the model's outputs at columns ``keep``) -> ``(M, ...)``: the output
@@ -91,22 +106,31 @@ class _Tree:
         self.tokens: list[int] = []
         self.positions: list[Any] = []
         self.parents: list[int] = []
+        self.depths: list[int] = []  # a node's index in the row(s) it belongs to
         self.children: dict[tuple[int, int, Any, int], int] = {}  # (parent, token, position, key) -> node
         self.images: dict[int, Any] = {}
 
     def walk(
-        self, tokens: list[int], positions: list[Any], keys: list[int], firsts: dict[int, Any]
+        self,
+        tokens: list[int],
+        positions: list[Any],
+        keys: list[int],
+        firsts: dict[int, Any],
+        share: bool = True,
     ) -> list[int]:
         """Insert one row's real tokens (``firsts``: the index of each image's first token -> the image);
-        returns the node of each."""
+        returns the node of each. ``share`` false: the row gets nodes of its own (a chain beside the others)."""
         nodes, node = [], -1
         for i, (token, position, key) in enumerate(zip(tokens, positions, keys)):
-            child = self.children.get((node, token, position, key))
+            child = self.children.get((node, token, position, key)) if share else None
             if child is None:
-                child = self.children[(node, token, position, key)] = len(self.tokens)
+                child = len(self.tokens)
+                if share:
+                    self.children[(node, token, position, key)] = child
                 self.tokens.append(token)
                 self.positions.append(position)
                 self.parents.append(node)
+                self.depths.append(i)
                 if i in firsts:  # an image is shared whole or not at all: its first token decides
                     self.images[child] = firsts[i]
             nodes.append(child)
@@ -148,7 +172,11 @@ def _row_images(extra: TokenInputs | None, r: int, keys: list[int]) -> dict[int,
 
 
 def pack_prefix_tree(
-    data: DataProto, dtype: torch.dtype, max_width: int = 1024, extra: TokenInputs | None = None
+    data: DataProto,
+    max_width: int = 1024,
+    extra: TokenInputs | None = None,
+    share: bool = True,
+    always: bool = False,
 ) -> PackedBatch | None:
     """Pack rows into prefix trees: a run of tokens (with their positions) that several rows begin with is
     one set of columns, computed once, and each token attends to exactly the tokens before it in its row(s),
@@ -161,7 +189,9 @@ def pack_prefix_tree(
     attends to them and no response token is predicted from them. ``extra`` (rows with images): tokens are
     shared only when their positions (3-D where given) and image keys agree too, so an image's tokens and
     its encoder pass are shared exactly when the image and everything before it are. ``None`` when no two
-    rows begin with the same token: packing would then only trade padding for a wider mask."""
+    rows begin with the same token (packing would then only trade padding for a wider mask), unless
+    ``always``. ``share`` false: every row is a chain of its own, the rows' real tokens end to end without
+    padding (verl's ``use_remove_padding``), each attending only to its own row."""
     ids, mask, pos = (data.tensors[k] for k in ("input_ids", "attention_mask", "position_ids"))
     length = data.tensors["responses"].shape[1]
     width = ids.shape[1] - length
@@ -177,14 +207,14 @@ def pack_prefix_tree(
         else:
             positions = pos[r][real].tolist()
         keys = extra.keys[r][real].tolist() if extra is not None else [0] * len(tokens)
-        nodes = trees[-1].walk(tokens, positions, keys, _row_images(extra, r, keys))
+        nodes = trees[-1].walk(tokens, positions, keys, _row_images(extra, r, keys), share)
         prompt_len, response_len = int(real[:width].sum()), int(real[width:].sum())
         # response token t is predicted by the node of the token before it (the last prompt token for t = 0)
         before = ([-1] + nodes)[prompt_len : prompt_len + response_len]
         predictors.append((len(trees) - 1, before))
-    if sum(len(tree.tokens) for tree in trees) == int(mask.sum()):
+    if not always and sum(len(tree.tokens) for tree in trees) == int(mask.sum()):
         return None
-    return _layout(trees, predictors, len(data), length, ids.dtype, pos.dtype, dtype)
+    return _layout(trees, predictors, len(data), length, ids.dtype, pos.dtype)
 
 
 def _layout(
@@ -194,7 +224,6 @@ def _layout(
     length: int,
     id_dtype: torch.dtype,
     pos_dtype: torch.dtype,
-    dtype: torch.dtype,
 ) -> PackedBatch:
     """The trees as packed rows: their tokens, positions, ancestor masks and images, and where each original
     row's response predictions are."""
@@ -203,6 +232,7 @@ def _layout(
     three_d = isinstance(trees[0].positions[0], tuple)
     packed_pos = torch.zeros((3,) * three_d + (len(trees), packed_width), dtype=pos_dtype)
     allowed = torch.zeros(len(trees), packed_width, packed_width, dtype=torch.bool)
+    depth = torch.zeros(len(trees), packed_width, dtype=torch.long)
     images = []
     for g, tree in enumerate(trees):
         packed_ids[g, : len(tree.tokens)] = torch.tensor(tree.tokens, dtype=id_dtype)
@@ -212,22 +242,59 @@ def _layout(
         else:
             packed_pos[g, : len(tree.tokens)] = positions
         allowed[g] = tree.ancestors(packed_width)
+        depth[g, : len(tree.tokens)] = torch.tensor(tree.depths, dtype=torch.long)
         images += [tree.images[node] for node in sorted(tree.images)]
     keep = sorted({node for _, before in predictors for node in before if node >= 0}) or [0]
     index = {node: k for k, node in enumerate(keep)}
     cols = torch.zeros(rows, length, dtype=torch.long)
     for r, (_, before) in enumerate(predictors):
         cols[r, : len(before)] = torch.tensor([index.get(node, 0) for node in before], dtype=torch.long)
-    additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
     return PackedBatch(
         packed_ids,
-        additive[:, None],
+        allowed,
+        depth,
         packed_pos,
         torch.tensor(keep, dtype=torch.long),
         torch.tensor([g for g, _ in predictors], dtype=torch.long),
         cols,
         images,
     )
+
+
+@dataclass
+class FlatRows:
+    """Rows' real tokens end to end in one row, without padding (verl's ``use_remove_padding``):
+    ``input_ids`` and ``position_ids`` ``(1, N)``, each row's positions counting from 0, which is how
+    transformers tells where a row begins (its mask code on eager and SDPA attention, ``cu_seqlens`` for
+    flash attention); ``keep`` ``(M,)``: the column whose output predicts each response token, row-major."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    keep: torch.Tensor
+
+
+def flatten_rows(data: DataProto) -> FlatRows | None:
+    """``data``'s rows (left-padded prompt, right-padded response) as ``FlatRows``; None when some row's
+    positions do not start at 0 and count up by one (transformers would then see rows begin elsewhere)."""
+    mask = data.tensors["attention_mask"].bool()
+    positions = data.tensors["position_ids"]
+    if positions.dim() != 2:  # 3-D rotary positions (images): no row boundaries to read from them
+        return None
+    flat_pos, lengths = positions[mask], mask.sum(dim=1)
+    if not torch.equal(flat_pos, _ranks(lengths).to(flat_pos.dtype)):
+        return None
+    starts = torch.cumsum(lengths, 0) - lengths
+    width = mask.shape[1] - data.tensors["responses"].shape[1]
+    prompt, response = mask[:, :width].sum(dim=1), mask[:, width:].sum(dim=1)
+    first = starts + prompt - 1  # the column that predicts each row's first response token
+    keep = torch.repeat_interleave(first, response) + _ranks(response)
+    return FlatRows(data.tensors["input_ids"][mask][None], flat_pos[None], keep)
+
+
+def _ranks(counts: torch.Tensor) -> torch.Tensor:
+    """``0, 1, ..., c - 1`` for each count ``c``, end to end."""
+    total = int(counts.sum())
+    return torch.arange(total) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
 
 
 def _token_counts(data: DataProto, groups: list[tuple[int, int]], share_prompt: bool) -> list[int]:

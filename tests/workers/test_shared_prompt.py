@@ -67,11 +67,11 @@ def test_rows_are_packed_as_a_prefix_tree():
         (t([5, 6, 3]), t([9])),
         (t([6, 7]), t([])),
     ]
-    packed = pack_prefix_tree(layout(rows, prompt_width=4, length=3), torch.float32)
+    packed = pack_prefix_tree(layout(rows, prompt_width=4, length=3))
     # rows 0 and 1 share 5 6 7 8, row 2 shares 5 6 with them; row 3 starts at another token
     assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9, 4, 2, 3, 9, 6, 7]]
     assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 4, 5, 2, 3, 0, 1]]
-    visible = (packed.attention_mask[0, 0] == 0).long()
+    visible = packed.allowed[0].long()
     assert visible[6].nonzero().flatten().tolist() == [0, 1, 2, 3, 5, 6]  # row 1's last token: its own row
     assert visible[8].nonzero().flatten().tolist() == [0, 1, 7, 8]
     assert visible[10].nonzero().flatten().tolist() == [9, 10]
@@ -79,12 +79,12 @@ def test_rows_are_packed_as_a_prefix_tree():
     assert packed.keep.tolist() == [2, 3, 5, 7]
     assert packed.rows.tolist() == [0, 0, 0, 0]
     assert packed.cols.tolist() == [[0, 1, 0], [0, 1, 2], [3, 0, 0], [0, 0, 0]]
-    assert pack_prefix_tree(layout([(t([5]), t([8])), (t([6]), t([8]))], 2, 1), torch.float32) is None
+    assert pack_prefix_tree(layout([(t([5]), t([8])), (t([6]), t([8]))], 2, 1)) is None
 
 
 def test_packed_rows_are_cut_at_the_width_limit():
     data = grouped_batch(*GROUPS)
-    packed = pack_prefix_tree(data, torch.float32, max_width=20)
+    packed = pack_prefix_tree(data, max_width=20)
     assert packed.input_ids.shape[0] > 1
     assert packed.rows.tolist() == sorted(packed.rows.tolist())  # rows fill packed rows in order
 

@@ -95,7 +95,7 @@ def test_packing_encodes_a_shared_image_once(family_model):
         data.batch["attention_mask"],
         list(data.non_tensor_batch["image_inputs"]),
     )
-    packed = pack_prefix_tree(data, torch.float32, extra=extra)
+    packed = pack_prefix_tree(data, extra=extra)
     # 5 images in the rows, 3 encoder inputs: the group's and the two-image prompt's red one share their
     # prefix through the image; the red one after other text and the blue one do not
     red, blue = extra.images[3]

@@ -18,6 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hybridflow import rollout as contract
 from hybridflow.config import RolloutConfig
+from hybridflow.models.layers import layer_layout
 from hybridflow.models.vision import (
     ImageInput,
     model_image_inputs,
@@ -106,6 +107,13 @@ def draw(probs: torch.Tensor, generator: Generators = None) -> torch.Tensor:
     return tokens
 
 
+def fork(cache: Any, rows: torch.Tensor) -> None:
+    """Make row ``i`` of ``cache`` a copy of its row ``rows[i]`` (fork a prompt's cache for its samples, or
+    drop the rows that ended), for every layer kind: attention keys and values, and the convolution and
+    recurrent states of linear-attention layers (which have no ``batch_repeat_interleave``)."""
+    cache.reorder_cache(rows)
+
+
 def common_prefix_length(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> int:
     """Length of the longest run of real tokens (and positions) that every left-padded prompt row of ``ids``
     ``(bs, P)`` starts with, short of each row's last token (the one whose output is sampled from)."""
@@ -169,6 +177,7 @@ class HFRollout(Rollout):
         # transformers renamed `past_key_values` to `cache` (5.2x); use whichever this version takes
         forward_params = inspect.signature(type(model).forward).parameters
         self._cache_key = "cache" if "cache" in forward_params else "past_key_values"
+        self.layout = layer_layout(model.config)
 
     @classmethod
     def from_spec(cls, spec: EngineSpec) -> HFRollout:
@@ -246,6 +255,18 @@ class HFRollout(Rollout):
         )
         return out.logits[:, -1], out[self._cache_key]
 
+    def _shares_prefix(self, mask: torch.Tensor) -> bool:
+        """Whether the prompts' common prefix may be run once for all of them. After it, each prompt's
+        remainder is left-padded to the longest, so padding sits between the prefix and the remainder:
+        exact for full attention under the mask, but a sliding window counts columns, not tokens, and a
+        recurrent layer (linear attention) would carry its state through the gap; for those, only prompts
+        of one length (no gap) share it."""
+        if len(mask) < 2:
+            return False
+        if self.layout.recurrent or "sliding_attention" in self.layout.types:
+            return bool((mask.sum(dim=1) == mask.shape[1]).all())
+        return True
+
     def _positions(
         self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, images: list | None
     ) -> torch.Tensor:
@@ -264,7 +285,7 @@ class HFRollout(Rollout):
         the first response token ``(bs, V)``, the cache, and its attention mask ``(bs, C)``. ``images``: each
         prompt's; the shared prefix stops before the first image, so each prompt's images go through the
         vision tower once, in its remainder (its ``n`` samples then share the cache)."""
-        shared = common_prefix_length(ids, mask, positions) if len(ids) > 1 else 0
+        shared = common_prefix_length(ids, mask, positions) if self._shares_prefix(mask) else 0
         start = ids.shape[1] - int(mask[0].sum())
         if images is not None and shared:
             pictures = (ids[0, start : start + shared] == self.model.config.image_token_id).nonzero()
@@ -279,7 +300,7 @@ class HFRollout(Rollout):
             mask[:1, start : start + shared],
             positions[..., :1, start : start + shared],
         )
-        cache.batch_repeat_interleave(len(ids))
+        fork(cache, torch.zeros(len(ids), dtype=torch.long, device=ids.device))
         lengths, width = mask.sum(dim=1), ids.shape[1]
         rest = int(lengths.max()) - shared  # the remainders, left-padded to a common width
         remainder = (
@@ -301,7 +322,7 @@ class HFRollout(Rollout):
         logits, cache, mask = self._prefill(ids, mask, positions, images)
         n, length = params.n, params.response_length
         if n > 1:
-            cache.batch_repeat_interleave(n)
+            fork(cache, torch.arange(len(ids), device=device).repeat_interleave(n))
             logits, mask = logits.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
         rows = len(logits)
         generators = self._row_generators(prompts, n)
@@ -328,7 +349,7 @@ class HFRollout(Rollout):
                 break
             if not going.all():  # ended rows leave the batch and its cache
                 keep = going.nonzero().flatten()
-                cache.batch_select_indices(keep)
+                fork(cache, keep)
                 live, tokens, mask, next_position = live[keep], tokens[keep], mask[keep], next_position[keep]
             if self.weights is not None and self.weights.refresh():
                 logits, cache, mask = self._recompute(
