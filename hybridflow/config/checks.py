@@ -84,7 +84,9 @@ IGNORED_KEYS: tuple[IgnoredKey, ...] = (
         "critic.forward_max_token_len_per_gpu",
         "the critic's value pass uses critic.ppo_max_token_len_per_gpu",
     ),
-    IgnoredKey("*.use_remove_padding", "padding-free attention needs flash-attention kernels on a GPU"),
+    IgnoredKey(
+        "reward_model.model.use_remove_padding", "the reward model scores each sequence as one padded row"
+    ),
     IgnoredKey("*.use_torch_compile", "GPU kernel option"),
     IgnoredKey("*.use_liger", "GPU kernel option"),
     IgnoredKey("*.use_fused_kernels", "GPU kernel option"),

@@ -148,6 +148,10 @@ class ModelConfig(ModelLoadingConfig):
     #: compute every run of tokens several rows begin with once (a prompt's n samples, a shared system prompt)
     #: in log-probs, values and updates; an exact rewrite (same log-probs and gradients); false = row by row
     share_prompt_prefix: bool = True
+    #: score rows without padding (verl's key): their real tokens end to end, each attending to its own row
+    #: (flash attention: positions from 0 per row); where share_prompt_prefix packs a batch, that is used
+    #: instead; never for linear-attention or state-space layers (their rows are scored padded, one warning)
+    use_remove_padding: bool = False
 
 
 @dataclass
@@ -183,6 +187,18 @@ class CheckpointContentsConfig:
 
     #: with LoRA, skip the merged huggingface/ folder (a full model's size) and keep only lora_adapter/
     save_lora_only: bool = False
+
+
+@dataclass
+class RouterReplayConfig:
+    """Mixture-of-experts routing replay (verl's ``router_replay``): the trainer's forwards use the experts each
+    token was routed to before, instead of choosing again, so a near-tie that flips between the rollout and
+    the trainer (another kernel, another batch) does not change the token's log-prob. Only the choice is
+    replayed; the chosen experts' weights come from the live router, which still trains."""
+
+    #: disabled | R2 (the old-log-prob pass records the trainer's routing, the updates replay it) | R3 (the
+    #: rollout records each token's experts, the log-prob and update passes replay them; hf and vllm rollouts)
+    mode: Literal["disabled", "R2", "R3"] = "disabled"
 
 
 @dataclass
@@ -229,6 +245,10 @@ class ActorConfig(VisionTrainingConfig):
     kl_loss_coef: float = 0.001  #: weight of that KL loss
     kl_loss_type: KLEstimator = "low_var_kl"  #: KL estimator of that loss
     grad_clip: float = 1.0  #: max gradient norm
+    #: MoE models: weight of the routers' load-balancing loss (Switch Transformer's, as transformers computes
+    #: it; its moe/aux_loss is logged whenever > 0); 0 = off (routing loads are logged either way)
+    router_aux_loss_coef: float = 0.0
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)  #: MoE routing replay
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)  #: sharding when strategy is fsdp2
     optim: OptimConfig = field(default_factory=OptimConfig)  #: the actor's optimizer
     checkpoint: CheckpointContentsConfig = field(

@@ -90,13 +90,13 @@ def _experts(text: Any) -> tuple[int, int]:
     return 0, 0
 
 
-def layer_layout(config: Any) -> LayerLayout:
+def layer_layout(hf_config: Any) -> LayerLayout:
     """The layout of the model a Hugging Face config describes (its text model's, for a vision-language one)."""
-    text = config.get_text_config()
+    text = hf_config.get_text_config()
     types, keyed = _layer_types(text)
     experts, top_k = _experts(text)
     return LayerLayout(
-        model_type=str(getattr(text, "model_type", "") or getattr(config, "model_type", "")),
+        model_type=str(text.model_type),
         types=types,
         window=getattr(text, "sliding_window", None) if "sliding_attention" in types else None,
         keyed_masks=keyed,

@@ -80,10 +80,13 @@ class Capabilities:
     ``own_weights``: it samples from a copy of the weights of its own (vLLM), so the worker sends it the
     actor's weights after every change (``update_weights``); False: it samples from the actor's module
     itself and needs nothing. ``follows_weights``: it takes newer weights between decoding steps
-    (``follow_weights``), which an asynchronous run's partial rollout needs."""
+    (``follow_weights``), which an asynchronous run's partial rollout needs. ``records_routing``: for an MoE
+    model it can return each token's chosen experts (``routed_experts``), which the trainer replays
+    (``router_replay.mode=R3``)."""
 
     own_weights: bool = False
     follows_weights: bool = False
+    records_routing: bool = False
 
 
 class WeightFeed(Protocol):
@@ -153,6 +156,7 @@ class EngineSpec:
     response_length: int
     model_path: str | None
     seed: int
+    record_routing: bool = False  #: return each token's chosen experts (an MoE model replayed by the trainer)
 
 
 class RolloutEngine(Rollout, Protocol):

@@ -26,7 +26,7 @@ from hybridflow.dataflow.replay_buffer import IS_WEIGHTS_KEY
 from hybridflow.protocol import DataProto
 from hybridflow.utils.errors import UserError
 from hybridflow.workers.actor import UPDATE_ACTOR_KEYS
-from hybridflow.workers.modeling import row_images
+from hybridflow.workers.row_layouts import row_images
 
 __all__ = [
     "ActorReplay",

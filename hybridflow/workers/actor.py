@@ -21,6 +21,7 @@ from hybridflow.algorithms import (
 )
 from hybridflow.config import ActorRolloutRefConfig, SandboxConfig
 from hybridflow.config.checks import required
+from hybridflow.models.routing import ROUTED_EXPERTS
 from hybridflow.models.vision import freeze_vision_tower
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import (
@@ -34,8 +35,8 @@ from hybridflow.rollout import (
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.checkpointing import load_worker_state, save_worker_state
 from hybridflow.workers.engine import DivergedError, TrainingEngine
+from hybridflow.workers.expert_routing import PolicyRouting, Routing, routing_metrics
 from hybridflow.workers.modeling import (
-    image_column,
     load_image_prompts,
     load_model,
     load_tokenizer,
@@ -45,7 +46,8 @@ from hybridflow.workers.modeling import (
 )
 from hybridflow.workers.packing import MicroBatching, batched
 from hybridflow.workers.policy_objective import logprob_diff_metrics, policy_objective
-from hybridflow.workers.rollout import build_rollout
+from hybridflow.workers.rollout import build_rollout, records_routing
+from hybridflow.workers.row_layouts import RowLayout, image_column
 from hybridflow.workers.sharding import (
     agreed_count,
     gathered,
@@ -83,6 +85,7 @@ UPDATE_ACTOR_KEYS = (
     "ref_log_prob",
     "rollout_log_probs",
     "teacher_log_prob",
+    ROUTED_EXPERTS,
 )
 
 
@@ -123,6 +126,8 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
         self.rollout_engine = rollout_engine
         # sequence-parallel groups (ulysses_sequence_parallel_size > 1)
         self.actor_sp: SequenceParallel | None = None
+        self.rows = RowLayout()  # the layouts the policy's forwards take (set with the model)
+        self.routing: PolicyRouting | None = None  # an MoE policy's expert routing (set with the actor)
         self.ref_sp: SequenceParallel | None = None
         self.mailbox: WeightMailbox | None = None  # a rollout-only worker's weight versions (async runs)
         self.sandbox = sandbox or SandboxConfig()
@@ -154,6 +159,9 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
             self._init_policy(model_path)
         if self._is_rollout:
             self._init_rollout(model_path)
+        if self._is_actor:
+            records = records_routing(self.config.rollout, self.rollout_engine)
+            self.routing = PolicyRouting.of(self.config.actor, self.policy, records, self.actor_sp)
         if self._is_ref and not (self.module is not None and is_lora(self.module)):
             self._init_ref(model_path)
         elif self._is_ref:  # LoRA: the reference is the actor's module with the adapter off
@@ -176,6 +184,7 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
         )
         if self._is_actor:
             self.actor_sp = self._sequence_parallel(module, actor.ulysses_sequence_parallel_size, "actor")
+        self.rows = self._row_layout(module)
         if self._is_actor and actor.freeze_vision_tower:
             freeze_vision_tower(module)
         self.module = wrap_model(
@@ -209,6 +218,7 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
             self.response_length,
             model_location(model_path),
             (self.seed if rollout.seed is None else rollout.seed) + self.rank,
+            record_routing=self.config.actor.router_replay.mode == "R3",
         )
         self.rollout = build_rollout(
             spec, self.rollout_engine, self.weight_version, self.sandbox.unsafe_without_isolation
@@ -232,6 +242,8 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
         ).eval()
         module.requires_grad_(False)
         self.ref_sp = self._sequence_parallel(module, self._ref_sp_size(), "ref")
+        if self.module is None:  # a reference-only worker: the same model, so the same layouts
+            self.rows = self._row_layout(module)
         self.ref_module = wrap_model(
             module,
             strategy,
@@ -245,6 +257,12 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
         model_cfg = self.config.model
         path = required(model_cfg.path, "actor_rollout_ref.model.path")
         return weights_source(path, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code)
+
+    def _row_layout(self, module: PreTrainedModel) -> RowLayout:
+        model = self.config.model
+        return RowLayout.of(
+            module, model.share_prompt_prefix, model.use_remove_padding, "actor_rollout_ref.model"
+        )
 
     def _ref_sp_size(self) -> int:
         key = "actor_rollout_ref.ref.ulysses_sequence_parallel_size"  # resolve() sets it (null: the actor's)
@@ -320,46 +338,78 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
         micro_batch_size: int,
         max_token_len: int | None,
         sp: SequenceParallel | None = None,
-    ) -> tuple[torch.Tensor, Any]:
+        routing: PolicyRouting | None = None,
+    ) -> tuple[torch.Tensor, Any, torch.Tensor | None, list[Routing]]:
         """Log-probs without gradients: ``micro_batch_size`` rows, or ``max_token_len`` tokens, a forward.
-        ``sp``: a Ulysses group, whose ranks score their rows together (a token budget per rank: x its size)."""
+        ``sp``: a Ulysses group, whose ranks score their rows together (a token budget per rank: x its size).
+        ``routing``: the policy's expert routing; then also each token's chosen experts ``(bs, T, layers, k)``
+        (None for a dense model) and each forward's ``Routing``."""
         was_training = module.training
         module.eval()
-        share = self.config.model.share_prompt_prefix
         data = gather_rows(data, sp)
         budget = max_token_len * sp.size if max_token_len and sp is not None else max_token_len
-        micro = MicroBatching(micro_batch_size or len(data), budget, share)
+        micro = MicroBatching(micro_batch_size or len(data), budget, self.rows.share_prompt)
         temperature = self.config.rollout.temperature
-        log_probs, entropy = batched(
-            lambda d: response_log_probs(module, d, temperature, with_entropy, share_prompt=share, sp=sp),
-            data,
-            micro,
-            agreed_count(micro, data, module),
-        )
+        routings: list[Routing] = []
+
+        def forward(d: DataProto) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+            asked = routing.for_log_probs(d) if routing is not None else None
+            routings.extend([asked] if asked is not None else [])
+            log_probs, entropy = self._score(module, d, sp, temperature, with_entropy, routing=asked)
+            return log_probs, entropy, None if asked is None else asked.chosen
+
+        log_probs, entropy, chosen = batched(forward, data, micro, agreed_count(micro, data, module))
         module.train(was_training)
-        return own_rows(log_probs, sp), own_rows(entropy, sp)
+        return own_rows(log_probs, sp), own_rows(entropy, sp), chosen, routings
+
+    def _score(
+        self,
+        module: PreTrainedModel,
+        data: DataProto,
+        sp: SequenceParallel | None,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        entropy_grad: bool = False,
+        routing: Routing | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``response_log_probs`` under this worker's row layouts, ``sp`` the role's Ulysses group (or None)."""
+        rows = self.rows
+        return response_log_probs(
+            module,
+            data,
+            temperature,
+            with_entropy,
+            entropy_grad,
+            rows.share_prompt,
+            sp,
+            rows.remove_padding,
+            routing,
+        )
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
-        """``old_log_probs`` and ``entropys`` ``(bs, L)`` under the current policy."""
+        """``old_log_probs`` and ``entropys`` ``(bs, L)`` under the current policy; for an MoE policy under
+        ``router_replay.mode=R2`` also ``routed_experts``, the choices the updates replay."""
         policy = self._require(self.module, "actor", "compute_log_prob")
         rollout = self.config.rollout
-        log_probs, entropy = self._log_probs(
+        log_probs, entropy, chosen, routings = self._log_probs(
             policy,
             data,
             True,
             rollout.log_prob_micro_batch_size_per_gpu,
             rollout.log_prob_max_token_len_per_gpu if rollout.log_prob_use_dynamic_bsz else None,
             self.actor_sp,
+            self.routing,
         )
-        metrics = {}
+        metrics = routing_metrics(routings)
         if "rollout_log_probs" in data.tensors.keys() and data.tensors["rollout_log_probs"].abs().sum() > 0:
-            metrics = logprob_diff_metrics(
+            metrics |= logprob_diff_metrics(
                 data.tensors["rollout_log_probs"], log_probs, data.tensors["response_mask"]
             )
-        return DataProto.from_dict(
-            {"old_log_probs": log_probs, "entropys": entropy}, meta_info={"metrics": metrics}
-        )
+        columns = {"old_log_probs": log_probs, "entropys": entropy}
+        if chosen is not None and self.routing is not None and self.routing.hands_on():
+            columns[ROUTED_EXPERTS] = chosen
+        return DataProto.from_dict(columns, meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
@@ -378,37 +428,33 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
                     f"the reference is the actor with its adapter off, but it has none: {type(lora)}"
                 )
             with lora.disable_adapter():
-                log_probs, _ = self._log_probs(self.policy, data, False, micro, budget, self.ref_sp)
+                log_probs, *_ = self._log_probs(self.policy, data, False, micro, budget, self.ref_sp)
         else:
             ref_module = self._require(self.ref_module, "ref", "compute_ref_log_prob")
-            log_probs, _ = self._log_probs(ref_module, data, False, micro, budget, self.ref_sp)
+            log_probs, *_ = self._log_probs(ref_module, data, False, micro, budget, self.ref_sp)
         return DataProto.from_dict({"ref_log_prob": log_probs})
 
     # ---------------------------------------------------------------- training
     def _policy_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
-        """The policy's log-probs (and entropy) of the sampled tokens, then ``policy_objective`` on them."""
-        log_prob, entropy = response_log_probs(
-            self.policy,
-            micro,
-            self.config.rollout.temperature,
-            with_entropy=True,
-            entropy_grad=self.config.actor.entropy_coeff != 0,
-            share_prompt=self.config.model.share_prompt_prefix,
-            sp=self.actor_sp,
+        """The policy's log-probs (and entropy) of the sampled tokens, then ``policy_objective`` on them (and an
+        MoE policy's routing: replayed choices, the load-balancing term)."""
+        routing = self.routing.for_update(micro) if self.routing is not None else None
+        temperature, entropy_grad = self.config.rollout.temperature, self.config.actor.entropy_coeff != 0
+        log_prob, entropy = self._score(
+            self.policy, micro, self.actor_sp, temperature, True, entropy_grad, routing
         )
         if entropy is None:  # asked for above (with_entropy=True)
             raise RuntimeError("response_log_probs(with_entropy=True) returned no entropy")
-        return policy_objective(self.config, micro, log_prob, entropy)
+        loss, metrics = policy_objective(self.config, micro, log_prob, entropy)
+        if self.routing is not None:
+            term, routing_found = self.routing.loss(routing)
+            loss = loss if term is None else loss + term
+            metrics |= routing_found
+        return loss, metrics
 
     def _sft_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         """Supervised NLL on demonstration responses (prompt tokens masked out)."""
-        log_prob, _ = response_log_probs(
-            self.policy,
-            micro,
-            temperature=1.0,
-            share_prompt=self.config.model.share_prompt_prefix,
-            sp=self.actor_sp,
-        )
+        log_prob, _ = self._score(self.policy, micro, self.actor_sp)
         loss = compute_sft_loss(
             log_prob, micro.tensors["response_mask"].float(), self.config.actor.loss_agg_mode
         )
@@ -457,7 +503,7 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
             actor.ppo_max_token_len_per_gpu * actor.ulysses_sequence_parallel_size
             if actor.use_dynamic_bsz
             else None,
-            self.config.model.share_prompt_prefix,
+            self.rows.share_prompt,
         )
 
     # ---------------------------------------------------------------- offline training (SFT, DPO, KTO)
@@ -465,13 +511,7 @@ class ActorRolloutRefWorker(WeightSyncEnds, Worker):
         """The objective ``micro.meta_info["offline"]["loss"]`` (``hybridflow.algorithms.preference``) on the
         policy's log-probs of ``responses`` (temperature 1: the model's own distribution)."""
         spec = micro.meta_info["offline"]
-        log_prob, _ = response_log_probs(
-            self.policy,
-            micro,
-            temperature=1.0,
-            share_prompt=self.config.model.share_prompt_prefix,
-            sp=self.actor_sp,
-        )
+        log_prob, _ = self._score(self.policy, micro, self.actor_sp)
         return get_offline_objective(spec["loss"]).fn(log_prob, micro.tensors, spec)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

@@ -32,6 +32,7 @@ from hybridflow.data.images import ImagePrompts
 from hybridflow.utils.errors import InputError, MissingInputError, UserError
 from hybridflow.utils.rng import get_rng_state, set_rng_state
 from hybridflow.workers.engine import TrainingEngine
+from hybridflow.workers.lora_merge import base_name
 from hybridflow.workers.sharding import LORA_MARKERS, full_weights, is_lora, is_sharded, unwrapped
 from hybridflow.workers.weight_files import StreamedSafetensors
 
@@ -125,7 +126,7 @@ def _converts_on_save(model: PreTrainedModel) -> bool:
     except ImportError:  # a transformers without weight conversions
         return False
     probe = {
-        name.replace(".base_layer.", "."): torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        base_name(name): torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
         for name, tensor in model.state_dict().items()
         if not any(marker in name for marker in LORA_MARKERS)
     }

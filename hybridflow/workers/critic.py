@@ -19,8 +19,9 @@ from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.checkpointing import load_worker_state, save_worker_state
 from hybridflow.workers.engine import TrainingEngine
-from hybridflow.workers.modeling import image_column, load_model, load_tokenizer, response_values
+from hybridflow.workers.modeling import load_model, load_tokenizer, response_values
 from hybridflow.workers.packing import MicroBatching, batched
+from hybridflow.workers.row_layouts import RowLayout, image_column
 from hybridflow.workers.sharding import (
     agreed_count,
     load_placement,
@@ -54,6 +55,7 @@ class CriticWorker(Worker):
         self.sp: SequenceParallel | None = (
             None  # the Ulysses group (critic.ulysses_sequence_parallel_size > 1)
         )
+        self.rows = RowLayout()  # the layouts the value model's forwards take (set with the model)
 
     @property
     def module(self) -> PreTrainedModel:
@@ -94,6 +96,9 @@ class CriticWorker(Worker):
         )
         if self.sp is not None:
             enable_ulysses(module, self.sp.size, "critic.ulysses_sequence_parallel_size")
+        self.rows = RowLayout.of(
+            module, model_cfg.share_prompt_prefix, model_cfg.use_remove_padding, "critic.model"
+        )
         for part in module.modules():  # transformers puts a 0.1 dropout before the head: the update would fit
             if isinstance(
                 part, torch.nn.Dropout
@@ -116,11 +121,11 @@ class CriticWorker(Worker):
     def compute_values(self, data: DataProto) -> DataProto:
         """``values`` ``(bs, L)``, zero outside the response mask."""
         self.module.eval()
-        share = self.config.model.share_prompt_prefix
+        rows = self.rows
         micro = self._micro_batching()
         union = gather_rows(data, self.sp)  # a Ulysses group scores its ranks' rows together
         values = batched(
-            lambda d: response_values(self.module, d, share, self.sp),
+            lambda d: response_values(self.module, d, rows.share_prompt, self.sp, rows.remove_padding),
             union,
             micro,
             agreed_count(micro, union, self.module),
@@ -134,12 +139,13 @@ class CriticWorker(Worker):
         return MicroBatching(
             critic.ppo_micro_batch_size_per_gpu,
             budget if critic.use_dynamic_bsz else None,
-            critic.model.share_prompt_prefix,
+            self.rows.share_prompt,
         )
 
     def _value_loss(self, micro: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
         mask = micro.tensors["response_mask"].float()
-        vpreds = response_values(self.module, micro, self.config.model.share_prompt_prefix, self.sp)
+        rows = self.rows
+        vpreds = response_values(self.module, micro, rows.share_prompt, self.sp, rows.remove_padding)
         vf_loss, clipfrac = compute_value_loss(
             vpreds,
             micro.tensors["returns"],

@@ -8,9 +8,8 @@ the model's arithmetic, and the prompt positions' logits are never needed. Nor a
 after each response (``response_outputs`` keeps only the positions that predict a real response token): a
 batch laid out for 192 response tokens whose answers took 10 would otherwise compute ``(bs, 192, vocab)``
 logits, their softmax and its backward, mostly over padding (measured: a SmolLM2 update of 32 such rows took
-8.6 s instead of 4.4 s), and a long-tail batch as long as its longest answer everywhere. Rows that begin alike
-(GRPO's ``n`` samples of a prompt, prompts with one system prompt) are packed as a prefix tree so what they
-share is computed once (``hybridflow.workers.packing``).
+8.6 s instead of 4.4 s), and a long-tail batch as long as its longest answer everywhere. How the rows are laid
+out for the forward (prefix trees, padding-free, padded) is ``hybridflow.workers.row_layouts``.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 from unittest import mock
 
@@ -37,28 +36,19 @@ from transformers.utils import logging as hf_logging
 from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
 from hybridflow.data.images import ImagePrompts
 from hybridflow.models import resolve_model_path
-from hybridflow.models.layers import LayerLayout, layer_layout
 from hybridflow.models.vision import (
-    IMAGES,
-    ImageInput,
-    image_token_keys,
-    model_image_inputs,
     placeholder_token_ids,
     vision_family,
-    vision_positions,
     without_placeholders,
 )
 from hybridflow.protocol import DataProto
 from hybridflow.utils.cores import follow
 from hybridflow.utils.errors import MissingInputError
-from hybridflow.workers.packing import PackedBatch, TokenInputs, flatten_rows, pack_prefix_tree
+from hybridflow.workers.expert_routing import Routing
+from hybridflow.workers.row_layouts import predictor_outputs
 from hybridflow.workers.ulysses import (
     SequenceParallel,
-    causal_mask,
-    left_aligned,
-    split_columns,
     spread,
-    takes_4d_mask,
 )
 from hybridflow.workers.weight_files import SafetensorsFolder
 
@@ -297,63 +287,6 @@ def _report_new_head(model: PreTrainedModel, missing: list[str], new_head: str, 
         )
 
 
-def trimmed(data: DataProto) -> DataProto:
-    """``data``'s ``input_ids``, ``attention_mask``, ``position_ids`` and ``responses`` (and its images)
-    without the response columns that no row attends to (the right padding past its longest response)."""
-    length = data.tensors["responses"].shape[1]
-    attended = data.tensors["attention_mask"][:, -length:].any(dim=0).nonzero()
-    cut = length - (int(attended.max()) + 1 if len(attended) else 1)
-    images = {IMAGES: data.non_tensor_batch[IMAGES]} if IMAGES in data.non_tensor_batch else {}
-    if cut == 0:
-        return data
-    tensors = {k: data.tensors[k][..., :-cut] for k in ("input_ids", "attention_mask", "position_ids")}
-    return DataProto.from_dict({**tensors, "responses": data.tensors["responses"][:, :-cut]}, images)
-
-
-def row_images(data: DataProto) -> list[Sequence[ImageInput]] | None:
-    """Each row's images (``non_tensor_batch["image_inputs"]``), or None when no row has one."""
-    column = data.non_tensor_batch.get(IMAGES)
-    return list(column) if column is not None and any(len(images) for images in column) else None
-
-
-def image_column(data: DataProto) -> list[str]:
-    """``["image_inputs"]`` when ``data`` has the images column, else ``[]``: what a pass that selects its
-    columns keeps of the non-tensor ones."""
-    return [IMAGES] if IMAGES in data.non_tensor_batch else []
-
-
-def image_inputs(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, images: list
-) -> TokenInputs:
-    """Rows' images as the packing sees them: 3-D positions (Qwen) and each token's image key."""
-    flat = [im for row in images for im in row]
-    config = model.config
-    return TokenInputs(
-        vision_positions(model, input_ids, attention_mask, flat),
-        image_token_keys(input_ids, images, config.image_token_id),
-        images,
-    )
-
-
-def _forward(
-    model: PreTrainedModel,
-    inputs: Mapping[str, torch.Tensor | dict[str, torch.Tensor]],
-    images: list,
-    keep: Any,
-    keeps_logits: bool,
-):
-    """The model's outputs over ``inputs`` (ids, mask, positions; the mask may be one per layer type) with
-    ``images`` (in token order) fed to its vision tower; ``keep``: ``logits_to_keep`` for models that take
-    it."""
-    device = next(model.parameters()).device
-    return model(
-        **inputs,
-        **model_image_inputs(images, device),
-        use_cache=False,
-        **({"logits_to_keep": keep} if keeps_logits else {}),
-    ).logits
-
-
 def response_outputs(
     model: PreTrainedModel,
     data: DataProto,
@@ -376,175 +309,8 @@ def response_outputs(
     (linear attention) is never packed, and sliding-window layers get masks of their own window
     (``packs_as_tree``, ``tree_masks``). ``keeps_logits``: the model takes ``logits_to_keep`` (causal LMs
     do; token-classification models do not)."""
-    outputs, _, real = _outputs(model, data, share_prompt, keeps_logits, None, remove_padding)
+    outputs, _, real = predictor_outputs(model, data, share_prompt, keeps_logits, None, remove_padding)
     return outputs, real
-
-
-def _outputs(
-    model: PreTrainedModel,
-    data: DataProto,
-    share_prompt: bool,
-    keeps_logits: bool,
-    sp: SequenceParallel | None,
-    remove_padding: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``response_outputs``, or with ``sp`` (a sequence-parallel group, ``workers.ulysses``) only the outputs
-    this rank's columns predict, ``(m, ...)``, with ``index`` ``(m,)``: which of the ``M`` tokens they are
-    (``ulysses.spread`` assembles them); ``index`` is None without ``sp``."""
-    length = data.tensors["responses"].shape[1]
-    real = data.tensors["attention_mask"][:, -length:].bool()
-    images = row_images(data)
-    if sp is not None and images is not None:
-        raise ValueError(
-            "sequence parallelism (ulysses_sequence_parallel_size > 1) does not cover rows with images"
-        )
-    layout = layer_layout(model.config)
-    remove_padding = remove_padding and not layout.recurrent  # a state would run from one row into the next
-    if (share_prompt or remove_padding) and packs_as_tree(model, layout):
-        found = _tree_outputs(model, data, layout, keeps_logits, sp, real, share_prompt, remove_padding)
-        if found is not None:
-            return found
-    data = trimmed(data)
-    width = data.tensors["responses"].shape[1]
-    if sp is not None:
-        return (*_rows_split_outputs(model, data, real[:, :width], keeps_logits, sp), real)
-    flat = flatten_rows(data) if remove_padding and images is None else None
-    if flat is not None:  # flash attention: transformers finds the rows from their positions
-        device = next(model.parameters()).device
-        inputs = {"input_ids": flat.input_ids.to(device), "position_ids": flat.position_ids.to(device)}
-        keep = flat.keep.to(device)
-        outputs = _forward(model, inputs, [], keep, keeps_logits)
-        return (outputs if keeps_logits else outputs[:, keep])[0], None, real
-    return _row_outputs(model, data, images, keeps_logits, real[:, :width]), None, real
-
-
-def packs_as_tree(model: PreTrainedModel, layout: LayerLayout | None = None) -> bool:
-    """Whether a prefix tree's 4-D masks express ``model`` exactly: its attention takes a 4-D mask (eager
-    and SDPA do, flash-attention kernels do not) and no layer carries a state from token to token (a
-    linear-attention or state-space layer would run down the tree's columns as one sequence)."""
-    layout = layout or layer_layout(model.config)
-    return takes_4d_mask(model) and not layout.recurrent
-
-
-def tree_masks(
-    packed: PackedBatch, layout: LayerLayout, dtype: torch.dtype
-) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The attention mask a packed forward takes: one ``(G, 1, W, W)`` mask when every attention layer sees
-    the same tokens, else one per layer type, each with its own window (transformers' models that list
-    ``layer_types`` take them as a dict keyed by type)."""
-    windows = layout.windows
-    by_window = {window: packed.attention_mask(dtype, window) for window in set(windows.values())}
-    if len(by_window) == 1:
-        return next(iter(by_window.values()))
-    return {kind: by_window[window] for kind, window in windows.items()}
-
-
-def _tree_outputs(
-    model: PreTrainedModel,
-    data: DataProto,
-    layout: LayerLayout,
-    keeps_logits: bool,
-    sp: SequenceParallel | None,
-    real: torch.Tensor,
-    share: bool,
-    always: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
-    """``_outputs`` of ``data`` packed as prefix trees (``share``: what rows begin alike with computed once;
-    else each row a chain of its own, padding-free); None when nothing is shared and not ``always``."""
-    images = row_images(data)
-    extra = None
-    if images is not None:
-        extra = image_inputs(model, data.tensors["input_ids"], data.tensors["attention_mask"], images)
-    packed = pack_prefix_tree(data, extra=extra, share=share, always=always)
-    if packed is None:
-        return None
-    if sp is not None:  # sequence parallelism refuses sliding windows (enable_ulysses): one full mask
-        rows, cols = packed.predictors(real)
-        outputs = _split_outputs(
-            model, packed.input_ids, packed.position_ids, packed.allowed[:, None], packed.keep, sp
-        )
-        return (*outputs(rows, cols, keeps_logits), real)
-    parameter = next(model.parameters())
-    masks = tree_masks(packed, layout, parameter.dtype)
-    device = parameter.device
-    inputs = {
-        "input_ids": packed.input_ids.to(device),
-        "attention_mask": {k: m.to(device) for k, m in masks.items()}
-        if isinstance(masks, dict)
-        else masks.to(device),
-        "position_ids": packed.position_ids.to(device),
-    }
-    keep = packed.keep.to(device)
-    outputs = _forward(model, inputs, packed.images, keep, keeps_logits)
-    return packed.gather(outputs if keeps_logits else outputs[:, keep], real), None, real
-
-
-def _row_outputs(
-    model: PreTrainedModel, data: DataProto, images: list | None, keeps_logits: bool, real: torch.Tensor
-) -> torch.Tensor:
-    """``_outputs`` of plain (``trimmed``) rows, padded as they are; ``real`` ``(bs, width)``."""
-    device = next(model.parameters()).device
-    width = real.shape[1]
-    inputs = {k: data.tensors[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")}
-    flat = [im for row in images or [] for im in row]
-    positions = vision_positions(model, inputs["input_ids"], inputs["attention_mask"], flat) if flat else None
-    if positions is not None:
-        inputs["position_ids"] = positions
-    outputs = _forward(model, inputs, flat, width + 1, keeps_logits)
-    return outputs[:, -width - 1 : -1][real.to(device)]
-
-
-def _rows_split_outputs(
-    model: PreTrainedModel, data: DataProto, real: torch.Tensor, keeps_logits: bool, sp: SequenceParallel
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_outputs`` of plain (unpacked, ``trimmed``) rows under ``sp``; ``real`` ``(bs, width)``."""
-    width = real.shape[1]
-    ids, pos, mask = (data.tensors[k] for k in ("input_ids", "position_ids", "attention_mask"))
-    rows, step = real.nonzero(as_tuple=True)  # row-major: the order of real's True entries
-    aligned = left_aligned(ids, pos, mask)
-    if aligned is None:  # gaps in some row: its own mask
-        allowed, predictor = causal_mask(mask), ids.shape[1] - width - 1 + step
-    else:  # response token t of row r is predicted by column prompt_r - 1 + t
-        (ids, pos), allowed = aligned, None
-        predictor = mask[:, :-width].sum(1)[rows] - 1 + step
-    keep, cols = torch.unique(predictor, return_inverse=True)
-    return _split_outputs(model, ids, pos, allowed, keep, sp)(rows, cols, keeps_logits)
-
-
-def _split_outputs(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    allowed: torch.Tensor | None,
-    keep: torch.Tensor,
-    sp: SequenceParallel,
-) -> Any:
-    """A sequence-parallel forward over this rank's slice of the columns (``ulysses.split_columns``); returns
-    ``outputs(rows, cols, keeps_logits)``: for the tokens predicted by column ``keep[cols[i]]`` of packed row
-    ``rows[i]``, the outputs this rank computed and which ``i`` they are."""
-    device = next(model.parameters()).device
-    part = split_columns(input_ids, position_ids, allowed, sp)
-    local = (keep >= part.start) & (keep < part.start + part.width)
-    first = int((keep < part.start).sum())
-    columns = (keep[local] - part.start).to(device)
-
-    def outputs(
-        rows: torch.Tensor, cols: torch.Tensor, keeps_logits: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        out = model(
-            input_ids=part.input_ids.to(device),
-            position_ids=part.position_ids.to(device),
-            use_cache=False,
-            ulysses=sp,  # attention over the whole sequence, under its mask (none: the model makes a slice's)
-            ulysses_mask=None if part.attention_mask is None else part.attention_mask.to(device),
-            **({"logits_to_keep": columns} if keeps_logits else {}),
-        ).logits
-        out = out if keeps_logits else out[:, columns]
-        mine = local[cols]
-        index = mine.nonzero().flatten()
-        return out[rows[mine].to(device), (cols[mine] - first).to(device)], index
-
-    return outputs
 
 
 def per_token(values: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -562,6 +328,7 @@ def response_log_probs(
     share_prompt: bool = True,
     sp: SequenceParallel | None = None,
     remove_padding: bool = False,
+    routing: Routing | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of ``responses`` under ``model`` (logits divided by the sampling temperature,
     so they match what the rollout sampled from).
@@ -572,8 +339,9 @@ def response_log_probs(
     keeps no graph. ``share_prompt``: shared runs of tokens computed once (see ``response_outputs``).
     ``sp``: a sequence-parallel group whose ranks all hold ``data`` (``workers.ulysses``): each computes its
     columns' part, and all of them return the whole. ``remove_padding``: rows scored end to end without
-    padding where no prefix tree is used (see ``response_outputs``)."""
-    logits, index, real = _outputs(model, data, share_prompt, True, sp, remove_padding)
+    padding where no prefix tree is used (see ``response_outputs``). ``routing``: an MoE model's expert
+    routing asked of the forward (replay, record, balance; ``hybridflow.workers.expert_routing``)."""
+    logits, index, real = predictor_outputs(model, data, share_prompt, True, sp, remove_padding, routing)
     logits = without_placeholders(logits.float(), placeholder_token_ids(model.config))
     if temperature != 1.0:
         logits = logits / temperature
@@ -599,5 +367,5 @@ def response_values(
     """Values ``(bs, L)`` of a token-classification (value-head) model: the value at each position is
     predicted from the state *before* the response token there, as GAE expects. ``sp``: as for
     ``response_log_probs``."""
-    values, index, real = _outputs(model, data, share_prompt, False, sp, remove_padding)
+    values, index, real = predictor_outputs(model, data, share_prompt, False, sp, remove_padding)
     return per_token(spread(values.squeeze(-1).float(), index, int(real.sum()), sp), real)

@@ -71,6 +71,9 @@ class PackedBatch:
     rows: torch.Tensor
     cols: torch.Tensor
     images: list[Any] = field(default_factory=list)
+    #: ``(bs, T)``: where each of the batch's real tokens sits in the packed input, flattened (``g * W + w``);
+    #: -1 at padding (``hybridflow.workers.row_layouts.TokenPlaces``)
+    places: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
 
     def visible(self, window: int | None = None) -> torch.Tensor:
         """``allowed``, and with a sliding ``window`` only the ancestors fewer than ``window`` tokens back
@@ -197,6 +200,7 @@ def pack_prefix_tree(
     width = ids.shape[1] - length
     trees: list[_Tree] = [_Tree()]
     predictors: list[tuple[int, list[int]]] = []  # per row: its tree, the node predicting each response token
+    members: list[tuple[torch.Tensor, list[int]]] = []  # per row: its real tokens' columns and their nodes
     for r in range(len(data)):
         if len(trees[-1].tokens) >= max_width:
             trees.append(_Tree())
@@ -208,13 +212,19 @@ def pack_prefix_tree(
             positions = pos[r][real].tolist()
         keys = extra.keys[r][real].tolist() if extra is not None else [0] * len(tokens)
         nodes = trees[-1].walk(tokens, positions, keys, _row_images(extra, r, keys), share)
+        members.append((real.nonzero().flatten(), nodes))
         prompt_len, response_len = int(real[:width].sum()), int(real[width:].sum())
         # response token t is predicted by the node of the token before it (the last prompt token for t = 0)
         before = ([-1] + nodes)[prompt_len : prompt_len + response_len]
         predictors.append((len(trees) - 1, before))
     if not always and sum(len(tree.tokens) for tree in trees) == int(mask.sum()):
         return None
-    return _layout(trees, predictors, len(data), length, ids.dtype, pos.dtype)
+    packed = _layout(trees, predictors, len(data), length, ids.dtype, pos.dtype)
+    packed.places = torch.full(ids.shape, -1, dtype=torch.long)
+    width = packed.input_ids.shape[1]
+    for r, (columns, nodes) in enumerate(members):
+        packed.places[r, columns] = predictors[r][0] * width + torch.tensor(nodes, dtype=torch.long)
+    return packed
 
 
 def _layout(

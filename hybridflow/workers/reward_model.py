@@ -40,8 +40,9 @@ from hybridflow.rewards.judge import EndpointJudge, Verdict, last_user_message, 
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.checkpointing import load_worker_state, save_worker_state
 from hybridflow.workers.engine import TrainingEngine
-from hybridflow.workers.modeling import load_model, load_tokenizer, trimmed
+from hybridflow.workers.modeling import load_model, load_tokenizer
 from hybridflow.workers.packing import PairBatching
+from hybridflow.workers.row_layouts import trimmed
 from hybridflow.workers.sharding import (
     agreed_count,
     apply_lora,

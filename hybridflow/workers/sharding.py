@@ -35,6 +35,7 @@ from hybridflow.config import FSDPConfig
 from hybridflow.models.vision import lora_targets
 from hybridflow.protocol import DataProto
 from hybridflow.workers.gathering import whole_tensors
+from hybridflow.workers.lora_merge import LoraMerge
 from hybridflow.workers.packing import MicroBatching
 
 STRATEGIES = ("auto", "ddp", "fsdp2", "single")
@@ -423,35 +424,17 @@ def full_weights(
     the same tensors, or with ``root`` that rank alone (the others yield nothing). Unsharded tensors already on
     ``device`` are the module's own (read, do not modify)."""
     lora = is_lora(module)
-    scaling = {}
-    if lora:
-        from peft.tuners.lora import LoraLayer
-
-        scaling = {
-            name: sub.scaling["default"] for name, sub in module.named_modules() if isinstance(sub, LoraLayer)
-        }
-    pending: dict[str, dict[str, torch.Tensor]] = {}
+    merge = LoraMerge(module) if lora and not adapter_only else None
     state = weight_state(module, adapter_only, tied_once)
     for name, tensor in whole_tensors(state, device, root, group_bytes):
-        is_adapter = lora and any(marker in name for marker in LORA_MARKERS)
-        if not lora:
-            yield name, tensor
-            continue
-        if adapter_only:
+        if merge is not None:
+            yield from merge.feed(name, tensor)
+        elif adapter_only:
             yield name.replace(".default.", "."), tensor
-            continue
-        owner = name.split(".base_layer.")[0] if ".base_layer." in name else name.split(".lora_")[0]
-        if owner in scaling:  # a LoRA layer's base weight or adapter matrices: merge once all three are here
-            kind = "A" if ".lora_A." in name else "B" if ".lora_B." in name else name.split(".base_layer.")[1]
-            parts = pending.setdefault(owner, {})
-            parts[kind] = tensor
-            if "A" in parts and "B" in parts and "weight" in parts:
-                merged = parts.pop("weight") + scaling[owner] * (parts.pop("B") @ parts.pop("A"))
-                yield _base_name(owner + ".weight"), merged
-                yield from ((_base_name(f"{owner}.{k}"), v) for k, v in parts.items())
-                del pending[owner]
-        elif not is_adapter:
-            yield _base_name(name), tensor
+        else:
+            yield name, tensor
+    if merge is not None:
+        merge.finish()
 
 
 def weight_state(
@@ -469,10 +452,6 @@ def weight_state(
         aliases = {name for name, _ in module.named_parameters(remove_duplicate=False)} - first
         state = [(name, t) for name, t in state if name not in aliases]
     return state
-
-
-def _base_name(name: str) -> str:
-    return name.removeprefix("base_model.model.")
 
 
 def unwrapped(module: nn.Module) -> PreTrainedModel:

@@ -28,7 +28,7 @@ How it plugs in, without copying any model code:
 Collectives: ``all_to_all_single`` and ``all_reduce``, which gloo has in this torch (2.13) as nccl does, so the
 same code runs on CPU ranks (tested with 2 and 4) and GPUs.
 
-May import: torch, transformers, ``hybridflow.protocol``, ``hybridflow.utils``.
+May import: torch, transformers, ``hybridflow.protocol``, ``hybridflow.models``, ``hybridflow.utils``.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from hybridflow.models.layers import layer_layout
 from hybridflow.protocol import DataProto
 from hybridflow.utils.errors import UserError
 
@@ -307,27 +308,40 @@ def _register() -> None:
         AttentionMaskInterface.register(ATTENTION_PREFIX + name, ALL_MASK_ATTENTION_FUNCTIONS[name])
 
 
-def enable_ulysses(model: PreTrainedModel, size: int, key: str) -> None:
-    """Let ``model``'s forwards run sequence-parallel over groups of ``size`` when called with ``ulysses=``
-    (they behave as before otherwise). A ``UserError`` naming ``key`` for a model whose attention heads do not
-    divide by ``size``, or whose attention is not plain softmax attention over the sequence."""
+def ulysses_problems(model: PreTrainedModel, size: int) -> list[str]:
+    """What keeps ``model``'s forwards from running sequence-parallel over ``size`` ranks exactly: the
+    attention here is plain softmax attention over the whole sequence, head-split, so anything else a layer
+    does along the sequence (a window, a recurrent state, sinks, soft-capping) would be lost."""
     shape = model.config.get_text_config()
-    impl = model.config._attn_implementation
-    if impl.startswith(ATTENTION_PREFIX):
-        return
+    impl = model.config._attn_implementation.removeprefix(ATTENTION_PREFIX)
     heads = shape.num_attention_heads
+    layout = layer_layout(model.config)
     problems = [
         (impl not in ("sdpa", "eager"), f"attention implementation {impl!r} (needs sdpa or eager)"),
         (shape is not model.config, "a vision tower (sequence parallelism covers text models only)"),
         (heads % size != 0, f"{heads} attention heads, which {size} ranks cannot share evenly"),
+        ("sliding_attention" in layout.types, "sliding-window attention"),
         (
-            getattr(shape, "sliding_window", None) is not None and getattr(shape, "use_sliding_window", True),
-            "sliding-window attention",
+            bool(layout.recurrent),
+            f"{' and '.join(layout.recurrent)} layers (their state runs along the sequence)",
         ),
+        (any(name.endswith(".sinks") for name, _ in model.named_parameters()), "attention sinks"),
+        (getattr(shape, "attn_logit_softcapping", None) is not None, "attention logit soft-capping"),
     ]
-    for failed, what in problems:
-        if failed:
-            raise UserError(f"{key}={size}: {type(model).__name__} has {what}; use {key}=1 for this model")
+    return [what for failed, what in problems if failed]
+
+
+def enable_ulysses(model: PreTrainedModel, size: int, key: str) -> None:
+    """Let ``model``'s forwards run sequence-parallel over groups of ``size`` when called with ``ulysses=``
+    (they behave as before otherwise). A ``UserError`` naming ``key`` and the model type for a model whose
+    attention heads do not divide by ``size``, or whose layers are not plain attention (``ulysses_problems``)."""
+    impl = model.config._attn_implementation
+    if impl.startswith(ATTENTION_PREFIX):
+        return
+    problems = ulysses_problems(model, size)
+    if problems:
+        kind = layer_layout(model.config).model_type
+        raise UserError(f"{key}={size}: {kind} has {problems[0]}; use {key}=1 for this model")
     if ATTENTION_PREFIX + impl not in _registered():
         _register()
     model.config._attn_implementation = ATTENTION_PREFIX + impl

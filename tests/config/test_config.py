@@ -99,10 +99,10 @@ def test_verl_quickstart_line_parses_and_gpu_keys_warn():
 def test_gpu_only_keys_outside_the_schema_are_dropped_with_a_warning():
     with pytest.warns(
         IgnoredKeyWarning,
-        match=r"ignored on this backend: actor_rollout_ref\.model\.use_remove_padding = True",
+        match=r"ignored on this backend: actor_rollout_ref\.model\.use_liger = True",
     ):
-        cfg = _load("+actor_rollout_ref.model.use_remove_padding=true")
-    assert "use_remove_padding" not in cfg.to_dict()["actor_rollout_ref"]["model"]
+        cfg = _load("+actor_rollout_ref.model.use_liger=true")
+    assert "use_liger" not in cfg.to_dict()["actor_rollout_ref"]["model"]
 
 
 def test_sequence_parallel_sizes_are_typed_the_reference_follows_the_actor_and_must_divide_the_workers():

@@ -207,7 +207,8 @@ def test_a_partial_rollout_needs_an_engine_that_follows_weights(
         ConfigError, match="engine 'scripted' does not declare .*follows_weights.*partial_rollout=false"
     ):
         rollout_engine(config)
-    assert rollout_class("hf").capabilities == Capabilities(own_weights=False, follows_weights=True)
+    hf = rollout_class("hf").capabilities
+    assert hf == Capabilities(own_weights=False, follows_weights=True, records_routing=True)
     assert rollout_class("vllm").capabilities == Capabilities(own_weights=True, follows_weights=True)
 
 

@@ -69,7 +69,6 @@ def test_the_script_parses_to_the_settings_it_names(tmp_path):
         str(w.message).split(": ")[1].split(" = ")[0] for w in caught if w.category is IgnoredKeyWarning
     )
     assert ignored == [  # GPU-only settings, each named with why
-        "actor_rollout_ref.model.use_remove_padding",
         "actor_rollout_ref.rollout.gpu_memory_utilization",
         "actor_rollout_ref.rollout.tensor_model_parallel_size",
         "trainer.n_gpus_per_node",
@@ -88,6 +87,7 @@ def test_the_script_parses_to_the_settings_it_names(tmp_path):
         arr.actor.use_kl_loss and arr.actor.kl_loss_coef == 0.001 and arr.actor.kl_loss_type == "low_var_kl"
     )
     assert arr.rollout.name == "vllm" and cfg.trainer.logger == ["console", "wandb"]
+    assert arr.model.use_remove_padding  # padding-free rows, as in verl
     assert (cfg.trainer.project_name, cfg.trainer.experiment_name) == (
         "verl_grpo_example_gsm8k",
         "qwen2_7b_function_rm",

@@ -9,8 +9,9 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 from hybridflow import DataProto
 from hybridflow.config.schema import OptimConfig
 from hybridflow.workers.engine import TrainingEngine
-from hybridflow.workers.modeling import response_log_probs, response_outputs, response_values, trimmed
+from hybridflow.workers.modeling import response_log_probs, response_outputs, response_values
 from hybridflow.workers.packing import MicroBatching, batched, pack_prefix_tree, prompt_groups
+from hybridflow.workers.row_layouts import trimmed
 
 
 def grouped_batch(

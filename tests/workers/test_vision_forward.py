@@ -9,8 +9,9 @@ from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from hybridflow.data.images import ImagePrompts, decode_image
 from hybridflow.data.offline import Sample, collate_samples
-from hybridflow.workers.modeling import image_inputs, response_log_probs
+from hybridflow.workers.modeling import response_log_probs
 from hybridflow.workers.packing import MicroBatching, batched, pack_prefix_tree
+from hybridflow.workers.row_layouts import image_inputs
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"]
 

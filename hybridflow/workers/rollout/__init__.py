@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import hybridflow.workers.rollout.vllm_rollout  # noqa: F401 - registers "vllm" (vllm is imported when built)
 from hybridflow import rollout as contract
+from hybridflow.config import RolloutConfig
 from hybridflow.rollout import EngineSpec, Rollout, RolloutEngine, rollout_class
 from hybridflow.serving import ServedRollout
 from hybridflow.tools import load_tools
@@ -21,7 +22,7 @@ from hybridflow.workers.modeling import load_image_prompts
 from hybridflow.workers.rollout.agent_loop import AgentLoop, agent_metrics
 from hybridflow.workers.rollout.hf_rollout import HFRollout
 
-__all__ = ["AgentLoop", "HFRollout", "agent_metrics", "build_rollout"]
+__all__ = ["AgentLoop", "HFRollout", "agent_metrics", "build_rollout", "records_routing"]
 
 # engine-neutral names this package exported before the rollout contract got a room of its own
 __getattr__ = moved_names(
@@ -54,3 +55,12 @@ def build_rollout(
         return built
     tools = load_tools(multi_turn.tool_config_path, allow_unsafe_code) if multi_turn.tool_config_path else {}
     return AgentLoop(built, spec.tokenizer, multi_turn, spec.response_length, tools)
+
+
+def records_routing(config: RolloutConfig, engine: type[RolloutEngine] | None = None) -> bool:
+    """Whether what ``build_rollout`` makes from the rollout ``config`` returns each token's chosen experts:
+    an engine that records them (``Capabilities.records_routing``) not wrapped by the agent loop or a served
+    agent (which assemble their turns themselves)."""
+    engine_class = engine or rollout_class(config.name)
+    wrapped = config.multi_turn.enable or config.served_agent.path is not None
+    return engine_class.capabilities.records_routing and not wrapped

@@ -19,6 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from hybridflow import rollout as contract
 from hybridflow.config import RolloutConfig
 from hybridflow.models.layers import layer_layout
+from hybridflow.models.routing import ROUTED_EXPERTS
 from hybridflow.models.vision import (
     ImageInput,
     model_image_inputs,
@@ -30,7 +31,8 @@ from hybridflow.protocol import DataProto
 from hybridflow.rollout import Capabilities, EngineSpec, Rollout, register_rollout
 from hybridflow.utils.deprecation import moved_names
 from hybridflow.workers.engine import DivergedError
-from hybridflow.workers.modeling import row_images
+from hybridflow.workers.rollout.routing_log import RoutingLog
+from hybridflow.workers.row_layouts import row_images
 
 # the engine-neutral pieces that lived here until the rollout contract got a room of its own
 __getattr__ = moved_names(
@@ -154,7 +156,7 @@ class HFRollout(Rollout):
     unfinished rows' KV cache is recomputed under them (never reused stale), and ``rollout_weight_versions``
     ``(bs*n, L)`` records per token the version that sampled it."""
 
-    capabilities = Capabilities(own_weights=False, follows_weights=True)
+    capabilities = Capabilities(own_weights=False, follows_weights=True, records_routing=True)
 
     def __init__(
         self,
@@ -163,6 +165,7 @@ class HFRollout(Rollout):
         config: RolloutConfig,
         response_length: int,
         seed: int | None = None,
+        record_routing: bool = False,
     ) -> None:
         self.model = model
         self.seed, self.step = seed, 0
@@ -178,12 +181,23 @@ class HFRollout(Rollout):
         forward_params = inspect.signature(type(model).forward).parameters
         self._cache_key = "cache" if "cache" in forward_params else "past_key_values"
         self.layout = layer_layout(model.config)
+        # record each token's chosen experts (the run replays them in the trainer: router_replay R3)
+        self.records_routing = record_routing and self.layout.is_moe
+        self.log: RoutingLog | None = None  # the generation in progress's, when recording
+        self.width = 0  # the generation in progress's prompt + response columns
 
     @classmethod
     def from_spec(cls, spec: EngineSpec) -> HFRollout:
         """Over the worker's module itself; each sample seeded from ``rollout.seed`` (the same on every
         worker, so a sample does not depend on which worker drew it)."""
-        return cls(spec.module, spec.tokenizer, spec.config, spec.response_length, spec.config.seed)
+        return cls(
+            spec.module,
+            spec.tokenizer,
+            spec.config,
+            spec.response_length,
+            spec.config.seed,
+            spec.record_routing,
+        )
 
     def follow_weights(self, feed: contract.WeightFeed | None) -> None:
         """Ask ``feed`` for newer weights after every decoding step (None: stop)."""
@@ -241,9 +255,13 @@ class HFRollout(Rollout):
         positions: torch.Tensor,
         cache: Any = None,
         images: Sequence[ImageInput] = (),
+        places: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Any]:
         """The next-token logits after the last column ``(rows, V)``, and the cache extended by ``ids``;
-        ``images``: those whose tokens are in ``ids`` (row order), for the vision tower."""
+        ``images``: those whose tokens are in ``ids`` (row order), for the vision tower; ``places``: where
+        the tokens' expert routing goes in the result (``RoutingLog.record``), when it is recorded."""
+        if self.log is not None:
+            self.log.start()
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -253,6 +271,8 @@ class HFRollout(Rollout):
             **model_image_inputs(images, ids.device),
             **({self._cache_key: cache} if cache is not None else {}),
         )
+        if self.log is not None and places is not None:
+            self.log.record(places)
         return out.logits[:, -1], out[self._cache_key]
 
     def _shares_prefix(self, mask: torch.Tensor) -> bool:
@@ -278,7 +298,12 @@ class HFRollout(Rollout):
         return positions if rope is None else rope
 
     def _prefill(
-        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, images: list | None = None
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        n: int,
+        images: list | None = None,
     ) -> tuple[torch.Tensor, Any, torch.Tensor]:
         """Run the prompts ``(bs, P)`` through the model once: the prefix they all share at batch size one,
         then each prompt's remainder, left-padded to the longest, after it. Returns the logits that sample
@@ -292,16 +317,24 @@ class HFRollout(Rollout):
             shared = int(pictures[0]) if len(pictures) else shared
         flat = [im for row in images or [] for im in row]
         positions = self._positions(ids, mask, positions, images)
+        width = ids.shape[1]
+        samples = torch.arange(len(ids))[:, None] * n + torch.arange(n)  # each prompt's rows in the result
         if shared == 0:
-            logits, cache = self._forward(ids, mask, positions, images=flat)
+            places = self._places(samples, torch.arange(width).expand(len(ids), -1), mask)
+            logits, cache = self._forward(ids, mask, positions, images=flat, places=places)
             return logits, cache, mask
+        starts = (width - mask.sum(dim=1)).cpu().repeat_interleave(n)  # each result row's first prompt column
+        prefix = (torch.arange(len(starts)) * self.width + starts)[None, None, :] + torch.arange(shared)[
+            None, :, None
+        ]
         _, cache = self._forward(
             ids[:1, start : start + shared],
             mask[:1, start : start + shared],
             positions[..., :1, start : start + shared],
+            places=prefix,
         )
         fork(cache, torch.zeros(len(ids), dtype=torch.long, device=ids.device))
-        lengths, width = mask.sum(dim=1), ids.shape[1]
+        lengths = mask.sum(dim=1)
         rest = int(lengths.max()) - shared  # the remainders, left-padded to a common width
         remainder = (
             torch.arange(width - rest, width, device=mask.device) >= (width - lengths + shared)[:, None]
@@ -310,8 +343,13 @@ class HFRollout(Rollout):
             [torch.ones(len(ids), shared, dtype=mask.dtype, device=mask.device), remainder.to(mask.dtype)],
             dim=1,
         )
-        logits, cache = self._forward(ids[:, -rest:], mask, positions[..., -rest:], cache, flat)
+        places = self._places(samples, torch.arange(width - rest, width).expand(len(ids), -1), remainder)
+        logits, cache = self._forward(ids[:, -rest:], mask, positions[..., -rest:], cache, flat, places)
         return logits, cache, mask
+
+    def _places(self, rows: torch.Tensor, columns: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | None:
+        """Where a forward's tokens' routing goes in the result (``RoutingLog.rows_places``), when recorded."""
+        return None if self.log is None else self.log.rows_places(rows, columns, valid.cpu())
 
     def _generate(self, prompts: DataProto, params: contract.SamplingParams) -> DataProto:
         device = next(self.model.parameters()).device
@@ -319,8 +357,11 @@ class HFRollout(Rollout):
             prompts.tensors[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")
         )
         prompt_mask, images = mask, row_images(prompts)
-        logits, cache, mask = self._prefill(ids, mask, positions, images)
         n, length = params.n, params.response_length
+        self.width = ids.shape[1] + length
+        top_k = self.layout.top_k
+        self.log = RoutingLog(self.model, len(ids) * n, self.width, top_k) if self.records_routing else None
+        logits, cache, mask = self._prefill(ids, mask, positions, n, images)
         if n > 1:
             fork(cache, torch.arange(len(ids), device=device).repeat_interleave(n))
             logits, mask = logits.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
@@ -360,12 +401,17 @@ class HFRollout(Rollout):
                 step_positions = (
                     next_position[:, None].expand(3, -1, 1) if three_d else next_position[:, None]
                 )
-                logits, cache = self._forward(tokens[:, None], mask, step_positions, cache)
+                column = torch.full((len(live), 1), ids.shape[1] + step)  # where this step's token sits
+                places = self._places(live.cpu()[:, None], column, torch.ones(len(live), 1))
+                logits, cache = self._forward(tokens[:, None], mask, step_positions, cache, places=places)
             next_position = next_position + 1
         expanded = prompts.repeat(n, interleave=True)
         out = contract.assemble_rollout(
             expanded, responses.cpu(), log_probs.cpu(), self.eos_token_ids, self.pad_token_id
         )
+        if self.log is not None:
+            out.tensors[ROUTED_EXPERTS] = self.log.result(out.tensors["attention_mask"])
+            self.log = None
         return out if self.weights is None else contract.tag_weight_versions(out, versions)
 
     def _recompute(
@@ -395,5 +441,7 @@ class HFRollout(Rollout):
         rows_images = None if images is None else [images[r] for r in prompt_rows.tolist()]
         flat = [im for row in rows_images or [] for im in row]
         full_positions = self._positions(full_ids, full_mask, full_positions, rows_images)
-        logits, cache = self._forward(full_ids, full_mask, full_positions, images=flat)
+        columns = torch.arange(full_ids.shape[1]).expand(len(live), -1)
+        places = self._places(live.cpu()[:, None], columns, full_mask)
+        logits, cache = self._forward(full_ids, full_mask, full_positions, images=flat, places=places)
         return logits, cache, full_mask
