@@ -37,6 +37,7 @@ class Context:
     tokenizer: Any = None
     processor: Any = None  # a vision-language model's image processing (ImagePrompts), None for a text model
     shape: ModelShape | None = None
+    hf_config: Any = None  # the model's Hugging Face config (check_model loads it)
     rows: list[Any] = field(default_factory=list)  # parsed PromptRows of the training files' first rows
     train_rows: int | None = None  # training prompts left after filtering (None: files longer than read)
     prompt_tokens: int | None = None  # the longest prompt read, at most data.max_prompt_length (memory)

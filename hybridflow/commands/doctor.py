@@ -25,6 +25,7 @@ from typing import Any
 
 from hybridflow.commands.diagnosis import Check, Context
 from hybridflow.commands.doctor_data import check_batches, check_dataset
+from hybridflow.commands.doctor_support import check_support
 from hybridflow.commands.memory_estimate import GB, estimate_memory, knob, model_shape
 from hybridflow.commands.reward_probes import probes
 from hybridflow.config.checks import (
@@ -167,6 +168,7 @@ def check_model(ctx: Context) -> Check:
         ctx.processor = load_image_prompts(path, tokenizer, model.trust_remote_code)
         hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=model.trust_remote_code)
         ctx.shape = model_shape(hf_config, folder)
+        ctx.hf_config = hf_config
     except Exception as err:  # noqa: BLE001 - any loading failure is the verdict, with its reason
         return Check(
             "model",
@@ -394,12 +396,17 @@ def run_checks(
             checks
             + [
                 Check(name, "skip", "needs a config that resolves")
-                for name in ("paths", "model", "dataset", "batch", "reward", "memory")
+                for name in ("paths", "model", "support", "dataset", "batch", "reward", "memory")
             ]
             + [check_environment(None)]
         )
     checks.append(check_paths(ctx))
     checks.append(check_model(ctx))
+    checks.append(
+        check_support(ctx)
+        if ctx.hf_config is not None
+        else Check("support", "skip", "needs the model's config")
+    )
     checks.append(
         check_dataset(ctx)
         if ctx.tokenizer is not None and ctx.cfg.data.train_files

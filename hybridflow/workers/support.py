@@ -19,6 +19,7 @@ from typing import Literal
 from transformers import PreTrainedModel
 
 from hybridflow.models.layers import LayerLayout, layer_layout
+from hybridflow.workers.rollout.vllm_rollout import CPU_CHECKED, CPU_REFUSED
 from hybridflow.workers.row_layouts import packs_as_tree
 from hybridflow.workers.ulysses import takes_4d_mask, ulysses_problems
 
@@ -78,20 +79,22 @@ def _ulysses(model: PreTrainedModel) -> Cell:
 def _experts(layout: LayerLayout) -> Cell:
     path = "router replay (R2, R3), load-balancing loss"
     if not layout.is_moe:
-        return Cell(path, "falls back", "no routed experts: nothing to replay (one warning)")
+        return Cell(path, "falls back", "no routed experts: nothing to replay, one warning says so")
     return Cell(path, "exact", f"{layout.experts} experts, top {layout.top_k}")
 
 
 def _vllm(model: PreTrainedModel) -> Cell:
     path = "vllm rollout"
     if importlib.util.find_spec("vllm") is None:
-        return Cell(path, "unchecked", "vLLM is not installed here; make test-vllm checks its families")
-    from vllm import ModelRegistry
+        return Cell(path, "unchecked", "vLLM is not installed here; make test-vllm checks its CPU build")
+    import torch
 
-    architectures = model.config.architectures or [type(model).__name__]
-    if any(arch in ModelRegistry.get_supported_archs() for arch in architectures):
-        return Cell(path, "exact")
-    return Cell(path, "refused", f"this vLLM has no {architectures[0]}")
+    if torch.cuda.is_available():
+        return Cell(path, "unchecked", "vLLM on a GPU: rollout/logprob_diff reports it every step")
+    kind = layer_layout(model.config).model_type
+    if kind in CPU_CHECKED:
+        return Cell(path, "exact", "vLLM's CPU build")
+    return Cell(path, "refused", CPU_REFUSED.get(kind, "not checked on vLLM's CPU build"))
 
 
 def support_line(model: PreTrainedModel) -> list[Cell]:

@@ -22,10 +22,11 @@ from hybridflow.commands.memory_estimate import (
     model_shape,
 )
 from hybridflow.config.schema import load_config, load_unvalidated
+from hybridflow.models.tiny import make_tiny_model
 from hybridflow.rewards import RewardManager, load_custom_reward_function
 from hybridflow.utils.errors import UserError
 
-NAMES = ["config", "paths", "model", "dataset", "batch", "reward", "memory", "environment"]
+NAMES = ["config", "paths", "model", "support", "dataset", "batch", "reward", "memory", "environment"]
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +62,10 @@ def failed(checks: dict) -> list[str]:
 def test_good_config_passes_every_check_and_exits_0(base, tiny_model_path, capsys):
     assert cli(["doctor", *base]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[1] for line in lines[:8]] == NAMES and all(
-        line.startswith("ok") for line in lines[:8]
+    assert [line.split()[1] for line in lines[:9]] == NAMES and all(
+        line.startswith("ok") for line in lines[:9]
     )
-    assert lines[-1] == "8 checks: 8 ok"
+    assert lines[-1] == "9 checks: 9 ok"
     assert cli(["doctor", "--json", *base]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is True and [c["name"] for c in report["checks"]] == NAMES
@@ -130,6 +131,27 @@ def test_keys_without_the_key_they_need_are_listed_and_a_refused_one_fails(base)
     assert checks["config"].verdict == "fail" and checks["config"].detail.startswith(
         "reward_model.dummy=true has no effect without reward_model.enable=true"
     )
+
+
+def test_the_models_line_of_the_support_matrix_fails_a_path_that_refuses_it(base, tmp_path):
+    """A Gemma 3 model (sliding windows) asked for sequence parallelism: the support check prints every path's
+    verdict on it and fails naming the key; Llama's line takes the same key."""
+    gemma = make_tiny_model(tmp_path / "gemma", family="gemma3_text")
+    asked = [
+        "trainer.backend=ray",
+        "trainer.n_workers=2",
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+    ]
+    support = verdicts([*base, f"actor_rollout_ref.model.path={gemma}", *asked])["support"]
+    assert support.verdict == "fail" and support.detail.startswith("gemma3_text: hf rollout")
+    assert (
+        "prefix-tree packing (share_prompt_prefix): exact (each sliding layer under its own window)"
+        in support.detail
+    )
+    assert support.fix.startswith(
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2: sliding-window attention"
+    )
+    assert verdicts([*base, *asked])["support"].verdict == "ok"
 
 
 def test_missing_file_fails_the_paths_check(base, tmp_path):
@@ -225,7 +247,7 @@ def test_model_too_large_for_the_stated_memory_fails_naming_the_knob(base):
 
 def test_config_error_fails_and_skips_what_needs_it(base):
     checks = verdicts([*base, "actor_rollout_ref.actor.optim.learning_rate=1e-5"])
-    assert [c.verdict for c in checks.values()] == ["fail"] + ["skip"] * 6 + ["ok"]
+    assert [c.verdict for c in checks.values()] == ["fail"] + ["skip"] * 7 + ["ok"]
     assert "did you mean 'actor_rollout_ref.actor.optim.lr'" in checks["config"].detail
 
 

@@ -209,7 +209,9 @@ def test_a_partial_rollout_needs_an_engine_that_follows_weights(
         rollout_engine(config)
     hf = rollout_class("hf").capabilities
     assert hf == Capabilities(own_weights=False, follows_weights=True, records_routing=True)
-    assert rollout_class("vllm").capabilities == Capabilities(own_weights=True, follows_weights=True)
+    assert rollout_class("vllm").capabilities == Capabilities(
+        own_weights=True, follows_weights=True, records_routing=True
+    )
 
 
 def test_a_taken_name_is_refused(scripted):

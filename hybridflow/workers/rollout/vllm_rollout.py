@@ -23,12 +23,13 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
-from transformers import AutoConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from hybridflow.config import RolloutConfig
+from hybridflow.models.routing import ROUTED_EXPERTS
 from hybridflow.models.vision import vision_family
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import (
@@ -43,9 +44,34 @@ from hybridflow.rollout import (
 )
 from hybridflow.utils.errors import UserError
 from hybridflow.workers.modeling import resolve_dtype
+from hybridflow.workers.sharding import is_lora
 
 # GiB of KV cache on CPU when the user sets none: a tiny or 135M-parameter model needs far less.
 DEFAULT_CPU_KVCACHE_GIB = "1"
+
+#: model types whose rollout on vLLM's CPU build (0.32) equals the trainer's: sampled log-probs within 1e-3 and
+#: the weights of every update reaching the engine (tests/vllm_engine/test_vllm_families.py, a tiny model each)
+CPU_CHECKED = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "phi3",
+    "gemma2",
+    "gemma3_text",
+    "gemma4_text",
+)
+#: what the CPU build does with the other families hybridflow trains (measured the same way)
+CPU_REFUSED = {
+    "olmo2": "its engine fails to build (a custom op made outside vLLM's config)",
+    "qwen3_moe": "its MoE kernel does not compute with the experts an update sends (log-probs 0.02 off after one)",
+    "glm4_moe": "its log-probs differ from transformers' by up to 7 nats",
+    "gpt_oss": "its log-probs differ from transformers' by up to 0.4 nats",
+    "deepseek_v3": "it cannot load the router's e_score_correction_bias",
+    "qwen3_5_text": "vLLM 0.32 rejects the model's config",
+    "qwen3_5_moe_text": "vLLM 0.32 rejects the model's config",
+    "qwen3_next": "its Gated DeltaNet kernels need bf16 on a CPU",
+}
 
 
 def _import_vllm() -> Any:
@@ -69,11 +95,43 @@ def _load_weights(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> int:
     ``reload_weights`` (recent vLLM) re-runs the post-load processing that some platforms apply (the CPU
     build repacks linear weights for its kernels, after which ``load_weights`` alone no longer works);
     older versions only have the model's ``load_weights``."""
+    model = worker.model_runner.model
+    if getattr(model, "lm_head", None) is None:
+        # a model that computes its logits with the embedding itself (Gemma): no output layer to load into
+        weights = [(name, tensor) for name, tensor in weights if not name.startswith("lm_head.")]
     if hasattr(worker, "reload_weights"):
         worker.reload_weights(weights_iterator=iter(weights))
     else:
-        worker.model_runner.model.load_weights(weights)
+        model.load_weights(weights)
     return len(weights)
+
+
+def _as_checkpoint(
+    model: PreTrainedModel | None, weights: list[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` under the names and layouts of ``model``'s checkpoint (as ``save_pretrained`` writes them),
+    one tensor at a time; as they are when transformers converts nothing for it."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # a transformers without weight conversions
+        yield from weights
+        return
+    for name, tensor in weights:
+        if model is None:
+            yield name, tensor
+        else:
+            yield from revert_weight_conversion(model, {name: tensor}).items()
+
+
+def _check_cpu_family(model_type: str) -> None:
+    """A ``UserError`` for a model type whose rollout on vLLM's CPU build is not known to be the trainer's."""
+    if model_type in CPU_CHECKED:
+        return
+    why = CPU_REFUSED.get(model_type, "it is not among the families checked against transformers there")
+    raise UserError(
+        f"actor_rollout_ref.rollout.name=vllm: vLLM's CPU build does not run {model_type} exactly ({why}); "
+        "use rollout.name=hf on a CPU"
+    )
 
 
 @register_rollout("vllm")
@@ -81,10 +139,12 @@ class VLLMRollout(Rollout):
     """``generate_sequences`` with a ``vllm.LLM`` built from ``model_path``; same contract as ``HFRollout``.
 
     ``config``: the rollout section (sampling defaults, engine keys); ``max_model_len``: the longest
-    prompt + response; ``device``: where the actor trains (``cuda`` enables sleep mode). It holds its own
-    copy of the weights (sent by the worker after every change) and follows weights in chunks."""
+    prompt + response; ``device``: where the actor trains (``cuda`` enables sleep mode); ``record_routing``:
+    return each token's chosen experts (R3 routing replay; GPU builds only); ``model``: the trainer's, whose
+    checkpoint layout the engine loads. It holds its own copy of the weights (sent by the worker after every
+    change) and follows weights in chunks."""
 
-    capabilities = Capabilities(own_weights=True, follows_weights=True)
+    capabilities = Capabilities(own_weights=True, follows_weights=True, records_routing=True)
 
     def __init__(
         self,
@@ -96,6 +156,8 @@ class VLLMRollout(Rollout):
         dtype: torch.dtype,
         device: torch.device,
         seed: int,
+        record_routing: bool = False,
+        model: PreTrainedModel | None = None,
     ) -> None:
         if vision_family(AutoConfig.from_pretrained(model_path)) is not None:
             raise UserError(
@@ -103,6 +165,16 @@ class VLLMRollout(Rollout):
                 "through rollout.name=hf (vLLM's CPU build cannot import its vision models without torchvision, "
                 "and passing multi_modal_data is not written yet)"
             )
+        if record_routing and device.type != "cuda":
+            raise UserError(
+                "actor_rollout_ref.actor.router_replay.mode=R3 with rollout.name=vllm needs vLLM's routed-expert "
+                "capture, which its CPU build cannot run (Model Runner V2, which needs Triton); use rollout.name=hf "
+                "on a CPU, or mode=R2"
+            )
+        if device.type != "cuda":
+            _check_cpu_family(AutoConfig.from_pretrained(model_path).get_text_config().model_type)
+        self.record_routing = record_routing
+        self.model = model  # the trainer's model, whose checkpoint layout the engine loads (update_weights)
         vllm = _import_vllm()
         self.config, self.response_length, self.dtype = config, response_length, dtype
         self.weights: WeightFeed | None = None  # set for a partial rollout: looked at between chunks
@@ -133,6 +205,7 @@ class VLLMRollout(Rollout):
             # the log-prob of each sampled token under the distribution it was sampled from (temperature
             # applied), which is what the trainer recomputes: rollout/logprob_diff compares like with like
             logprobs_mode="processed_logprobs",
+            **({"enable_return_routed_experts": True} if record_routing else {}),
             **gpu_only,
         )
         self._asleep: set[str] = set()  # what sleep mode has moved out of GPU memory: weights, kv_cache
@@ -155,6 +228,8 @@ class VLLMRollout(Rollout):
             dtype,
             device,
             spec.seed,
+            spec.record_routing,
+            cast(PreTrainedModel, spec.module.base_model.model) if is_lora(spec.module) else spec.module,
         )
 
     def follow_weights(self, feed: WeightFeed | None) -> None:
@@ -164,16 +239,22 @@ class VLLMRollout(Rollout):
     # ------------------------------------------------------------------ weights
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load the trainer's current weights (Hugging Face names) into the engine, in memory; returns how
-        many tensors it took. On GPU with sleep mode only the weights wake up, not the KV cache."""
+        many of them it took. On GPU with sleep mode only the weights wake up, not the KV cache.
+
+        vLLM's loaders read checkpoint names and layouts, which transformers changes for some models as it
+        loads them (an MoE layer's experts fused into one 3-D tensor, where the checkpoint has one matrix per
+        expert): each tensor is turned back into the checkpoint's (``revert_weight_conversion``) first, or
+        vLLM would skip the experts silently and sample from stale ones."""
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
-        weights = [(name, t.to(self.dtype)) for name, t in weights]
+        named = list(weights)
+        converted = [(name, t.to(self.dtype)) for name, t in _as_checkpoint(self.model, named)]
         if self.config.tensor_model_parallel_size > 1:  # crosses into vLLM's worker processes: host memory
-            weights = [(name, t.cpu()) for name, t in weights]
-        counts = self.llm.collective_rpc(_load_weights, args=(weights,))
+            converted = [(name, t.cpu()) for name, t in converted]
+        self.llm.collective_rpc(_load_weights, args=(converted,))
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
-        return int(counts[0])
+        return len(named)
 
     @contextlib.contextmanager
     def awake(self) -> Iterator[Any]:
@@ -219,9 +300,15 @@ class VLLMRollout(Rollout):
                 sampling = self._sampling_params(params, params.n, params.response_length)
                 outputs = llm.generate(requests, sampling, use_tqdm=False)
                 samples = [_sampled(s, params) for out in outputs for s in out.outputs]  # prompt-major
+                routes = (
+                    [s.routed_experts for out in outputs for s in out.outputs]
+                    if self.record_routing
+                    else None
+                )
                 versions = None
             else:
                 samples, versions = self._generate_following(llm, firsts, params)
+                routes = None
         responses = torch.full((len(samples), params.response_length), self.pad_token_id, dtype=ids.dtype)
         log_probs = torch.zeros((len(samples), params.response_length), dtype=torch.float32)
         for i, (tokens, logps) in enumerate(samples):
@@ -232,6 +319,8 @@ class VLLMRollout(Rollout):
         if versions is not None:
             per_token = torch.tensor([v + [-1] * (params.response_length - len(v)) for v in versions])
             tag_weight_versions(out, per_token)
+        if routes is not None:
+            out.tensors[ROUTED_EXPERTS] = _routes_in_columns(routes, out.tensors["attention_mask"])
         return out
 
     def _generate_following(
@@ -269,6 +358,17 @@ class VLLMRollout(Rollout):
             if live:
                 feed.refresh()  # newer weights, if posted: the engine drops its prefix cache
         return list(zip(tokens, logps)), versions
+
+
+def _routes_in_columns(routes: list[Any], attention_mask: torch.Tensor) -> torch.Tensor:
+    """vLLM's routed experts of each sample (``[tokens it computed, layers, k]``: its prompt's, then its
+    response's but the last) laid out in the batch's columns ``(rows, width, layers, k)``, -1 elsewhere."""
+    first = torch.as_tensor(routes[0])
+    grid = torch.full((*attention_mask.shape, *first.shape[1:]), -1, dtype=torch.int16)
+    for row, (route, real) in enumerate(zip(routes, attention_mask.bool())):
+        columns = real.nonzero().flatten()[: len(route)]
+        grid[row, columns] = torch.as_tensor(route)[: len(columns)].to(torch.int16)
+    return grid
 
 
 def _sampled(sample: Any, params: SamplingParams) -> tuple[list[int], list[float]]:
