@@ -1,5 +1,6 @@
-"""The actor update alone at the demo's shape, with and without the shared-prompt forward and token-budget
-micro-batches, on the same rollout batch, alternating variants so machine load hits them alike.
+"""The actor update alone at the demo's shape, row by row, padding-free (``use_remove_padding``), with the
+shared-prompt forward and with token-budget micro-batches, on the same rollout batch, alternating variants so
+machine load hits them alike.
 
     .venv/bin/python bench/update.py [--model default] [--prompts 8] [--n 4] [--new-tokens 16] [--repeats 2]
 
@@ -26,12 +27,14 @@ from hybridflow.data.prepare import main as prepare_data
 from hybridflow.models import resolve_model_path
 from hybridflow.single_controller import ClassWithInitArgs, LocalWorkerGroup
 from hybridflow.workers import ActorRolloutRefWorker
+from hybridflow.workers.row_layouts import RowLayout
 
-# name -> (share_prompt_prefix, use_dynamic_bsz)
+# name -> (share_prompt_prefix, use_remove_padding, use_dynamic_bsz)
 VARIANTS = {
-    "row by row (before)": (False, False),
-    "shared prompt": (True, False),
-    "shared prompt + token budget": (True, True),
+    "row by row (before)": (False, False, False),
+    "padding-free rows": (False, True, False),
+    "shared prompt": (True, False, False),
+    "shared prompt + token budget": (True, False, True),
 }
 
 
@@ -81,8 +84,9 @@ def main() -> None:
 
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for _ in range(args.repeats):
-        for name, (share, dynamic) in (reversed if args.reverse else list)(VARIANTS.items()):
+        for name, (share, flat, dynamic) in (reversed if args.reverse else list)(VARIANTS.items()):
             arr.model.share_prompt_prefix, arr.actor.use_dynamic_bsz = share, dynamic
+            worker.rows = RowLayout.of(worker.policy, share, flat, "actor_rollout_ref.model")
             start = time.perf_counter()
             group.update_actor(batch)
             times[name].append(time.perf_counter() - start)

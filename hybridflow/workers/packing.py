@@ -194,18 +194,22 @@ def pack_prefix_tree(
     its encoder pass are shared exactly when the image and everything before it are. ``None`` when no two
     rows begin with the same token (packing would then only trade padding for a wider mask), unless
     ``always``. ``share`` false: every row is a chain of its own, the rows' real tokens end to end without
-    padding (verl's ``use_remove_padding``), each attending only to its own row."""
+    padding (verl's ``use_remove_padding``), each attending only to its own row, as many rows to a packed row
+    as fit in the longest row's length (so attention's ``W^2`` never exceeds the padded rows')."""
     ids, mask, pos = (data.tensors[k] for k in ("input_ids", "attention_mask", "position_ids"))
     length = data.tensors["responses"].shape[1]
     width = ids.shape[1] - length
     trees: list[_Tree] = [_Tree()]
     predictors: list[tuple[int, list[int]]] = []  # per row: its tree, the node predicting each response token
     members: list[tuple[torch.Tensor, list[int]]] = []  # per row: its real tokens' columns and their nodes
+    if not share:  # rows end to end, as many as fit the longest one: no packed row costs more than it did
+        max_width = int(mask.sum(dim=1).max())
     for r in range(len(data)):
-        if len(trees[-1].tokens) >= max_width:
-            trees.append(_Tree())
         real = mask[r].bool()
         tokens = ids[r][real].tolist()
+        held = len(trees[-1].tokens)
+        if held >= max_width or (not share and held and held + len(tokens) > max_width):
+            trees.append(_Tree())
         if extra is not None and extra.positions is not None:
             positions = [tuple(p) for p in extra.positions[:, r][:, real].T.tolist()]
         else:

@@ -6,6 +6,7 @@ with one warning, or refused with one line naming the model type and the key. FS
 several processes, are in ``test_families_distributed.py``."""
 
 import logging
+from pathlib import Path
 
 import openai
 import pytest
@@ -33,7 +34,7 @@ from hybridflow.workers.modeling import load_tokenizer, response_log_probs
 from hybridflow.workers.rollout import HFRollout
 from hybridflow.workers.row_layouts import RowLayout, tree_masks
 from hybridflow.workers.sharding import apply_lora, full_weights
-from hybridflow.workers.support import support_line
+from hybridflow.workers.support import README_MARKERS, family_matrix, support_line
 from hybridflow.workers.ulysses import enable_ulysses
 
 SLIDING = {"mistral", "gemma2", "gemma3_text", "gemma4_text", "gpt_oss"}
@@ -68,7 +69,7 @@ def test_every_family_has_its_line_of_the_matrix(folders, family):
     line = {cell.path: cell.verdict for cell in support_line(load(folders, family))}
     replay = "router replay (R2, R3), load-balancing loss"
     expected = {path: "exact" for path in line} | {"vllm rollout": "unchecked"}
-    expected |= {replay: "exact" if family in MOE else "falls back"} | NOT_EXACT.get(family, {})
+    expected |= {replay: "exact" if family in MOE else "n/a"} | NOT_EXACT.get(family, {})
     assert line == expected
     assert layer_layout(load(folders, family).config).is_moe == (family in MOE)
 
@@ -276,3 +277,12 @@ def test_routing_keys_say_what_they_do_on_each_model(folders, caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "actor_rollout_ref.actor.router_replay.mode=R3: llama has no routed experts; it does nothing"
     ]
+
+
+def test_the_readme_table_is_the_matrix():
+    """The README's family table is generated (``scripts/support_matrix.py --write``), never edited by hand."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    begin, end = README_MARKERS
+    assert readme.split(begin, 1)[1].split(end, 1)[0].strip() == family_matrix(), (
+        "README.md's family table is stale: run `.venv/bin/python scripts/support_matrix.py --write`"
+    )
