@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from hybridflow.dataflow import ReplayBuffer, ScheduledSampler
 from hybridflow.dataflow.replay_buffer import IS_WEIGHTS_KEY
+from hybridflow.models.routing import ROUTED_EXPERTS
 from hybridflow.protocol import DataProto
 from hybridflow.utils.errors import UserError
 from hybridflow.workers.actor import UPDATE_ACTOR_KEYS
@@ -38,9 +38,9 @@ __all__ = [
 
 # What the actor update reads, plus ``prompts`` (a replayed row's prompt is re-padded to the batch's width).
 ROW_KEYS = ("prompts", *UPDATE_ACTOR_KEYS)
-# Columns spanning prompt + response (or, for ``prompts``, the prompt), left-padded: key -> padding value.
-# ``None``: the tokenizer's pad id.
-LEFT_PADDED = {"input_ids": None, "prompts": None, "attention_mask": 0, "position_ids": 0}
+# Columns spanning prompt + response (or, for ``prompts``, the prompt) along dim 1, left-padded: key -> padding
+# value. ``None``: the tokenizer's pad id; an MoE rollout's chosen experts are -1 (none) at padding.
+LEFT_PADDED = {"input_ids": None, "prompts": None, "attention_mask": 0, "position_ids": 0, ROUTED_EXPERTS: -1}
 
 
 def _prompt_width(data: DataProto) -> int:
@@ -57,9 +57,10 @@ def used_prompt_width(data: DataProto) -> int:
 def set_prompt_width(data: DataProto, width: int, pad_token_id: int) -> DataProto:
     """``data`` with its prompts left-padded (or trimmed of shared left padding) to ``width`` columns.
 
-    Changes ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, P + L)`` and ``prompts`` ``(bs, P)``
-    to ``P = width``: padding takes ``pad_token_id`` in the token columns and 0 in the others, as the
-    dataset pads. Other columns and the rows are shared with ``data``. Cutting a real token raises."""
+    Changes ``input_ids``, ``attention_mask``, ``position_ids`` ``(bs, P + L)``, ``routed_experts``
+    ``(bs, P + L, layers, k)`` and ``prompts`` ``(bs, P)`` to ``P = width``: padding takes ``pad_token_id`` in
+    the token columns, -1 in the experts and 0 in the others, as the dataset and the rollout pad. Other
+    columns and the rows are shared with ``data``. Cutting a real token raises."""
     current = _prompt_width(data)
     if width < used_prompt_width(data):
         raise ValueError(
@@ -74,11 +75,12 @@ def set_prompt_width(data: DataProto, width: int, pad_token_id: int) -> DataProt
     for key, value in LEFT_PADDED.items():
         if key in out.tensors.keys():
             column = out.tensors[key]
-            out.tensors[key] = (
-                F.pad(column, (width - current, 0), value=pad_token_id if value is None else value)
-                if width >= current
-                else column[..., current - width :]
-            )
+            if width < current:
+                out.tensors[key] = column[:, current - width :]
+                continue
+            fill = pad_token_id if value is None else value
+            pad = column.new_full((len(column), width - current, *column.shape[2:]), fill)
+            out.tensors[key] = torch.cat([pad, column], dim=1)
     return out
 
 

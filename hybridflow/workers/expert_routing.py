@@ -155,8 +155,8 @@ class PolicyRouting:
         """The old-log-prob pass: R3 replays the rollout's choices; R2 records the trainer's own."""
         if not self.active:
             return None
-        replay = data.tensors[ROUTED_EXPERTS] if self.mode == "R3" else None
-        return Routing(self.experts, replay=replay)
+        recorded = self.mode == "R3" and ROUTED_EXPERTS in data.tensors.keys()
+        return Routing(self.experts, replay=data.tensors[ROUTED_EXPERTS] if recorded else None)
 
     def for_update(self, micro: DataProto) -> Routing | None:
         """An update's forward: replays what the batch carries (the rollout's choices, or R2's from the

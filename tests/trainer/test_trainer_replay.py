@@ -64,6 +64,15 @@ def test_prompt_width_pads_like_the_dataset_and_trims_back():
     back = set_prompt_width(wide, 3, PAD)
     for key in ("input_ids", "prompts", "attention_mask", "position_ids"):
         assert torch.equal(back.batch[key], data.batch[key]), key
+    # an MoE rollout's chosen experts (bs, P + L, layers, k) move with their tokens, -1 in the new padding
+    data.batch["routed_experts"] = torch.arange(2 * 5 * 2 * 1, dtype=torch.int16).view(2, 5, 2, 1)
+    routed = set_prompt_width(data, 5, PAD).batch["routed_experts"]
+    assert routed.shape == (2, 7, 2, 1) and (routed[:, :2] == -1).all()
+    assert torch.equal(routed[:, 2:], data.batch["routed_experts"])
+    assert torch.equal(
+        set_prompt_width(set_prompt_width(data, 5, PAD), 3, PAD).batch["routed_experts"],
+        data.batch["routed_experts"],
+    )
     with pytest.raises(
         ValueError, match="cannot fit prompts into 2 columns: the longest prompt of the batch takes 3"
     ):
@@ -138,10 +147,11 @@ def test_replay_keeps_exactly_the_columns_the_actor_update_reads():
     batch.batch["values"] = torch.zeros(2, 2)  # the critic's, which the actor update never reads
     batch.batch["ref_log_prob"] = torch.full((2, 2), -2.0)
     out = replay().mix(batch, step=0, metrics={})
-    # the rows carry no engine log-probs and no teacher's
+    # the rows carry no engine log-probs, no teacher's and no expert routing (a dense model's)
     assert set(out.batch.keys()) == {"prompts", *UPDATE_ACTOR_KEYS} - {
         "rollout_log_probs",
         "teacher_log_prob",
+        "routed_experts",
     }
 
 
