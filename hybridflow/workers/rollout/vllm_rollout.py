@@ -174,6 +174,8 @@ class VLLMRollout(Rollout):
         if device.type != "cuda":
             _check_cpu_family(AutoConfig.from_pretrained(model_path).get_text_config().model_type)
         self.record_routing = record_routing
+        if record_routing:  # vLLM captures routed experts in its second model runner only
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
         self.model = model  # the trainer's model, whose checkpoint layout the engine loads (update_weights)
         vllm = _import_vllm()
         self.config, self.response_length, self.dtype = config, response_length, dtype
