@@ -5,8 +5,8 @@ of the PPO schema is exported. The room holds, in import order: ``checks`` (the 
 cross-field checks, the verl keys accepted with a warning), ``key_pairs`` (keys that have no effect without
 another one), ``loader`` (YAML, ``a.b=c`` overrides and typing, keys that moved; generic: it takes the schema
 as an argument), ``sections`` (what every trainer shares: run, optimiser, model loading, LoRA, FSDP, data
-files), ``reward_sections`` and ``algorithm_sections`` (PPO's reward, algorithm, replay, asynchronous and
-sandbox sections), ``schema`` (PPO/GRPO, assembled from them), ``offline`` (SFT, DPO, KTO), ``docs`` (the
+files), ``reward_sections``, ``algorithm_sections`` and ``actor_sections`` (PPO's reward, algorithm, replay,
+asynchronous and sandbox sections; the actor's policy loss, MoE routing replay, checkpoint contents), ``schema`` (PPO/GRPO, assembled from them), ``offline`` (SFT, DPO, KTO), ``docs`` (the
 ``#:`` docs, ``hybridflow config``, the shipped YAML in ``yaml/``, generated from the schemas).
 
 May import: ``utils``, ``protocol``, ``models``, ``algorithms``. The workers and trainers read these typed

@@ -1,8 +1,8 @@
 """Each config key's doc, read from the schema's ``#:`` comments, and what is rendered from it.
 
 The docs are the ``#:`` comments in the schema modules (``schema.py``, ``sections.py``, ``reward_sections.py``,
-``algorithm_sections.py``, ``offline.py``): ``name: type = default  #: doc`` or, for a long doc, ``#: ...``
-lines directly above the field. They are read from the source (``ast`` for the fields,
+``algorithm_sections.py``, ``actor_sections.py``, ``offline.py``): ``name: type = default  #: doc`` or, for a
+long doc, ``#: ...`` lines directly above the field. They are read from the source (``ast`` for the fields,
 ``tokenize`` for the comments), so a field is documented where it is defined and nowhere else. From the
 schema and these docs come the shipped ``config/yaml/ppo_trainer.yaml``, ``hybridflow config keys`` (every key
 with type, default and doc) and ``hybridflow config show`` (a resolved config as commented YAML).
