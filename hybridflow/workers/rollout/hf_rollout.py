@@ -397,14 +397,40 @@ class HFRollout(Rollout):
                     ids, prompt_mask, positions, responses, live, n, step, images
                 )
             else:
-                mask = torch.cat([mask, torch.ones(len(live), 1, dtype=mask.dtype, device=device)], dim=1)
-                step_positions = (
-                    next_position[:, None].expand(3, -1, 1) if three_d else next_position[:, None]
-                )
-                column = torch.full((len(live), 1), ids.shape[1] + step)  # where this step's token sits
-                places = self._places(live.cpu()[:, None], column, torch.ones(len(live), 1))
-                logits, cache = self._forward(tokens[:, None], mask, step_positions, cache, places=places)
+                column = ids.shape[1] + step  # where this step's token sits in the result
+                logits, cache, mask = self._step(tokens, mask, next_position, cache, live, column, three_d)
             next_position = next_position + 1
+        return self._result(prompts, n, responses, log_probs, versions)
+
+    def _step(
+        self,
+        tokens: torch.Tensor,
+        mask: torch.Tensor,
+        next_position: torch.Tensor,
+        cache: Any,
+        live: torch.Tensor,
+        column: int,
+        three_d: bool,
+    ) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """One decoding step: the ``live`` rows' last ``tokens`` (at ``next_position``, result column
+        ``column``) through the model. Returns the logits of their next tokens, the cache and its mask."""
+        mask = torch.cat([mask, torch.ones(len(live), 1, dtype=mask.dtype, device=mask.device)], dim=1)
+        positions = next_position[:, None].expand(3, -1, 1) if three_d else next_position[:, None]
+        places = self._places(
+            live.cpu()[:, None], torch.full((len(live), 1), column), torch.ones(len(live), 1)
+        )
+        logits, cache = self._forward(tokens[:, None], mask, positions, cache, places=places)
+        return logits, cache, mask
+
+    def _result(
+        self,
+        prompts: DataProto,
+        n: int,
+        responses: torch.Tensor,
+        log_probs: torch.Tensor,
+        versions: torch.Tensor,
+    ) -> DataProto:
+        """The rollout contract's batch of the sampled ``responses`` (with the recorded routing, if any)."""
         expanded = prompts.repeat(n, interleave=True)
         out = contract.assemble_rollout(
             expanded, responses.cpu(), log_probs.cpu(), self.eos_token_ids, self.pad_token_id

@@ -123,8 +123,16 @@ def _as_checkpoint(
             yield from revert_weight_conversion(model, {name: tensor}).items()
 
 
-def _check_cpu_family(model_type: str) -> None:
-    """A ``UserError`` for a model type whose rollout on vLLM's CPU build is not known to be the trainer's."""
+def _check_cpu_build(model_path: str, record_routing: bool) -> None:
+    """A ``UserError`` for what vLLM's CPU build cannot do exactly: record routing (R3), or run a model type
+    whose rollout is not known to be the trainer's."""
+    if record_routing:
+        raise UserError(
+            "actor_rollout_ref.actor.router_replay.mode=R3 with rollout.name=vllm needs vLLM's routed-expert "
+            "capture, which its CPU build cannot run (Model Runner V2, which needs Triton); use rollout.name=hf "
+            "on a CPU, or mode=R2"
+        )
+    model_type = AutoConfig.from_pretrained(model_path).get_text_config().model_type
     if model_type in CPU_CHECKED:
         return
     why = CPU_REFUSED.get(model_type, "it is not among the families checked against transformers there")
@@ -165,14 +173,8 @@ class VLLMRollout(Rollout):
                 "through rollout.name=hf (vLLM's CPU build cannot import its vision models without torchvision, "
                 "and passing multi_modal_data is not written yet)"
             )
-        if record_routing and device.type != "cuda":
-            raise UserError(
-                "actor_rollout_ref.actor.router_replay.mode=R3 with rollout.name=vllm needs vLLM's routed-expert "
-                "capture, which its CPU build cannot run (Model Runner V2, which needs Triton); use rollout.name=hf "
-                "on a CPU, or mode=R2"
-            )
         if device.type != "cuda":
-            _check_cpu_family(AutoConfig.from_pretrained(model_path).get_text_config().model_type)
+            _check_cpu_build(model_path, record_routing)
         self.record_routing = record_routing
         if record_routing:  # vLLM captures routed experts in its second model runner only
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
