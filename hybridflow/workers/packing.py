@@ -70,10 +70,10 @@ class PackedBatch:
     keep: torch.Tensor
     rows: torch.Tensor
     cols: torch.Tensor
-    images: list[Any] = field(default_factory=list)
     #: ``(bs, T)``: where each of the batch's real tokens sits in the packed input, flattened (``g * W + w``);
-    #: -1 at padding (``hybridflow.workers.row_layouts.TokenPlaces``)
-    places: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    #: -1 at padding (``hybridflow.workers.expert_routing.TokenPlaces``)
+    places: torch.Tensor
+    images: list[Any] = field(default_factory=list)
 
     def visible(self, window: int | None = None) -> torch.Tensor:
         """``allowed``, and with a sliding ``window`` only the ancestors fewer than ``window`` tokens back
@@ -223,24 +223,33 @@ def pack_prefix_tree(
         predictors.append((len(trees) - 1, before))
     if not always and sum(len(tree.tokens) for tree in trees) == int(mask.sum()):
         return None
-    packed = _layout(trees, predictors, len(data), length, ids.dtype, pos.dtype)
-    packed.places = torch.full(ids.shape, -1, dtype=torch.long)
-    width = packed.input_ids.shape[1]
+    return _layout(trees, predictors, members, ids.shape, length, ids.dtype, pos.dtype)
+
+
+def _places(
+    members: list[tuple[torch.Tensor, list[int]]], trees: list[int], shape: torch.Size, width: int
+) -> torch.Tensor:
+    """``PackedBatch.places``: each row's real tokens (``members``: their columns and nodes) at their node's
+    flat position in the packed input, the row's tree ``trees[r]`` being packed row ``trees[r]``."""
+    places = torch.full(shape, -1, dtype=torch.long)
     for r, (columns, nodes) in enumerate(members):
-        packed.places[r, columns] = predictors[r][0] * width + torch.tensor(nodes, dtype=torch.long)
-    return packed
+        places[r, columns] = trees[r] * width + torch.tensor(nodes, dtype=torch.long)
+    return places
 
 
 def _layout(
     trees: list[_Tree],
     predictors: list[tuple[int, list[int]]],
-    rows: int,
+    members: list[tuple[torch.Tensor, list[int]]],
+    shape: torch.Size,
     length: int,
     id_dtype: torch.dtype,
     pos_dtype: torch.dtype,
 ) -> PackedBatch:
-    """The trees as packed rows: their tokens, positions, ancestor masks and images, and where each original
-    row's response predictions are."""
+    """The trees as packed rows: their tokens, positions, ancestor masks and images, where each original
+    row's response predictions are, and where its tokens are (``members``: each row's real columns and their
+    nodes; ``shape``: the batch's ``(bs, T)``)."""
+    rows = shape[0]
     packed_width = max(len(tree.tokens) for tree in trees)
     packed_ids = torch.zeros(len(trees), packed_width, dtype=id_dtype)
     three_d = isinstance(trees[0].positions[0], tuple)
@@ -271,6 +280,7 @@ def _layout(
         torch.tensor(keep, dtype=torch.long),
         torch.tensor([g for g, _ in predictors], dtype=torch.long),
         cols,
+        _places(members, [g for g, _ in predictors], shape, packed_width),
         images,
     )
 

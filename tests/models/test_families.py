@@ -286,3 +286,26 @@ def test_the_readme_table_is_the_matrix():
     assert readme.split(begin, 1)[1].split(end, 1)[0].strip() == family_matrix(), (
         "README.md's family table is stale: run `.venv/bin/python scripts/support_matrix.py --write`"
     )
+
+
+@pytest.mark.parametrize("family,reads_positions", [("llama", True), ("qwen3_moe", True), ("gpt_oss", False)])
+def test_rows_end_to_end_by_their_positions_are_exact_only_where_the_model_reads_them(
+    folders, family, reads_positions
+):
+    """Flash attention's padding-free layout (``flatten_rows``: no mask, positions from 0 per row, from which
+    transformers finds where rows begin) on eager/SDPA models: exact for models whose mask code reads row
+    boundaries from the positions (Llama's, Qwen's), far off for gpt-oss's, which does not. Hence eager and
+    SDPA models are padding-free under block masks of their own (the tree without sharing) instead."""
+    from hybridflow.workers.packing import flatten_rows
+
+    model = load(folders, family).eval()
+    data = scoring_batch()
+    mask = data.batch["response_mask"].bool()
+    flat = flatten_rows(data)
+    with torch.no_grad():
+        logits = model(input_ids=flat.input_ids, position_ids=flat.position_ids, use_cache=False).logits[0]
+        got = (
+            logits[flat.keep].float().log_softmax(-1).gather(1, data.batch["responses"][mask][:, None])[:, 0]
+        )
+        want = row_by_row(model, data)[mask]
+    assert torch.allclose(got, want, atol=1e-5, rtol=0) == reads_positions, (got - want).abs().max()
