@@ -10,7 +10,7 @@ computed from the live router's scores, so its gradient still flows.
 transformers' MoE routers (``*TopKRouter`` modules) return ``(router_logits, weights, indices)``; a forward
 hook here records the indices, or swaps in given ones and recomputes the weights for them by the router's own
 rule. Which rule (softmax then top-k, top-k then softmax, sigmoid with a scaling factor, normalised or not) is
-found by running the router once on a probe and keeping the rule that reproduces its weights exactly, so a
+found on the router's first replayed call, as the rule that reproduces the weights it computed itself, so a
 router whose rule is none of these is refused instead of replayed wrongly (``replay_rule``).
 
 ``RoutingCapture`` is the one set of hooks every user drives: the rollout records, the trainer's log-prob and

@@ -20,7 +20,7 @@ from torch import nn
 
 from hybridflow.config import ActorConfig
 from hybridflow.models.layers import LayerLayout, layer_layout
-from hybridflow.models.routing import ROUTED_EXPERTS, RoutingCapture, expert_load, imbalance, routers
+from hybridflow.models.routing import ROUTED_EXPERTS, RoutingCapture, expert_load, imbalance
 from hybridflow.protocol import DataProto
 from hybridflow.utils.errors import UserError
 
@@ -85,7 +85,8 @@ class Routing:
     @contextlib.contextmanager
     def around(self, model: nn.Module, places: TokenPlaces) -> Iterator[None]:
         """Route the forward run inside the block as asked, the batch's tokens at ``places``."""
-        if not routers(model):
+        capture = RoutingCapture.attached(model)  # its routers found once per model, not every forward
+        if not capture.layers:
             yield
             return
         tokens = places.tokens()
@@ -93,7 +94,6 @@ class Routing:
         if self.replay is not None:
             forced = self.replay.flatten(0, 1)[tokens.clamp(min=0)].long()
             forced[tokens < 0] = -1
-        capture = RoutingCapture.attached(model)
         capture.start(forced, keep_logits=self.balance)
         try:
             yield

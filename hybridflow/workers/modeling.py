@@ -33,6 +33,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+import hybridflow.workers.row_layouts as row_layouts
 from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
 from hybridflow.data.images import ImagePrompts
 from hybridflow.models import resolve_model_path
@@ -43,6 +44,7 @@ from hybridflow.models.vision import (
 )
 from hybridflow.protocol import DataProto
 from hybridflow.utils.cores import follow
+from hybridflow.utils.deprecation import moved_names
 from hybridflow.utils.errors import MissingInputError
 from hybridflow.workers.expert_routing import Routing
 from hybridflow.workers.row_layouts import predictor_outputs
@@ -53,6 +55,9 @@ from hybridflow.workers.ulysses import (
 from hybridflow.workers.weight_files import SafetensorsFolder
 
 logger = logging.getLogger(__name__)
+
+# the row helpers that lived here until the row layouts got a module of their own
+__getattr__ = moved_names(__name__, row_layouts, ["trimmed", "row_images", "image_column", "image_inputs"])
 
 # Per-load progress bars from transformers would drown the trainer's own progress line.
 hf_logging.disable_progress_bar()

@@ -285,3 +285,14 @@ def test_actor_worker_config_switches_give_the_same_log_probs(tiny_model_path, c
     mask = batch.batch["response_mask"].bool()
     for other in results[1:]:
         torch.testing.assert_close(other[mask], results[0][mask], atol=1e-5, rtol=0)
+
+
+def test_the_row_helpers_that_moved_still_import_from_modeling_with_a_warning():
+    from hybridflow.workers import row_layouts
+
+    for name in ("trimmed", "row_images", "image_column", "image_inputs"):
+        with pytest.warns(
+            DeprecationWarning, match=f"modeling.{name} moved to hybridflow.workers.row_layouts"
+        ):
+            old = getattr(__import__("hybridflow.workers.modeling", fromlist=[name]), name)
+        assert old is getattr(row_layouts, name)

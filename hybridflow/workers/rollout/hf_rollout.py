@@ -323,10 +323,7 @@ class HFRollout(Rollout):
             places = self._places(samples, torch.arange(width).expand(len(ids), -1), mask)
             logits, cache = self._forward(ids, mask, positions, images=flat, places=places)
             return logits, cache, mask
-        starts = (width - mask.sum(dim=1)).cpu().repeat_interleave(n)  # each result row's first prompt column
-        prefix = (torch.arange(len(starts)) * self.width + starts)[None, None, :] + torch.arange(shared)[
-            None, :, None
-        ]
+        prefix = self._prefix_places(mask, n, shared)
         _, cache = self._forward(
             ids[:1, start : start + shared],
             mask[:1, start : start + shared],
@@ -346,6 +343,15 @@ class HFRollout(Rollout):
         places = self._places(samples, torch.arange(width - rest, width).expand(len(ids), -1), remainder)
         logits, cache = self._forward(ids[:, -rest:], mask, positions[..., -rest:], cache, flat, places)
         return logits, cache, mask
+
+    def _prefix_places(self, mask: torch.Tensor, n: int, shared: int) -> torch.Tensor | None:
+        """Where the shared prefix's tokens (one input row) go in the result when routing is recorded: the
+        first ``shared`` prompt columns of every sample, each row's own (its prompt's left padding before)."""
+        if self.log is None:
+            return None
+        starts = (mask.shape[1] - mask.sum(dim=1)).cpu().repeat_interleave(n)  # each sample's first column
+        first = torch.arange(len(starts)) * self.width + starts
+        return first[None, None, :] + torch.arange(shared)[None, :, None]
 
     def _places(self, rows: torch.Tensor, columns: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | None:
         """Where a forward's tokens' routing goes in the result (``RoutingLog.rows_places``), when recorded."""
